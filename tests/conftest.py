@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny configs, tiny datasets, and zerofit run as a real process
+(one per run, as users run it: DeepSpeed and torch.distributed keep global state)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(run_dir: Path, data_path: str | Path = "demo", **sections) -> dict:
+    """The test model: preset `tiny` = LlamaConfig(num_hidden_layers=2, hidden_size=64)."""
+    config = {
+        "run_dir": str(run_dir),
+        "model": {"config": "tiny", "gradient_checkpointing": False},
+        "data": {"path": str(data_path), "eval_fraction": 0.05},
+        "train": {"seq_len": 64, "micro_batch_size": 4, "max_steps": 6, "lr": 3e-3, "warmup_steps": 2, "seed": 7},
+        "zero": {"stage": 3, "offload_optimizer": "cpu"},
+        "eval": {"every_steps": 3, "max_batches": 2},
+        "checkpoint": {"every_steps": 3, "keep_last": 2},
+        "log": {"progress": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values
+    return config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU)."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_port", str(_free_port()), "-m", "zerofit", *args]
+    else:
+        cmd = [sys.executable, "-m", "zerofit", *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    done = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return done
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def tokenizer():
+    from zerofit.demo import build_tokenizer
+
+    return build_tokenizer()

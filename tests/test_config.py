@@ -1,0 +1,106 @@
+import pytest
+
+from zerofit import cli
+from zerofit.config import Config, ConfigError, example_yaml, load, parse_override, validate
+
+from conftest import tiny_config, write_config
+
+
+def test_demo_config_is_the_default():
+    config = load()
+    assert config.model.config == "demo" and config.data.path == "demo"
+    assert config.zero.stage == 3 and config.zero.offload_optimizer == "cpu"
+    assert config.run_dir == "runs/demo"
+
+
+def test_unknown_key_names_the_nearest_valid_one(tmp_path):
+    raw = tiny_config(tmp_path / "run")
+    raw["train"]["micro_bach_size"] = 2
+    with pytest.raises(ConfigError, match=r"unknown key train\.micro_bach_size; did you mean train\.micro_batch_size"):
+        validate(raw)
+
+
+def test_unknown_section_lists_the_valid_ones(tmp_path):
+    raw = tiny_config(tmp_path / "run")
+    raw["zzz"] = {"a": 1}
+    with pytest.raises(ConfigError, match=r"unknown key zzz; valid keys in top level: run_dir, model"):
+        validate(raw)
+
+
+def test_bad_value_names_field_value_and_allowed(tmp_path):
+    raw = tiny_config(tmp_path / "run", zero={"offload_param": "disk"})
+    with pytest.raises(ConfigError) as err:
+        validate(raw)
+    assert "zero.offload_param='disk'" in str(err.value)
+    assert "'none', 'cpu' or 'nvme'" in str(err.value)
+
+
+def test_bad_type(tmp_path):
+    raw = tiny_config(tmp_path / "run", train={"micro_batch_size": "four"})
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size='four': Input should be a valid integer"):
+        validate(raw)
+
+
+def test_cross_field_rules(tmp_path):
+    with pytest.raises(ConfigError, match="NVMe offload needs zero.nvme_path"):
+        validate(tiny_config(tmp_path, zero={"offload_optimizer": "nvme"}))
+    with pytest.raises(ConfigError, match="needs zero.stage=3"):
+        validate(tiny_config(tmp_path, zero={"stage": 2, "offload_param": "cpu"}))
+    with pytest.raises(ConfigError, match="not both"):
+        validate(tiny_config(tmp_path, train={"epochs": 1}))
+    with pytest.raises(ConfigError, match="model.path .* or model.config"):
+        validate(tiny_config(tmp_path, model={"config": None}))
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: [1, 2\nmodel: {}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml at line \d+, column \d+ is not valid YAML"):
+        load(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.yaml")
+
+
+def test_overrides_are_typed(tmp_path):
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    config = load(path, ["train.lr=3e-4", "train.micro_batch_size=8", "zero.offload_param=cpu",
+                         "model.gradient_checkpointing=true", "data.path=[a.jsonl, b.jsonl]"])
+    assert config.train.lr == 3e-4 and config.train.micro_batch_size == 8
+    assert config.zero.offload_param == "cpu" and config.model.gradient_checkpointing is True
+    assert config.data.path == ["a.jsonl", "b.jsonl"]
+    assert "micro_batch_size" in config.train.model_fields_set
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_override("train.lr")
+
+
+def test_example_yaml_documents_every_key_and_loads_back(tmp_path):
+    text = example_yaml()
+    for name, field in Config.model_fields.items():
+        assert f"{name}:" in text
+    assert "# Elements per optimizer-step sub group." in text
+    path = tmp_path / "example.yaml"
+    path.write_text(text)
+    config = load(path)
+    assert config.train.max_steps == 300 and config.model.config == "demo"
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert cli.main(["train", "--set", "train.lrr=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zerofit: error: invalid config: unknown key train.lrr; did you mean train.lr?")
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["train", "--bogus"])
+    assert usage.value.code == 2
+
+
+def test_train_help_lists_config_keys(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "zero.sub_group_size = 100000000" in out and "checkpoint.keep_last = 2" in out

@@ -1,0 +1,151 @@
+import numpy as np
+import pytest
+
+from zerofit import data
+from zerofit.config import DataConfig
+from zerofit.data import IGNORE, Batches, DataError
+
+from conftest import write_jsonl
+
+
+def decode_learned(tokenizer, ids, labels):
+    return tokenizer.decode([t for t, l in zip(ids, labels) if l != IGNORE])
+
+
+def test_text_rows_learn_every_token(tokenizer):
+    ids, labels = data.tokenize_row({"text": "hello"}, "text", tokenizer)
+    assert ids == labels
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids[1:-1]) == "hello"
+
+
+def test_alpaca_masks_the_prompt(tokenizer):
+    row = {"instruction": "Reverse the word.", "input": "abc", "output": "cba"}
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    assert len(ids) == len(labels)
+    assert decode_learned(tokenizer, ids, labels) == "cba</s>"
+    prompt = tokenizer.decode([t for t, l in zip(ids, labels) if l == IGNORE])
+    assert prompt == "<s>### Instruction:\nReverse the word.\n\n### Input:\nabc\n\n### Response:\n"
+
+
+def test_alpaca_without_input(tokenizer):
+    ids, labels = data.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer)
+    assert "### Input" not in tokenizer.decode(ids)
+    assert decode_learned(tokenizer, ids, labels) == "hi</s>"
+
+
+def test_messages_learn_only_assistant_turns_with_chat_template(tokenizer):
+    row = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
+                        {"role": "assistant", "content": "6"}]}
+    ids, labels = data.tokenize_row(row, "messages", tokenizer)
+    assert ids == list(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
+    assert decode_learned(tokenizer, ids, labels) == "4</s>\n6</s>\n"
+
+
+def test_messages_without_chat_template(tokenizer):
+    tokenizer.chat_template = None
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ids, labels = data.tokenize_row(row, "messages", tokenizer)
+    assert decode_learned(tokenizer, ids, labels) == "yo</s>"
+    assert tokenizer.decode(ids) == "<s>user:\nhi</s>assistant:\nyo</s>"
+
+
+def test_bad_row_names_file_line_and_field(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}, "",
+                                              {"instruction": "a", "output": "b"}, {"instruction": "c"}])
+    with pytest.raises(DataError, match=r"d\.jsonl, line 4: field `output`: missing \(alpaca format\)"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
+def test_wrong_type_is_named(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"text": 5}])
+    with pytest.raises(DataError, match=r"line 2: field `text`: expected a string, got int"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
+def test_invalid_json_names_the_line(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", ['{"text": "ok"}', '{"text": "ok"}', '{"text": oops}'])
+    with pytest.raises(DataError, match=r"d\.jsonl, line 3: not valid JSON"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
+def test_skip_bad_rows_counts_them(tmp_path, tokenizer):
+    rows = [{"instruction": "i", "output": "o" * 10}] * 20 + [{"instruction": "x"}, {"instruction": 3, "output": "y"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True, packing=False), tokenizer, 64)
+    assert seqs.skipped_rows == 2 and len(seqs) == 20
+    assert "line 21" in seqs.skipped_reasons[0] and "line 22" in seqs.skipped_reasons[1]
+
+
+def test_missing_file_and_bad_suffix(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        data.data_files(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "d.csv").write_text("a\n")
+    with pytest.raises(DataError, match="unsupported suffix '.csv'"):
+        data.data_files(str(tmp_path / "d.csv"))
+
+
+def test_unknown_columns(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q"}])
+    with pytest.raises(DataError, match="cannot tell the format"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
+def test_parquet_and_json_read_through_datasets(tmp_path, tokenizer):
+    import datasets
+
+    rows = [{"text": f"row {i}"} for i in range(10)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "d.json").write_text(__import__("json").dumps(rows))
+    for name in ("d.parquet", "d.json"):
+        seqs = data.build_sequences([tmp_path / name], DataConfig(path=str(tmp_path / name), packing=False),
+                                    tokenizer, 16)
+        assert len(seqs) == 10
+        assert tokenizer.decode(seqs.input_ids[3][1:6]) == "row 3"
+
+
+def test_packing_fills_rows_and_padding_pads_them():
+    examples = [([1, 5, 6, 2], [IGNORE, 5, 6, 2]), ([1, 7, 2], [IGNORE, 7, 2]), ([1, 8, 8, 8, 8, 2], [1, 8, 8, 8, 8, 2])]
+    ids, labels = data.pack(examples, 4, pad_id=0)
+    assert ids.tolist() == [[1, 5, 6, 2], [1, 7, 2, 1], [8, 8, 8, 8]]
+    assert labels.tolist()[1] == [IGNORE, 7, 2, 1]
+    ids, labels = data.pad(examples, 5, pad_id=0)
+    assert ids.tolist()[1] == [1, 7, 2, 0, 0] and labels.tolist()[1] == [IGNORE, 7, 2, IGNORE, IGNORE]
+    assert ids.tolist()[2] == [1, 8, 8, 8, 8]  # truncated
+
+
+def test_rows_without_learnable_tokens_are_dropped(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "x" * 100, "output": "y"}, {"instruction": "a", "output": "b"}])
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
+    assert len(seqs) == 1  # the first one's response lies beyond seq_len
+
+
+def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
+    cfg = DataConfig(path=str(path), eval_fraction=0.1, packing=False)
+    train, held = data.load_splits(cfg, tokenizer, 16, seed=1, vocab_size=128)
+    again, _ = data.load_splits(cfg, tokenizer, 16, seed=1, vocab_size=128)
+    assert (len(train), len(held)) == (90, 10)
+    assert np.array_equal(train.input_ids, again.input_ids)
+    texts = lambda seqs: {tokenizer.decode(r, skip_special_tokens=True) for r in seqs.input_ids}
+    assert texts(train).isdisjoint(texts(held)) and len(texts(train) | texts(held)) == 100
+    packed_train, packed_held = data.load_splits(cfg.model_copy(update={"packing": True}), tokenizer, 16, 1, 128)
+    assert packed_held.trained_tokens == held.trained_tokens // 16 * 16  # the same rows, packed, tail dropped
+
+
+def test_batches_resume_mid_stream_and_shard_by_rank():
+    seqs = data.synthetic_sequences(40, 8, 100, seed=0)
+    whole = Batches(seqs, micro_batch=2, rank=0, world=1, seed=3)
+    stream = [whole.next()[0] for _ in range(30)]  # crosses an epoch boundary (20 per epoch)
+    resumed = Batches(seqs, micro_batch=2, rank=0, world=1, seed=3, position=17)
+    assert all(np.array_equal(resumed.next()[0], stream[i]) for i in range(17, 30))
+    ranks = [Batches(seqs, micro_batch=2, rank=r, world=2, seed=3) for r in (0, 1)]
+    first = [b.next()[0] for b in ranks]
+    assert np.array_equal(np.concatenate(first), np.concatenate(stream[0:2]))
+    assert stream[20].tolist() != stream[0].tolist()  # a new epoch reshuffles
+
+
+def test_too_little_data_for_one_batch():
+    with pytest.raises(DataError, match="fewer than one micro batch"):
+        Batches(data.synthetic_sequences(3, 8, 100, seed=0), micro_batch=2, rank=0, world=2, seed=0)

@@ -1,0 +1,19 @@
+"""zerofit: fine-tune language models many times larger than the GPU on DeepSpeed ZeRO-3
+with CPU/NVMe offload, and never die of memory.
+
+Each CLI verb is also a function: `zerofit.train(config)`, `zerofit.load_config(...)`.
+Heavy imports (torch, deepspeed) happen only when a verb runs.
+"""
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "train":
+        from zerofit.train import train
+
+        return train
+    if name == "load_config":
+        from zerofit.config import load
+
+        return load
+    raise AttributeError(f"module 'zerofit' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from zerofit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""`zerofit <verb>`: the verbs are registered here and nothing else happens here.
+
+Exit codes: 0 success; 1 a user error (config, data, files, memory) with a one-line reason
+first; 2 bad usage (argparse).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zerofit.config import Config, ConfigError, Section
+
+
+def config_help() -> str:
+    """Every config key and its doc, for `zerofit train --help` (generated, never stale)."""
+    lines = ["config keys (YAML sections, or --set section.key=value):"]
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, Section)):
+            lines.append(f"  {name}: {field.description}")
+            continue
+        for key, sub in section.model_fields.items():
+            doc = " ".join((sub.description or "").split())
+            lines.append(f"  {name}.{key} = {sub.default!r}: {doc}" if sub.default is not None
+                         else f"  {name}.{key}: {doc}")
+    return "\n".join(lines)
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded demo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set train.lr=3e-4 (repeatable)")
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (overrides run_dir)")
+
+
+def load_config(args) -> Config:
+    from zerofit.config import load
+
+    overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
+    return load(args.config, overrides)
+
+
+# ---------------------------------------------------------------------------- verbs
+def cmd_train(args) -> int:
+    from zerofit.train import train
+
+    train(load_config(args), resume=args.resume)
+    return 0
+
+
+def cmd_config(args) -> int:
+    from zerofit.config import dump_yaml, example_yaml
+
+    print(example_yaml() if args.example else dump_yaml(load_config(args)), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerofit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"zerofit {__import__('zerofit').__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    train = verbs.add_parser("train", help="plan, then train on DeepSpeed ZeRO (no arguments: the embedded demo)",
+                             epilog=config_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(train)
+    resume = train.add_mutually_exclusive_group()
+    resume.add_argument("--resume", dest="resume", action="store_true", default=None,
+                        help="continue from the newest valid checkpoint (fail if there is none)")
+    resume.add_argument("--no-resume", dest="resume", action="store_false",
+                        help="start over even when the run dir holds checkpoints")
+    train.set_defaults(run=cmd_train)
+
+    config = verbs.add_parser("config", help="print the resolved config, or --example for every key")
+    add_config_args(config)
+    config.add_argument("--example", action="store_true", help="every key with its default and doc")
+    config.set_defaults(run=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"zerofit: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("zerofit: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,359 @@
+"""The one typed config: every knob zerofit has, documented where it is declared.
+
+It is the single source of truth: `--help` of `zerofit train`, the example YAML
+(`zerofit config --example`) and the DeepSpeed dict (dsconfig.build) are all generated
+from these classes. Unknown keys are errors naming the nearest valid key; bad values
+name the field, the value and what is allowed.
+
+Fields the user did not set are free for the planner to choose (pydantic's
+`model_fields_set` tells them apart); fields the user set are constraints it keeps.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the message names the key, the value and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + weights + tokenizer), loaded
+    with from_pretrained under ZeRO-3 partitioned init. Exclusive with `config`."""
+    config: str | None = None
+    """Random init instead of weights: a config.json file, a directory holding one, or a
+    preset name (`zerofit plan --presets` lists them). Exclusive with `path`."""
+    tokenizer: str | None = None
+    """Tokenizer directory. Default: `path`; for the `demo` preset the bundled demo tokenizer."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in backward (HF gradient_checkpointing_enable, non-reentrant)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel passed to transformers."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped inside a local model directory."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if self.path and self.config:
+            raise ValueError("set either model.path (weights) or model.config (random init), not both")
+        if not self.path and not self.config:
+            raise ValueError("set model.path (a local HF model directory) or model.config "
+                             "(a config.json or a preset name such as 'demo')")
+        return self
+
+
+class DataConfig(Section):
+    path: str | list[str] = "demo"
+    """Training data: local .jsonl/.json/.parquet file(s); `demo` for the bundled synthetic
+    instruction set; `synthetic` for random tokens (throughput benchmarks)."""
+    format: Literal["auto", "text", "alpaca", "messages"] = "auto"
+    """Row format: `text` {text}; `alpaca` {instruction, input?, output}; `messages`
+    {messages: [{role, content}]}; `auto` picks by the first row's keys."""
+    eval_path: str | None = None
+    """Held-out data file(s). Default: `eval_fraction` of the training rows."""
+    eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
+    """Fraction of training rows held out for eval when no eval_path is given."""
+    packing: bool = True
+    """Concatenate examples into full seq_len rows (True) or pad each example (False)."""
+    skip_bad_rows: bool = False
+    """Skip and count malformed rows instead of failing on the first one."""
+    synthetic_samples: int = Field(4096, ge=1)
+    """Number of random-token sequences when path is `synthetic`."""
+
+
+class TrainConfig(Section):
+    seq_len: int = Field(1024, ge=8)
+    """Tokens per sequence."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro batches accumulated per optimizer step."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run. Exclusive with `epochs`; one of the two is required."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the training data (converted to max_steps)."""
+    lr: float = Field(2e-5, gt=0)
+    """Peak learning rate."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to `lr`."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Final learning rate as a fraction of `lr` (cosine and linear)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clipping; 0 disables it."""
+    precision: Precision = "bf16"
+    """Training precision of parameters and activations (master weights stay fp32)."""
+    seed: int = 42
+    """Seed for init, data order and dropout; a resumed run continues the same stream."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set train.max_steps or train.epochs")
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("set train.max_steps or train.epochs, not both")
+        return self
+
+
+class ZeroConfig(Section):
+    stage: Literal[0, 1, 2, 3] = 3
+    """ZeRO stage (3 partitions parameters, gradients and optimizer states)."""
+    offload_optimizer: OffloadDevice = "cpu"
+    """Where fp32 master weights and Adam moments live; cpu/nvme run DeepSpeedCPUAdam."""
+    offload_optimizer_ratio: float = Field(1.0, gt=0.0, le=1.0)
+    """Fraction of optimizer states offloaded (partial offload, ZeRO-3 only); the rest
+    stays on the GPU and steps there."""
+    offload_param: OffloadDevice = "none"
+    """Where 16-bit parameters live between uses (ZeRO-3 only)."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload swap files (required with nvme)."""
+    pin_memory: bool = True
+    """Page-locked host buffers for offload: faster transfers, RAM that cannot be swapped."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward."""
+    reduce_bucket_size: int = Field(50_000_000, ge=1)
+    """Elements per gradient reduce bucket."""
+    prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    """Elements of parameters prefetched ahead of use (stage3_prefetch_bucket_size)."""
+    param_persistence_threshold: int = Field(100_000, ge=0)
+    """Parameters smaller than this stay gathered on every rank (stage3_param_persistence_threshold)."""
+    max_live_parameters: int = Field(1_000_000_000, ge=0)
+    """Upper bound of gathered parameter elements resident at once (stage3_max_live_parameters)."""
+    max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    """Keep a released parameter if it is reused within this many elements (stage3_max_reuse_distance)."""
+    sub_group_size: int = Field(100_000_000, ge=1)
+    """Elements per optimizer-step sub group. 1e9 (DeepSpeed's default) allocates
+    multi-GB fp32 temporaries in the step; 1e8 is the safe default."""
+    gather_16bit_weights_on_save: bool = False
+    """Also write a consolidated 16-bit model at each save (a host-RAM and time spike);
+    `zerofit export` does it afterwards instead."""
+    aio_block_size: int = Field(1_048_576, ge=4096)
+    """NVMe offload: async I/O block size in bytes."""
+    aio_queue_depth: int = Field(8, ge=1)
+    """NVMe offload: async I/O queue depth."""
+
+    @model_validator(mode="after")
+    def _offload_needs(self) -> "ZeroConfig":
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(f"zero.offload_param={self.offload_param} needs zero.stage=3 (got {self.stage})")
+        if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ValueError("NVMe offload needs zero.nvme_path, a directory on a fast local disk")
+        if self.offload_optimizer_ratio < 1.0 and self.stage != 3:
+            raise ValueError("zero.offload_optimizer_ratio < 1 (partial offload) needs zero.stage=3")
+        return self
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Save every N optimizer steps; 0 saves only at the end."""
+    keep_last: int = Field(2, ge=1)
+    """Keep the newest K checkpoints."""
+    keep_every: int = Field(0, ge=0)
+    """Also keep every checkpoint whose step is a multiple of M (0: none)."""
+    save_final: bool = True
+    """Save when training ends."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    verify: Literal["sizes", "hashes"] = "hashes"
+    """Resume check of a checkpoint's manifest: file sizes, or sizes and SHA-256 hashes."""
+    on_error: Literal["continue", "stop"] = "stop"
+    """When a save fails (disk full, I/O error): keep training, or stop cleanly."""
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Evaluate every N optimizer steps; 0 only at the end."""
+    max_batches: int = Field(50, ge=1)
+    """Micro batches per evaluation."""
+    at_end: bool = True
+    """Evaluate once more when training ends."""
+
+
+class LogConfig(Section):
+    every_steps: int = Field(1, ge=1)
+    """Progress-bar update cadence in optimizer steps (metrics.jsonl gets every step)."""
+    progress: bool = True
+    """Show the progress bar (off automatically when stdout is not a terminal)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into RUN_DIR/tensorboard."""
+
+
+class MemoryConfig(Section):
+    watchdog_threshold: float = Field(0.9, gt=0.0, le=1.0)
+    """Act when GPU or host memory use crosses this fraction of the budget."""
+    watchdog_action: Literal["warn", "save", "stop"] = "warn"
+    """What the watchdog does: warn, save a checkpoint pre-emptively, or save and stop."""
+    on_oom: Literal["stop", "retry"] = "stop"
+    """After an OOM post-mortem: stop, or restart from the newest checkpoint with a safer plan."""
+
+
+class PlanConfig(Section):
+    enabled: bool = True
+    """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not fit."""
+    gpu_mem: str | None = None
+    """GPU memory budget per rank, e.g. `24GiB` (default: the probed device)."""
+    host_mem: str | None = None
+    """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM)."""
+    headroom: float = Field(0.1, ge=0.0, lt=0.9)
+    """Fraction of each budget kept free."""
+
+
+class Config(Section):
+    run_dir: str = "runs/run"
+    """Where the run's files go (config, plan, metrics, memory, checkpoints)."""
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    train: TrainConfig
+    zero: ZeroConfig = ZeroConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+    memory: MemoryConfig = MemoryConfig()
+    plan: PlanConfig = PlanConfig()
+
+    def fingerprint(self) -> str:
+        """Hash of what decides the numbers a run computes (not where it logs)."""
+        keep = self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory"})
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+DEMO_CONFIG = Path(__file__).parent / "demo" / "config.yaml"
+
+
+# ---------------------------------------------------------------------------- loading
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (default: the embedded demo) plus `section.key=value` overrides."""
+    raw = read_yaml(Path(path) if path else DEMO_CONFIG)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    return validate(raw)
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass --config FILE "
+                          f"(`zerofit config --example > zerofit.yaml` writes a starting point)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, train:, ...), "
+                          f"got {type(raw).__name__}")
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`train.lr=3e-4` -> ("train.lr", 3e-4); the value is read as YAML so types come out right."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    if isinstance(value, str) and _looks_numeric(value):
+        value = float(value)  # YAML 1.1 reads "3e-4" as a string
+    return key.strip(), value
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def validate(raw: dict) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, raw)) from None
+
+
+def _explain(error: ValidationError, raw: dict) -> str:
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(_unknown_key(item["loc"]))
+        elif item["type"] == "missing":
+            lines.append(f"{loc}: required but missing")
+        else:
+            value = item.get("input")
+            shown = "" if isinstance(value, dict) else f"={value!r}"
+            msg = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}{shown}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _unknown_key(loc: tuple) -> str:
+    *parents, name = [str(p) for p in loc]
+    model: type[BaseModel] = Config
+    for part in parents:
+        model = model.model_fields[part].annotation
+    valid = list(model.model_fields)
+    near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    where = ".".join(parents) or "top level"
+    hint = f"; did you mean {'.'.join(parents + near)}?" if near else f"; valid keys in {where}: {', '.join(valid)}"
+    return f"unknown key {'.'.join(parents + [name])}{hint}"
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def example_yaml() -> str:
+    """Every section and field with its doc as a comment: generated, so it never goes stale."""
+    out = ["# zerofit config: every key with its default. Unset keys under zero.* and the batch",
+           "# shape are chosen by the planner (plan.enabled).", ""]
+    example = {"model": {"config": "demo"}, "train": {"max_steps": 300}}
+    for name, field in Config.model_fields.items():
+        if field.annotation in (str, "str"):
+            out += [f"# {field.description}", f"{name}: {field.default}", ""]
+            continue
+        section: type[Section] = field.annotation
+        out.append(f"{name}:")
+        for key, sub in section.model_fields.items():
+            doc = " ".join((sub.description or "").split())
+            value = example.get(name, {}).get(key, sub.default)
+            out.append(f"  # {doc}")
+            out.append(f"  {key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}")
+        out.append("")
+    return "\n".join(out)

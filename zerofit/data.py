@@ -1,0 +1,300 @@
+"""Local files -> tokenized, loss-masked, packed (or padded) sequences -> per-rank batches.
+
+Rows come through HF `datasets` (json/jsonl/parquet). Prompt tokens get label -100 so
+only responses are learned. The batch order is a pure function of (seed, position): a
+resumed run continues the very same stream, on any number of ranks.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from zerofit.config import ConfigError, DataConfig
+
+IGNORE = -100  # the label value HF causal-LM losses skip
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DataError(ConfigError):
+    """A data problem the user fixes in the file: names file, row/line and field."""
+
+
+@dataclass
+class Sequences:
+    """Fixed-length training rows: token ids and labels, both [n, seq_len] int arrays."""
+    input_ids: np.ndarray
+    labels: np.ndarray
+    skipped_rows: int = 0
+    skipped_reasons: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+# ------------------------------------------------------------------------ reading
+def data_files(path: str | list[str]) -> list[Path]:
+    files = [Path(p) for p in ([path] if isinstance(path, str) else path)]
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"data file {f} does not exist; set data.path to local .jsonl/.json/.parquet files")
+        if f.suffix not in SUFFIXES:
+            raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
+    return files
+
+
+def read_rows(file: Path):
+    """One file as an HF Dataset; a malformed line is reported with its line number."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train")
+    except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
+        if file.suffix == ".jsonl":
+            _raise_first_bad_json_line(file)
+        raise DataError(f"{file}: cannot be read as {SUFFIXES[file.suffix]} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
+
+
+def _raise_first_bad_json_line(file: Path) -> None:
+    with file.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{file}, line {number}: not valid JSON ({e.msg} at column {e.colno}); "
+                                f"fix or delete the line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{file}, line {number}: a row must be a JSON object, got {type(row).__name__}")
+
+
+def line_of_row(file: Path, row_index: int) -> str:
+    """Human position of a row: the line number in jsonl (blank lines skipped), else the row."""
+    if file.suffix != ".jsonl":
+        return f"row {row_index + 1}"
+    seen = -1
+    with file.open() as lines:
+        for number, line in enumerate(lines, 1):
+            seen += bool(line.strip())
+            if seen == row_index:
+                return f"line {number}"
+    return f"row {row_index + 1}"
+
+
+def detect_format(columns: list[str], file: Path) -> str:
+    if "messages" in columns:
+        return "messages"
+    if "instruction" in columns and "output" in columns:
+        return "alpaca"
+    if "text" in columns:
+        return "text"
+    raise DataError(f"{file}: cannot tell the format from columns {columns}; expected `text`, "
+                    f"`instruction`+`output` (alpaca) or `messages`, or set data.format")
+
+
+# --------------------------------------------------------------------- tokenizing
+class RowError(ValueError):
+    def __init__(self, field_name: str, problem: str):
+        super().__init__(f"field `{field_name}`: {problem}")
+
+
+def _text(row: dict, key: str, required: bool = True) -> str:
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise RowError(key, "missing")
+        return ""
+    if not isinstance(value, str):
+        raise RowError(key, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def tokenize_row(row: dict, fmt: str, tokenizer) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for one row: the prompt is masked, the response and EOS learned."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if fmt == "text":
+        ids = bos + tokenizer.encode(_text(row, "text"), add_special_tokens=False) + eos
+        return ids, list(ids)
+    if fmt == "alpaca":
+        instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
+        template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
+        prompt = bos + tokenizer.encode(template.format(instruction=instruction, input=extra),
+                                        add_special_tokens=False)
+        answer = tokenizer.encode(_text(row, "output"), add_special_tokens=False) + eos
+        return prompt + answer, [IGNORE] * len(prompt) + answer
+    if fmt == "messages":
+        return _tokenize_messages(row, tokenizer, bos, eos)
+    raise ValueError(f"unknown format {fmt}")
+
+
+def _tokenize_messages(row: dict, tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RowError("messages", "expected a non-empty list of {role, content}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError(f"messages[{i}]", "expected {role: str, content: str}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError("messages", "no assistant turn to learn from")
+    if tokenizer.chat_template:
+        return _chat_template_spans(messages, tokenizer)
+    # No template: a plain "role: content" layout, assistant turns learned.
+    ids, labels = list(bos), [IGNORE] * len(bos)
+    for m in messages:
+        head = tokenizer.encode(f"{m['role']}:\n", add_special_tokens=False)
+        body = tokenizer.encode(m["content"], add_special_tokens=False) + eos
+        learn = m["role"] == "assistant"
+        ids += head + body
+        labels += [IGNORE] * len(head) + (body if learn else [IGNORE] * len(body))
+    return ids, labels
+
+
+def _chat_template_spans(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    """Render growing prefixes with the chat template; each assistant turn's new tokens
+    (after its generation prompt) are learned, everything else masked."""
+    def render(upto: int, generation_prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages[:upto], tokenize=True, return_dict=False,
+                                                  add_generation_prompt=generation_prompt))
+    ids, labels = [], []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            prompt = render(i, True)
+            labels += [IGNORE] * (len(prompt) - len(ids))
+            ids = prompt
+        full = render(i + 1, False)
+        new = full[len(ids):]
+        labels += new if m["role"] == "assistant" else [IGNORE] * len(new)
+        ids = full
+    return ids, labels
+
+
+# ------------------------------------------------------------------ packing/padding
+def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate examples into seq_len rows; the tail that does not fill a row is dropped."""
+    ids = np.fromiter((t for e in examples for t in e[0]), dtype=np.int64)
+    labels = np.fromiter((t for e in examples for t in e[1]), dtype=np.int64)
+    rows = len(ids) // seq_len
+    return ids[: rows * seq_len].reshape(rows, seq_len), labels[: rows * seq_len].reshape(rows, seq_len)
+
+
+def pad(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """One example per row, truncated to seq_len, padded with pad_id / IGNORE."""
+    ids = np.full((len(examples), seq_len), pad_id, dtype=np.int64)
+    labels = np.full((len(examples), seq_len), IGNORE, dtype=np.int64)
+    for row, (e_ids, e_labels) in enumerate(examples):
+        n = min(len(e_ids), seq_len)
+        ids[row, :n], labels[row, :n] = e_ids[:n], e_labels[:n]
+    return ids, labels
+
+
+def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, int, list[str]]:
+    """Tokenized (input_ids, labels) per row, and the rows skipped with why."""
+    examples, skipped, reasons = [], 0, []
+    for file in files:
+        rows = read_rows(file)
+        fmt = cfg.format if cfg.format != "auto" else detect_format(rows.column_names, file)
+        for index, row in enumerate(rows):
+            try:
+                examples.append(tokenize_row(row, fmt, tokenizer))
+            except RowError as e:
+                where = f"{file}, {line_of_row(file, index)}: {e} ({fmt} format)"
+                if not cfg.skip_bad_rows:
+                    raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
+                skipped += 1
+                reasons.append(where)
+    return examples, skipped, reasons[:10]
+
+
+def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
+                 reasons: list[str] = ()) -> Sequences:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
+    learnable = (labels != IGNORE).any(axis=1)  # a row of prompt only would make a NaN loss
+    return Sequences(ids[learnable], labels[learnable], skipped, list(reasons))
+
+
+def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
+    examples, skipped, reasons = read_examples(files, cfg, tokenizer)
+    return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons)
+
+
+def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Sequences:
+    """Random tokens, every one learned: for throughput benchmarks, not for learning."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab_size, size=(n, seq_len), dtype=np.int64)
+    return Sequences(ids, ids.copy())
+
+
+def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int) -> tuple[Sequences, Sequences]:
+    """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction of the
+    rows, split before packing so no example straddles the two."""
+    if cfg.path == "synthetic":
+        full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
+        n_eval = int(len(full) * cfg.eval_fraction)
+        return Sequences(full.input_ids[n_eval:], full.labels[n_eval:]), \
+            Sequences(full.input_ids[:n_eval], full.labels[:n_eval])
+    from zerofit.demo import DEMO_DATA
+
+    files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
+    examples, skipped, reasons = read_examples(files, cfg, tokenizer)
+    if cfg.eval_path:
+        held = build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len)
+        return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons), held
+    order = np.random.default_rng(seed).permutation(len(examples))
+    n_eval = int(len(examples) * cfg.eval_fraction)
+    held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
+    return (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons),
+            to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len))
+
+
+# ------------------------------------------------------------------------ batches
+class Batches:
+    """Micro batches for one rank. Global micro batch j takes sequences
+    [j*B*W, (j+1)*B*W) of the epoch's seeded permutation, rank r its slice r*B:(r+1)*B,
+    so `position` (micro batches consumed) is all a resume needs, whatever W was."""
+
+    def __init__(self, seqs: Sequences, micro_batch: int, rank: int, world: int, seed: int, position: int = 0):
+        self.seqs, self.micro_batch, self.rank, self.world, self.seed = seqs, micro_batch, rank, world, seed
+        self.per_epoch = len(seqs) // (micro_batch * world)
+        if self.per_epoch == 0:
+            raise DataError(f"the data gives {len(seqs)} sequences, fewer than one micro batch on every rank "
+                            f"({micro_batch} x {world}); add data, or lower train.micro_batch_size / seq_len")
+        self.position = position
+        self._order_epoch, self._order = -1, None
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
+            self._order_epoch = epoch
+        return self._order
+
+    @property
+    def epoch(self) -> float:
+        return self.position / self.per_epoch
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        epoch, index = divmod(self.position, self.per_epoch)
+        start = (index * self.world + self.rank) * self.micro_batch
+        rows = self._order_for(epoch)[start: start + self.micro_batch]
+        self.position += 1
+        return self.seqs.input_ids[rows], self.seqs.labels[rows]
+
+
+def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int):
+    """The first `limit` micro batches of the eval set, in file order, this rank's slice."""
+    count = min(limit, len(seqs) // (micro_batch * world))
+    for j in range(count):
+        start = (j * world + rank) * micro_batch
+        yield seqs.input_ids[start: start + micro_batch], seqs.labels[start: start + micro_batch]

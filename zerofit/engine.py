@@ -1,0 +1,140 @@
+"""Model and DeepSpeed engine construction.
+
+The accelerator is chosen here, before DeepSpeed is imported: CUDA with NCCL when a GPU
+is visible, DeepSpeed's CPU accelerator with gloo otherwise (the user never sets
+DS_ACCELERATOR). Without a launcher, one process sets RANK/WORLD_SIZE/MASTER_* itself.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+
+from zerofit.config import Config
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    on_gpu: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def select_accelerator() -> bool:
+    """True when training runs on CUDA. Must run before `import deepspeed`."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
+    return os.environ["DS_ACCELERATOR"] == "cuda"
+
+
+def init_distributed() -> Dist:
+    """Join the launcher's process group (torchrun, deepspeed), or form a group of one."""
+    on_gpu = select_accelerator()
+    # DeepSpeed still calls collectives torch deprecated; the user can do nothing about it.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    import deepspeed
+    import torch
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def build_model(config: Config, ds_config: dict):
+    """The HF model, partitioned as it is built when ZeRO-3 is on.
+
+    HfDeepSpeedConfig must stay alive while from_pretrained/from_config run: transformers
+    checks it (is_deepspeed_zero3_enabled) to wrap construction in deepspeed.zero.Init,
+    so no rank ever holds the whole model. The returned holder keeps it referenced."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from zerofit.models import hf_config
+
+    holder = HfDeepSpeedConfig(ds_config) if config.zero.stage == 3 else None
+    dtype = torch_dtype(config.train.precision)
+    torch.manual_seed(config.train.seed)
+    common = dict(dtype=dtype, attn_implementation=config.model.attn_implementation,
+                  trust_remote_code=config.model.trust_remote_code)
+    if config.model.path:
+        model = AutoModelForCausalLM.from_pretrained(config.model.path, local_files_only=True, **common)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config(config.model), **common)
+    model.config.use_cache = False
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model._zerofit_ds_holder = holder  # keeps the weakref'd HfDeepSpeedConfig alive
+    return model
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW groups: no decay on biases and norm weights (1-D tensors; under ZeRO-3 a
+    partitioned parameter is flat, so its original shape is read from ds_shape)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        shape = getattr(p, "ds_shape", p.shape)
+        (decay if len(shape) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(config: Config, total_steps: int):
+    """Multiplier of the peak LR at optimizer step s: linear warmup, then cosine or linear
+    decay to min_lr_ratio at total_steps (the schedule of Loshchilov & Hutter, SGDR)."""
+    train = config.train
+    warmup, floor = train.warmup_steps, train.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if train.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if train.lr_schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_engine(model, config: Config, ds_config: dict, total_steps: int):
+    """deepspeed.initialize with our param groups and LR schedule; DeepSpeed builds the
+    optimizer from ds_config (CPU-Adam when offloaded) and saves the schedule with it."""
+    import deepspeed
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def scheduler(optimizer):
+        return LambdaLR(optimizer, lr_lambda(config, total_steps))
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, config.train.weight_decay),
+                                      config=ds_config, lr_scheduler=scheduler)
+    return engine

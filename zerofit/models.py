@@ -1,0 +1,100 @@
+"""Where a model and its tokenizer come from: a local HF directory, a config.json, or a
+built-in preset. Never the network: every load passes local_files_only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerofit.config import ConfigError, ModelConfig
+
+# Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
+# embeddings (1.50e9 and 3.61e9 parameters): the sizes the GPU benchmarks use.
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=128000,
+               eos_token_id=128001)
+PRESETS: dict[str, dict] = {
+    # The embedded demo: learns the synthetic tasks in a couple of minutes on 2 CPU cores.
+    "demo": dict(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=384,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                 max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0),
+    # What the tests build: LlamaConfig(num_hidden_layers=2, hidden_size=64).
+    "tiny": dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0),
+    "llama-0.5b": dict(_LLAMA3, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=8),
+    "llama-1.5b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8),
+    "llama-3.6b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                       num_attention_heads=24, num_key_value_heads=8),
+    "llama-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8),
+    "llama-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                      num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                      max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       max_position_embeddings=32768, tie_word_embeddings=True),
+}
+
+
+def hf_config(model: ModelConfig):
+    """The transformers PretrainedConfig a model section describes (no weights touched)."""
+    from transformers import AutoConfig
+
+    if model.path:
+        return AutoConfig.from_pretrained(_existing_dir(model.path, "model.path"), local_files_only=True,
+                                          trust_remote_code=model.trust_remote_code)
+    return config_from_name(model.config, model.trust_remote_code)
+
+
+def config_from_name(name: str, trust_remote_code: bool = False):
+    """A preset name, a config.json, or a directory holding one."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if name in PRESETS:
+        fields = dict(PRESETS[name])
+        return CONFIG_MAPPING[fields.pop("model_type")](**fields)
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.config={name!r} is neither a preset ({', '.join(PRESETS)}) "
+                          f"nor an existing config.json or directory")
+    try:
+        fields = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); fix the file or pick a preset") from None
+    if "model_type" not in fields:
+        raise ConfigError(f"{path} has no model_type; it is not a transformers config.json")
+    return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
+                                      local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(model: ModelConfig):
+    """The model's tokenizer; the demo's character tokenizer for presets without one."""
+    from transformers import AutoTokenizer
+
+    source = model.tokenizer or model.path
+    if source:
+        try:
+            return AutoTokenizer.from_pretrained(_existing_dir(source, "model.tokenizer"), local_files_only=True,
+                                                 trust_remote_code=model.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load a tokenizer from {source}: {e}; point model.tokenizer "
+                              f"at a directory with tokenizer.json or tokenizer_config.json") from None
+    if model.config in PRESETS:
+        from zerofit.demo import build_tokenizer
+
+        return build_tokenizer()
+    raise ConfigError(f"model.config={model.config} comes without a tokenizer; set model.tokenizer "
+                      f"to a local tokenizer directory")
+
+
+def _existing_dir(path: str, key: str) -> str:
+    if not Path(path).is_dir():
+        raise ConfigError(f"{key}={path!r} is not a directory; models load from local files only "
+                          f"(download once with `huggingface-cli download`, then point here)")
+    return path

@@ -1,0 +1,56 @@
+"""What a person watches while a run goes: a rich progress bar on a terminal (step, loss,
+tokens/s, memory, ETA), plain log lines otherwise (CI logs, `| tee`), and messages."""
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+console = Console(stderr=True, highlight=False)
+
+
+def say(message: str) -> None:
+    console.print(message)
+
+
+def warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}")
+
+
+class StepProgress:
+    """One bar for rank 0; other ranks get a silent instance."""
+
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool):
+        self.enabled, self.total = enabled, total
+        self.bar = enabled and bar and sys.stderr.isatty()
+        self._progress = None
+        self._last_line = 0.0
+        self._start_step, self._start_time = start, time.monotonic()
+        if self.bar:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
+            self._task = self._progress.add_task("train", total=total, completed=start, info="")
+            self._progress.start()
+
+    def update(self, step: int, info: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar:
+            self._progress.update(self._task, completed=step, info=info)
+        elif time.monotonic() - self._last_line > 5 or step == self.total:  # plain logs: every 5 s
+            self._last_line = time.monotonic()
+            say(f"step {step}/{self.total} {info} ETA {self._eta(step)}")
+
+    def _eta(self, step: int) -> str:
+        done = step - self._start_step
+        if done <= 0:
+            return "?"
+        seconds = (time.monotonic() - self._start_time) / done * (self.total - step)
+        return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+    def close(self) -> None:
+        if self._progress:
+            self._progress.stop()

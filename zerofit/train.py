@@ -1,0 +1,261 @@
+"""The training loop, top to bottom: set up, then `while step < max_steps:` with the
+once-in-a-while blocks (eval, checkpoint) each a few lines calling their module."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from zerofit import checkpoint, data, dsconfig, engine, memory, models
+from zerofit.config import Config, ConfigError, dump_yaml
+from zerofit.progress import StepProgress, say, warn
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    step: int
+    train_loss: float | None
+    eval_loss: float | None
+    resumed_from: str | None
+
+
+def train(config: Config, resume: bool | None = None) -> RunResult:
+    """Train per `config`. resume: True = must resume, False = start over, None = resume
+    when the run dir holds a valid checkpoint."""
+    run_dir = Path(config.run_dir)
+    dist = engine.init_distributed()
+    seed_everything(config.train.seed)
+    tokenizer = models.load_tokenizer(config.model)
+    hf_config = models.hf_config(config.model)
+    train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
+                                           hf_config.vocab_size)
+    total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
+    ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu)
+    if dist.is_main:
+        write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
+        report_data(train_set, eval_set)
+
+    model = engine.build_model(config, ds_config)
+    ds_engine = engine.build_engine(model, config, ds_config, total_steps)
+    state, resumed_from = start_or_resume(ds_engine, config, dist, resume)
+    batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
+                           config.train.seed, position=state.micro_batches)
+    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu)
+    metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
+    progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
+    tokens_per_step = config.train.micro_batch_size * config.train.seq_len * config.train.grad_accum_steps \
+        * dist.world_size
+    train_loss = eval_loss = None
+    if state.step >= total_steps and dist.is_main:
+        say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
+
+    while state.step < total_steps:
+        started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
+        train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist)
+        state.step += 1
+        state.micro_batches = batches.position
+        state.tokens_seen += tokens_per_step
+        seconds = time.perf_counter() - started
+        record = {"step": state.step, "loss": train_loss, "lr": lr,
+                  "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "epoch": batches.epoch}
+        timeline.flush(state.step)
+        last = state.step == total_steps
+
+        if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
+            record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step)
+
+        if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
+            save_checkpoint(ds_engine, config, state, dist, timeline)
+
+        metrics.write(record)
+        if state.step % config.log.every_steps == 0 or last:
+            progress.update(state.step, progress_info(record, dist.on_gpu))
+
+    progress.close()
+    timeline.close()
+    metrics.close()
+    if dist.is_main:
+        say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
+    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from)
+
+
+# ------------------------------------------------------------------------ one step
+def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist) -> float:
+    """One optimizer step of `accum` micro batches; the loss averaged over them and ranks.
+    DeepSpeed scales each micro loss by 1/accum and steps the optimizer on the last."""
+    import torch
+
+    losses = []
+    for _ in range(accum):
+        input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
+        loss = ds_engine(input_ids=input_ids, labels=labels).loss
+        timeline.observe("forward")
+        ds_engine.backward(loss)
+        timeline.observe("backward")
+        ds_engine.step()
+        timeline.observe("optimizer_step")
+        losses.append(loss.detach().float())
+    return mean_over_ranks(torch.stack(losses).mean(), dist)
+
+
+def mean_over_ranks(value, dist: engine.Dist) -> float:
+    import torch.distributed as torch_dist
+
+    if dist.world_size > 1:
+        torch_dist.all_reduce(value)
+        value = value / dist.world_size
+    return float(value)
+
+
+def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,
+             timeline: memory.Timeline, step: int) -> float | None:
+    import torch
+
+    batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, dist.rank, dist.world_size,
+                                     config.eval.max_batches))
+    if not batches:
+        return None
+    ds_engine.eval()
+    with torch.no_grad():
+        losses = [ds_engine(input_ids=torch.from_numpy(ids).to(ds_engine.device),
+                            labels=torch.from_numpy(labels).to(ds_engine.device)).loss.float()
+                  for ids, labels in batches]
+    ds_engine.train()
+    timeline.mark(step, "eval")
+    return mean_over_ranks(torch.stack(losses).mean(), dist)
+
+
+def save_checkpoint(ds_engine, config: Config, state: checkpoint.LoopState, dist: engine.Dist,
+                    timeline: memory.Timeline) -> Path:
+    root = Path(config.run_dir) / "checkpoints"
+    started = time.perf_counter()
+    path = checkpoint.save(ds_engine, root, state, dist.rank, hashes=config.checkpoint.verify == "hashes")
+    if dist.is_main:
+        checkpoint.apply_retention(root, config.checkpoint.keep_last, config.checkpoint.keep_every)
+    timeline.mark(state.step, "save", seconds=round(time.perf_counter() - started, 3))
+    return path
+
+
+# -------------------------------------------------------------------------- set-up
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def total_optimizer_steps(config: Config, sequences: int, world_size: int) -> int:
+    if config.train.max_steps:
+        return config.train.max_steps
+    per_step = config.train.micro_batch_size * config.train.grad_accum_steps * world_size
+    steps_per_epoch = sequences // per_step
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{sequences} training sequences make no full optimizer step of {per_step}; "
+                          f"add data or lower train.micro_batch_size / grad_accum_steps")
+    return max(1, math.ceil(config.train.epochs * steps_per_epoch))
+
+
+def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config) -> None:
+    """config.yaml (resolved), ds_config.json (what DeepSpeed gets) and model/ (the HF
+    config and tokenizer an export needs)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(config))
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    hf_config.save_pretrained(run_dir / "model")
+    tokenizer.save_pretrained(run_dir / "model")
+
+
+def report_data(train_set: data.Sequences, eval_set: data.Sequences) -> None:
+    say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
+        f"{train_set.trained_tokens} trained tokens")
+    if train_set.skipped_rows:
+        warn(f"skipped {train_set.skipped_rows} bad rows (data.skip_bad_rows), e.g. {train_set.skipped_reasons[0]}")
+
+
+def start_or_resume(ds_engine, config: Config, dist: engine.Dist, resume: bool | None):
+    """(LoopState, what we resumed from). Rank 0 picks the checkpoint; all ranks load it."""
+    import torch.distributed as torch_dist
+
+    root = Path(config.run_dir) / "checkpoints"
+    fresh = checkpoint.LoopState(world_size=dist.world_size, config_fingerprint=config.fingerprint())
+    choice = [None, []]
+    if dist.is_main:
+        checkpoint.remove_stale_tmp(root)
+        if resume is not False:
+            found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "hashes")
+            choice = [str(found) if found else None, skipped]
+    torch_dist.broadcast_object_list(choice, src=0)
+    found, skipped = choice
+    if dist.is_main:
+        for name, reason in skipped:
+            warn(f"skipping checkpoint {name}: {reason}")
+    if found is None:
+        if resume is True:
+            raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
+        return fresh, None
+    state = checkpoint.load(ds_engine, Path(found), dist.rank)
+    if state.config_fingerprint != fresh.config_fingerprint and dist.is_main:
+        warn(f"{Path(found).name} was written with a different config (model, data or training shape); "
+             f"continuing with the current one")
+    if dist.is_main:
+        say(f"resumed from {found} at step {state.step}")
+    return state, Path(found).name
+
+
+# ------------------------------------------------------------------------- logging
+class MetricsLog:
+    """metrics.jsonl: one JSON object per optimizer step (rank 0). On resume the lines
+    after the checkpoint's step are dropped so the file is one clean curve."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, keep_upto: int):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self._writer = None
+        if not enabled:
+            return
+        kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= keep_upto] \
+            if self.path.exists() and keep_upto else []
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = self.path.open("a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        if self._writer:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._writer:
+            self._writer.close()
+
+
+def every(interval: int, step: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def progress_info(record: dict, on_gpu: bool) -> str:
+    info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s " \
+           f"{memory.budget_summary(on_gpu)}"
+    if record.get("eval_loss") is not None:
+        info += f" eval {record['eval_loss']:.4f}"
+    return info
