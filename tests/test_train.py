@@ -103,3 +103,19 @@ def test_demo_learns(tmp_path):
     assert len(evals) == 3
     assert evals[-1] < evals[0] - 0.3, evals
     assert (tmp_path / "demo" / "checkpoints" / "step-000060" / "MANIFEST.json").is_file()
+
+
+def test_deepspeed_launcher_runs_two_ranks(tmp_path):
+    """The `deepspeed` launcher passes --local_rank=N before the verb; zerofit accepts it."""
+    import shutil
+    import subprocess
+
+    launcher = shutil.which("deepspeed")
+    assert launcher, "the deepspeed launcher is installed with the deepspeed package"
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 2},
+                                                             checkpoint={"every_steps": 0}, eval={"every_steps": 0}))
+    done = subprocess.run([launcher, "--num_gpus", "2", "--master_port", "29571", shutil.which("zerofit"), "train",
+                           "--config", str(config)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 2

@@ -58,6 +58,8 @@ def cmd_config(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerofit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"zerofit {__import__('zerofit').__version__}")
+    # The deepspeed launcher passes --local_rank=N before the verb (it also sets LOCAL_RANK).
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     train = verbs.add_parser("train", help="plan, then train on DeepSpeed ZeRO (no arguments: the embedded demo)",

@@ -225,7 +225,10 @@ class MetricsLog:
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("log.tensorboard needs the tensorboard package: pip install tensorboard") from None
 
             self._writer = SummaryWriter(str(run_dir / "tensorboard"))
 
