@@ -112,8 +112,9 @@ def test_offload_param_cpu_trains_the_same(lora_run, tmp_path):
     assert offloaded == [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
 
 
-def test_two_ranks(tmp_path):
+def test_two_ranks_with_a_fully_trained_head(tmp_path):
     config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", train={"max_steps": 4},
+                                                            lora={"modules_to_save": ["lm_head"]},
                                                             checkpoint={"every_steps": 2}, eval={"every_steps": 2}))
     run_zerofit(["train", "--config", str(config)], nproc=2)
     step = tmp_path / "run" / "checkpoints" / "step-000004"
@@ -123,7 +124,9 @@ def test_two_ranks(tmp_path):
         assert f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in manifest["files"]
     loop_state = json.loads((step / "loop_state.json").read_text())
     assert len(loop_state["extra"][lora.BASE_FINGERPRINT]) == 2
-    assert len(adapters.read_adapter(step)) == 28  # A and B of 14 modules, from both ranks' partitions
+    tensors = adapters.read_adapter(step)  # reassembled from both ranks' partitions
+    assert len(tensors) == 2 * 14 + 1  # A and B of 14 modules, and the trained copy of lm_head
+    assert tensors["base_model.model.lm_head.weight"].shape == (128, 64)
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 

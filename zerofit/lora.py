@@ -222,7 +222,7 @@ def base_fingerprint(model, rank: int) -> str | None:
         if local is None:
             return None
         digest.update(name.encode())
-        digest.update(local.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        digest.update(local.detach().contiguous().cpu().view(torch.uint8).numpy())  # buffer, no copy
     return digest.hexdigest()
 
 
