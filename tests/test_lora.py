@@ -11,7 +11,7 @@ from zerofit import adapters, lora
 from zerofit.config import ConfigError, LoraConfig, validate
 from zerofit.models import config_from_name
 
-from conftest import read_jsonl, run_zerofit, tiny_config, write_config
+from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
 
 LLAMA_DEFAULT = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -36,9 +36,7 @@ def meta_model(name="tiny"):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora")
-    config = write_config(base / "c.yaml", lora_config(base / "run"))
-    done = run_zerofit(["train", "--config", str(config)])
-    return base / "run", config, done
+    return trained_run(base, lora_config(base / "run"))
 
 
 # ------------------------------------------------------------------ end to end
@@ -74,17 +72,7 @@ def test_loss_falls(lora_run):
 
 def test_resume_continues_exactly(lora_run, tmp_path):
     run, config, _ = lora_run
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step-000012")
-    done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume"])
-    assert "resumed from" in done.stderr and "step 6" in done.stderr
-    original = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
-    resumed = {m["step"]: m for m in read_jsonl(copy / "metrics.jsonl")}
-    for step in range(7, 13):
-        assert resumed[step]["loss"] == original[step]["loss"], step
-        assert resumed[step]["lr"] == original[step]["lr"]
-    assert resumed[12]["eval_loss"] == original[12]["eval_loss"]
+    assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000012", resumed_at=6)
 
 
 def test_resume_refuses_a_different_base(lora_run, tmp_path):
