@@ -58,7 +58,7 @@ def test_only_adapters_have_optimizer_state_and_checkpoint_files(lora_run):
     assert states["frozen_param_fragments"] is None  # exclude_frozen_parameters: no base in the checkpoint
     total = sum(p.numel() for p in model.parameters())
     assert expected < 0.2 * total
-    adapter_config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    adapter_config = adapters.adapter_config(step)
     assert sorted(adapter_config["target_modules"]) == LLAMA_DEFAULT and adapter_config["r"] == 8
 
 
@@ -75,15 +75,18 @@ def test_resume_continues_exactly(lora_run, tmp_path):
     assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000012", resumed_at=6)
 
 
-def test_resume_refuses_a_different_base(lora_run, tmp_path):
-    """Checkpoints hold no base weights: a base rebuilt from another seed must be refused."""
+@pytest.mark.parametrize("change, reason", [
+    ("train.seed=8", "frozen base model differs"),  # checkpoints hold no base: it must be rebuilt the same
+    ("lora.r=4", "step-000012 holds other trainable parameters than this lora section makes"),
+])
+def test_resume_refuses_what_the_adapters_do_not_fit(lora_run, tmp_path, change, reason):
     run, config, _ = lora_run
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume",
-                        "--set", "train.seed=8", "--set", "train.max_steps=13"], check=False)
+                        "--set", change, "--set", "train.max_steps=13"], check=False)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert "frozen base model differs" in done.stderr
+    assert reason in done.stderr.strip().splitlines()[-1]
     assert not (copy / "checkpoints" / "step-000013").exists()
     assert (copy / "checkpoints" / "step-000012" / "MANIFEST.json").is_file()
 
@@ -144,8 +147,7 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     raw["model"] = {"path": str(base_dir), "gradient_checkpointing": True}
     run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", raw))])
     run = tmp_path / "run"
-    out = adapters.write_peft_dir(run / "checkpoints" / "step-000004", run / "adapter" / "adapter_config.json",
-                                  tmp_path / "adapter", dtype="bf16")
+    out = adapters.write_peft_dir(run / "checkpoints" / "step-000004", tmp_path / "adapter", dtype="bf16")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
     model = PeftModel.from_pretrained(base, out, autocast_adapter_dtype=False).eval()
     config = load(run / "config.yaml")

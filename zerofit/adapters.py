@@ -12,14 +12,14 @@ tests/test_lora.py checks against peft itself:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 ADAPTER = "default"                 # peft's adapter name; zerofit trains one adapter
 PEFT_PREFIX = "base_model.model."   # PeftModel -> LoraModel -> the HF model
 LORA_LAYERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG_KEY = "lora_adapter_config"  # in LoopState.extra, written by lora.check_and_record
 
 
 def is_adapter(name: str, bias: str = "none", adapter: str = ADAPTER) -> bool:
@@ -84,7 +84,8 @@ def read_adapter(checkpoint: Path, bias: str = "none") -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     checkpoint = Path(checkpoint)
-    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress on stdout
+    quiet = io.StringIO()  # zero_to_fp32 prints progress on stdout and tqdm bars on stderr
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name,
                                                          exclude_frozen_parameters=True, lazy_mode=True)
     tensors = {peft_key(name): lazy.contiguous().detach() for name, lazy in state.items() if is_adapter(name, bias)}
@@ -93,18 +94,27 @@ def read_adapter(checkpoint: Path, bias: str = "none") -> dict:
     return tensors
 
 
-def write_peft_dir(checkpoint: Path, adapter_config: Path, out: Path, dtype: str = "fp32") -> Path:
+def adapter_config(checkpoint: Path) -> dict:
+    """peft's adapter config a LoRA checkpoint was trained with (its loop_state.json, written
+    by lora.check_and_record at every save)."""
+    loop_state = json.loads((Path(checkpoint) / "loop_state.json").read_text())
+    config = loop_state.get("extra", {}).get(ADAPTER_CONFIG_KEY)
+    if config is None:
+        raise ValueError(f"{checkpoint} is not a LoRA checkpoint (its loop_state.json has no {ADAPTER_CONFIG_KEY})")
+    return config
+
+
+def write_peft_dir(checkpoint: Path, out: Path, dtype: str = "fp32") -> Path:
     """A peft adapter directory (adapter_config.json + adapter_model.safetensors) that
-    `PeftModel.from_pretrained(base, out)` loads, from a checkpoint and the run's
-    adapter_config.json (RUN_DIR/adapter/)."""
+    `PeftModel.from_pretrained(base, out)` loads, from one LoRA checkpoint directory."""
     import torch
     from safetensors.torch import save_file
 
-    bias = json.loads(Path(adapter_config).read_text()).get("bias", "none")
+    config = {**adapter_config(checkpoint), "inference_mode": True}  # as PeftModel.save_pretrained writes it
     cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    tensors = {k: v.to(cast).contiguous() for k, v in read_adapter(checkpoint, bias).items()}
+    tensors = {k: v.to(cast).contiguous() for k, v in read_adapter(checkpoint, config.get("bias", "none")).items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    shutil.copyfile(adapter_config, out / ADAPTER_CONFIG)
+    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out

@@ -22,14 +22,16 @@ Checkpoints (checkpoint.save with exclude_frozen): DeepSpeed's save_checkpoint w
 exclude_frozen_parameters=True, as HF Trainer does for peft models, drops the frozen base
 from model_states (else every save writes its 16-bit partitions as frozen_param_fragments).
 A resume therefore rebuilds the base from model.path / model.config + train.seed, and
-`check_base` refuses to continue if it differs from the one the adapters were trained on.
+`check_and_record` refuses to continue if it differs from the one the adapters were trained on.
 """
 from __future__ import annotations
 
 import fnmatch
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
+from zerofit.adapters import ADAPTER_CONFIG_KEY
 from zerofit.config import ConfigError, LoraConfig
 
 # Projection names per architecture (model_type of the HF config), after the modules the
@@ -42,7 +44,7 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
 }
 # Layer kinds peft's LoRA can wrap (peft/tuners/lora/model.py _create_new_module).
 WRAPPABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d")
-BASE_FINGERPRINT = "lora_base_fingerprint"  # key in LoopState.extra
+BASE_FINGERPRINT = "lora_base_fingerprint"  # key in LoopState.extra (every checkpoint's loop_state.json)
 
 
 @dataclass(frozen=True)
@@ -189,9 +191,13 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def write_adapter_config(model, directory) -> None:
-    """peft's adapter_config.json, next to the run: export and `--adapter-only` copy it."""
-    model.peft_config["default"].save_pretrained(str(directory))
+def adapter_config(model) -> dict:
+    """peft's adapter_config.json content for the model's adapter, as plain JSON values."""
+    import json
+
+    as_json = json.dumps(model.peft_config["default"].to_dict(),
+                         default=lambda value: sorted(value) if isinstance(value, (set, frozenset)) else str(value))
+    return json.loads(as_json)
 
 
 # ------------------------------------------------------------------ exact resume
@@ -205,6 +211,26 @@ def load_trainable_only(src: dict, dst) -> None:
         raise ConfigError(f"the checkpoint's adapters do not fit this model's lora section (missing "
                           f"{missing[:4]}, unexpected {result.unexpected_keys[:4]}); resume with the lora "
                           f"settings it was trained with, or start over with --no-resume")
+
+
+def check_adapter_shapes(model, checkpoint: Path) -> None:
+    """Before DeepSpeed loads a checkpoint: its trainable parameters (param_shapes of the
+    model_states file, written by engine._save_checkpoint) must be this model's, else the
+    load dies deep inside ZeRO with a bare size mismatch."""
+    import torch
+
+    states_file = sorted(Path(checkpoint).glob("*model_states.pt"))[0]
+    states = torch.load(states_file, map_location="cpu", weights_only=False)
+    saved = {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    live = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters() if p.requires_grad}
+    if saved == live:
+        return
+    differ = [f"{n}: saved {list(saved.get(n, ()))}, now {list(live.get(n, ()))}"
+              for n in sorted(set(saved) | set(live)) if saved.get(n) != live.get(n)]
+    raise ConfigError(f"{Path(checkpoint).name} holds other trainable parameters than this lora section makes "
+                      f"({len(differ)} differ, e.g. {'; '.join(differ[:2])}); resume with the lora settings it "
+                      f"was trained with (its loop_state.json: extra.{ADAPTER_CONFIG_KEY}), or start over with "
+                      f"--no-resume")
 
 
 def base_fingerprint(model, rank: int) -> str | None:
@@ -240,9 +266,10 @@ def _local_share(p, rank: int):
     return p.ds_tensor.reshape(-1).narrow(0, 0, valid)
 
 
-def check_base(model, state, rank: int, world_size: int) -> None:
-    """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on,
-    then record it in the loop state every later checkpoint saves."""
+def check_and_record(model, state, rank: int, world_size: int) -> None:
+    """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on;
+    then record its fingerprint and peft's adapter config in the loop state, so that every
+    checkpoint says which base it needs and how to read its adapters (adapters.write_peft_dir)."""
     import torch.distributed as dist
 
     prints = [None] * world_size
@@ -256,3 +283,4 @@ def check_base(model, state, rank: int, world_size: int) -> None:
             f"Point model.path at the same weights (or keep model.config, train.seed and train.precision "
             f"as they were), or start over with --no-resume")
     state.extra[BASE_FINGERPRINT] = prints
+    state.extra[ADAPTER_CONFIG_KEY] = adapter_config(model)

@@ -43,12 +43,11 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
     model = engine.build_model(config, ds_config)
     if config.lora.enabled and dist.is_main:
-        lora.write_adapter_config(model, run_dir / "adapter")
         say(lora.trainable_summary(model))
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
     state, resumed_from = start_or_resume(ds_engine, config, dist, resume)
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
-        lora.check_base(ds_engine.module, state, dist.rank, dist.world_size)
+        lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size)
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
     timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu)
@@ -206,6 +205,8 @@ def start_or_resume(ds_engine, config: Config, dist: engine.Dist, resume: bool |
         if resume is True:
             raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
         return fresh, None
+    if config.lora.enabled:
+        lora.check_adapter_shapes(ds_engine.module, Path(found))
     state = checkpoint.load(ds_engine, Path(found), dist.rank,
                             custom_load_fn=lora.load_trainable_only if config.lora.enabled else None)
     if state.config_fingerprint != fresh.config_fingerprint and dist.is_main:
