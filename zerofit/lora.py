@@ -113,7 +113,7 @@ def check_modules_to_save(lora: LoraConfig, table: ModuleTable) -> None:
     missing = [p for p in lora.modules_to_save if not any(matches(p, n) for n in table.kinds)]
     if missing:
         raise ConfigError(f"lora.modules_to_save: {', '.join(map(repr, missing))} matches no module; "
-                          f"top-level candidates: {_leaf_summary(table.kinds)}")
+                          f"the model's modules: {_leaf_summary(table.kinds)}")
 
 
 def _leaf_summary(kinds: dict[str, str], limit: int = 20) -> str:
