@@ -54,6 +54,31 @@ def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeou
     return done
 
 
+def trained_run(base: Path, config: dict) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """Write `config` under `base` and train it: (run dir, config file, the finished process)."""
+    config_file = write_config(base / "c.yaml", config)
+    done = run_zerofit(["train", "--config", str(config_file)])
+    return Path(config["run_dir"]), config_file, done
+
+
+def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, resumed_at: int) -> None:
+    """Copy `run`, delete its checkpoint `drop`, resume: it starts at step `resumed_at` and
+    every later step has the uninterrupted run's loss and LR, and the last eval loss."""
+    import shutil
+
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / drop)
+    done = run_zerofit(["train", "--config", str(config_file), "--run-dir", str(copy), "--resume"])
+    assert "resumed from" in done.stderr and f"step {resumed_at}" in done.stderr
+    original = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
+    resumed = {m["step"]: m for m in read_jsonl(copy / "metrics.jsonl")}
+    assert sorted(resumed) == sorted(original)
+    for step in range(resumed_at + 1, max(original) + 1):
+        assert resumed[step]["loss"] == original[step]["loss"], step
+        assert resumed[step]["lr"] == original[step]["lr"]
+    assert resumed[max(original)]["eval_loss"] == original[max(original)]["eval_loss"]
+
+
 def _free_port() -> int:
     import socket
 

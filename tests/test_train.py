@@ -1,19 +1,16 @@
 """End-to-end runs of `zerofit train` on real DeepSpeed ZeRO-3 (CPU accelerator, gloo)."""
 import json
-import shutil
 
 import pytest
 
-from conftest import read_jsonl, run_zerofit, tiny_config, write_config
+from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
 
 
 @pytest.fixture(scope="module")
 def one_rank_run(tmp_path_factory):
     """6 steps, checkpoints at 3 and 6: shared by the tests that read its files."""
     base = tmp_path_factory.mktemp("one")
-    config = write_config(base / "c.yaml", tiny_config(base / "run"))
-    done = run_zerofit(["train", "--config", str(config)])
-    return base / "run", config, done
+    return trained_run(base, tiny_config(base / "run"))
 
 
 def test_run_writes_the_run_directory(one_rank_run):
@@ -51,18 +48,7 @@ def test_checkpoints_are_published_with_manifests(one_rank_run):
 def test_resume_continues_exactly(one_rank_run, tmp_path):
     """Drop the step-6 checkpoint, resume from step 3: steps 4-6 reproduce the losses."""
     run, config, _ = one_rank_run
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step-000006")
-    done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume"])
-    assert "resumed from" in done.stderr and "step 3" in done.stderr
-    original = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
-    resumed = {m["step"]: m for m in read_jsonl(copy / "metrics.jsonl")}
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    for step in (4, 5, 6):
-        assert resumed[step]["loss"] == original[step]["loss"], step
-        assert resumed[step]["lr"] == original[step]["lr"]
-    assert resumed[6]["eval_loss"] == original[6]["eval_loss"]
+    assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000006", resumed_at=3)
 
 
 def test_finished_run_is_not_retrained(one_rank_run):

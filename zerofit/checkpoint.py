@@ -175,8 +175,9 @@ def set_rng_state(state: dict) -> None:
 
 
 # ------------------------------------------------------------------ save and load
-def save(engine, root: Path, state: LoopState, rank: int, hashes: bool = True) -> Path:
-    """Every rank calls this; rank 0 publishes after all ranks' files are on disk."""
+def save(engine, root: Path, state: LoopState, rank: int, hashes: bool = True, exclude_frozen: bool = False) -> Path:
+    """Every rank calls this; rank 0 publishes after all ranks' files are on disk.
+    exclude_frozen: leave frozen parameters out (LoRA: the base is rebuilt at resume)."""
     import torch
     import torch.distributed as dist
 
@@ -187,7 +188,7 @@ def save(engine, root: Path, state: LoopState, rank: int, hashes: bool = True) -
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False, exclude_frozen_parameters=exclude_frozen)
     torch.save(rng_state(), tmp / f"rng_state_rank{rank}.pt")
     dist.barrier()
     final = root / name
@@ -204,11 +205,12 @@ def save(engine, root: Path, state: LoopState, rank: int, hashes: bool = True) -
     return final
 
 
-def load(engine, directory: Path, rank: int) -> LoopState:
+def load(engine, directory: Path, rank: int, custom_load_fn=None) -> LoopState:
+    """custom_load_fn(src, dst) replaces DeepSpeed's strict module load (lora.load_trainable_only)."""
     import torch
 
     _, client = engine.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
-                                       load_lr_scheduler_states=True)
+                                       load_lr_scheduler_states=True, custom_load_fn=custom_load_fn)
     if client is None:
         raise CheckpointError(f"DeepSpeed could not load {directory}")
     rng_file = directory / f"rng_state_rank{rank}.pt"

@@ -57,6 +57,43 @@ class ModelConfig(Section):
         return self
 
 
+
+class LoraConfig(Section):
+    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685) trained with peft on the frozen,
+    ZeRO-3-partitioned base: only the adapters get gradients and optimizer state, and
+    checkpoints hold only them (the base is rebuilt from model.path / model.config + seed)."""
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight (needs `pip install zerofit[lora]`, i.e. peft)."""
+    r: int = Field(16, ge=1)
+    """Rank of each adapter: A is r x in_features, B is out_features x r."""
+    alpha: int = Field(32, ge=1)
+    """Scale numerator: the adapter's output is multiplied by alpha / r."""
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] | None = None
+    """Modules that get adapters. A plain name (`q_proj`) matches every module whose name
+    ends with it, as in peft; a pattern with * ? [ ] (`model.layers.1*.mlp.*_proj`) is
+    matched against the full module name. Default per architecture: Llama, Mistral, Qwen2,
+    Qwen3, Gemma q,k,v,o,gate,up,down projections; GPT-NeoX query_key_value, dense,
+    dense_h_to_4h, dense_4h_to_h; Phi-3 qkv_proj, o_proj, gate_up_proj, down_proj; any
+    other model every nn.Linear except the output head (lm_head)."""
+    modules_to_save: list[str] = []
+    """Modules trained fully and saved with the adapter (e.g. `lm_head`, `embed_tokens` after
+    adding tokens); each carries full Adam state, so they cost like full fine-tuning."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train: none; all biases of the model; only those of adapted modules."""
+
+    @model_validator(mode="after")
+    def _names(self) -> "LoraConfig":
+        if self.target_modules is not None and not [t for t in self.target_modules if t.strip()]:
+            raise ValueError("lora.target_modules is empty; leave it unset for the architecture's default "
+                             "or list module names such as [q_proj, v_proj]")
+        both = set(self.target_modules or ()) & set(self.modules_to_save)
+        if both:
+            raise ValueError(f"{sorted(both)} is in both lora.target_modules and lora.modules_to_save; "
+                             f"a module either gets an adapter or is trained fully")
+        return self
+
 class DataConfig(Section):
     path: str | list[str] = "demo"
     """Training data: local .jsonl/.json/.parquet file(s); `demo` for the bundled synthetic
@@ -224,6 +261,7 @@ class Config(Section):
     run_dir: str = "runs/run"
     """Where the run's files go (config, plan, metrics, memory, checkpoints)."""
     model: ModelConfig
+    lora: LoraConfig = LoraConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig
     zero: ZeroConfig = ZeroConfig()

@@ -72,13 +72,17 @@ def build_model(config: Config, ds_config: dict):
 
     HfDeepSpeedConfig must stay alive while from_pretrained/from_config run: transformers
     checks it (is_deepspeed_zero3_enabled) to wrap construction in deepspeed.zero.Init,
-    so no rank ever holds the whole model. The returned holder keeps it referenced."""
+    so no rank ever holds the whole model. The returned holder keeps it referenced.
+    With lora.enabled the result is a peft model whose base is frozen (zerofit/lora.py)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from zerofit import lora
     from zerofit.models import hf_config
 
+    # Resolved on the meta device first: a bad target pattern fails in a second, not after the build.
+    lora_targets = lora.resolve(config, hf_config(config.model)) if config.lora.enabled else None
     holder = HfDeepSpeedConfig(ds_config) if config.zero.stage == 3 else None
     dtype = torch_dtype(config.train.precision)
     torch.manual_seed(config.train.seed)
@@ -92,6 +96,8 @@ def build_model(config: Config, ds_config: dict):
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model._zerofit_ds_holder = holder  # keeps the weakref'd HfDeepSpeedConfig alive
+    if lora_targets:
+        model = lora.attach(model, config, lora_targets)
     return model
 
 

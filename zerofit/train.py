@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import checkpoint, data, dsconfig, engine, memory, models
+from zerofit import checkpoint, data, dsconfig, engine, lora, memory, models
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -42,8 +42,12 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
         report_data(train_set, eval_set)
 
     model = engine.build_model(config, ds_config)
+    if config.lora.enabled and dist.is_main:
+        say(lora.trainable_summary(model))
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
     state, resumed_from = start_or_resume(ds_engine, config, dist, resume)
+    if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
+        lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size)
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
     timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu)
@@ -135,7 +139,8 @@ def save_checkpoint(ds_engine, config: Config, state: checkpoint.LoopState, dist
                     timeline: memory.Timeline) -> Path:
     root = Path(config.run_dir) / "checkpoints"
     started = time.perf_counter()
-    path = checkpoint.save(ds_engine, root, state, dist.rank, hashes=config.checkpoint.verify == "hashes")
+    path = checkpoint.save(ds_engine, root, state, dist.rank, hashes=config.checkpoint.verify == "hashes",
+                           exclude_frozen=config.lora.enabled)
     if dist.is_main:
         checkpoint.apply_retention(root, config.checkpoint.keep_last, config.checkpoint.keep_every)
     timeline.mark(state.step, "save", seconds=round(time.perf_counter() - started, 3))
@@ -200,7 +205,10 @@ def start_or_resume(ds_engine, config: Config, dist: engine.Dist, resume: bool |
         if resume is True:
             raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
         return fresh, None
-    state = checkpoint.load(ds_engine, Path(found), dist.rank)
+    if config.lora.enabled:
+        lora.check_adapter_shapes(ds_engine.module, Path(found))
+    state = checkpoint.load(ds_engine, Path(found), dist.rank,
+                            custom_load_fn=lora.load_trainable_only if config.lora.enabled else None)
     if state.config_fingerprint != fresh.config_fingerprint and dist.is_main:
         warn(f"{Path(found).name} was written with a different config (model, data or training shape); "
              f"continuing with the current one")

@@ -1,0 +1,241 @@
+"""LoRA under ZeRO-3 on real DeepSpeed (CPU accelerator, gloo): only adapters carry optimizer
+state and go into checkpoints, resume is exact, offload and two ranks work, the adapters
+read back from a checkpoint are the trained ones, and bad targets are named."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from zerofit import adapters, lora
+from zerofit.config import ConfigError, LoraConfig, validate
+from zerofit.models import config_from_name
+
+from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
+
+LLAMA_DEFAULT = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def lora_config(run_dir, **sections) -> dict:
+    """The tiny model with r=8 adapters: 12 steps, eval and checkpoint every 6."""
+    config = tiny_config(run_dir, lora={"enabled": True, "r": 8, "alpha": 32},
+                         eval={"every_steps": 6, "max_batches": 2}, checkpoint={"every_steps": 6, "keep_last": 2})
+    config["train"].update(max_steps=12, lr=5e-2)
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def meta_model(name="tiny"):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config_from_name(name))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lora")
+    return trained_run(base, lora_config(base / "run"))
+
+
+# ------------------------------------------------------------------ end to end
+def test_only_adapters_have_optimizer_state_and_checkpoint_files(lora_run):
+    run, _, done = lora_run
+    model = meta_model()
+    adapted = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in LLAMA_DEFAULT]
+    expected = sum(8 * (m.in_features + m.out_features) for m in adapted)  # A: r x in, B: out x r
+    assert f"LoRA on {len(adapted)} modules" in done.stderr
+    step = run / "checkpoints" / "step-000012"
+    optim = torch.load(step / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    inner = optim["optimizer_state_dict"]
+    assert sum(t.numel() for t in inner["fp32_flat_groups"]) == expected
+    moments = inner["optimizer_state_dict"]["state"]
+    assert sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in moments.values()) == 2 * expected
+    states = torch.load(step / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
+    assert all(adapters.is_adapter(name) for name in shapes) and len(shapes) == 2 * len(adapted)
+    assert states["frozen_param_fragments"] is None  # exclude_frozen_parameters: no base in the checkpoint
+    total = sum(p.numel() for p in model.parameters())
+    assert expected < 0.2 * total
+    adapter_config = adapters.adapter_config(step)
+    assert sorted(adapter_config["target_modules"]) == LLAMA_DEFAULT and adapter_config["r"] == 8
+
+
+def test_loss_falls(lora_run):
+    run, _, _ = lora_run
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    # B starts at zero, so step 1's loss is the frozen base's own.
+    assert metrics[-1]["eval_loss"] < metrics[0]["loss"] - 0.2, metrics
+
+
+def test_resume_continues_exactly(lora_run, tmp_path):
+    run, config, _ = lora_run
+    assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000012", resumed_at=6)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("train.seed=8", "frozen base model differs"),  # checkpoints hold no base: it must be rebuilt the same
+    ("lora.r=4", "step-000012 holds other trainable parameters than this lora section makes"),
+])
+def test_resume_refuses_what_the_adapters_do_not_fit(lora_run, tmp_path, change, reason):
+    run, config, _ = lora_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume",
+                        "--set", change, "--set", "train.max_steps=13"], check=False)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert reason in done.stderr.strip().splitlines()[-1]
+    assert not (copy / "checkpoints" / "step-000013").exists()
+    assert (copy / "checkpoints" / "step-000012" / "MANIFEST.json").is_file()
+
+
+def test_offload_param_cpu_trains_the_same(lora_run, tmp_path):
+    """The frozen base and the adapters offloaded to CPU: the very same losses."""
+    run, _, _ = lora_run
+    config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", zero={"offload_param": "cpu"},
+                                                            checkpoint={"every_steps": 0}))
+    run_zerofit(["train", "--config", str(config)])
+    ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    offloaded = [m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert offloaded == [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+
+
+def test_two_ranks_with_a_fully_trained_head(tmp_path):
+    config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", train={"max_steps": 4},
+                                                            lora={"modules_to_save": ["lm_head"]},
+                                                            checkpoint={"every_steps": 2}, eval={"every_steps": 2}))
+    run_zerofit(["train", "--config", str(config)], nproc=2)
+    step = tmp_path / "run" / "checkpoints" / "step-000004"
+    manifest = json.loads((step / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 2
+    for rank in (0, 1):
+        assert f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in manifest["files"]
+    loop_state = json.loads((step / "loop_state.json").read_text())
+    assert len(loop_state["extra"][lora.BASE_FINGERPRINT]) == 2
+    tensors = adapters.read_adapter(step)  # reassembled from both ranks' partitions
+    assert len(tensors) == 2 * 14 + 1  # A and B of 14 modules, and the trained copy of lm_head
+    assert tensors["base_model.model.lm_head.weight"].shape == (128, 64)
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_unknown_target_module_names_what_exists(tmp_path):
+    config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", lora={"target_modules": ["qq_proj"]}))
+    done = run_zerofit(["train", "--config", str(config)], check=False)
+    assert done.returncode == 1
+    reason = done.stderr.strip().splitlines()[-1]
+    assert "'qq_proj' matches no module" in reason and "q_proj (Linear) x2" in reason, reason
+
+
+def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
+    """A base from model.path, LoRA-trained; the adapter read out of the ZeRO checkpoint,
+    loaded by peft onto the same base outside DeepSpeed, gives the run's own eval loss."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zerofit import data
+    from zerofit.config import load
+
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    raw = lora_config(tmp_path / "run", train={"max_steps": 4}, eval={"every_steps": 0},
+                      checkpoint={"every_steps": 0})
+    raw["model"] = {"path": str(base_dir), "gradient_checkpointing": True}
+    run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", raw))])
+    run = tmp_path / "run"
+    out = adapters.write_peft_dir(run / "checkpoints" / "step-000004", tmp_path / "adapter", dtype="bf16")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(base, out, autocast_adapter_dtype=False).eval()
+    config = load(run / "config.yaml")
+    _, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed, 128)
+    with torch.no_grad():
+        losses = [model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss.float()
+                  for ids, labels in data.eval_batches(eval_set, config.train.micro_batch_size, 0, 1,
+                                                       config.eval.max_batches)]
+    assert float(torch.stack(losses).mean()) == pytest.approx(read_jsonl(run / "metrics.jsonl")[-1]["eval_loss"],
+                                                              abs=1e-4)
+    assert any(float(v.abs().sum()) > 0 for k, v in adapters.read_adapter(run / "checkpoints" / "step-000004").items()
+               if ".lora_B." in k)  # B moved away from its zero init
+
+
+# -------------------------------------------------------------- target modules
+@pytest.fixture(scope="module")
+def tiny_table():
+    return lora.module_table(config_from_name("tiny"))
+
+
+def test_default_targets_per_architecture(tiny_table):
+    names = lora.resolve_targets(LoraConfig(), tiny_table, "llama")
+    assert len(names) == 14 and "model.layers.1.mlp.down_proj" in names and "lm_head" not in names
+    assert lora.compact_names(names, tiny_table) == LLAMA_DEFAULT
+
+
+def test_unknown_architecture_falls_back_to_every_linear_but_the_head():
+    from transformers import OPTConfig
+
+    table = lora.module_table(OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2,
+                                        vocab_size=50, word_embed_proj_dim=16))
+    names = lora.resolve_targets(LoraConfig(), table, "opt")
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
+    assert table.output_name == "lm_head" and "lm_head" not in names
+
+
+def test_glob_patterns_match_full_names(tiny_table):
+    names = lora.resolve_targets(LoraConfig(target_modules=["model.layers.1.*_proj"]), tiny_table, "llama")
+    assert len(names) == 7 and all(n.startswith("model.layers.1.") for n in names)
+    assert lora.compact_names(names, tiny_table) == names  # the short names would select layer 0 too
+
+
+def test_pattern_on_a_module_lora_cannot_wrap(tiny_table):
+    with pytest.raises(ConfigError, match=r"'self_attn' matches only self_attn \(LlamaAttention\) x2, which LoRA "
+                                          r"cannot wrap.*q_proj \(Linear\) x2"):
+        lora.resolve_targets(LoraConfig(target_modules=["self_attn"]), tiny_table, "llama")
+
+
+def test_modules_to_save_must_exist(tiny_table):
+    lora.check_modules_to_save(LoraConfig(modules_to_save=["lm_head"]), tiny_table)
+    with pytest.raises(ConfigError, match=r"lora.modules_to_save: 'embed_out' matches no module"):
+        lora.check_modules_to_save(LoraConfig(modules_to_save=["embed_out"]), tiny_table)
+
+
+def test_lora_config_section(tmp_path):
+    assert validate(tiny_config(tmp_path)).lora.enabled is False
+    with pytest.raises(ConfigError, match=r"\['lm_head'\] is in both lora.target_modules and lora.modules_to_save"):
+        validate(tiny_config(tmp_path, lora={"target_modules": ["lm_head"], "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ConfigError, match="lora.target_modules is empty"):
+        validate(tiny_config(tmp_path, lora={"target_modules": []}))
+    with pytest.raises(ConfigError, match=r"unknown key lora.rank; valid keys in lora: enabled, r, alpha"):
+        validate(tiny_config(tmp_path, lora={"rank": 8}))
+
+
+# ----------------------------------------------------------- adapter naming
+@pytest.mark.parametrize("bias", ["none", "all", "lora_only"])
+def test_adapter_names_are_peft_names(bias):
+    """is_adapter/peft_key agree with peft's own get_peft_model_state_dict, on a model with
+    biases (GPT-NeoX), adapters and a fully trained copy (modules_to_save)."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                             intermediate_size=64, vocab_size=50))
+    peft_model = get_peft_model(model, PeftLoraConfig(r=2, target_modules=["query_key_value", "dense"],
+                                                      modules_to_save=["lm_head"], bias=bias, task_type="CAUSAL_LM"))
+    state = peft_model.state_dict()
+    name_of = {id(tensor): name for name, tensor in state.items()}
+    expected = {name_of[id(t)]: key for key, t in get_peft_model_state_dict(peft_model, state_dict=state).items()}
+    ours = {name: adapters.peft_key(name) for name in state if adapters.is_adapter(name, bias)}
+    assert ours == expected
+    assert set(ours) == {n for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def test_hf_target_names_the_base_weight():
+    assert adapters.hf_target("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") == \
+        ("model.layers.0.self_attn.q_proj.weight", "lora_A")
+    assert adapters.hf_target("base_model.model.lm_head.weight") == ("lm_head.weight", "replace")
+    assert adapters.hf_target("base_model.model.gpt_neox.layers.0.attention.dense.base_layer.bias") == \
+        ("gpt_neox.layers.0.attention.dense.bias", "replace")
+    assert adapters.scaling(8, 32) == 4.0

@@ -1,0 +1,286 @@
+"""LoRA on a ZeRO-3 model: which modules get adapters, attaching them with peft, and what
+keeps a resume exact when checkpoints hold only the adapters.
+
+How peft meets ZeRO-3 here (DeepSpeed 0.19.8, peft 0.21; tests/test_lora.py checks it):
+- The base is built under zero.Init (engine.build_model): its weights are partitioned, and
+  offloaded with offload_param, before peft sees them. peft reads in/out features from the
+  Linear's attributes, not from its (empty) weight, so it wraps partitioned layers as is.
+- Adapters are created after zero.Init has exited, as ordinary tensors on every rank, and
+  initialised from the torch RNG (kaiming-uniform A, zero B). Creating them inside zero.Init
+  would not work: peft initialises them after construction, i.e. into empty partitions
+  (peft issue #803). deepspeed.initialize then makes every parameter that is not yet a ZeRO
+  parameter one (DeepSpeedZeRoOffload._convert_to_zero_parameters): it broadcasts rank 0's
+  values and partitions them, offloaded like the base. They are ordinary submodule
+  parameters used in their own forward, so no external-parameter registration is needed.
+- That conversion casts no dtype, so adapters must already be in the training dtype: peft's
+  default autocast_adapter_dtype would leave fp32 adapters in a bf16 model. DeepSpeed's
+  optimizer keeps their fp32 master copy, as for any ZeRO parameter.
+- Only requires_grad parameters go to deepspeed.initialize (engine.param_groups), so the
+  optimizer (CPU-Adam when offloaded) holds master weights and moments for adapters only.
+
+Checkpoints (checkpoint.save with exclude_frozen): DeepSpeed's save_checkpoint with
+exclude_frozen_parameters=True, as HF Trainer does for peft models, drops the frozen base
+from model_states (else every save writes its 16-bit partitions as frozen_param_fragments).
+A resume therefore rebuilds the base from model.path / model.config + train.seed, and
+`check_and_record` refuses to continue if it differs from the one the adapters were trained on.
+"""
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerofit.adapters import ADAPTER_CONFIG_KEY
+from zerofit.config import ConfigError, LoraConfig
+
+# Projection names per architecture (model_type of the HF config), after the modules the
+# LoRA paper and peft's own defaults adapt: all attention and MLP projections.
+_LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"), _LLAMA_LIKE),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+}
+# Layer kinds peft's LoRA can wrap (peft/tuners/lora/model.py _create_new_module).
+WRAPPABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d")
+BASE_FINGERPRINT = "lora_base_fingerprint"  # key in LoopState.extra (every checkpoint's loop_state.json)
+
+
+@dataclass(frozen=True)
+class ModuleTable:
+    """Every named module of a model (name -> class name) and the output head's name."""
+    kinds: dict[str, str]
+    output_name: str | None
+
+
+# ------------------------------------------------------------------ which modules
+def module_table(hf_config, trust_remote_code: bool = False) -> ModuleTable:
+    """The model's modules, built on the meta device (no memory, about a second for 8B),
+    so a bad target pattern fails before the real, partitioned build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    output = model.get_output_embeddings()
+    kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
+    output_name = next((name for name, module in model.named_modules() if module is output), None)
+    return ModuleTable(kinds, output_name)
+
+
+def matches(pattern: str, name: str) -> bool:
+    """peft's rule for a plain name (the module's name is it or ends with `.it`); a glob
+    (* ? [ ]) is matched against the full dotted name."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern or name.endswith("." + pattern)
+
+
+def resolve_targets(lora: LoraConfig, table: ModuleTable, model_type: str) -> list[str]:
+    """Full names of the modules that get adapters; a ConfigError naming what exists when a
+    pattern matches nothing LoRA can wrap."""
+    wrappable = [n for n, kind in table.kinds.items() if kind in WRAPPABLE]
+    linears = [n for n in wrappable if table.kinds[n] in ("Linear", "Conv1D") and n != table.output_name]
+    if lora.target_modules is None:
+        default = DEFAULT_TARGETS.get(model_type, ())
+        names = [n for n in wrappable if any(matches(p, n) for p in default)]
+        if names:
+            return names
+        if not linears:
+            raise ConfigError(f"this {model_type} model has no Linear layers for LoRA; set lora.target_modules "
+                              f"(its modules: {_leaf_summary(table.kinds)})")
+        return linears
+    names, problems = [], []
+    for pattern in lora.target_modules:
+        hits = [n for n in table.kinds if matches(pattern, n)]
+        usable = [n for n in hits if n in wrappable]
+        if not hits:
+            problems.append(f"{pattern!r} matches no module")
+        elif not usable:
+            problems.append(f"{pattern!r} matches only {_leaf_summary({n: table.kinds[n] for n in hits})}, "
+                            f"which LoRA cannot wrap (it wraps {', '.join(WRAPPABLE)})")
+        names += [n for n in usable if n not in names]
+    if problems:
+        raise ConfigError(f"lora.target_modules: {'; '.join(problems)}. This {model_type} model's layers LoRA "
+                          f"can wrap: {_leaf_summary({n: table.kinds[n] for n in wrappable})} "
+                          f"(a plain name matches every module ending with it; globs match full names "
+                          f"such as {wrappable[0] if wrappable else 'model.layers.0.mlp.up_proj'})")
+    return [n for n in table.kinds if n in names]
+
+
+def check_modules_to_save(lora: LoraConfig, table: ModuleTable) -> None:
+    missing = [p for p in lora.modules_to_save if not any(matches(p, n) for n in table.kinds)]
+    if missing:
+        raise ConfigError(f"lora.modules_to_save: {', '.join(map(repr, missing))} matches no module; "
+                          f"the model's modules: {_leaf_summary(table.kinds)}")
+
+
+def _leaf_summary(kinds: dict[str, str], limit: int = 20) -> str:
+    """`q_proj (Linear) x32, lm_head (Linear)`: distinct last name parts, counted."""
+    counts: dict[tuple[str, str], int] = {}
+    for name, kind in kinds.items():
+        key = (name.rsplit(".", 1)[-1], kind)
+        counts[key] = counts.get(key, 0) + 1
+    items = [f"{leaf} ({kind})" + (f" x{n}" if n > 1 else "") for (leaf, kind), n in counts.items()
+             if not leaf.isdigit()]
+    return ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def compact_names(targets: list[str], table: ModuleTable) -> list[str]:
+    """What peft's adapter_config.json gets: the distinct last name parts (`q_proj`, ...)
+    when those select exactly the same modules, else the full names."""
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in targets})
+    wrappable = [n for n, kind in table.kinds.items() if kind in WRAPPABLE]
+    same = {n for n in wrappable if any(matches(leaf, n) for leaf in leaves)} == set(targets)
+    return leaves if same else list(targets)
+
+
+def resolve(config, hf_config) -> list[str]:
+    """peft's target_modules for a run's config; errors before any real build."""
+    table = module_table(hf_config, config.model.trust_remote_code)
+    targets = resolve_targets(config.lora, table, hf_config.model_type)
+    check_modules_to_save(config.lora, table)
+    return compact_names(targets, table)
+
+
+# ------------------------------------------------------------------- attach peft
+def peft_config(lora: LoraConfig, target_modules: list[str], base_path: str | None = None):
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("lora.enabled needs peft: pip install 'zerofit[lora]'") from None
+    return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
+                           target_modules=target_modules, modules_to_save=list(lora.modules_to_save) or None,
+                           task_type="CAUSAL_LM", base_model_name_or_path=base_path)
+
+
+def attach(model, config, target_modules: list[str]):
+    """Wrap `model` (built, maybe partitioned) with LoRA adapters; returns the PeftModel.
+
+    The RNG is re-seeded first so the adapters' initial values depend on train.seed alone,
+    not on how much randomness building the base consumed: a resume recreates them exactly
+    (and DeepSpeed then loads the trained values over them)."""
+    import peft
+    import torch
+
+    lora_config = peft_config(config.lora, target_modules, config.model.path)
+    torch.manual_seed(config.train.seed)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing to act on
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, lora_config, autocast_adapter_dtype=False)
+
+
+def trainable_summary(model) -> str:
+    """`LoRA on 224 modules: 21.0M trainable of 8.0B parameters (0.26%)`, counting the full
+    sizes of partitioned parameters (ds_numel)."""
+    adapted = sum(1 for _, module in model.named_modules() if hasattr(module, "lora_A"))
+    trainable = total = 0
+    for p in model.parameters():
+        numel = getattr(p, "ds_numel", p.numel())
+        total += numel
+        trainable += numel if p.requires_grad else 0
+    return (f"LoRA on {adapted} modules: {_count(trainable)} trainable of {_count(total)} parameters "
+            f"({100 * trainable / total:.2f}%)")
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def adapter_config(model) -> dict:
+    """peft's adapter_config.json content for the model's adapter, as plain JSON values."""
+    import json
+
+    as_json = json.dumps(model.peft_config["default"].to_dict(),
+                         default=lambda value: sorted(value) if isinstance(value, (set, frozenset)) else str(value))
+    return json.loads(as_json)
+
+
+# ------------------------------------------------------------------ exact resume
+def load_trainable_only(src: dict, dst) -> None:
+    """custom_load_fn for DeepSpeed's load_checkpoint: the module state of a checkpoint saved
+    with exclude_frozen_parameters lacks the frozen base, and only that may be missing."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"the checkpoint's adapters do not fit this model's lora section (missing "
+                          f"{missing[:4]}, unexpected {result.unexpected_keys[:4]}); resume with the lora "
+                          f"settings it was trained with, or start over with --no-resume")
+
+
+def check_adapter_shapes(model, checkpoint: Path) -> None:
+    """Before DeepSpeed loads a checkpoint: its trainable parameters (param_shapes of the
+    model_states file, written by engine._save_checkpoint) must be this model's, else the
+    load dies deep inside ZeRO with a bare size mismatch."""
+    import torch
+
+    states_file = sorted(Path(checkpoint).glob("*model_states.pt"))[0]
+    states = torch.load(states_file, map_location="cpu", weights_only=False)
+    saved = {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    live = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters() if p.requires_grad}
+    if saved == live:
+        return
+    differ = [f"{n}: saved {list(saved.get(n, ()))}, now {list(live.get(n, ()))}"
+              for n in sorted(set(saved) | set(live)) if saved.get(n) != live.get(n)]
+    raise ConfigError(f"{Path(checkpoint).name} holds other trainable parameters than this lora section makes "
+                      f"({len(differ)} differ, e.g. {'; '.join(differ[:2])}); resume with the lora settings it "
+                      f"was trained with (its loop_state.json: extra.{ADAPTER_CONFIG_KEY}), or start over with "
+                      f"--no-resume")
+
+
+def base_fingerprint(model, rank: int) -> str | None:
+    """xxh3-128 of this rank's share of every frozen parameter, in order: cheap (local data,
+    no collective) and identical when the base was rebuilt bit for bit. None when the
+    partitions sit on NVMe, where reading them back would cost a full swap-in."""
+    import torch
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        local = _local_share(p, rank)
+        if local is None:
+            return None
+        digest.update(name.encode())
+        digest.update(local.detach().contiguous().cpu().view(torch.uint8).numpy())  # buffer, no copy
+    return digest.hexdigest()
+
+
+def _local_share(p, rank: int):
+    """The elements of a parameter this rank holds: its ZeRO-3 partition without the
+    padding of the last one (DeepSpeed pads it with uninitialised memory), or all of it."""
+    if not hasattr(p, "ds_tensor"):
+        return p.data.reshape(-1)
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    if p.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE:
+        return None
+    size = p.ds_tensor.ds_numel
+    valid = max(0, min(size, p.ds_numel - rank * size))
+    return p.ds_tensor.reshape(-1).narrow(0, 0, valid)
+
+
+def check_and_record(model, state, rank: int, world_size: int) -> None:
+    """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on;
+    then record its fingerprint and peft's adapter config in the loop state, so that every
+    checkpoint says which base it needs and how to read its adapters (adapters.write_peft_dir)."""
+    import torch.distributed as dist
+
+    prints = [None] * world_size
+    dist.all_gather_object(prints, base_fingerprint(model, rank))
+    saved = state.extra.get(BASE_FINGERPRINT)
+    comparable = saved and len(saved) == len(prints) and None not in saved and None not in prints
+    if comparable and saved != prints:
+        raise ConfigError(
+            f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at "
+            f"step {state.step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. "
+            f"Point model.path at the same weights (or keep model.config, train.seed and train.precision "
+            f"as they were), or start over with --no-resume")
+    state.extra[BASE_FINGERPRINT] = prints
+    state.extra[ADAPTER_CONFIG_KEY] = adapter_config(model)
