@@ -266,3 +266,14 @@ def test_peak_rss_stays_under_max_ram(wide_run, tmp_path):
     assert tensors[embed].shape == (32000, 512)
     assert torch.equal(tensors[embed], reference[embed].to(torch.bfloat16))
     assert torch.equal(tensors["lm_head.weight"], reference["lm_head.weight"].to(torch.bfloat16))
+
+
+def test_sizes_read_as_people_write_them():
+    from zerofit.config import ConfigError
+    from zerofit.memory import parse_bytes
+
+    assert parse_bytes("5GB", "x") == 5 * 10**9 and parse_bytes("24GiB", "x") == 24 << 30
+    assert parse_bytes("512MiB", "x") == 512 << 20 and parse_bytes("1.5g", "x") == 3 << 29
+    assert parse_bytes("4096", "x") == 4096 and parse_bytes(7, "x") == 7
+    with pytest.raises(ConfigError, match="--max-ram='2 gigs' is not a size"):
+        parse_bytes("2 gigs", "--max-ram")

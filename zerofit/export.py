@@ -21,6 +21,7 @@ import os
 import shutil
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -39,7 +40,7 @@ SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float3
                       torch.uint8: "U8", torch.bool: "BOOL"}
 DEFAULT_MAX_RAM = "2GiB"
 DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to
-MAX_BLOCK_ELEMENTS = 1 << 24    # 64 MiB of fp32 per read: syscalls and Python cost nothing next to the copy
+MAX_BLOCK_ELEMENTS = 1 << 23    # 32 MiB of fp32 per read: syscalls and Python cost nothing next to the copy
 WORKING_SLACK = 32 << 20        # Python objects, the progress bar, allocator rounding
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "*.gguf")
 
@@ -228,9 +229,9 @@ def plan_shards(tensors: list[OutputTensor], shard_bytes: int) -> list[Shard]:
 
 
 def block_elements(tensors: list[OutputTensor], max_ram: int, baseline_rss: int, dtype: torch.dtype) -> int:
-    """Elements per read block: the fp32 block, its cast copy and a 16-bit staging
+    """Elements per read block: two (fp32 block, cast copy) pairs and a 16-bit staging
     buffer (frozen pieces) must fit in what --max-ram leaves beside the process itself."""
-    per_element = 4 + dtype.itemsize + 2
+    per_element = 2 * (4 + dtype.itemsize) + 2
     room = max_ram - baseline_rss - WORKING_SLACK
     elements = min(MAX_BLOCK_ELEMENTS, room // per_element)
     needed = max(t.row_numel for t in tensors)
@@ -253,12 +254,12 @@ def check_destination(out: Path, overwrite: bool) -> None:
 def write_model(directory: Path, shards: list[Shard], block: int, progress: bool = True) -> None:
     """Every shard, then the index (several shards) as save_pretrained writes it."""
     reader = zerofiles.TensorReader()
-    work = torch.empty(block, dtype=torch.float32)
-    cast = torch.empty(block * 4, dtype=torch.uint8)  # reinterpreted as the output dtype
+    # Two (fp32 block, cast block) pairs: one is being written while the next is filled.
+    buffers = [(torch.empty(block, dtype=torch.float32), torch.empty(block * 4, dtype=torch.uint8)) for _ in range(2)]
     try:
         with ByteProgress("export", sum(s.nbytes for s in shards), progress) as bar:
             for shard in shards:
-                write_shard(directory / shard.filename, shard, reader, work, cast, bar)
+                write_shard(directory / shard.filename, shard, reader, buffers, bar)
     finally:
         reader.close()
     if len(shards) > 1:
@@ -281,32 +282,62 @@ def safetensors_header(tensors: list[OutputTensor]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_shard(path: Path, shard: Shard, reader: zerofiles.TensorReader, work: torch.Tensor,
-                cast: torch.Tensor, bar: ByteProgress) -> None:
+class OverlappedWriter:
+    """Appends blocks to a file on a background thread, at most one in flight, so the disk
+    writes while the caller reads and casts the next block (file writes release the GIL)."""
+
+    def __init__(self, f):
+        self.f, self._pending = f, None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofit-export-writer")
+
+    def write(self, data) -> None:
+        self.wait()
+        self._pending = self._pool.submit(self.f.write, data)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
+
+
+def write_shard(path: Path, shard: Shard, reader: zerofiles.TensorReader, buffers: list, bar: ByteProgress) -> None:
     with open(path, "wb") as f:
-        f.write(safetensors_header(shard.tensors))
-        for tensor in shard.tensors:
-            write_tensor(f, tensor, reader, work, cast, bar)
+        writer = OverlappedWriter(f)
+        try:
+            writer.write(safetensors_header(shard.tensors))
+            blocks = (b for tensor in shard.tensors for b in tensor_blocks(tensor, reader, buffers))
+            for data in blocks:
+                writer.write(data)
+                bar.advance(len(data))
+        finally:
+            writer.close()
         f.flush()
         os.fsync(f.fileno())
         # Drop the written pages from the page cache: under a cgroup memory limit they count.
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def write_tensor(f, tensor: OutputTensor, reader: zerofiles.TensorReader, work: torch.Tensor,
-                 cast: torch.Tensor, bar: ByteProgress) -> None:
-    """Stream one tensor in blocks of whole rows: read fp32, transform, cast, append."""
+def tensor_blocks(tensor: OutputTensor, reader: zerofiles.TensorReader, buffers: list):
+    """One tensor's bytes in blocks of whole rows: read fp32, transform, cast. Blocks
+    alternate between the two buffer pairs; OverlappedWriter has finished with a pair
+    before it comes round again (it waits for block i before taking block i + 1)."""
     numel = math.prod(tensor.shape)
     if not tensor.dtype.is_floating_point:  # integer buffers: small, copied as stored
         data = torch.empty(numel, dtype=tensor.dtype)
         reader.read(tensor.source, 0, numel, data)
-        f.write(_bytes(data))
-        bar.advance(tensor.nbytes)
+        yield _bytes(data)
         return
     row = tensor.row_numel
     rows = tensor.shape[0] if tensor.shape else 1
-    per_block = max(1, work.numel() // row)
-    for first in range(0, rows, per_block):
+    per_block = max(1, buffers[0][0].numel() // row)
+    for i, first in enumerate(range(0, rows, per_block)):
+        work, cast = buffers[i % 2]
         end = min(rows, first + per_block)
         count = (end - first) * row
         block = work[:count]
@@ -320,8 +351,7 @@ def write_tensor(f, tensor: OutputTensor, reader: zerofiles.TensorReader, work: 
                 raise ExportError(f"{tensor.name} holds values beyond float16's range (+-65504); "
                                   f"export with --dtype bf16 or fp32")
             block = converted
-        f.write(_bytes(block))
-        bar.advance(count * tensor.dtype.itemsize)
+        yield _bytes(block)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,8 +1,7 @@
 """`zerofit generate` / `zerofit chat`: run an exported model within a GPU budget.
 
 Placement: the model's layers fill `--gpu-mem` (minus room for the KV cache, the layer
-being streamed in and the CUDA kernels' workspace) through accelerate's
-infer_auto_device_map; the rest stays in host RAM and accelerate's hooks copy each
+being streamed in and the kernels' workspace) through accelerate's infer_auto_device_map; the rest stays in host RAM and accelerate's hooks copy each
 offloaded layer to the GPU when it runs. The budget is enforced with
 torch.cuda.set_per_process_memory_fraction, so "12GiB" on an 80 GiB card behaves like a
 12 GiB card. Without a GPU everything runs on the CPU.
@@ -63,9 +62,13 @@ class Loaded:
 @dataclass
 class Generation:
     text: str
+    token_ids: list[int]
     prompt_tokens: int
-    new_tokens: int
     seconds: float
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,7 +97,12 @@ def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "
     if not on_gpu:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype)
         return Loaded(model.eval(), tokenizer, "cpu", str(torch_dtype), {"cpu_bytes": model_bytes(model)})
-    device_map, placement = plan_placement(config, torch_dtype, gpu_mem, context_tokens)
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else total
+    if budget > total:
+        raise ConfigError(f"--gpu-mem {human_bytes(budget)} is more than the GPU's {human_bytes(total)}")
+    torch.cuda.set_per_process_memory_fraction(budget / total)  # the budget is the allocator's cap
+    device_map, placement = plan_placement(config, torch_dtype, budget, context_tokens)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype,
                                                  device_map=device_map)
     return Loaded(model.eval(), tokenizer, "cuda:0", str(torch_dtype), placement)
@@ -114,30 +122,26 @@ def resolve_dtype(dtype: str, config, on_gpu: bool):
     return getattr(torch, saved) if isinstance(saved, str) else saved
 
 
-def plan_placement(config, torch_dtype, gpu_mem: str | int | None, context_tokens: int) -> tuple[dict, dict]:
-    """accelerate's device map for a GPU budget; the budget becomes the allocator's cap."""
+def plan_placement(config, torch_dtype, budget: int, context_tokens: int = DEFAULT_CONTEXT,
+                   host_bytes: int | None = None) -> tuple[dict, dict]:
+    """accelerate's device map of the model's layers for `budget` bytes of GPU 0, on a
+    skeleton with no weights (meta tensors): (device_map, placement summary)."""
     import psutil
-    import torch
     from accelerate import infer_auto_device_map, init_empty_weights
     from accelerate.utils import compute_module_sizes
     from transformers import AutoModelForCausalLM
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    budget = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else total
-    if budget > total:
-        raise ConfigError(f"--gpu-mem {human_bytes(budget)} is more than the GPU's {human_bytes(total)}")
-    torch.cuda.set_per_process_memory_fraction(budget / total)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     no_split = list(getattr(skeleton, "_no_split_modules", None) or [])
     sizes = compute_module_sizes(skeleton, dtype=torch_dtype)
-    layer_bytes = max((sizes[name] for name, module in skeleton.named_modules()
-                       if type(module).__name__ in no_split), default=0)
-    reserve = kv_cache_bytes(config, torch_dtype, context_tokens) + 2 * layer_bytes + RUNTIME_RESERVE
+    # The room an offloaded layer needs while it runs on the GPU is kept free by
+    # infer_auto_device_map itself (it subtracts the largest layer on the main device).
+    reserve = kv_cache_bytes(config, torch_dtype, context_tokens) + RUNTIME_RESERVE
     if budget <= reserve:
         raise ConfigError(f"--gpu-mem {human_bytes(budget)} leaves no room for weights: the KV cache for "
-                          f"{context_tokens} tokens, one streamed layer and the runtime need {human_bytes(reserve)}")
-    host = int(psutil.virtual_memory().available * 0.9)
+                          f"{context_tokens} tokens and the runtime need {human_bytes(reserve)}")
+    host = host_bytes if host_bytes is not None else int(psutil.virtual_memory().available * 0.9)
     device_map = infer_auto_device_map(skeleton, max_memory={0: budget - reserve, "cpu": host},
                                        no_split_module_classes=no_split, dtype=torch_dtype)
     if "disk" in device_map.values():
@@ -197,9 +201,8 @@ def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampl
     if input_ids.numel() == 0:
         raise ConfigError("--prompt is empty after tokenization; give some text")
     output, seconds = run(loaded, input_ids, sampling)
-    new = output[0, input_ids.shape[1]:]
-    return Generation(loaded.tokenizer.decode(new, skip_special_tokens=True), int(input_ids.shape[1]),
-                      int(new.numel()), seconds)
+    new = output[0, input_ids.shape[1]:].tolist()
+    return Generation(loaded.tokenizer.decode(new, skip_special_tokens=True), new, int(input_ids.shape[1]), seconds)
 
 
 # ------------------------------------------------------------------------------ chat

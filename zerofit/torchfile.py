@@ -98,6 +98,12 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored):
     return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), contiguous)
 
 
+def _storage_type(name: str):
+    """What torch.load maps a pickled `torch.FloatStorage`-style name to (has .dtype)."""
+    storage_type = getattr(torch.serialization, "StorageType", None)
+    return storage_type(name) if storage_type else getattr(torch, name)
+
+
 def _rebuild_parameter(data, *_ignored):
     return data
 
@@ -121,7 +127,7 @@ class _LazyUnpickler(pickle.Unpickler):
         if module in ("torch._tensor", "torch.tensor") and name == "_rebuild_from_type_v2":
             return _rebuild_from_type
         if isinstance(name, str) and "Storage" in name and module == "torch":
-            return torch.serialization.StorageType(name)  # what torch.load maps these names to
+            return _storage_type(name)
         if module.split(".")[0] in _REAL_MODULES:
             return super().find_class({"torch.tensor": "torch._tensor"}.get(module, module), name)
         return _opaque(module, name)
