@@ -277,3 +277,24 @@ def test_sizes_read_as_people_write_them():
     assert parse_bytes("4096", "x") == 4096 and parse_bytes(7, "x") == 7
     with pytest.raises(ConfigError, match="--max-ram='2 gigs' is not a size"):
         parse_bytes("2 gigs", "--max-ram")
+
+
+class _Payload:
+    """What a crafted checkpoint could carry: a pickle that runs a command when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
+    from zerofit.torchfile import Opaque, TorchFile
+
+    marker = tmp_path / "ran"
+    torch.save({"weights": torch.arange(6.0).view(2, 3), "trap": _Payload(marker)}, tmp_path / "crafted.pt")
+    loaded = TorchFile(tmp_path / "crafted.pt").load()
+    assert isinstance(loaded["trap"], Opaque) and not marker.exists()
+    ref = loaded["weights"]
+    assert ref.shape == (2, 3) and ref.dtype == torch.float32

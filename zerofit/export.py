@@ -254,8 +254,7 @@ def check_destination(out: Path, overwrite: bool) -> None:
 def write_model(directory: Path, shards: list[Shard], block: int, progress: bool = True) -> None:
     """Every shard, then the index (several shards) as save_pretrained writes it."""
     reader = zerofiles.TensorReader()
-    # Two (fp32 block, cast block) pairs: one is being written while the next is filled.
-    buffers = [(torch.empty(block, dtype=torch.float32), torch.empty(block * 4, dtype=torch.uint8)) for _ in range(2)]
+    buffers = BlockBuffers(block)
     try:
         with ByteProgress("export", sum(s.nbytes for s in shards), progress) as bar:
             for shard in shards:
@@ -282,6 +281,22 @@ def safetensors_header(tensors: list[OutputTensor]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+class BlockBuffers:
+    """Two (fp32 block, cast block) pairs handed out in turn, across tensors and shards:
+    block k+2 reuses block k's memory, and OverlappedWriter has finished writing block k
+    before it accepts block k+1, which is before block k+2 is filled."""
+
+    def __init__(self, elements: int):
+        self.elements = elements
+        self._pairs = [(torch.empty(elements, dtype=torch.float32), torch.empty(elements * 4, dtype=torch.uint8))
+                       for _ in range(2)]
+        self._turn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._turn ^= 1
+        return self._pairs[self._turn]
+
+
 class OverlappedWriter:
     """Appends blocks to a file on a background thread, at most one in flight, so the disk
     writes while the caller reads and casts the next block (file writes release the GIL)."""
@@ -306,7 +321,8 @@ class OverlappedWriter:
             self._pool.shutdown()
 
 
-def write_shard(path: Path, shard: Shard, reader: zerofiles.TensorReader, buffers: list, bar: ByteProgress) -> None:
+def write_shard(path: Path, shard: Shard, reader: zerofiles.TensorReader, buffers: BlockBuffers,
+                bar: ByteProgress) -> None:
     with open(path, "wb") as f:
         writer = OverlappedWriter(f)
         try:
@@ -323,10 +339,8 @@ def write_shard(path: Path, shard: Shard, reader: zerofiles.TensorReader, buffer
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def tensor_blocks(tensor: OutputTensor, reader: zerofiles.TensorReader, buffers: list):
-    """One tensor's bytes in blocks of whole rows: read fp32, transform, cast. Blocks
-    alternate between the two buffer pairs; OverlappedWriter has finished with a pair
-    before it comes round again (it waits for block i before taking block i + 1)."""
+def tensor_blocks(tensor: OutputTensor, reader: zerofiles.TensorReader, buffers: BlockBuffers):
+    """One tensor's bytes in blocks of whole rows: read fp32, transform, cast."""
     numel = math.prod(tensor.shape)
     if not tensor.dtype.is_floating_point:  # integer buffers: small, copied as stored
         data = torch.empty(numel, dtype=tensor.dtype)
@@ -335,9 +349,9 @@ def tensor_blocks(tensor: OutputTensor, reader: zerofiles.TensorReader, buffers:
         return
     row = tensor.row_numel
     rows = tensor.shape[0] if tensor.shape else 1
-    per_block = max(1, buffers[0][0].numel() // row)
-    for i, first in enumerate(range(0, rows, per_block)):
-        work, cast = buffers[i % 2]
+    per_block = max(1, buffers.elements // row)
+    for first in range(0, rows, per_block):
+        work, cast = buffers.next()
         end = min(rows, first + per_block)
         count = (end - first) * row
         block = work[:count]

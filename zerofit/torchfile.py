@@ -13,8 +13,11 @@ holding `<prefix>/data.pkl`, the pickled object whose tensors are persistent ids
 per storage with its raw little-endian bytes. Tensors are rebuilt by
 torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...).
 
-Classes the pickle names outside torch and the standard containers (DeepSpeed's enums,
-its loss scaler) become `Opaque` placeholders, so reading needs no DeepSpeed import.
+Only an allowlist of globals is resolved for real (containers, torch dtypes and sizes,
+the tensor rebuild functions); every other class the pickle names (DeepSpeed's enums, its
+loss scaler, anything a crafted file might smuggle in) becomes an inert `Opaque`
+placeholder. So reading needs no DeepSpeed import, and unlike torch.load(weights_only=
+False) no checkpoint can run code through this reader.
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ import torch
 
 from zerofit.config import ConfigError
 
-# Modules whose classes are rebuilt for real; anything else becomes an Opaque placeholder.
-_REAL_MODULES = ("builtins", "collections", "copyreg", "torch", "_codecs")
+# Globals resolved for real; anything else becomes an Opaque placeholder.
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("collections", "defaultdict"), ("copyreg", "_reconstructor"),
+                 ("_codecs", "encode"), ("torch", "Size"), ("torch", "device")} | \
+    {("builtins", name) for name in ("object", "set", "frozenset", "slice", "range", "complex", "bytearray")}
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header (APPNOTE 4.3.7), 30 bytes
 
 
@@ -101,7 +106,10 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored):
 def _storage_type(name: str):
     """What torch.load maps a pickled `torch.FloatStorage`-style name to (has .dtype)."""
     storage_type = getattr(torch.serialization, "StorageType", None)
-    return storage_type(name) if storage_type else getattr(torch, name)
+    try:
+        return storage_type(name) if storage_type else getattr(torch, name)
+    except (KeyError, AttributeError):
+        raise TorchFileError(f"unknown storage type torch.{name} in the file") from None
 
 
 def _rebuild_parameter(data, *_ignored):
@@ -120,16 +128,19 @@ class _LazyUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str):
+        module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)  # protocol 2 names
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_tensor
         if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
             return _rebuild_parameter
         if module in ("torch._tensor", "torch.tensor") and name == "_rebuild_from_type_v2":
             return _rebuild_from_type
-        if isinstance(name, str) and "Storage" in name and module == "torch":
+        if module == "torch" and name.endswith("Storage"):
             return _storage_type(name)
-        if module.split(".")[0] in _REAL_MODULES:
-            return super().find_class({"torch.tensor": "torch._tensor"}.get(module, module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
         return _opaque(module, name)
 
     def persistent_load(self, saved_id):
