@@ -298,3 +298,29 @@ def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
     assert isinstance(loaded["trap"], Opaque) and not marker.exists()
     ref = loaded["weights"]
     assert ref.shape == (2, 3) and ref.dtype == torch.float32
+
+
+def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
+    """What a LoRA merge will plug into: a transform on row blocks before the cast."""
+    from safetensors.torch import load_file
+
+    from zerofit.export import output_tensors, plan_shards, write_model
+    from zerofit.zerofiles import open_checkpoint
+
+    checkpoint_dir = one_rank / "checkpoints" / "step-000002"
+    tensors = output_tensors(open_checkpoint(checkpoint_dir), torch.float32, tied=False)
+    seen = []
+
+    def add_row_index(first, end, rows):
+        seen.append((first, end))
+        return rows + torch.arange(first, end, dtype=rows.dtype).view(-1, *[1] * (rows.dim() - 1))
+
+    target = next(t for t in tensors if t.name == "model.embed_tokens.weight")  # 128 rows of 64
+    target.transform = add_row_index
+    write_model(tmp_path, plan_shards(tensors, 10**9), block=64 * 5, progress=False)
+    assert seen[0] == (0, 5) and seen[-1] == (125, 128) and len(seen) == 26
+    written = load_file(tmp_path / "model.safetensors")
+    reference = deepspeed_state_dict(checkpoint_dir)
+    expected = reference[target.name] + torch.arange(128.0).view(-1, 1)
+    assert torch.equal(written[target.name], expected)
+    assert torch.equal(written["model.norm.weight"], reference["model.norm.weight"])
