@@ -1,7 +1,8 @@
 """zerofit: fine-tune language models many times larger than the GPU on DeepSpeed ZeRO-3
 with CPU/NVMe offload, and never die of memory.
 
-Each CLI verb is also a function: `zerofit.train(config)`, `zerofit.load_config(...)`.
+Each CLI verb is also a function: `zerofit.train(config)`, `zerofit.load_config(...)`,
+`zerofit.export(run_dir, out)`, `zerofit.generate(model_dir, prompt)`, `zerofit.chat(model_dir)`.
 Heavy imports (torch, deepspeed) happen only when a verb runs.
 """
 __version__ = "0.1.0"
@@ -12,6 +13,14 @@ def __getattr__(name):
         from zerofit.train import train
 
         return train
+    if name == "export":
+        from zerofit.export import export
+
+        return export
+    if name in ("generate", "chat"):
+        from zerofit import infer
+
+        return getattr(infer, name)
     if name == "load_config":
         from zerofit.config import load
 

@@ -55,6 +55,55 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from zerofit.export import export
+
+    export(args.source, args.out, dtype=args.dtype, max_ram=args.max_ram, shard_size=args.shard_size,
+           verify=args.verify, overwrite=args.overwrite, model_dir=args.model_dir, hashes=args.hashes)
+    return 0
+
+
+def sampling_from(args):
+    from zerofit.infer import Sampling
+
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, min_new_tokens=args.min_new_tokens, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from zerofit.infer import describe, generate, load
+    from zerofit.progress import say
+
+    loaded = load(args.model_dir, args.gpu_mem, args.dtype)
+    result = generate(loaded, args.prompt, sampling_from(args))
+    print(result.text)
+    say(f"{result.new_tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s "
+        f"(prompt {result.prompt_tokens} tokens; {describe(loaded)})")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from zerofit.infer import chat
+
+    chat(args.model_dir, sampling_from(args), args.gpu_mem, args.dtype)
+    return 0
+
+
+def add_inference_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory (what `zerofit export` writes)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate (128)")
+    parser.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
+                        help="generate at least N tokens even past end-of-sequence (benchmarks)")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sample at temperature T (default: greedy)")
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling (default: greedy)")
+    parser.add_argument("--top-k", type=int, metavar="K", help="top-k sampling (default: greedy)")
+    parser.add_argument("--seed", type=int, help="sampling seed")
+    parser.add_argument("--gpu-mem", metavar="SIZE",
+                        help="GPU budget, e.g. 12GiB: layers beyond it run from CPU RAM (default: the whole GPU)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                        help="compute dtype (auto: the saved dtype on a GPU, fp32 on a CPU)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerofit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"zerofit {__import__('zerofit').__version__}")
@@ -76,6 +125,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(config)
     config.add_argument("--example", action="store_true", help="every key with its default and doc")
     config.set_defaults(run=cmd_config)
+
+    export = verbs.add_parser("export", help="ZeRO-3 checkpoint -> Hugging Face safetensors model, under a RAM cap")
+    export.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run directory (its newest complete checkpoint) or one checkpoint directory")
+    export.add_argument("--out", required=True, metavar="DIR", help="the model directory to write")
+    export.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights dtype (bf16)")
+    export.add_argument("--max-ram", metavar="SIZE",
+                        help="peak host RAM of the export process (default 2GiB; it reads in blocks that fit)")
+    export.add_argument("--shard-size", metavar="SIZE", help="largest safetensors file (default 5GB)")
+    export.add_argument("--verify", action="store_true",
+                        help="load the export and compare its logits with DeepSpeed's own reconstruction "
+                             "(holds the model twice in RAM)")
+    export.add_argument("--overwrite", action="store_true", help="replace --out if it holds files")
+    export.add_argument("--model-dir", metavar="DIR",
+                        help="config.json + tokenizer (default: RUN_DIR/model, or next to a DeepSpeed checkpoint)")
+    export.add_argument("--hashes", action="store_true",
+                        help="check the checkpoint's file hashes, not only sizes, before reading")
+    export.set_defaults(run=cmd_export)
+
+    generate = verbs.add_parser("generate", help="complete a prompt with a model directory, within a GPU budget")
+    add_inference_args(generate)
+    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (no chat template)")
+    generate.set_defaults(run=cmd_generate)
+
+    chat = verbs.add_parser("chat", help="interactive chat (the tokenizer's chat template, streamed tokens)")
+    add_inference_args(chat)
+    chat.set_defaults(run=cmd_chat)
     return parser
 
 

@@ -7,6 +7,7 @@ reset at every mark), so recording needs no device synchronisation.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -94,3 +95,35 @@ def budget_summary(on_gpu: bool) -> str:
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return f"gpu {gib(torch.cuda.max_memory_allocated())}/{gib(total)} host {host}"
 
+
+
+# Decimal units as Hugging Face writes shard sizes ("5GB"), binary ones as GPUs are sold ("24GiB").
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, what: str) -> int:
+    """`24GiB`, `5GB`, `512MiB`, `1.5g` (k/m/g/t alone are binary) or a plain byte count."""
+    from zerofit.config import ConfigError
+
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise ConfigError(f"{what}={text!r} is not a size; write e.g. 24GiB, 5GB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{int(n)}B"
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water RSS since it started (the kernel's ru_maxrss, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -12,7 +12,7 @@ console = Console(stderr=True, highlight=False)
 
 
 def say(message: str) -> None:
-    console.print(message)
+    console.print(message, soft_wrap=True)
 
 
 def warn(message: str) -> None:
@@ -52,5 +52,40 @@ class StepProgress:
         return time.strftime("%H:%M:%S", time.gmtime(seconds))
 
     def close(self) -> None:
+        if self._progress:
+            self._progress.stop()
+
+
+class ByteProgress:
+    """A bar over bytes written (size, speed, ETA) on a terminal; a plain line every 5 s
+    otherwise. Used as a context manager."""
+
+    def __init__(self, label: str, total_bytes: int, enabled: bool = True):
+        from rich.progress import DownloadColumn, TransferSpeedColumn
+
+        self.label, self.total, self.done = label, total_bytes, 0
+        self.enabled = enabled
+        self._last_line = time.monotonic()
+        self._progress = None
+        if enabled and sys.stderr.isatty():
+            self._progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                      console=console, transient=False)
+            self._task = self._progress.add_task(label, total=total_bytes)
+
+    def __enter__(self) -> "ByteProgress":
+        if self._progress:
+            self._progress.start()
+        return self
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self._progress:
+            self._progress.update(self._task, completed=self.done)
+        elif self.enabled and time.monotonic() - self._last_line > 5:
+            self._last_line = time.monotonic()
+            say(f"{self.label} {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB")
+
+    def __exit__(self, *exc) -> None:
         if self._progress:
             self._progress.stop()

@@ -1,0 +1,326 @@
+"""`zerofit export` on real ZeRO-3 checkpoints written by `zerofit train` (1 rank bf16,
+2 ranks fp32), checked against DeepSpeed's own reconstruction. Refusals run in-process
+(they touch no DeepSpeed state); exports that verify run as the CLI."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_zerofit, tiny_config, write_config
+from zerofit.cli import main
+from zerofit.export import export
+from zerofit.models import PRESETS
+
+
+def deepspeed_state_dict(checkpoint_dir):
+    """The independent reference: DeepSpeed's get_fp32_state_dict_from_zero_checkpoint."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
+
+
+def exported_tensors(out_dir) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(out_dir.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def assert_logits_match(out_dir, checkpoint_dir, rel_tol=5e-2):
+    """from_pretrained(export) vs a model built from the config with DeepSpeed's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    exported, info = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out_dir), dtype=torch.float32)
+    reference.load_state_dict(deepspeed_state_dict(checkpoint_dir), strict=False)
+    reference.tie_weights()
+    ids = torch.tensor([[1, 40, 73, 80, 80, 83, 4, 91, 83, 86, 80, 72, 2]])
+    with torch.no_grad():
+        got, want = exported(ids).logits, reference(ids).logits
+    scale = float(want.abs().max())
+    assert scale > 0.1
+    assert float((got - want).abs().max()) <= rel_tol * scale
+    return got, want
+
+
+def odd_model_config(path):
+    """Tied embeddings and a 129-element bias: partitions padded when split over 2 ranks."""
+    fields = dict(PRESETS["tiny"], tie_word_embeddings=True, mlp_bias=True, intermediate_size=129)
+    path.write_text(json.dumps(fields))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from zerofit.demo import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """bf16, 1 rank, checkpoints at steps 1 and 2."""
+    base = tmp_path_factory.mktemp("one")
+    config = tiny_config(base / "run", train={"max_steps": 2}, eval={"at_end": False, "every_steps": 0},
+                         checkpoint={"every_steps": 1, "keep_last": 2})
+    run_zerofit(["train", "--config", str(write_config(base / "c.yaml", config))])
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def one_rank_export(one_rank, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "model"
+    done = run_zerofit(["export", str(one_rank), "--out", str(out), "--verify"])
+    return out, done
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tokenizer_dir):
+    """fp32 training (optimizer files without the bf16_ prefix) on 2 ranks."""
+    base = tmp_path_factory.mktemp("two")
+    config = tiny_config(base / "run", model={"config": str(odd_model_config(base / "odd.json")),
+                                              "tokenizer": str(tokenizer_dir)},
+                         train={"max_steps": 2, "precision": "fp32"}, eval={"at_end": False, "every_steps": 0},
+                         checkpoint={"every_steps": 0})
+    run_zerofit(["train", "--config", str(write_config(base / "c.yaml", config))], nproc=2)
+    return base / "run"
+
+
+# ----------------------------------------------------------------------- correctness
+def test_one_rank_export_equals_deepspeed_reconstruction(one_rank, one_rank_export):
+    out, done = one_rank_export
+    assert "verify: logits" in done.stderr and ": ok" in done.stderr
+    assert "exported step-000002" in done.stderr
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    reference = deepspeed_state_dict(one_rank / "checkpoints" / "step-000002")
+    tensors = exported_tensors(out)
+    assert set(tensors) == set(reference)
+    for name, tensor in tensors.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+    assert_logits_match(out, one_rank / "checkpoints" / "step-000002")
+    assert not list(out.parent.glob(".tmp-*"))
+
+
+def test_two_ranks_padded_partitions_and_tied_embeddings(two_ranks, tmp_path):
+    out = tmp_path / "model"
+    done = run_zerofit(["export", str(two_ranks), "--out", str(out), "--verify"])
+    assert "2 rank(s), fp32 training" in done.stderr and ": ok" in done.stderr
+    checkpoint_dir = two_ranks / "checkpoints" / "step-000002"
+    assert (checkpoint_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    reference = deepspeed_state_dict(checkpoint_dir)
+    tensors = exported_tensors(out)
+    assert "lm_head.weight" not in tensors  # tied: from_pretrained ties it to the embedding again
+    assert tensors["model.layers.0.mlp.up_proj.bias"].shape == (129,)  # 65 + 65 - 1 pad element
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+    assert_logits_match(out, checkpoint_dir)
+
+
+def test_fp32_and_fp16_exports(two_ranks, tmp_path):
+    checkpoint_dir = two_ranks / "checkpoints" / "step-000002"
+    reference = deepspeed_state_dict(checkpoint_dir)
+    for dtype, torch_dtype, tol in (("fp32", torch.float32, 1e-5), ("fp16", torch.float16, 1e-2)):
+        result = export(checkpoint_dir, tmp_path / dtype, dtype=dtype, progress=False)
+        assert result.dtype == dtype and result.world_size == 2
+        tensors = exported_tensors(tmp_path / dtype)
+        assert json.loads((tmp_path / dtype / "config.json").read_text())["dtype"] == str(torch_dtype)[6:]
+        assert result.output_bytes == sum(t.numel() * torch_dtype.itemsize for t in tensors.values())
+        for name, tensor in tensors.items():
+            assert tensor.dtype == torch_dtype
+            assert torch.equal(tensor, reference[name].to(torch_dtype)), name
+        assert_logits_match(tmp_path / dtype, checkpoint_dir, rel_tol=tol)
+
+
+def test_shard_size_is_respected(one_rank, one_rank_export, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "sharded"
+    export(one_rank, out, shard_size="40KB", progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 4 and set(index["weight_map"].values()) == {p.name for p in shards}
+    single = exported_tensors(one_rank_export[0])
+    assert set(index["weight_map"]) == set(single)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in single.values())
+    for path in shards:
+        data_bytes = path.stat().st_size - 8 - int.from_bytes(path.read_bytes()[:8], "little")
+        assert data_bytes <= 40_000 or len(load_file(path)) == 1, (path.name, data_bytes)
+    sharded = exported_tensors(out)
+    assert all(torch.equal(sharded[name], single[name]) for name in single)
+    assert_logits_match(out, one_rank / "checkpoints" / "step-000002")
+
+
+def test_the_export_generates(one_rank_export):
+    done = run_zerofit(["generate", str(one_rank_export[0]), "--prompt", "Add the two numbers.",
+                        "--max-new-tokens", "6", "--min-new-tokens", "6"])
+    assert "6 new tokens" in done.stderr and "tokens/s" in done.stderr
+
+
+# ---------------------------------------------------------------------- refusals
+def test_newest_complete_checkpoint_is_taken_and_a_truncated_one_refused(one_rank, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(one_rank, run)
+    optim = run / "checkpoints" / "step-000002" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with open(optim, "r+b") as f:
+        f.truncate(optim.stat().st_size // 2)
+    assert main(["export", str(run / "checkpoints" / "step-000002"), "--out", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert "not a complete checkpoint" in err and "truncated" in err
+    assert not (tmp_path / "a").exists()
+    assert main(["export", str(run), "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "skipping step-000002" in err and "exported step-000001" in err
+    (run / "checkpoints" / "step-000001" / "MANIFEST.json").unlink()
+    assert main(["export", str(run), "--out", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no complete checkpoint" in err and "no MANIFEST.json" in err
+
+
+def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["export", str(one_rank), "--out", str(one_rank_export[0])]) == 1
+    err = capsys.readouterr().err
+    assert "not empty" in err and "--overwrite" in err
+    assert (one_rank_export[0] / "model.safetensors").is_file()  # nothing lost
+    with pytest.raises(SystemExit) as usage:
+        main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--dtype", "int4"])
+    assert usage.value.code == 2
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--max-ram", "10MiB"]) == 1
+    assert "--max-ram 10.0MiB is too small" in capsys.readouterr().err
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--shard-size", "lots"]) == 1
+    assert "--shard-size='lots' is not a size" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_deepspeed_checkpoint_without_manifest(one_rank, tmp_path, capsys):
+    """HF Trainer's layout: checkpoint-2/{latest, global_step2/, config.json, tokenizer}."""
+    trainer = tmp_path / "checkpoint-2"
+    shutil.copytree(one_rank / "model", trainer)
+    (trainer / "global_step2").mkdir()
+    for f in (one_rank / "checkpoints" / "step-000002").glob("*_states.pt"):
+        shutil.copy(f, trainer / "global_step2" / f.name)
+    (trainer / "latest").write_text("global_step2")
+    assert main(["export", str(trainer), "--out", str(tmp_path / "out")]) == 0
+    assert "no zerofit MANIFEST.json" in capsys.readouterr().err
+    assert_logits_match(tmp_path / "out", trainer / "global_step2")
+
+
+# --------------------------------------------------------------------- the RAM cap
+def peak_rss_of(cmd: list[str], tmp_path) -> tuple[int, int, str]:
+    """(exit code, peak RSS in bytes as the kernel counted it, stderr) of a child process."""
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    return child.returncode, usage.ru_maxrss * 1024, err.read_text()
+
+
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory, tokenizer_dir):
+    """A 41M-parameter model (164 MB of fp32 master weights), one step."""
+    base = tmp_path_factory.mktemp("wide")
+    fields = dict(PRESETS["tiny"], vocab_size=32000, hidden_size=512, intermediate_size=1024,
+                  num_attention_heads=8, num_key_value_heads=8)
+    (base / "wide.json").write_text(json.dumps(fields))
+    config = tiny_config(base / "run", model={"config": str(base / "wide.json"), "tokenizer": str(tokenizer_dir)},
+                         train={"max_steps": 1, "seq_len": 32, "micro_batch_size": 1},
+                         eval={"at_end": False, "every_steps": 0}, checkpoint={"every_steps": 0, "verify": "sizes"})
+    run_zerofit(["train", "--config", str(write_config(base / "c.yaml", config))])
+    return base / "run"
+
+
+def test_peak_rss_stays_under_max_ram(wide_run, tmp_path):
+    code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export, zerofit.zerofiles"],
+                                      tmp_path)
+    assert code == 0, err
+    room = 96 << 20
+    cap = baseline + room
+    code, peak, err = peak_rss_of([sys.executable, "-m", "zerofit", "export", str(wide_run), "--out",
+                                   str(tmp_path / "out"), "--max-ram", str(cap)], tmp_path)
+    assert code == 0, err
+    out_bytes = sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors"))
+    fp32_bytes = out_bytes * 2
+    assert fp32_bytes > 1.5 * room  # the whole model could not have been held
+    assert peak <= cap, f"peak RSS {peak / 2**20:.0f} MiB > cap {cap / 2**20:.0f} MiB (baseline {baseline / 2**20:.0f})"
+    reference = deepspeed_state_dict(wide_run / "checkpoints" / "step-000001")
+    tensors = exported_tensors(tmp_path / "out")
+    embed = "model.embed_tokens.weight"
+    assert tensors[embed].shape == (32000, 512)
+    assert torch.equal(tensors[embed], reference[embed].to(torch.bfloat16))
+    assert torch.equal(tensors["lm_head.weight"], reference["lm_head.weight"].to(torch.bfloat16))
+
+
+def test_sizes_read_as_people_write_them():
+    from zerofit.config import ConfigError
+    from zerofit.memory import parse_bytes
+
+    assert parse_bytes("5GB", "x") == 5 * 10**9 and parse_bytes("24GiB", "x") == 24 << 30
+    assert parse_bytes("512MiB", "x") == 512 << 20 and parse_bytes("1.5g", "x") == 3 << 29
+    assert parse_bytes("4096", "x") == 4096 and parse_bytes(7, "x") == 7
+    with pytest.raises(ConfigError, match="--max-ram='2 gigs' is not a size"):
+        parse_bytes("2 gigs", "--max-ram")
+
+
+class _Payload:
+    """What a crafted checkpoint could carry: a pickle that runs a command when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
+    from zerofit.torchfile import Opaque, TorchFile
+
+    marker = tmp_path / "ran"
+    torch.save({"weights": torch.arange(6.0).view(2, 3), "trap": _Payload(marker)}, tmp_path / "crafted.pt")
+    loaded = TorchFile(tmp_path / "crafted.pt").load()
+    assert isinstance(loaded["trap"], Opaque) and not marker.exists()
+    ref = loaded["weights"]
+    assert ref.shape == (2, 3) and ref.dtype == torch.float32
+
+
+def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
+    """What a LoRA merge will plug into: a transform on row blocks before the cast."""
+    from safetensors.torch import load_file
+
+    from zerofit.export import output_tensors, plan_shards, write_model
+    from zerofit.zerofiles import open_checkpoint
+
+    checkpoint_dir = one_rank / "checkpoints" / "step-000002"
+    tensors = output_tensors(open_checkpoint(checkpoint_dir), torch.float32, tied=False)
+    seen = []
+
+    def add_row_index(first, end, rows):
+        seen.append((first, end))
+        return rows + torch.arange(first, end, dtype=rows.dtype).view(-1, *[1] * (rows.dim() - 1))
+
+    target = next(t for t in tensors if t.name == "model.embed_tokens.weight")  # 128 rows of 64
+    target.transform = add_row_index
+    write_model(tmp_path, plan_shards(tensors, 10**9), block=64 * 5, progress=False)
+    assert seen[0] == (0, 5) and seen[-1] == (125, 128) and len(seen) == 26
+    written = load_file(tmp_path / "model.safetensors")
+    reference = deepspeed_state_dict(checkpoint_dir)
+    expected = reference[target.name] + torch.arange(128.0).view(-1, 1)
+    assert torch.equal(written[target.name], expected)
+    assert torch.equal(written["model.norm.weight"], reference["model.norm.weight"])

@@ -1,0 +1,132 @@
+"""`zerofit generate` / `zerofit chat` on the CPU with a tiny random Llama saved as a
+Hugging Face directory (the GPU placement is measured by bench/generate_bench.py)."""
+import io
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, run_zerofit
+from zerofit.infer import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.demo import build_tokenizer
+    from zerofit.models import config_from_name
+
+    directory = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return load(model_dir)
+
+
+def greedy_chain(model, input_ids, steps: int, eos: int, min_new: int) -> list[int]:
+    """Greedy decoding by hand: argmax of the last position, EOS barred for min_new steps."""
+    ids, out = input_ids, []
+    with torch.no_grad():
+        for i in range(steps):
+            logits = model(ids).logits[0, -1]
+            if i < min_new:
+                logits[eos] = -float("inf")
+            token = int(logits.argmax())
+            out.append(token)
+            if token == eos:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def test_greedy_generation_is_the_argmax_chain(loaded):
+    result = generate(loaded, "Add the two numbers.", Sampling(max_new_tokens=10, min_new_tokens=10))
+    assert result.new_tokens == 10 and result.tokens_per_s > 0 and result.prompt_tokens == 20
+    input_ids = loaded.tokenizer("Add the two numbers.", return_tensors="pt").input_ids
+    assert result.token_ids == greedy_chain(loaded.model, input_ids, 10, loaded.tokenizer.eos_token_id, 10)
+    assert result.text == loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_sampling_follows_its_seed(loaded):
+    def sample(seed):
+        return generate(loaded, "Reverse the word.", Sampling(max_new_tokens=12, min_new_tokens=12,
+                                                              temperature=1.0, top_k=50, seed=seed)).token_ids
+
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+    greedy = generate(loaded, "Reverse the word.", Sampling(max_new_tokens=12, min_new_tokens=12)).token_ids
+    assert greedy == generate(loaded, "Reverse the word.", Sampling(max_new_tokens=12, min_new_tokens=12)).token_ids
+
+
+def test_chat_keeps_the_history_and_uses_the_template(loaded):
+    out = io.StringIO()
+    history = chat(loaded, Sampling(max_new_tokens=6, min_new_tokens=6),
+                   stdin=io.StringIO("hello\n\n/reset\nhi there\nand again?\n/exit\nnever read\n"), stdout=out)
+    assert [turn["role"] for turn in history] == ["user", "assistant", "user", "assistant"]
+    assert [turn["content"] for turn in history[::2]] == ["hi there", "and again?"]
+    # three answers streamed, one line each; /reset forgot the first exchange
+    assert out.getvalue().endswith(f"\n{history[1]['content']}\n{history[3]['content']}\n")
+    # The second answer is what greedy decoding gives for the whole conversation so far.
+    prompt = loaded.tokenizer.apply_chat_template(history[:3], add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+    assert prompt.shape[1] > len("hi there") + len("and again?")
+    tokens = greedy_chain(loaded.model, prompt, 6, loaded.tokenizer.eos_token_id, 6)
+    assert history[3]["content"] == loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_long_history_drops_the_oldest_turns(loaded):
+    history = [{"role": r, "content": f"turn {i} " + "x" * 40} for i, r in enumerate(["user", "assistant"] * 3)]
+    history.append({"role": "user", "content": "last"})
+    ids = chat_input_ids(loaded.tokenizer, history, limit=80)
+    assert ids.shape[1] <= 80
+    assert history[-1]["content"] == "last" and len(history) < 7
+
+
+def test_chat_answers_through_a_pipe(model_dir):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "zerofit", "chat", str(model_dir), "--max-new-tokens", "5",
+                           "--min-new-tokens", "5"], input="hello\nwhat now?\n", capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("[5 tokens, ") == 2 and "tokens/s]" in done.stderr
+    assert done.stdout.count("\n") >= 2  # two streamed answers
+
+
+def test_gpu_budget_without_a_gpu_runs_on_the_cpu(model_dir, capsys):
+    loaded = load(model_dir, gpu_mem="12GiB")
+    assert loaded.device == "cpu" and "no GPU visible" in capsys.readouterr().err
+
+
+def test_kv_cache_reserve_of_llama_8b():
+    from zerofit.models import config_from_name
+
+    # 32 layers x (keys + values) x 8 KV heads x 128 dims x 4096 tokens x 2 bytes = 512 MiB
+    assert kv_cache_bytes(config_from_name("llama-8b"), torch.bfloat16, 4096) == 512 << 20
+
+
+def test_placement_of_an_8b_model_in_12_and_24_gib():
+    """accelerate's device map on a weightless skeleton: what `--gpu-mem` puts where."""
+    from zerofit.config import ConfigError
+    from zerofit.infer import plan_placement
+    from zerofit.models import config_from_name
+
+    config = config_from_name("llama-8b")
+    _, small = plan_placement(config, torch.bfloat16, 12 << 30, host_bytes=64 << 30)
+    total = small["gpu_weight_bytes"] + small["cpu_weight_bytes"]
+    assert 15.9e9 < total < 16.2e9  # 8.03e9 bf16 parameters
+    assert small["reserve_bytes"] == (512 << 20) * 2  # KV cache for 4096 tokens + runtime
+    assert 6e9 < small["gpu_weight_bytes"] <= (12 << 30) - small["reserve_bytes"]
+    assert small["cpu_weight_bytes"] > 4e9 and small["modules_per_device"]["cpu"] > 0
+    _, large = plan_placement(config, torch.bfloat16, 24 << 30, host_bytes=64 << 30)
+    assert large["cpu_weight_bytes"] == 0 and large["gpu_weight_bytes"] == total
+    with pytest.raises(ConfigError, match="leaves no room for weights"):
+        plan_placement(config, torch.bfloat16, 1 << 30, host_bytes=64 << 30)

@@ -1,0 +1,409 @@
+"""`zerofit export`: a ZeRO-3 training checkpoint -> a Hugging Face model directory
+(sharded safetensors, config.json, generation_config.json, tokenizer files) that
+`from_pretrained` loads, written tensor by tensor under a host-RAM cap.
+
+How it stays small: the fp32 master partitions are read straight from the per-rank
+optimizer files (zerofiles.py, torchfile.py) in blocks of whole rows, cast to the
+output dtype and appended to the shard file whose safetensors header was written first
+(all names, shapes and dtypes are known before any data is read). Peak RAM is the
+process itself plus two blocks, whatever the model's size.
+
+The seam for later steps (a LoRA merge): `output_tensors()` lists what will be written;
+each `OutputTensor` may carry a `transform(first_row, end_row, fp32_block) -> fp32_block`
+applied to every block before the cast, and callers may rename, drop or add tensors in
+that list before `write_model()`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from zerofit import checkpoint, zerofiles
+from zerofit.config import ConfigError
+from zerofit.memory import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
+from zerofit.progress import ByteProgress, say, warn
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# safetensors' dtype names (safetensors/src/tensor.rs, Dtype)
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+DEFAULT_MAX_RAM = "2GiB"
+DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to
+MAX_BLOCK_ELEMENTS = 1 << 23    # 32 MiB of fp32 per read: syscalls and Python cost nothing next to the copy
+WORKING_SLACK = 32 << 20        # Python objects, the progress bar, allocator rounding
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "*.gguf")
+
+BlockTransform = Callable[[int, int, torch.Tensor], torch.Tensor]
+
+
+class ExportError(ConfigError):
+    """An export that cannot proceed; the message says why and what to do."""
+
+
+@dataclass
+class OutputTensor:
+    """One tensor of the exported model and where its elements come from."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: zerofiles.StoredTensor
+    transform: BlockTransform | None = None
+    """(first_row, end_row, fp32 rows shaped (rows, *shape[1:])) -> the rows to write."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+
+@dataclass
+class Shard:
+    filename: str
+    tensors: list[OutputTensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    checkpoint: Path
+    world_size: int
+    training_precision: str
+    dtype: str
+    tensors: int
+    shards: int
+    output_bytes: int
+    parameters: int
+    seconds: float
+    baseline_rss_bytes: int
+    peak_rss_bytes: int
+    max_ram_bytes: int
+    verify: dict | None = None
+
+
+# ----------------------------------------------------------------------------- verb
+def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: str | int | None = None,
+           shard_size: str | int | None = None, verify: bool = False, overwrite: bool = False,
+           model_dir: str | Path | None = None, hashes: bool = False, progress: bool = True) -> ExportResult:
+    """Export the checkpoint at `source` (a run directory: its newest complete checkpoint;
+    or one checkpoint directory) into the model directory `out`."""
+    started = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    max_ram_bytes = parse_bytes(max_ram or DEFAULT_MAX_RAM, "--max-ram")
+    shard_bytes = parse_bytes(shard_size or DEFAULT_SHARD_SIZE, "--shard-size")
+    out = Path(out)
+    checkpoint_dir, config_dir = locate(Path(source), Path(model_dir) if model_dir else None, hashes)
+    check_destination(out, overwrite)
+    model_config = read_model_config(config_dir)
+    zero = zerofiles.open_checkpoint(checkpoint_dir)
+    tensors = output_tensors(zero, DTYPES[dtype], ties_embeddings(model_config))
+    shards = plan_shards(tensors, shard_bytes)
+    baseline = host_rss_bytes()
+    block = block_elements(tensors, max_ram_bytes, baseline, DTYPES[dtype])
+
+    staging = out.parent / f"{checkpoint.TMP_PREFIX}export-{out.name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        write_model(staging, shards, block, progress)
+        write_model_files(staging, config_dir, model_config, dtype)
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    result = ExportResult(out, checkpoint_dir, zero.world_size, zero.precision, dtype, len(tensors), len(shards),
+                          sum(s.nbytes for s in shards), sum(math.prod(t.shape) for t in tensors),
+                          time.perf_counter() - started, baseline, peak_rss_bytes(), max_ram_bytes)
+    say(summary(result))
+    if result.peak_rss_bytes > max_ram_bytes:
+        warn(f"peak RSS {human_bytes(result.peak_rss_bytes)} passed --max-ram {human_bytes(max_ram_bytes)}")
+    if verify:
+        from zerofit.exportcheck import verify_export
+
+        result.verify = verify_export(out, checkpoint_dir)
+    return result
+
+
+def summary(result: ExportResult) -> str:
+    return (f"exported {result.checkpoint.name} ({result.world_size} rank(s), {result.training_precision} "
+            f"training) -> {result.out_dir}: {result.tensors} tensors, {result.parameters:,} parameters, "
+            f"{result.shards} shard(s), {human_bytes(result.output_bytes)} {result.dtype} in {result.seconds:.1f} s; "
+            f"peak RSS {human_bytes(result.peak_rss_bytes)} (cap {human_bytes(result.max_ram_bytes)})")
+
+
+# -------------------------------------------------------------------- what to read
+def locate(source: Path, model_dir: Path | None, hashes: bool) -> tuple[Path, Path]:
+    """(checkpoint directory, directory with config.json and the tokenizer)."""
+    if not source.is_dir():
+        raise ExportError(f"{source} is not a directory; give a run directory or a checkpoint directory")
+    root = source / "checkpoints" if (source / "checkpoints").is_dir() else \
+        source if any(source.glob("step-*")) else None
+    if root is not None:  # a run directory (or its checkpoints/): the newest complete checkpoint
+        found, skipped = checkpoint.find_latest_valid(root, hashes)
+        for name, reason in skipped:
+            warn(f"skipping {name}: {reason}")
+        if found is None:
+            why = "; ".join(f"{name}: {reason}" for name, reason in skipped) or "none was saved"
+            raise ExportError(f"{root} holds no complete checkpoint ({why}); export one whose save finished")
+        return found, model_dir or root.parent / "model"
+    if (source / checkpoint.MANIFEST).exists() or (source / checkpoint.LOOP_STATE).exists() \
+            or source.name.startswith(("step-", checkpoint.TMP_PREFIX)):
+        reason = checkpoint.verify(source, hashes)
+        if reason is not None:
+            raise ExportError(f"{source} is not a complete checkpoint: {reason}; export the run directory "
+                              f"instead to take the newest complete one")
+        return source, model_dir or source.parent.parent / "model"
+    tag_file = source / "latest"  # DeepSpeed's own layout, e.g. HF Trainer's checkpoint-N/global_stepN
+    if tag_file.is_file() and (source / tag_file.read_text().strip()).is_dir():
+        source = source / tag_file.read_text().strip()
+    if any(source.glob("*_model_states.pt")):
+        warn(f"{source} has no zerofit MANIFEST.json; only that every rank's files are present and readable "
+             f"is checked")
+        parent_has_config = (source.parent / "config.json").is_file()
+        return source, model_dir or (source.parent if parent_has_config else source)
+    raise ExportError(f"{source} is neither a run directory (with checkpoints/), a checkpoint directory "
+                      f"(checkpoints/step-N) nor a DeepSpeed checkpoint (*_model_states.pt)")
+
+
+def read_model_config(config_dir: Path) -> dict:
+    path = config_dir / "config.json"
+    if not path.is_file():
+        raise ExportError(f"no config.json in {config_dir}; pass --model-dir DIR with the model's config.json "
+                          f"and tokenizer files")
+    return json.loads(path.read_text())
+
+
+def ties_embeddings(model_config: dict) -> bool:
+    # PretrainedConfig's default is True; text_config for multimodal wrappers.
+    return bool(model_config.get("tie_word_embeddings", (model_config.get("text_config") or {})
+                                 .get("tie_word_embeddings", True)))
+
+
+def output_tensors(zero: zerofiles.ZeroCheckpoint, dtype: torch.dtype, tied: bool) -> list[OutputTensor]:
+    """The tensors to write, in model order: floating ones cast to `dtype`, integer
+    buffers as they are (DeepSpeed's to_torch_tensor does the same). A parameter DeepSpeed
+    saw shared (shared_params: alias -> owner, e.g. lm_head.weight -> embed_tokens.weight)
+    is written once when the config ties embeddings, as save_pretrained does:
+    from_pretrained ties it again; otherwise it is written under both names."""
+    def out_dtype(stored: zerofiles.StoredTensor) -> torch.dtype:
+        return dtype if stored.dtype.is_floating_point else stored.dtype
+
+    tensors = [OutputTensor(t.name, t.shape, out_dtype(t), t) for t in zero.tensors]
+    by_name = {t.name: t for t in zero.tensors}
+    for alias, owner in zero.shared.items():
+        if owner in by_name and alias not in by_name and not tied:
+            tensors.append(OutputTensor(alias, by_name[owner].shape, out_dtype(by_name[owner]), by_name[owner]))
+    return tensors
+
+
+def plan_shards(tensors: list[OutputTensor], shard_bytes: int) -> list[Shard]:
+    """Consecutive tensors per file up to `shard_bytes` (a larger tensor gets a file of its
+    own); names as save_pretrained writes them."""
+    shards = [Shard("")]
+    for tensor in tensors:
+        if shards[-1].tensors and shards[-1].nbytes + tensor.nbytes > shard_bytes:
+            shards.append(Shard(""))
+        shards[-1].tensors.append(tensor)
+    for i, shard in enumerate(shards):
+        shard.filename = "model.safetensors" if len(shards) == 1 else \
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    return shards
+
+
+def block_elements(tensors: list[OutputTensor], max_ram: int, baseline_rss: int, dtype: torch.dtype) -> int:
+    """Elements per read block: two (fp32 block, cast copy) pairs and a 16-bit staging
+    buffer (frozen pieces) must fit in what --max-ram leaves beside the process itself."""
+    per_element = 2 * (4 + dtype.itemsize) + 2
+    room = max_ram - baseline_rss - WORKING_SLACK
+    elements = min(MAX_BLOCK_ELEMENTS, room // per_element)
+    needed = max(t.row_numel for t in tensors)
+    if elements < needed:
+        least = baseline_rss + WORKING_SLACK + needed * per_element
+        raise ExportError(f"--max-ram {human_bytes(max_ram)} is too small: the process itself holds "
+                          f"{human_bytes(baseline_rss)} and one row of the widest tensor needs "
+                          f"{human_bytes(needed * per_element)}; give at least {human_bytes(least)}")
+    return int(elements)
+
+
+def check_destination(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+
+
+# ------------------------------------------------------------------------- writing
+def write_model(directory: Path, shards: list[Shard], block: int, progress: bool = True) -> None:
+    """Every shard, then the index (several shards) as save_pretrained writes it."""
+    reader = zerofiles.TensorReader()
+    buffers = BlockBuffers(block)
+    try:
+        with ByteProgress("export", sum(s.nbytes for s in shards), progress) as bar:
+            for shard in shards:
+                write_shard(directory / shard.filename, shard, reader, buffers, bar)
+    finally:
+        reader.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(s.nbytes for s in shards),
+                              "total_parameters": sum(math.prod(t.shape) for s in shards for t in s.tensors)},
+                 "weight_map": {t.name: s.filename for s in shards for t in s.tensors}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def safetensors_header(tensors: list[OutputTensor]) -> bytes:
+    """The 8-byte little-endian length and the JSON header of the safetensors format
+    (huggingface/safetensors, docs "Format"): offsets relative to the data, padded to 8."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in tensors:
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class BlockBuffers:
+    """Two (fp32 block, cast block) pairs handed out in turn, across tensors and shards:
+    block k+2 reuses block k's memory, and OverlappedWriter has finished writing block k
+    before it accepts block k+1, which is before block k+2 is filled."""
+
+    def __init__(self, elements: int):
+        self.elements = elements
+        self._pairs = [(torch.empty(elements, dtype=torch.float32), torch.empty(elements * 4, dtype=torch.uint8))
+                       for _ in range(2)]
+        self._turn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._turn ^= 1
+        return self._pairs[self._turn]
+
+
+class OverlappedWriter:
+    """Appends blocks to a file on a background thread, at most one in flight, so the disk
+    writes while the caller reads and casts the next block (file writes release the GIL)."""
+
+    def __init__(self, f):
+        self.f, self._pending = f, None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofit-export-writer")
+
+    def write(self, data) -> None:
+        self.wait()
+        self._pending = self._pool.submit(self.f.write, data)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
+
+
+def write_shard(path: Path, shard: Shard, reader: zerofiles.TensorReader, buffers: BlockBuffers,
+                bar: ByteProgress) -> None:
+    with open(path, "wb") as f:
+        writer = OverlappedWriter(f)
+        try:
+            writer.write(safetensors_header(shard.tensors))
+            blocks = (b for tensor in shard.tensors for b in tensor_blocks(tensor, reader, buffers))
+            for data in blocks:
+                writer.write(data)
+                bar.advance(len(data))
+        finally:
+            writer.close()
+        f.flush()
+        os.fsync(f.fileno())
+        # Drop the written pages from the page cache: under a cgroup memory limit they count.
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def tensor_blocks(tensor: OutputTensor, reader: zerofiles.TensorReader, buffers: BlockBuffers):
+    """One tensor's bytes in blocks of whole rows: read fp32, transform, cast."""
+    numel = math.prod(tensor.shape)
+    if not tensor.dtype.is_floating_point:  # integer buffers: small, copied as stored
+        data = torch.empty(numel, dtype=tensor.dtype)
+        reader.read(tensor.source, 0, numel, data)
+        yield _bytes(data)
+        return
+    row = tensor.row_numel
+    rows = tensor.shape[0] if tensor.shape else 1
+    per_block = max(1, buffers.elements // row)
+    for first in range(0, rows, per_block):
+        work, cast = buffers.next()
+        end = min(rows, first + per_block)
+        count = (end - first) * row
+        block = work[:count]
+        reader.read(tensor.source, first * row, end * row, block)
+        if tensor.transform is not None:
+            block = tensor.transform(first, end, block.view(end - first, *tensor.shape[1:])).reshape(-1)
+        if tensor.dtype != torch.float32:
+            converted = cast[:count * tensor.dtype.itemsize].view(tensor.dtype)
+            converted.copy_(block)
+            if tensor.dtype == torch.float16 and torch.isinf(converted).any():
+                raise ExportError(f"{tensor.name} holds values beyond float16's range (+-65504); "
+                                  f"export with --dtype bf16 or fp32")
+            block = converted
+        yield _bytes(block)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(torch.uint8).numpy())
+
+
+def write_model_files(directory: Path, config_dir: Path, model_config: dict, dtype: str) -> None:
+    """config.json (dtype set to the export's), generation_config.json, and every
+    tokenizer/chat-template file of the run's model directory."""
+    config = dict(model_config)
+    config["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
+    if "torch_dtype" in config:  # transformers 4 reads this key
+        config["torch_dtype"] = config["dtype"]
+    config["use_cache"] = True
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if not (config_dir / "generation_config.json").is_file():
+        generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                      if config.get(key) is not None}
+        (directory / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **generation},
+                                                                     indent=2) + "\n")
+    weights = {p.name for pattern in WEIGHT_PATTERNS for p in config_dir.glob(pattern)}
+    for path in config_dir.iterdir():
+        if path.is_file() and path.name != "config.json" and path.name not in weights:
+            shutil.copy2(path, directory / path.name)
+    for path in directory.iterdir():
+        checkpoint.fsync_file(path)
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Rename the finished directory into place; an old one at `out` (--overwrite) goes
+    only once the new one is complete."""
+    checkpoint.fsync_dir(staging)
+    if out.exists():
+        old = out.parent / f"{checkpoint.TMP_PREFIX}old-{out.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+    checkpoint.fsync_dir(out.parent)

@@ -1,0 +1,275 @@
+"""`zerofit generate` / `zerofit chat`: run an exported model within a GPU budget.
+
+Placement: the model's layers fill `--gpu-mem` (minus room for the KV cache, the layer
+being streamed in and the kernels' workspace) through accelerate's infer_auto_device_map; the rest stays in host RAM and accelerate's hooks copy each
+offloaded layer to the GPU when it runs. The budget is enforced with
+torch.cuda.set_per_process_memory_fraction, so "12GiB" on an 80 GiB card behaves like a
+12 GiB card. Without a GPU everything runs on the CPU.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from zerofit.config import ConfigError
+from zerofit.memory import human_bytes, parse_bytes
+from zerofit.progress import say, warn
+
+RUNTIME_RESERVE = 512 << 20  # CUDA kernels' workspace, logits, sampling temporaries
+DEFAULT_CONTEXT = 4096       # tokens the KV-cache reserve is sized for
+TORCH_DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class Sampling:
+    """Greedy unless temperature, top_p or top_k is set."""
+    max_new_tokens: int = 128
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_new_tokens: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None and self.top_p is None and self.top_k is None
+
+    def generate_kwargs(self) -> dict:
+        kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": not self.greedy}
+        if self.min_new_tokens:
+            kwargs["min_new_tokens"] = self.min_new_tokens
+        if not self.greedy:
+            kwargs.update({k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
+                                             ("top_k", self.top_k)) if v is not None})
+        else:  # a generation_config.json with sampling defaults must not make greedy sample
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+
+@dataclass
+class Loaded:
+    model: object
+    tokenizer: object
+    device: str                     # where inputs go
+    dtype: str
+    placement: dict = field(default_factory=dict)  # bytes on gpu / cpu, layers per device
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    seconds: float
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- loading
+def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "auto",
+         context_tokens: int = DEFAULT_CONTEXT) -> Loaded:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{model_dir} holds no config.json; give a model directory (`zerofit export` writes one)")
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{model_dir} has no usable tokenizer ({e}); copy the tokenizer files next to "
+                          f"config.json") from None
+    on_gpu = torch.cuda.is_available()
+    if gpu_mem is not None and not on_gpu:
+        warn("no GPU visible: --gpu-mem ignored, running on the CPU")
+    torch_dtype = resolve_dtype(dtype, config, on_gpu)
+    if not on_gpu:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype)
+        return Loaded(model.eval(), tokenizer, "cpu", str(torch_dtype), {"cpu_bytes": model_bytes(model)})
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else total
+    if budget > total:
+        raise ConfigError(f"--gpu-mem {human_bytes(budget)} is more than the GPU's {human_bytes(total)}")
+    torch.cuda.set_per_process_memory_fraction(budget / total)  # the budget is the allocator's cap
+    device_map, placement = plan_placement(config, torch_dtype, budget, context_tokens)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype,
+                                                 device_map=device_map)
+    return Loaded(model.eval(), tokenizer, "cuda:0", str(torch_dtype), placement)
+
+
+def resolve_dtype(dtype: str, config, on_gpu: bool):
+    """auto: the dtype the model was saved in on a GPU, fp32 on a CPU (fast everywhere)."""
+    import torch
+
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(TORCH_DTYPES)}")
+    if dtype != "auto":
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    if not on_gpu:
+        return torch.float32
+    saved = getattr(config, "dtype", None) or torch.bfloat16
+    return getattr(torch, saved) if isinstance(saved, str) else saved
+
+
+def plan_placement(config, torch_dtype, budget: int, context_tokens: int = DEFAULT_CONTEXT,
+                   host_bytes: int | None = None) -> tuple[dict, dict]:
+    """accelerate's device map of the model's layers for `budget` bytes of GPU 0, on a
+    skeleton with no weights (meta tensors): (device_map, placement summary)."""
+    import psutil
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import compute_module_sizes
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    no_split = list(getattr(skeleton, "_no_split_modules", None) or [])
+    sizes = compute_module_sizes(skeleton, dtype=torch_dtype)
+    # The room an offloaded layer needs while it runs on the GPU is kept free by
+    # infer_auto_device_map itself (it subtracts the largest layer on the main device).
+    reserve = kv_cache_bytes(config, torch_dtype, context_tokens) + RUNTIME_RESERVE
+    if budget <= reserve:
+        raise ConfigError(f"--gpu-mem {human_bytes(budget)} leaves no room for weights: the KV cache for "
+                          f"{context_tokens} tokens and the runtime need {human_bytes(reserve)}")
+    host = host_bytes if host_bytes is not None else int(psutil.virtual_memory().available * 0.9)
+    device_map = infer_auto_device_map(skeleton, max_memory={0: budget - reserve, "cpu": host},
+                                       no_split_module_classes=no_split, dtype=torch_dtype)
+    if "disk" in device_map.values():
+        raise ConfigError(f"the model ({human_bytes(sizes[''])}) does not fit the GPU budget plus the host's "
+                          f"{human_bytes(host)} of free RAM")
+    on_gpu_bytes = sum(sizes[name] for name, device in device_map.items() if device != "cpu")
+    layers = {str(d): sum(1 for v in device_map.values() if v == d) for d in set(device_map.values())}
+    placement = {"gpu_budget_bytes": budget, "gpu_weight_bytes": on_gpu_bytes,
+                 "cpu_weight_bytes": sizes[""] - on_gpu_bytes, "reserve_bytes": reserve, "modules_per_device": layers}
+    return device_map, placement
+
+
+def kv_cache_bytes(config, torch_dtype, tokens: int) -> int:
+    """Keys and values of every layer for `tokens` positions (batch 1)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * tokens * torch_dtype.itemsize
+
+
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def describe(loaded: Loaded) -> str:
+    p = loaded.placement
+    if "gpu_weight_bytes" not in p:
+        return f"{human_bytes(p.get('cpu_bytes', 0))} of {loaded.dtype} weights on the CPU"
+    return (f"{human_bytes(p['gpu_weight_bytes'])} of weights on the GPU, {human_bytes(p['cpu_weight_bytes'])} "
+            f"offloaded to CPU (budget {human_bytes(p['gpu_budget_bytes'])}, {loaded.dtype})")
+
+
+# ------------------------------------------------------------------------ generating
+def run(loaded: Loaded, input_ids, sampling: Sampling, streamer=None) -> tuple[object, float]:
+    """model.generate on `input_ids`; (output ids, seconds)."""
+    import torch
+
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    input_ids = input_ids.to(loaded.device)
+    pad = loaded.tokenizer.pad_token_id
+    pad = loaded.tokenizer.eos_token_id if pad is None else pad
+    started = time.perf_counter()
+    with torch.no_grad():
+        output = loaded.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                       pad_token_id=pad, streamer=streamer, **sampling.generate_kwargs())
+    if loaded.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return output, time.perf_counter() - started
+
+
+def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampling(),
+             gpu_mem: str | int | None = None, dtype: str = "auto") -> Generation:
+    """Complete `prompt` (as raw text: no chat template)."""
+    loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
+    input_ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
+    if input_ids.numel() == 0:
+        raise ConfigError("--prompt is empty after tokenization; give some text")
+    output, seconds = run(loaded, input_ids, sampling)
+    new = output[0, input_ids.shape[1]:].tolist()
+    return Generation(loaded.tokenizer.decode(new, skip_special_tokens=True), new, int(input_ids.shape[1]), seconds)
+
+
+# ------------------------------------------------------------------------------ chat
+def chat_input_ids(tokenizer, history: list[dict], limit: int):
+    """The conversation as model input: the tokenizer's chat template when it has one,
+    else `role: text` lines; the oldest turns go first when it outgrows `limit` tokens."""
+    while True:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+        else:
+            text = "".join(f"{turn['role']}: {turn['content']}\n" for turn in history) + "assistant: "
+            ids = tokenizer(text, return_tensors="pt").input_ids
+        if ids.shape[1] <= limit or len(history) <= 1:
+            return ids[:, -limit:]
+        del history[:2]
+
+
+def chat(model: str | Path | Loaded, sampling: Sampling = Sampling(), gpu_mem: str | int | None = None,
+         dtype: str = "auto", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> list[dict]:
+    """Read a line, stream the answer, keep the history; /exit or end of input quits,
+    /reset forgets the conversation. Returns the history."""
+    from transformers import TextIteratorStreamer
+
+    loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
+    limit = max(16, getattr(loaded.model.config, "max_position_embeddings", 4096) - sampling.max_new_tokens)
+    interactive = stdin.isatty()
+    say(f"chat: {describe(loaded)}; /exit or Ctrl-D quits, /reset clears the history")
+    history: list[dict] = []
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            break
+        text = line.strip()
+        if text == "/reset":
+            history.clear()
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        input_ids = chat_input_ids(loaded.tokenizer, history, limit)
+        streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        done: dict = {}
+
+        def work():
+            try:
+                done["output"], done["seconds"] = run(loaded, input_ids, sampling, streamer)
+            except BaseException as e:  # surfaced in the main thread
+                done["error"] = e
+                streamer.end()
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        pieces = []
+        for piece in streamer:
+            stdout.write(piece)
+            stdout.flush()
+            pieces.append(piece)
+        thread.join()
+        if "error" in done:
+            raise done["error"]
+        stdout.write("\n")
+        stdout.flush()
+        history.append({"role": "assistant", "content": "".join(pieces)})
+        new_tokens = int(done["output"].shape[1] - input_ids.shape[1])
+        say(f"[{new_tokens} tokens, {new_tokens / done['seconds']:.1f} tokens/s]")
+    return history

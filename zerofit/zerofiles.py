@@ -1,0 +1,250 @@
+"""Where each tensor of a model lies inside a DeepSpeed ZeRO-3 checkpoint's per-rank files.
+
+A ZeRO-3 checkpoint directory holds, per data-parallel rank R:
+  zero_pp_rank_R_mp_rank_00_model_states.pt   param_shapes (per param group, in optimizer
+      order), buffer_names + the module's buffers, frozen_param_shapes/_fragments, shared_params
+  [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   optimizer_state_dict.fp32_flat_groups:
+      the rank's fp32 master partitions, one flat tensor per sub group ("bf16_" when
+      training ran in bf16; no prefix for fp16 and fp32)
+ZeRO-3 splits every parameter of N elements into world_size partitions of
+ceil(N / world_size) elements, the last padded with zeros (DeepSpeed's
+`zero3_partitioned_param_info` in deepspeed/utils/zero_to_fp32.py and
+`_partition_param` in runtime/zero/partition_parameters.py). Rank R's flat groups,
+concatenated, hold its partition of every parameter, in param_shapes order; the full
+parameter is the ranks' partitions end to end, cut to N. This module only works out
+those byte positions (`Piece`s); `TensorReader` copies a range of elements into a buffer.
+Key names are DeepSpeed's (deepspeed/checkpoint/constants.py); nothing imports DeepSpeed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zerofit.config import ConfigError
+from zerofit.torchfile import TensorRef, TorchFile, read_into
+
+MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+class ZeroCheckpointError(ConfigError):
+    """Files that do not form a readable ZeRO-3 checkpoint."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`numel` consecutive elements of a tensor, stored at `offset` bytes into `path`."""
+    path: Path
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclass
+class StoredTensor:
+    """One model tensor: its full shape and the pieces holding its flattened elements in
+    order (ZeRO-3 padding may run past `numel`; readers stop at `numel`)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+    kind: str  # "trainable" (fp32 master), "frozen" (16-bit fragments) or "buffer"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ZeroCheckpoint:
+    directory: Path
+    world_size: int
+    precision: str                    # what training ran in: bf16 | fp16 | fp32
+    ds_version: str
+    tensors: list[StoredTensor]       # model order
+    shared: dict[str, str] = field(default_factory=dict)  # alias -> name it shares storage with
+
+
+# ------------------------------------------------------------------------- reading
+def open_checkpoint(directory: Path) -> ZeroCheckpoint:
+    directory = Path(directory)
+    model_paths, optim_paths, bf16 = rank_files(directory)
+    world_size = len(model_paths)
+    files = {path: TorchFile(path) for path in model_paths + optim_paths}
+    model_states = [files[p].load() for p in model_paths]
+    optim_pickles = [files[p].load() for p in optim_paths]
+    optim_states = [pickle["optimizer_state_dict"] for pickle in optim_pickles]
+
+    first = optim_states[0]
+    stage = _plain(first.get("zero_stage"))
+    if stage != 3:
+        raise ZeroCheckpointError(f"{directory} is a ZeRO stage {stage} checkpoint; zerofit export reads "
+                                  f"ZeRO-3 (use DeepSpeed's zero_to_fp32.py for stages 1-2)")
+    partitions = _plain(first.get("partition_count"))
+    partitions = max(partitions) if isinstance(partitions, list) else partitions
+    if partitions != world_size:
+        raise ZeroCheckpointError(f"{directory}: the optimizer was partitioned over {partitions} ranks but "
+                                  f"{world_size} ranks' files are present; the checkpoint is incomplete")
+
+    tensors = trainable_tensors(model_states[0], optim_states, world_size, files, directory)
+    tensors += frozen_tensors(model_states, files)
+    tensors += buffer_tensors(model_states[0], files)
+    order = {name: i for i, name in enumerate(model_states[0].get("module", {}))}
+    tensors.sort(key=lambda t: order.get(t.name, len(order)))
+    ds_config = optim_pickles[0].get("ds_config") or {}
+    precision = "bf16" if bf16 else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
+    return ZeroCheckpoint(directory, world_size, precision, str(model_states[0].get("ds_version", "?")),
+                          tensors, dict(model_states[0].get("shared_params") or {}))
+
+
+def rank_files(directory: Path) -> tuple[list[Path], list[Path], bool]:
+    """Every rank's model-states and optim-states file, in rank order; True for bf16 names."""
+    models, optims, prefixes = {}, {}, set()
+    for path in directory.iterdir():
+        if m := MODEL_FILE.match(path.name):
+            _check_mp(m.group(2), path)
+            models[int(m.group(1))] = path
+        elif m := OPTIM_FILE.match(path.name):
+            _check_mp(m.group(3), path)
+            optims[int(m.group(2))] = path
+            prefixes.add(m.group(1) or "")
+    if not models or not optims:
+        raise ZeroCheckpointError(f"{directory} holds no DeepSpeed ZeRO files "
+                                  f"(zero_pp_rank_*_mp_rank_00_model_states.pt / *_optim_states.pt)")
+    if len(prefixes) > 1:
+        raise ZeroCheckpointError(f"{directory} mixes bf16_ and plain optimizer files from different runs")
+    expected = set(range(max(models) + 1))
+    for kind, found in (("model_states", models), ("optim_states", optims)):
+        if set(found) != expected or len(found) != len(models):
+            missing = sorted(expected - set(found)) or sorted(set(models) ^ set(optims))
+            raise ZeroCheckpointError(f"{directory}: {kind} files of rank(s) {missing} are missing; "
+                                      f"the checkpoint is incomplete")
+    return [models[r] for r in sorted(models)], [optims[r] for r in sorted(optims)], prefixes == {"bf16_"}
+
+
+def _check_mp(mp_rank: str, path: Path) -> None:
+    if int(mp_rank) != 0:
+        raise ZeroCheckpointError(f"{path.name}: tensor/model-parallel checkpoints (mp_rank > 0) are not "
+                                  f"supported; export one written by pure data parallelism")
+
+
+def _plain(value):
+    """An Opaque enum placeholder (ZeroStageEnum(3)) to its value."""
+    return value.args[0] if hasattr(value, "args") and value.args else value
+
+
+def trainable_tensors(model_state: dict, optim_states: list[dict], world_size: int, files: dict[Path, TorchFile],
+                      directory: Path) -> list[StoredTensor]:
+    """fp32 master weights: parameter i spans, on every rank, elements
+    [offset_i, offset_i + ceil(N_i / world_size)) of that rank's concatenated flat groups."""
+    shapes = {name: tuple(shape) for group in model_state["param_shapes"] for name, shape in group.items()}
+    streams = [_stream(state["fp32_flat_groups"]) for state in optim_states]
+    available = sum(ref.numel for _, ref in streams[0])
+    tensors, offset = [], 0
+    for name, shape in shapes.items():
+        partition = math.ceil(math.prod(shape) / world_size)
+        pieces = [p for stream in streams for p in _slice_stream(stream, offset, partition, files)]
+        tensors.append(StoredTensor(name, shape, torch.float32, pieces, "trainable"))
+        offset += partition
+    if offset != available:  # DeepSpeed's own sanity check in _zero3_merge_trainable_params
+        raise ZeroCheckpointError(f"{directory}: parameters need {offset} elements per rank but the fp32 "
+                                  f"groups hold {available}; the files do not belong together")
+    return tensors
+
+
+def _stream(groups: list[TensorRef]) -> list[tuple[int, TensorRef]]:
+    """(start element, group) for a rank's flat groups laid end to end."""
+    out, start = [], 0
+    for ref in groups:
+        if not ref.contiguous:
+            raise ZeroCheckpointError(f"{ref.storage.path}: a flat fp32 group is not contiguous")
+        out.append((start, ref))
+        start += ref.numel
+    return out
+
+
+def _slice_stream(stream: list[tuple[int, TensorRef]], start: int, numel: int,
+                  files: dict[Path, TorchFile]) -> list[Piece]:
+    """Pieces covering elements [start, start + numel) of a rank's stream (a partition may
+    straddle two sub groups, as DeepSpeed's GatheredTensor allows)."""
+    pieces, stop = [], start + numel
+    for group_start, ref in stream:
+        a, b = max(start, group_start), min(stop, group_start + ref.numel)
+        if a < b:
+            base = files[ref.storage.path].offset(ref)
+            pieces.append(Piece(ref.storage.path, base + (a - group_start) * ref.dtype.itemsize, b - a, ref.dtype))
+    if sum(p.numel for p in pieces) != numel:
+        raise ZeroCheckpointError("the fp32 groups end before the last parameter's partition")
+    return pieces
+
+
+def frozen_tensors(model_states: list[dict], files: dict[Path, TorchFile]) -> list[StoredTensor]:
+    """Parameters with requires_grad=False: each rank's model states hold its 16-bit partition."""
+    shapes = model_states[0].get("frozen_param_shapes") or {}
+    tensors = []
+    for name, shape in shapes.items():
+        refs = [state["frozen_param_fragments"][name] for state in model_states]
+        pieces = [_whole(r, files) for r in refs]
+        tensors.append(StoredTensor(name, tuple(shape), refs[0].dtype, pieces, "frozen"))
+    return tensors
+
+
+def buffer_tensors(model_state: dict, files: dict[Path, TorchFile]) -> list[StoredTensor]:
+    """Persistent buffers, saved whole in rank 0's module state dict."""
+    module = model_state.get("module") or {}
+    tensors = []
+    for name in model_state.get("buffer_names") or []:
+        ref = module.get(name)
+        if isinstance(ref, TensorRef):
+            tensors.append(StoredTensor(name, ref.shape, ref.dtype, [_whole(ref, files)], "buffer"))
+    return tensors
+
+
+def _whole(ref: TensorRef, files: dict[Path, TorchFile]) -> Piece:
+    if not ref.contiguous:
+        raise ZeroCheckpointError(f"{ref.storage.path}: a stored tensor is not contiguous")
+    return Piece(ref.storage.path, files[ref.storage.path].offset(ref), ref.numel, ref.dtype)
+
+
+# ------------------------------------------------------------------------- copying
+class TensorReader:
+    """Copies element ranges of stored tensors into caller-owned buffers, converting
+    16-bit pieces on the way; keeps one descriptor per file open."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def read(self, tensor: StoredTensor, start: int, stop: int, out: torch.Tensor) -> None:
+        """out[:] = tensor.flatten()[start:stop]; `out` is contiguous with stop - start elements."""
+        position = 0
+        for piece in tensor.pieces:
+            a, b = max(start, position), min(stop, position + piece.numel)
+            if a < b:
+                target = out[a - start:b - start]
+                offset = piece.offset + (a - position) * piece.dtype.itemsize
+                if piece.dtype == out.dtype:
+                    read_into(self._fd(piece.path), offset, target, piece.path)
+                else:
+                    staged = torch.empty(b - a, dtype=piece.dtype)
+                    read_into(self._fd(piece.path), offset, staged, piece.path)
+                    target.copy_(staged)
+            position += piece.numel
+            if position >= stop:
+                return
+        if position < stop:
+            raise ZeroCheckpointError(f"{tensor.name}: the checkpoint holds {position} elements, {stop} needed")
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
