@@ -137,7 +137,7 @@ def main() -> int:
     # --- zerofit's async save, training on
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
     started = time.perf_counter()
-    saver.io.arena.reserve(predicted // dist.world_size)  # the start-up prewarm: done in the background in a run
+    saver.io.arena.reserve(0)  # waits for the start-up prewarm (in a run it overlaps the first steps)
     prewarm_seconds = time.perf_counter() - started
     state = fresh_state(config, dist)
     saves = []

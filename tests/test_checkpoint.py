@@ -94,6 +94,9 @@ def test_retention_keeps_the_newest_valid_checkpoint(tmp_path):
     assert checkpoint.find_latest_valid(root)[0].name == "step-000005"
     assert (root / "latest").read_text() == "step-000006"
     assert not list(root.glob(".tmp-*"))
+    moved = checkpoint.set_aside(root)  # --no-resume: out of the way, not deleted
+    assert moved.names == ["step-000006", "step-000005"] and not checkpoint.published(root)
+    assert checkpoint.verify(moved.path / "step-000005", hashes=True) is None
 
 
 def test_free_space_check_and_size_prediction(tmp_path):

@@ -189,6 +189,28 @@ def remove_stale_tmp(root: Path) -> list[str]:
     return removed
 
 
+@dataclass
+class SetAside:
+    path: Path
+    names: list[str]
+
+
+def set_aside(root: Path) -> SetAside | None:
+    """Move the published checkpoints (and their universal copies) into
+    `earlier-<time>/`: a run that starts over must neither resume from them later nor
+    have its own checkpoints deleted by retention in their favour, and nothing saved is lost."""
+    found = published(root) + sorted(root.glob("universal-step-*"))
+    if not found:
+        return None
+    target = root / time.strftime("earlier-%Y%m%d-%H%M%S")
+    target.mkdir()
+    for path in found:
+        os.replace(path, target / path.name)
+    (root / LATEST).unlink(missing_ok=True)
+    fsync_dir(root)
+    return SetAside(target, [p.name for p in found])
+
+
 # ------------------------------------------------------------------------ publish
 def publish(tmp: Path, state: LoopState, written: dict[str, dict], zero_stage: int) -> Path:
     """Rank 0, once every rank's files are closed and fsynced: loop state, manifest (last),

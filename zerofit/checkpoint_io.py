@@ -255,7 +255,11 @@ class ZerofitCheckpointEngine(CheckpointEngine):
             self._write(state_dict, Path(path))
             return
         sources: list = []
-        skeleton = _detach(state_dict, sources, {})
+        try:
+            skeleton = _detach(state_dict, sources, {})
+        except Exception as e:  # noqa: BLE001 - recorded like a write error
+            self.error = f"copying the state of {Path(path).name}: {type(e).__name__}: {e}"
+            return
         self._queued.append(_File(Path(path), skeleton, sources))
 
     def load(self, path: str, map_location=None):
@@ -301,6 +305,8 @@ class ZerofitCheckpointEngine(CheckpointEngine):
         if not self.async_save:
             return
         files, self._queued = self._queued, []
+        if self.error:
+            return
         if not background:
             for f in files:
                 self._write(_fill(f.skeleton, f.sources), f.path)

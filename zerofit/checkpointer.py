@@ -57,6 +57,9 @@ def choose_resume(config: Config, dist, resume: bool | None) -> ResumePoint:
             say(f"removed {len(removed)} unfinished save(s) under {root}: {', '.join(removed)}")
         if resume is not False:
             point = _pick(root, config, dist.world_size)
+        elif moved := checkpoint.set_aside(root):
+            warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) to {moved.path}; "
+                 f"delete that directory when you no longer need them")
     if dist.world_size > 1:
         box = [point]
         torch_dist.broadcast_object_list(box, src=0)
@@ -89,6 +92,9 @@ def _pick(root: Path, config: Config, world_size: int) -> ResumePoint:
 
 
 class Checkpointer:
+    """Saves of one run: installs zerofit's checkpoint engine on the DeepSpeed engine,
+    holds the save in flight (at most one) and the SIGTERM flag."""
+
     def __init__(self, ds_engine, config: Config, dist, timeline: memory.Timeline):
         self.ds_engine, self.config, self.dist, self.timeline = ds_engine, config, dist, timeline
         self.root = checkpoints_root(config)
@@ -155,20 +161,9 @@ class Checkpointer:
             self._failed(state.step, name, None, problem)
             return
         tmp = self.root / f"{checkpoint.TMP_PREFIX}{name}"
-        if self.dist.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        self._barrier()
         baseline = memory.gpu_bytes(self.dist.on_gpu)["gpu_alloc"]
         started = time.perf_counter()
-        self.ds_engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False)
-        self.io.save(checkpoint.rng_state(), str(tmp / f"rng_state_rank{self.dist.rank}.pt"))
-        # every rank must take the same road (the sync road publishes through collectives now)
-        mode = "async" if self.settings.async_save and self._all(self.io.snapshot_fits()) else "sync"
-        if self.settings.async_save and mode == "sync" and self.dist.is_main:
-            warn(f"checkpoint {name} written synchronously: {self.io.fallback_reason or 'another rank is over its budget'}")
-        self.io.launch(background=mode == "async")
+        mode = self._write_files(tmp, name)
         self._pending = {"state": dataclasses.replace(state), "tmp": tmp, "name": name, "started": started,
                          "mode": mode}
         if mode == "sync":
@@ -177,6 +172,29 @@ class Checkpointer:
         residue = self._release_temporaries(baseline, name)
         self.timeline.mark(state.step, "save", seconds=round(stall, 3), checkpoint=name, mode=mode,
                            residue_bytes=residue, host_buffer_bytes=self.io.arena.capacity)
+
+    def _write_files(self, tmp: Path, name: str) -> str:
+        """DeepSpeed's files and this rank's RNG state into tmp, through zerofit's checkpoint
+        engine: written now ("sync"), or snapshotted and handed to the writer ("async")."""
+        if self.dist.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        try:
+            self.ds_engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False)
+        except OSError as e:  # a write outside the checkpoint engine (DeepSpeed's recovery scripts)
+            if self.dist.world_size > 1:
+                raise  # the other ranks wait inside DeepSpeed's barrier: only a restart helps
+            self.io.error = self.io.error or f"DeepSpeed's save_checkpoint: {e}"
+        self.io.save(checkpoint.rng_state(), str(tmp / f"rng_state_rank{self.dist.rank}.pt"))
+        # every rank must take the same road (the sync road publishes through collectives now)
+        mode = "async" if self.settings.async_save and self._all(self.io.snapshot_fits()) else "sync"
+        if self.settings.async_save and mode == "sync" and self.dist.is_main:
+            warn(f"checkpoint {name} written synchronously: "
+                 f"{self.io.fallback_reason or 'another rank is over its host RAM budget'}")
+        self.io.launch(background=mode == "async")
+        return mode
 
     @property
     def in_flight(self) -> bool:
@@ -264,9 +282,14 @@ class Checkpointer:
 
     def _reserve_host_buffer(self) -> None:
         """Fault the snapshot buffer's pages in now, in the background, so the first async
-        save copies into warm memory: sized from the last manifest or the formula."""
+        save copies into warm memory. Sized from the last manifest or the formula, with
+        slack for partition padding: a buffer found too small is reallocated at the save."""
         per_rank = checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage) // self.dist.world_size
-        threading.Thread(target=self.io.arena.reserve, args=(per_rank,), daemon=True,
+        nbytes = min(int(per_rank * 1.02) + (64 << 20), self.io.arena.max_bytes)
+        if self.dist.is_main:
+            say(f"async checkpoints: {memory.gib(nbytes)} of host RAM per rank for snapshots "
+                f"(at most {memory.gib(self.io.arena.max_bytes)}: checkpoint.async_host_max_gib)")
+        threading.Thread(target=self.io.arena.reserve, args=(nbytes,), daemon=True,
                          name="zerofit-host-buffer").start()
 
     def _release_temporaries(self, baseline: int, name: str) -> int:
