@@ -1,42 +1,59 @@
-"""Crash-safe checkpoints: atomic publish, manifest, retention, newest-valid resume.
+"""Crash-safe checkpoint files: atomic publish, manifest, verification, retention.
 
 A checkpoint is written into `checkpoints/.tmp-step-N/` (DeepSpeed's per-rank files, the
-per-rank RNG states, loop_state.json), every file fsynced, MANIFEST.json (files, sizes,
-hashes, step, world size, versions) written last, then the directory renamed to
-`step-N/` and `latest` replaced atomically. A directory without a manifest that verifies
-is never loaded, and retention never deletes the newest valid checkpoint.
+per-rank RNG states), every file fsynced as it is closed; then rank 0 writes
+loop_state.json and MANIFEST.json (every rank's files with sizes and xxh3 hashes, step,
+world size, versions, config hash) last, fsyncs the directory, renames it to `step-N/`
+and replaces `latest` atomically. A directory without a manifest that verifies is never
+loaded, and retention never deletes the newest valid checkpoint.
+
+Only files and policy live here; the DeepSpeed write path is checkpoint_io.py, the
+loop's side (sync/async save, resume, errors) checkpointer.py.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from zerofit.config import ConfigError
 
 MANIFEST = "MANIFEST.json"
 LOOP_STATE = "loop_state.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
-HASH = "xxh3_128"  # ~10 GB/s on one core: affordable on every save and resume
+STEP_DIR = re.compile(r"^step-(\d+)$")
+# xxh3_128 hashes 25.8 GB/s on one core of the 2-core CI machine (1 GiB in memory; sha256
+# there: 1.7 GB/s); reading a file back and hashing it runs at 3.4-4.3 GB/s from the page
+# cache, i.e. the check is bound by the disk read (2.2 GB/s on the GPU machine), which the
+# load repeats anyway. So full verification is affordable by default: ~8 s per 18 GB.
+HASH = "xxh3_128"
+# A save must find this much more free space than its predicted size (filesystem
+# metadata, the loop files, a model whose states grew): 10% + 64 MiB.
+FREE_SPACE_FACTOR, FREE_SPACE_SLACK = 1.10, 64 << 20
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint could not be written or read; the message says what, and what still stands."""
 
 
 @dataclass
 class LoopState:
     """Where the loop is; with DeepSpeed's files and the RNG states, all a resume needs."""
     step: int = 0
-    micro_batches: int = 0      # global micro batches consumed (data position)
+    micro_batches: int = 0      # global micro batches consumed (data position at world_size)
     tokens_seen: int = 0
     world_size: int = 1
+    micro_batch_size: int = 0   # with world_size, what a micro batch was (0: unknown)
     config_fingerprint: str = ""
     extra: dict = field(default_factory=dict)
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def step_name(step: int) -> str:
@@ -44,7 +61,9 @@ def step_name(step: int) -> str:
 
 
 def step_of(path: Path) -> int:
-    return int(path.name.split("-")[-1])
+    """The step a published directory holds; -1 for any other name."""
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 # --------------------------------------------------------------------------- files
@@ -54,6 +73,7 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, renames) durable: fsync(2) on the directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,10 +95,11 @@ def write_atomic(path: Path, text: str) -> None:
 def file_hash(path: Path) -> str:
     import xxhash
 
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
+    digest, buffer = xxhash.xxh3_128(), bytearray(1 << 24)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
@@ -92,28 +113,39 @@ def versions() -> dict:
 
 
 # ------------------------------------------------------------------------ manifest
-def write_manifest(directory: Path, state: LoopState, hashes: bool = True) -> dict:
+def write_manifest(directory: Path, written: dict[str, dict], **header) -> dict:
+    """MANIFEST.json, the last file of a checkpoint: `header` (step, world size, ...),
+    versions and every file with its size and hash. `written` holds {name: {bytes, hash}}
+    for the files the writers hashed on the way out (checkpoint_io.CheckedFile); any other
+    file (the loop state, DeepSpeed's NVMe copies) is fsynced and hashed here."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        fsync_file(path)
-        entry = {"bytes": path.stat().st_size}
-        if hashes:
-            entry[HASH] = file_hash(path)
-        files[str(path.relative_to(directory))] = entry
-    manifest = {"step": state.step, "world_size": state.world_size, "config_fingerprint": state.config_fingerprint,
-                "versions": versions(), "hash": HASH if hashes else None, "files": files}
+        name = str(path.relative_to(directory))
+        entry = written.get(name)
+        if entry is None or entry["bytes"] != path.stat().st_size:
+            fsync_file(path)
+            entry = {"bytes": path.stat().st_size, HASH: file_hash(path)}
+        files[name] = {"bytes": entry["bytes"], HASH: entry[HASH]}
+    manifest = {**header, "versions": versions(), "hash": HASH, "created": round(time.time(), 3),
+                "total_bytes": sum(e["bytes"] for e in files.values()), "files": files}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
 
-def verify(directory: Path, hashes: bool) -> str | None:
-    """None when the checkpoint is whole; otherwise why it must not be loaded."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        return "no MANIFEST.json (the save did not finish)"
+def read_manifest(directory: Path) -> dict | None:
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
+        return json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def verify(directory: Path, hashes: bool) -> str | None:
+    """None when the checkpoint is whole; otherwise why it must not be loaded.
+    Sizes are always checked; hashes re-read every byte."""
+    if not (directory / MANIFEST).is_file():
+        return "no MANIFEST.json (the save did not finish)"
+    manifest = read_manifest(directory)
+    if manifest is None or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         return "MANIFEST.json is corrupt"
     for name, entry in manifest["files"].items():
         path = directory / name
@@ -122,16 +154,19 @@ def verify(directory: Path, hashes: bool) -> str | None:
         size = path.stat().st_size
         if size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-        if hashes and manifest.get("hash") and file_hash(path) != entry[manifest["hash"]]:
-            return f"{name} does not match its {manifest['hash']} hash (corrupt)"
+    if hashes:
+        algorithm = manifest.get("hash")
+        for name, entry in manifest["files"].items():
+            if algorithm and file_hash(directory / name) != entry[algorithm]:
+                return f"{name} does not match its {algorithm} hash (corrupt)"
     return None
 
 
 def published(root: Path) -> list[Path]:
-    """Published checkpoint directories, newest first."""
+    """Published checkpoint directories (`step-N`), newest first."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.glob("step-*") if p.is_dir()), key=step_of, reverse=True)
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) >= 0), key=step_of, reverse=True)
 
 
 def find_latest_valid(root: Path, hashes: bool = True) -> tuple[Path | None, list[tuple[str, str]]]:
@@ -148,10 +183,124 @@ def find_latest_valid(root: Path, hashes: bool = True) -> tuple[Path | None, lis
 def remove_stale_tmp(root: Path) -> list[str]:
     """Leftovers of saves that were killed; never loadable, safe to delete at start."""
     removed = []
-    for tmp in root.glob(f"{TMP_PREFIX}*") if root.is_dir() else []:
+    for tmp in sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         removed.append(tmp.name)
     return removed
+
+
+@dataclass
+class SetAside:
+    path: Path
+    names: list[str]
+
+
+def set_aside(root: Path) -> SetAside | None:
+    """Move the published checkpoints (and their universal copies) into
+    `earlier-<time>/`: a run that starts over must neither resume from them later nor
+    have its own checkpoints deleted by retention in their favour, and nothing saved is lost."""
+    found = published(root) + sorted(root.glob("universal-step-*"))
+    if not found:
+        return None
+    target = root / time.strftime("earlier-%Y%m%d-%H%M%S")
+    target.mkdir()
+    for path in found:
+        os.replace(path, target / path.name)
+    (root / LATEST).unlink(missing_ok=True)
+    fsync_dir(root)
+    return SetAside(target, [p.name for p in found])
+
+
+# ------------------------------------------------------------------------ publish
+def publish(tmp: Path, state: LoopState, written: dict[str, dict], zero_stage: int) -> Path:
+    """Rank 0, once every rank's files are closed and fsynced: loop state, manifest (last),
+    rename to step-N, `latest`. A kill at any point leaves the previous checkpoints whole
+    and at most a `.tmp-*` that the next start removes."""
+    from zerofit import faults
+
+    root, name = tmp.parent, step_name(state.step)
+    write_atomic(tmp / LOOP_STATE, json.dumps(state.__dict__, indent=1))
+    faults.kill_if_armed("publish")
+    write_manifest(tmp, written, step=state.step, world_size=state.world_size, zero_stage=zero_stage,
+                   config_fingerprint=state.config_fingerprint)
+    faults.kill_if_armed("rename")
+    return rename_into_place(tmp, root / name)
+
+
+def rename_into_place(tmp: Path, final: Path) -> Path:
+    """fsync the finished directory, rename it to its final name, fsync the parent."""
+    root, name = final.parent, final.name
+    for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+        fsync_dir(sub)
+    if final.exists():  # a re-save of the same step: set the old one aside, never half-delete it
+        doomed = root / f"{TMP_PREFIX}delete-{name}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(final, doomed)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    if step_of(final) >= 0:
+        write_atomic(root / LATEST, name)
+    shutil.rmtree(root / f"{TMP_PREFIX}delete-{name}", ignore_errors=True)
+    return final
+
+
+def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str]:
+    """Delete published checkpoints beyond the newest `keep_last` (and multiples of
+    `keep_every`). The newest checkpoint whose sizes verify is always kept, even when
+    newer (broken) directories push it out of the last K: there is always one to resume."""
+    from zerofit import faults
+
+    checkpoints = published(root)
+    newest_valid = next((p for p in checkpoints if verify(p, hashes=False) is None), None)
+    removed = []
+    for i, path in enumerate(checkpoints):
+        if i < keep_last or path == newest_valid or (keep_every and step_of(path) % keep_every == 0):
+            continue
+        doomed = root / f"{TMP_PREFIX}delete-{path.name}"
+        os.replace(path, doomed)  # a crash mid-delete leaves a .tmp-*, never a half step dir
+        faults.kill_if_armed("retention")
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path.name)
+    for universal in root.glob("universal-step-*"):  # converted copies of deleted checkpoints
+        if not (root / universal.name.removeprefix("universal-")).exists():
+            shutil.rmtree(universal, ignore_errors=True)
+    return removed
+
+
+# ------------------------------------------------------------------- disk space
+def checkpoint_bytes(n_params: int, zero_stage: int) -> int:
+    """Predicted bytes of one ZeRO checkpoint (all ranks) of a model with n_params
+    trainable parameters under mixed-precision Adam. The optimizer files hold the fp32
+    master weights and both Adam moments, 4 + 4 + 4 = 12 bytes per parameter
+    (DeepSpeed stage_1_and_2.py / stage3.py `state_dict`: fp32 flat groups + base
+    optimizer state); below stage 3 the 16-bit model is written once more in
+    mp_rank_00_model_states.pt (2 bytes per parameter; at stage 3 those files hold only
+    placeholders). Measured on the GPU machine: 1.5B parameters, stage 3 -> 16.7 GiB,
+    i.e. 12.0 bytes per parameter.
+    The planner (planner.py) owns the memory and disk prediction of a whole run; this is
+    the stand-alone formula the save path needs until the two are unified."""
+    per_param = 12 + (2 if zero_stage < 3 else 0)
+    return per_param * n_params
+
+
+def predicted_save_bytes(root: Path, n_params: int, zero_stage: int) -> int:
+    """The newest manifest's total (what a save of this run really wrote), else the formula."""
+    for path in published(root):
+        manifest = read_manifest(path)
+        if manifest and manifest.get("total_bytes"):
+            return int(manifest["total_bytes"])
+    return checkpoint_bytes(n_params, zero_stage)
+
+
+def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = None) -> str | None:
+    """None when `root`'s filesystem can take a checkpoint of needed_bytes, else why not."""
+    if free_bytes is None:
+        free_bytes = shutil.disk_usage(root).free
+    want = int(needed_bytes * FREE_SPACE_FACTOR) + FREE_SPACE_SLACK
+    if free_bytes >= want:
+        return None
+    return (f"{free_bytes / 1e9:.2f} GB free under {root}, a checkpoint needs ~{needed_bytes / 1e9:.2f} GB "
+            f"(+10% margin); free disk space or lower checkpoint.keep_last")
 
 
 # --------------------------------------------------------------------------- RNG
@@ -174,60 +323,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# ------------------------------------------------------------------ save and load
-def save(engine, root: Path, state: LoopState, rank: int, hashes: bool = True, exclude_frozen: bool = False) -> Path:
-    """Every rank calls this; rank 0 publishes after all ranks' files are on disk.
-    exclude_frozen: leave frozen parameters out (LoRA: the base is rebuilt at resume)."""
-    import torch
-    import torch.distributed as dist
-
-    name = step_name(state.step)
-    tmp = root / f"{TMP_PREFIX}{name}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False, exclude_frozen_parameters=exclude_frozen)
-    torch.save(rng_state(), tmp / f"rng_state_rank{rank}.pt")
-    dist.barrier()
-    final = root / name
-    if rank == 0:
-        write_atomic(tmp / LOOP_STATE, json.dumps(asdict(state), indent=1))
-        write_manifest(tmp, state, hashes)
-        fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after resuming from it)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        write_atomic(root / LATEST, name)
-    dist.barrier()
-    return final
-
-
-def load(engine, directory: Path, rank: int, custom_load_fn=None) -> LoopState:
-    """custom_load_fn(src, dst) replaces DeepSpeed's strict module load (lora.load_trainable_only)."""
-    import torch
-
-    _, client = engine.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
-                                       load_lr_scheduler_states=True, custom_load_fn=custom_load_fn)
-    if client is None:
-        raise CheckpointError(f"DeepSpeed could not load {directory}")
-    rng_file = directory / f"rng_state_rank{rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return LoopState(**json.loads((directory / LOOP_STATE).read_text()))
-
-
-def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str]:
-    """Delete published checkpoints beyond the newest `keep_last` (and multiples of
-    `keep_every`). Only called right after a publish, so the newest stays."""
-    removed = []
-    for i, path in enumerate(published(root)):
-        if i < keep_last or (keep_every and step_of(path) % keep_every == 0):
-            continue
-        doomed = root / f"{TMP_PREFIX}delete-{path.name}"
-        os.replace(path, doomed)  # a crash mid-delete leaves a .tmp-*, never a half step dir
-        shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path.name)
-    return removed
+def read_loop_state(directory: Path) -> LoopState:
+    known = set(LoopState.__dataclass_fields__)
+    raw = json.loads((directory / LOOP_STATE).read_text())
+    return LoopState(**{k: v for k, v in raw.items() if k in known})

@@ -1,7 +1,7 @@
 """`zerofit <verb>`: the verbs are registered here and nothing else happens here.
 
 Exit codes: 0 success; 1 a user error (config, data, files, memory) with a one-line reason
-first; 2 bad usage (argparse).
+first; 2 bad usage (argparse); 143 `train` stopped by SIGTERM (its save in flight drained).
 """
 from __future__ import annotations
 
@@ -44,8 +44,11 @@ def load_config(args) -> Config:
 def cmd_train(args) -> int:
     from zerofit.train import train
 
-    train(load_config(args), resume=args.resume)
-    return 0
+    config = load_config(args)
+    if args.verify:
+        config.checkpoint.verify = args.verify
+    result = train(config, resume=args.resume)
+    return 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
 
 
 def cmd_config(args) -> int:
@@ -119,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue from the newest valid checkpoint (fail if there is none)")
     resume.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start over even when the run dir holds checkpoints")
+    train.add_argument("--verify", choices=["sizes", "full"],
+                       help="how resume checks a checkpoint against its manifest: file sizes, or full (sizes and "
+                            "xxh3 hash of every byte; default: checkpoint.verify)")
     train.set_defaults(run=cmd_train)
 
     config = verbs.add_parser("config", help="print the resolved config, or --example for every key")

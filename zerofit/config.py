@@ -206,17 +206,25 @@ class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Save every N optimizer steps; 0 saves only at the end."""
     keep_last: int = Field(2, ge=1)
-    """Keep the newest K checkpoints."""
+    """Keep the newest K checkpoints (the newest valid one is kept in any case)."""
     keep_every: int = Field(0, ge=0)
     """Also keep every checkpoint whose step is a multiple of M (0: none)."""
     save_final: bool = True
     """Save when training ends."""
     async_save: bool = False
-    """Write checkpoints in the background while training continues."""
-    verify: Literal["sizes", "hashes"] = "hashes"
-    """Resume check of a checkpoint's manifest: file sizes, or sizes and SHA-256 hashes."""
+    """Write checkpoints in the background while training continues: the loop stalls only
+    while the state is copied to host memory; at most one save is in flight."""
+    async_host_max_gib: float | None = Field(None, gt=0)
+    """Host RAM the async snapshot buffer may hold per rank (it holds one checkpoint's
+    share of the rank, reused by every save). Default: half the RAM available at start.
+    A save that does not fit is written synchronously, with a warning."""
+    verify: Literal["sizes", "full"] = "full"
+    """How resume checks a checkpoint against its manifest: `sizes` of every file, or
+    `full`: sizes and xxh3 hashes of every byte (bound by the disk read, which the load
+    repeats: ~8 s per 18 GB on the GPU machine). `zerofit train --verify` overrides it."""
     on_error: Literal["continue", "stop"] = "stop"
-    """When a save fails (disk full, I/O error): keep training, or stop cleanly."""
+    """When a save fails (disk full, I/O error): keep training, or stop cleanly. Either
+    way the failed checkpoint is discarded and the previous one stays loadable."""
 
 
 class EvalConfig(Section):

@@ -263,7 +263,8 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
 class Batches:
     """Micro batches for one rank. Global micro batch j takes sequences
     [j*B*W, (j+1)*B*W) of the epoch's seeded permutation, rank r its slice r*B:(r+1)*B,
-    so `position` (micro batches consumed) is all a resume needs, whatever W was."""
+    so `position` (micro batches consumed) is all a resume on W ranks needs; on another
+    number of ranks position_for_world converts it."""
 
     def __init__(self, seqs: Sequences, micro_batch: int, rank: int, world: int, seed: int, position: int = 0):
         self.seqs, self.micro_batch, self.rank, self.world, self.seed = seqs, micro_batch, rank, world, seed
@@ -290,6 +291,21 @@ class Batches:
         rows = self._order_for(epoch)[start: start + self.micro_batch]
         self.position += 1
         return self.seqs.input_ids[rows], self.seqs.labels[rows]
+
+
+def position_for_world(position: int, world: int, micro_batch: int, new_world: int, new_micro_batch: int,
+                       n_sequences: int) -> int:
+    """The Batches position on new_world ranks (new_micro_batch each) that continues where
+    `position` on `world` ranks stopped: the same epoch, the same sequences consumed of the
+    epoch's permutation (rounded up to whole micro batches: none is seen twice)."""
+    per_epoch = n_sequences // (micro_batch * world)
+    new_per_epoch = n_sequences // (new_micro_batch * new_world)
+    epoch, index = divmod(position, per_epoch)
+    consumed = index * micro_batch * world
+    new_index = -(-consumed // (new_micro_batch * new_world))
+    if new_index >= new_per_epoch:
+        epoch, new_index = epoch + 1, 0
+    return epoch * new_per_epoch + new_index
 
 
 def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int):

@@ -13,7 +13,9 @@ FP16_LOSS_SCALE = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                    "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
 
 
-def build(config: Config, world_size: int, on_gpu: bool) -> dict:
+def build(config: Config, world_size: int, on_gpu: bool, load_universal: bool = False) -> dict:
+    """load_universal: the resume loads a universal checkpoint (written by another number
+    of ranks, converted by zerofit.universal); DeepSpeed reads it only with this switch."""
     train, zero = config.train, config.zero
     ds = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
@@ -32,6 +34,8 @@ def build(config: Config, world_size: int, on_gpu: bool) -> dict:
         ds["fp16"] = dict(FP16_LOSS_SCALE)
     if "nvme" in (zero.offload_optimizer, zero.offload_param):
         ds["aio"] = aio_section(config)
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     return ds
 
 

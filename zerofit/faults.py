@@ -4,10 +4,18 @@ Examples: `enospc@save:2` (the 2nd save's writes fail with ENOSPC), `oom@step:5`
 (torch.OutOfMemoryError in the forward pass of step 5), `kill@save:1` (SIGKILL mid-save).
 Code that can fail asks `armed(kind, where, n)` at the matching moment; nothing is
 injected unless the variable is set.
+
+Checkpoint faults (n = the n-th save of this process, counted by `tick("save")`):
+`enospc@save:N` and `kill@save:N` strike mid-write of a checkpoint file;
+`kill@publish:N` after every file is written, before the manifest; `kill@rename:N`
+after the manifest, before the rename; `kill@latest:N` after the publish, before
+retention; `kill@retention:N` while deleting an old checkpoint; `nospace@save:N` makes the free-space check see a full disk;
+`slow@save:N` makes the writer sleep 2 s (to catch a save in flight).
 """
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 VARIABLE = "ZEROFIT_FAULT"
@@ -35,3 +43,23 @@ def armed(kind: str, where: str, n: int) -> bool:
     """True when ZEROFIT_FAULT asks for `kind` at the n-th `where` (1-based)."""
     text = os.environ.get(VARIABLE, "")
     return bool(text) and Fault(kind, where, n) in parse(text)
+
+
+_counts: dict[str, int] = {}
+
+
+def tick(where: str) -> int:
+    """Count one more `where` event of this process (1-based) and return the count."""
+    _counts[where] = _counts.get(where, 0) + 1
+    return _counts[where]
+
+
+def count(where: str) -> int:
+    return _counts.get(where, 0)
+
+
+def kill_if_armed(point: str, counter: str = "save") -> None:
+    """SIGKILL this process when `kill@point:N` is set and N is the current `counter` count:
+    the crash a kill -9 at exactly this point would be, without the timing luck."""
+    if armed("kill", point, count(counter)):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,7 @@ How peft meets ZeRO-3 here (DeepSpeed 0.19.8, peft 0.21; tests/test_lora.py chec
 - Only requires_grad parameters go to deepspeed.initialize (engine.param_groups), so the
   optimizer (CPU-Adam when offloaded) holds master weights and moments for adapters only.
 
-Checkpoints (checkpoint.save with exclude_frozen): DeepSpeed's save_checkpoint with
+Checkpoints (checkpointer.Checkpointer.save): DeepSpeed's save_checkpoint with
 exclude_frozen_parameters=True, as HF Trainer does for peft models, drops the frozen base
 from model_states (else every save writes its 16-bit partitions as frozen_param_fragments).
 A resume therefore rebuilds the base from model.path / model.config + train.seed, and

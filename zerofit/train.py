@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import checkpoint, data, dsconfig, engine, lora, memory, models
+from zerofit import checkpoint, checkpointer, data, dsconfig, engine, lora, memory, models
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -23,6 +23,7 @@ class RunResult:
     train_loss: float | None
     eval_loss: float | None
     resumed_from: str | None
+    stopped_by_signal: bool = False
 
 
 def train(config: Config, resume: bool | None = None) -> RunResult:
@@ -36,7 +37,8 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size)
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
-    ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu)
+    resume_point = checkpointer.choose_resume(config, dist, resume)
+    ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
         report_data(train_set, eval_set)
@@ -45,17 +47,19 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     if config.lora.enabled and dist.is_main:
         say(lora.trainable_summary(model))
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
-    state, resumed_from = start_or_resume(ds_engine, config, dist, resume)
+    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu)
+    saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
+    state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size)
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
-    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu)
     metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
     progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
     tokens_per_step = config.train.micro_batch_size * config.train.seq_len * config.train.grad_accum_steps \
         * dist.world_size
     train_loss = eval_loss = None
+    stopped = False
     if state.step >= total_steps and dist.is_main:
         say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
@@ -74,19 +78,28 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
         if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
             record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step)
 
+        saver.poll(state.step)  # an async save whose writers all finished gets published
         if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
-            save_checkpoint(ds_engine, config, state, dist, timeline)
+            saver.save(state)
 
         metrics.write(record)
         if state.step % config.log.every_steps == 0 or last:
             progress.update(state.step, progress_info(record, dist.on_gpu))
 
+        if saver.stop_requested():  # SIGTERM: stop at this step boundary; close() drains the save in flight
+            stopped = True
+            break
+
+    saver.close(state.step)
     progress.close()
     timeline.close()
     metrics.close()
-    if dist.is_main:
+    if dist.is_main and stopped:
+        say(f"stopped by SIGTERM at step {state.step}; `zerofit train --resume` continues from the newest checkpoint")
+    elif dist.is_main:
         say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
-    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from)
+    resumed_from = Path(resume_point.directory).name if resume_point.directory else None
+    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, stopped)
 
 
 # ------------------------------------------------------------------------ one step
@@ -135,18 +148,6 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
     return mean_over_ranks(torch.stack(losses).mean(), dist)
 
 
-def save_checkpoint(ds_engine, config: Config, state: checkpoint.LoopState, dist: engine.Dist,
-                    timeline: memory.Timeline) -> Path:
-    root = Path(config.run_dir) / "checkpoints"
-    started = time.perf_counter()
-    path = checkpoint.save(ds_engine, root, state, dist.rank, hashes=config.checkpoint.verify == "hashes",
-                           exclude_frozen=config.lora.enabled)
-    if dist.is_main:
-        checkpoint.apply_retention(root, config.checkpoint.keep_last, config.checkpoint.keep_every)
-    timeline.mark(state.step, "save", seconds=round(time.perf_counter() - started, 3))
-    return path
-
-
 # -------------------------------------------------------------------------- set-up
 def seed_everything(seed: int) -> None:
     import torch
@@ -184,37 +185,9 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences) -> None:
         warn(f"skipped {train_set.skipped_rows} bad rows (data.skip_bad_rows), e.g. {train_set.skipped_reasons[0]}")
 
 
-def start_or_resume(ds_engine, config: Config, dist: engine.Dist, resume: bool | None):
-    """(LoopState, what we resumed from). Rank 0 picks the checkpoint; all ranks load it."""
-    import torch.distributed as torch_dist
-
-    root = Path(config.run_dir) / "checkpoints"
-    fresh = checkpoint.LoopState(world_size=dist.world_size, config_fingerprint=config.fingerprint())
-    choice = [None, []]
-    if dist.is_main:
-        checkpoint.remove_stale_tmp(root)
-        if resume is not False:
-            found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "hashes")
-            choice = [str(found) if found else None, skipped]
-    torch_dist.broadcast_object_list(choice, src=0)
-    found, skipped = choice
-    if dist.is_main:
-        for name, reason in skipped:
-            warn(f"skipping checkpoint {name}: {reason}")
-    if found is None:
-        if resume is True:
-            raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
-        return fresh, None
-    if config.lora.enabled:
-        lora.check_adapter_shapes(ds_engine.module, Path(found))
-    state = checkpoint.load(ds_engine, Path(found), dist.rank,
-                            custom_load_fn=lora.load_trainable_only if config.lora.enabled else None)
-    if state.config_fingerprint != fresh.config_fingerprint and dist.is_main:
-        warn(f"{Path(found).name} was written with a different config (model, data or training shape); "
-             f"continuing with the current one")
-    if dist.is_main:
-        say(f"resumed from {found} at step {state.step}")
-    return state, Path(found).name
+def fresh_state(config: Config, dist: engine.Dist) -> checkpoint.LoopState:
+    return checkpoint.LoopState(world_size=dist.world_size, micro_batch_size=config.train.micro_batch_size,
+                                config_fingerprint=config.fingerprint())
 
 
 # ------------------------------------------------------------------------- logging

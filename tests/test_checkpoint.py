@@ -1,0 +1,335 @@
+"""Crash-safe checkpoints: the file rules on their own, then real runs (DeepSpeed ZeRO-3 on
+CPU) killed, starved of disk, stopped and resumed on fewer ranks, compared weight by weight
+with an uninterrupted run."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, read_jsonl, run_zerofit, tiny_config, write_config
+from zerofit import checkpoint, data, faults
+
+# Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
+SHAPE = dict(eval={"every_steps": 0, "at_end": False})
+
+
+def config_for(base: Path, name: str, max_steps: int = 6, **checkpoint_settings) -> Path:
+    settings = {"every_steps": 2, "keep_last": 2, **checkpoint_settings}
+    return write_config(base / f"{name}.yaml", tiny_config(base / name, train={"max_steps": max_steps},
+                                                           checkpoint=settings, **SHAPE))
+
+
+def fp32_weights(run: Path, step: int) -> dict:
+    """A checkpoint's fp32 master weights, as DeepSpeed's own zero_to_fp32 reads them."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=checkpoint.step_name(step))
+
+
+def assert_same_weights(run: Path, reference: Path, step: int = 6) -> None:
+    import torch
+
+    got, want = fp32_weights(run, step), fp32_weights(reference, step)
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, different
+
+
+def valid_steps(run: Path) -> list[int]:
+    return sorted(checkpoint.step_of(p) for p in checkpoint.published(run / "checkpoints")
+                  if checkpoint.verify(p, hashes=True) is None)
+
+
+# ------------------------------------------------------------------- file rules
+def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:
+    tmp = root / f".tmp-{checkpoint.step_name(step)}"
+    tmp.mkdir(parents=True)
+    (tmp / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(payload)
+    (tmp / "rng_state_rank0.pt").write_bytes(b"rng")
+    return checkpoint.publish(tmp, checkpoint.LoopState(step=step), {}, zero_stage=3)
+
+
+def test_manifest_catches_truncated_missing_and_corrupt_files(tmp_path):
+    root = tmp_path / "checkpoints"
+    good = [make_checkpoint(root, step) for step in (2, 4, 6, 8)]
+    manifest = json.loads((good[0] / "MANIFEST.json").read_text())
+    assert manifest["step"] == 2 and manifest["hash"] == "xxh3_128" and manifest["total_bytes"] > 1000
+    assert set(manifest["versions"]) == {"zerofit", "deepspeed", "torch"}
+    assert set(manifest["files"]) == {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_state_rank0.pt",
+                                      "loop_state.json"}
+    shard = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    os.truncate(good[3] / shard, 10)
+    (good[2] / "rng_state_rank0.pt").unlink()
+    (good[1] / shard).write_bytes(b"y" * 1000)  # same size, other bytes
+    assert "truncated" in checkpoint.verify(good[3], hashes=False)
+    assert "missing" in checkpoint.verify(good[2], hashes=False)
+    assert checkpoint.verify(good[1], hashes=False) is None  # sizes cannot see it ...
+    assert "hash" in checkpoint.verify(good[1], hashes=True)  # ... the full check does
+    found, skipped = checkpoint.find_latest_valid(root, hashes=True)
+    assert found == good[0]
+    assert [name for name, _ in skipped] == ["step-000008", "step-000006", "step-000004"]
+    (root / ".tmp-step-000010").mkdir()  # a save that never finished is not a checkpoint
+    assert checkpoint.published(root)[0].name == "step-000008"
+    assert checkpoint.remove_stale_tmp(root) == [".tmp-step-000010"]
+
+
+def test_retention_keeps_the_newest_valid_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4, 5, 6):
+        make_checkpoint(root, step)
+    assert checkpoint.apply_retention(root, keep_last=2, keep_every=4) == ["step-000003", "step-000002",
+                                                                             "step-000001"]
+    assert [p.name for p in checkpoint.published(root)] == ["step-000006", "step-000005", "step-000004"]
+    (root / "step-000006" / "loop_state.json").unlink()  # the newest is broken:
+    checkpoint.apply_retention(root, keep_last=1)  # keep_last=1 alone would leave no valid one
+    assert [p.name for p in checkpoint.published(root)] == ["step-000006", "step-000005"]
+    assert checkpoint.find_latest_valid(root)[0].name == "step-000005"
+    assert (root / "latest").read_text() == "step-000006"
+    assert not list(root.glob(".tmp-*"))
+    moved = checkpoint.set_aside(root)  # --no-resume: out of the way, not deleted
+    assert moved.names == ["step-000006", "step-000005"] and not checkpoint.published(root)
+    assert checkpoint.verify(moved.path / "step-000005", hashes=True) is None
+
+
+def test_free_space_check_and_size_prediction(tmp_path):
+    assert checkpoint.checkpoint_bytes(1_500_000_000, zero_stage=3) == 18_000_000_000  # 16.8 GiB: measured 16.7
+    assert checkpoint.checkpoint_bytes(1000, zero_stage=2) == 14000
+    assert checkpoint.predicted_save_bytes(tmp_path, 1000, 3) == 12000  # no checkpoint yet: the formula
+    make_checkpoint(tmp_path, 2, payload=b"z" * 5000)
+    assert checkpoint.predicted_save_bytes(tmp_path, 1000, 3) > 5000  # then what a save really wrote
+    assert checkpoint.free_space_problem(tmp_path, 10**9, free_bytes=2 * 10**9) is None
+    problem = checkpoint.free_space_problem(tmp_path, 10**9, free_bytes=10**9)
+    assert "1.00 GB free" in problem and "keep_last" in problem
+
+
+def test_data_position_on_another_number_of_ranks():
+    # 4 steps on 2 ranks of 4 sequences = 32 sequences = 8 micro batches of 4 on one rank
+    assert data.position_for_world(4, 2, 4, 1, 4, n_sequences=4035) == 8
+    assert data.position_for_world(8, 1, 4, 2, 4, n_sequences=4035) == 4
+    assert data.position_for_world(3, 1, 4, 2, 4, n_sequences=4035) == 2  # rounded up: nothing twice
+    per_epoch = 4035 // 8  # a whole first epoch on 2 ranks is a whole first epoch on one
+    assert data.position_for_world(per_epoch, 2, 4, 1, 4, n_sequences=4035) == 4035 // 4
+
+
+def test_injected_enospc_and_the_snapshot_arena(tmp_path, monkeypatch):
+    import torch
+
+    from zerofit import checkpoint_io
+
+    arena = checkpoint_io.HostArena(max_bytes=1 << 20)
+    assert not arena.reserve(2 << 20)  # over budget: refused, nothing held
+    assert arena.reserve(1 << 16) and arena.capacity == 1 << 16
+    first, second = arena.views([4000, 8000])
+    tensor = torch.frombuffer(second, dtype=torch.uint8).view(torch.float32)
+    tensor.copy_(torch.arange(2000, dtype=torch.float32))
+    path = tmp_path / "one.pt"
+    torch.save({"t": tensor}, path)
+    assert path.stat().st_size < 4000 + 8000  # its own bytes, not the whole arena
+    assert torch.equal(torch.load(path)["t"], torch.arange(2000, dtype=torch.float32))
+
+    monkeypatch.setenv(faults.VARIABLE, f"enospc@save:{faults.tick('save')}")
+    engine = checkpoint_io.ZerofitCheckpointEngine(True, async_save=False, host_max_bytes=1 << 20)
+    engine.create(checkpoint_io.CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False))
+    (tmp_path / "t").mkdir()
+    engine.save({"x": torch.zeros(100_000)}, str(tmp_path / "t" / "x.pt"))
+    assert "No space left on device" in engine.error and "x.pt" in engine.error
+    assert (tmp_path / "t" / "x.pt").stat().st_size == checkpoint_io.FAULT_AFTER_BYTES  # half written
+    engine.save({"y": torch.zeros(10)}, str(tmp_path / "t" / "y.pt"))
+    assert not (tmp_path / "t" / "y.pt").exists()  # a failed checkpoint writes nothing more
+
+
+# ------------------------------------------------------------------- real runs
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted synchronous run every other run is compared with."""
+    base = tmp_path_factory.mktemp("reference")
+    run_zerofit(["train", "--config", str(config_for(base, "run"))])
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("async")
+    done = run_zerofit(["train", "--config", str(config_for(base, "run", async_save=True))])
+    return base / "run", done
+
+
+def test_sync_run_publishes_verified_checkpoints(reference):
+    ckpts = reference / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step-000006"
+    assert valid_steps(reference) == [4, 6]  # keep_last=2 removed step 2
+    manifest = json.loads((ckpts / "step-000006" / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["zero_stage"] == 3 and manifest["config_fingerprint"]
+    saves = [r for r in read_jsonl(reference / "memory.jsonl") if r["phase"] == "save"]
+    assert [r["step"] for r in saves] == [2, 4, 6]
+    assert all(r["mode"] == "sync" and r["residue_bytes"] == 0 and r["seconds"] > 0 for r in saves)
+
+
+def test_async_save_writes_what_sync_writes(async_run, reference):
+    run, done = async_run
+    assert valid_steps(run) == [4, 6]
+    for step in (4, 6):
+        assert_same_weights(run, reference, step)
+    records = read_jsonl(run / "memory.jsonl")
+    saves = [r for r in records if r["phase"] == "save"]
+    written = [r for r in records if r["phase"] == "checkpoint_written"]
+    assert [r["mode"] for r in saves] == ["async"] * 3
+    assert all(r["host_buffer_bytes"] > 0 for r in saves)  # the snapshot went through the host buffer
+    assert [r["checkpoint"] for r in written] == ["step-000002", "step-000004", "step-000006"]
+    assert all(r["bytes"] > 10**6 and r["write_gbps"] > 0 for r in written)
+    assert [m["loss"] for m in read_jsonl(run / "metrics.jsonl")] == \
+        [m["loss"] for m in read_jsonl(reference / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("fault, async_save", [("kill@save:2", False), ("kill@rename:3", True)])
+def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, tmp_path):
+    """SIGKILL mid-write of save 2 / between the manifest and the rename of save 3: the
+    next start removes the leftovers, resumes from the newest valid checkpoint and ends
+    with the uninterrupted run's weights."""
+    config = config_for(tmp_path, "run", async_save=async_save)
+    killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: fault}, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run = tmp_path / "run"
+    survivors = [2] if fault.startswith("kill@save") else [2, 4]
+    assert valid_steps(run) == survivors
+    assert list((run / "checkpoints").glob(".tmp-step-*"))  # the killed save's leftovers
+    done = run_zerofit(["train", "--config", str(config)])
+    assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(survivors[-1])}" in done.stderr.replace("\n", "")
+    assert "removed 1 unfinished save" in done.stderr
+    assert_same_weights(run, reference)
+    assert valid_steps(run) == [4, 6]
+
+
+def test_truncated_shard_is_skipped(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    os.truncate(run / "checkpoints" / "step-000006" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", 1000)
+    config = config_for(tmp_path, "run", max_steps=6)
+    done = run_zerofit(["train", "--config", str(config), "--verify", "sizes"])
+    stderr = done.stderr.replace("\n", "")
+    assert "skipping checkpoint step-000006: bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt has 1000 bytes" in stderr
+    assert "resumed from" in stderr and "at step 4" in stderr
+    assert_same_weights(run, reference)
+
+
+def test_enospc_keeps_the_previous_checkpoint(reference, tmp_path):
+    """on_error=stop: the run stops with the reason, step 2 stays loadable and the resume
+    ends where the uninterrupted run ends."""
+    config = config_for(tmp_path, "run")
+    failed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: "enospc@save:2"}, check=False)
+    assert failed.returncode == 1
+    message = failed.stderr.replace("\n", "")
+    assert "checkpoint step-000004 was not saved" in message and "No space left on device" in message
+    assert "the previous checkpoint step-000002 is intact" in message
+    run = tmp_path / "run"
+    assert valid_steps(run) == [2] and not list((run / "checkpoints").glob(".tmp-*"))
+    assert (run / "checkpoints" / "latest").read_text() == "step-000002"
+    run_zerofit(["train", "--config", str(config), "--resume"])
+    assert_same_weights(run, reference)
+
+
+def test_save_failures_with_on_error_continue(tmp_path):
+    """ENOSPC in save 2, too little free space before save 3: both reported, training
+    goes on, step 2 stays the newest checkpoint."""
+    config = config_for(tmp_path, "run", on_error="continue")
+    done = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: "enospc@save:2,nospace@save:3"})
+    message = done.stderr.replace("\n", "")
+    assert "checkpoint step-000004 was not saved" in message and "No space left on device" in message
+    assert "checkpoint step-000006 was not saved" in message and "GB free under" in message
+    assert "training continues" in message and "done: step 6" in message
+    run = tmp_path / "run"
+    assert valid_steps(run) == [2] and (run / "checkpoints" / "latest").read_text() == "step-000002"
+    failures = [r for r in read_jsonl(run / "memory.jsonl") if r["phase"] == "checkpoint_failed"]
+    assert [r["checkpoint"] for r in failures] == ["step-000004", "step-000006"]
+
+
+def test_sigterm_drains_the_save_in_flight(tmp_path):
+    """SIGTERM while an async save is being written (the writer is slowed by 2 s): the
+    loop stops at the next step boundary, the save is finished and published, exit 143."""
+    config = config_for(tmp_path, "run", max_steps=40, async_save=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", faults.VARIABLE: "slow@save:1"}
+    process = subprocess.Popen([sys.executable, "-m", "zerofit", "train", "--config", str(config)], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    in_flight = tmp_path / "run" / "checkpoints" / ".tmp-step-000002"
+    deadline = time.monotonic() + 300
+    while not in_flight.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 143, stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr
+    run = tmp_path / "run"
+    assert valid_steps(run) == [2]
+    stopped_at = read_jsonl(run / "metrics.jsonl")[-1]["step"]
+    assert 2 <= stopped_at < 40
+
+
+def test_resume_on_fewer_ranks(tmp_path):
+    """A 2-rank run (async saves) dies in its last save; the run resumes on 1 rank through
+    a universal checkpoint: same data position, the loss goes on from where it was."""
+    config = config_for(tmp_path, "run", async_save=True)
+    killed = run_zerofit(["train", "--config", str(config)], nproc=2, env={faults.VARIABLE: "kill@save:3"},
+                         check=False)
+    assert killed.returncode != 0
+    run = tmp_path / "run"
+    assert valid_steps(run) == [2, 4]
+    assert json.loads((run / "checkpoints" / "step-000004" / "MANIFEST.json").read_text())["world_size"] == 2
+    before = {m["step"]: m["loss"] for m in read_jsonl(run / "metrics.jsonl")}
+    done = run_zerofit(["train", "--config", str(config), "--resume"])
+    stderr = done.stderr.replace("\n", "")
+    assert "converting it to a universal checkpoint" in stderr
+    assert "data position: 4 micro batches on 2 rank(s) -> 8 on 1" in stderr
+    universal = run / "checkpoints" / "universal-step-000004"
+    assert checkpoint.verify(universal, hashes=True) is None
+    assert json.loads((universal / "MANIFEST.json").read_text())["source_world_size"] == 2
+    after = {m["step"]: m["loss"] for m in read_jsonl(run / "metrics.jsonl")}
+    assert [after[s] for s in (1, 2, 3, 4)] == [before[s] for s in (1, 2, 3, 4)]
+    assert after[5] < before[1] - 0.15 and abs(after[5] - before[4]) < 0.4, after  # continues, not restarted
+    state = checkpoint.read_loop_state(run / "checkpoints" / "step-000006")
+    assert state.world_size == 1 and state.micro_batches == 8 + 2  # 32 sequences on 2 ranks, then 2 x 4
+
+
+# ------------------------------------------------------------------- kill -9 stress
+KILL_POINTS = ["kill@save:{n}", "kill@publish:{n}", "kill@rename:{n}", "kill@latest:{n}", "kill@retention:{n}"]
+
+
+@pytest.mark.slow
+def test_kill_at_random_moments(reference, tmp_path):
+    """>= 10 trials: SIGKILL at a random fault point of a random save, or from outside at
+    a random moment while a save is in flight, sync and async; every resume succeeds and
+    ends with the uninterrupted run's weights, and a valid checkpoint always survives."""
+    rng = random.Random(int(os.environ.get("ZEROFIT_TEST_SEED", "1234")))
+    for trial in range(12):
+        async_save = rng.random() < 0.5
+        config = config_for(tmp_path, f"run{trial}", async_save=async_save, keep_last=1)
+        run = tmp_path / f"run{trial}"
+        if trial % 3 == 2:
+            kill_from_outside(config, run, rng)
+        else:
+            fault = rng.choice(KILL_POINTS).format(n=rng.choice([2, 3]))
+            killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: fault}, check=False)
+            assert killed.returncode == -signal.SIGKILL, (fault, killed.stderr[-2000:])
+            assert valid_steps(run), fault  # keep_last=1 and still one to resume from
+        run_zerofit(["train", "--config", str(config)])
+        assert_same_weights(run, reference)
+
+
+def kill_from_outside(config: Path, run: Path, rng: random.Random) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "zerofit", "train", "--config", str(config)], cwd=ROOT,
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = run / "checkpoints" / f".tmp-step-00000{rng.choice([2, 4])}"
+    deadline = time.monotonic() + 300
+    while not target.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0, 0.05))
+    process.kill()
+    process.wait()

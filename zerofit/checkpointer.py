@@ -1,0 +1,357 @@
+"""The loop's side of checkpoints: choose what to resume from, load it, save (sync or
+async), publish, retention, failures per `checkpoint.on_error`, post-save hygiene, SIGTERM.
+
+The loop calls one method per once-in-a-while block: `poll` every step (publishes an
+async save whose writers all finished), `save` at checkpoint steps, `stop_requested`
+(SIGTERM), `close` at the end (drains the save in flight). Every rank calls every
+method at the same step; the collectives here are small (a flag or a few file records).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, universal
+from zerofit.checkpoint import CheckpointError, LoopState
+from zerofit.config import Config, ConfigError
+from zerofit.progress import say, warn
+
+RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
+
+
+@dataclass
+class ResumePoint:
+    """What start-up resumes from: the published step directory, and the directory
+    DeepSpeed loads (the same, or its universal conversion when the world size changed)."""
+    directory: str | None = None
+    load_dir: str | None = None
+    universal: bool = False
+    skipped: list = field(default_factory=list)
+    error: str | None = None
+
+
+def checkpoints_root(config: Config) -> Path:
+    return Path(config.run_dir) / "checkpoints"
+
+
+def choose_resume(config: Config, dist, resume: bool | None) -> ResumePoint:
+    """Rank 0 removes stale `.tmp-*`, picks the newest checkpoint that verifies (reporting
+    each one skipped and why) and converts it to a universal checkpoint when it was
+    written by another number of ranks; every rank gets the answer. Runs before the
+    engine is built: loading a universal checkpoint is a DeepSpeed config switch."""
+    import torch.distributed as torch_dist
+
+    root = checkpoints_root(config)
+    point = ResumePoint()
+    if dist.is_main:
+        removed = checkpoint.remove_stale_tmp(root)
+        if removed:
+            say(f"removed {len(removed)} unfinished save(s) under {root}: {', '.join(removed)}")
+        if resume is not False:
+            point = _pick(root, config, dist.world_size)
+        elif moved := checkpoint.set_aside(root):
+            warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) to {moved.path}; "
+                 f"delete that directory when you no longer need them")
+    if dist.world_size > 1:
+        box = [point]
+        torch_dist.broadcast_object_list(box, src=0)
+        point = box[0]
+    if point.error:
+        raise CheckpointError(point.error)
+    if point.directory is None and resume is True:
+        raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
+    return point
+
+
+def _pick(root: Path, config: Config, world_size: int) -> ResumePoint:
+    found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "full")
+    for name, reason in skipped:
+        warn(f"skipping checkpoint {name}: {reason}")
+    if found is None:
+        return ResumePoint(skipped=skipped)
+    if skipped or not (root / checkpoint.LATEST).is_file():
+        checkpoint.write_atomic(root / checkpoint.LATEST, found.name)  # DeepSpeed's tools read it
+    point = ResumePoint(str(found), str(found), False, skipped)
+    manifest = checkpoint.read_manifest(found)
+    if manifest["world_size"] != world_size and manifest.get("zero_stage", 3) > 0:
+        say(f"{found.name} was written by {manifest['world_size']} rank(s), this run has {world_size}: "
+            f"converting it to a universal checkpoint")
+        try:
+            point.load_dir, point.universal = str(universal.convert(found, config.checkpoint.verify == "full")), True
+        except CheckpointError as e:
+            point.error = str(e)
+    return point
+
+
+class Checkpointer:
+    """Saves of one run: installs zerofit's checkpoint engine on the DeepSpeed engine,
+    holds the save in flight (at most one) and the SIGTERM flag."""
+
+    def __init__(self, ds_engine, config: Config, dist, timeline: memory.Timeline):
+        self.ds_engine, self.config, self.dist, self.timeline = ds_engine, config, dist, timeline
+        self.root = checkpoints_root(config)
+        self.settings = config.checkpoint
+        self.zero_stage = config.zero.stage
+        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters()
+                            if p.requires_grad)
+        host_max = int(self.settings.async_host_max_gib * 2**30) if self.settings.async_host_max_gib \
+            else psutil.virtual_memory().available // 2
+        self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max)
+        self._pending: dict | None = None
+        self._terminated = False
+        self._previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.settings.async_save:
+            self._reserve_host_buffer()
+
+    # ------------------------------------------------------------------ resume
+    def load(self, point: ResumePoint, fresh: LoopState, n_sequences: int) -> LoopState:
+        """Load the chosen checkpoint on every rank; `fresh` when there is none."""
+        import torch
+
+        if point.directory is None:
+            return fresh
+        directory, load_dir = Path(point.directory), Path(point.load_dir)
+        custom_load_fn = None
+        if self.config.lora.enabled:  # LoRA checkpoints hold the adapters, not the frozen base
+            lora.check_adapter_shapes(self.ds_engine.module, directory)
+            custom_load_fn = lora.load_trainable_only
+        path, _ = self.ds_engine.load_checkpoint(str(load_dir.parent), tag=load_dir.name,
+                                                 load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                 custom_load_fn=custom_load_fn)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load {load_dir}")
+        state = checkpoint.read_loop_state(directory)
+        rng_file = directory / f"rng_state_rank{self.dist.rank % state.world_size}.pt"
+        if rng_file.is_file():
+            checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))
+        if state.world_size != fresh.world_size:
+            state = self._reshaped(state, fresh, n_sequences)
+        if state.config_fingerprint != fresh.config_fingerprint and self.dist.is_main:
+            warn(f"{directory.name} was written with a different config (model, data or training shape); "
+                 f"continuing with the current one")
+        if self.dist.is_main:
+            say(f"resumed from {directory} at step {state.step}")
+        return state
+
+    def _reshaped(self, state: LoopState, fresh: LoopState, n_sequences: int) -> LoopState:
+        """The same data position counted in this run's micro batches."""
+        position = data.position_for_world(state.micro_batches, state.world_size,
+                                           state.micro_batch_size or fresh.micro_batch_size,
+                                           fresh.world_size, fresh.micro_batch_size, n_sequences)
+        if self.dist.is_main:
+            say(f"data position: {state.micro_batches} micro batches on {state.world_size} rank(s) -> "
+                f"{position} on {fresh.world_size}")
+        return dataclasses.replace(state, micro_batches=position, world_size=fresh.world_size,
+                                   micro_batch_size=fresh.micro_batch_size)
+
+    # -------------------------------------------------------------------- save
+    def save(self, state: LoopState) -> None:
+        """Write a checkpoint of `state`. Sync: written and published before returning.
+        Async: the training stalls only for the snapshot; `poll` publishes it later."""
+        self._finish_in_flight()  # at most one save in flight: this one waits for the last
+        faults.tick("save")
+        name = checkpoint.step_name(state.step)
+        problem = self._agree(self._space_problem() if self.dist.is_main else None)
+        if problem:
+            self._failed(state.step, name, None, problem)
+            return
+        tmp = self.root / f"{checkpoint.TMP_PREFIX}{name}"
+        baseline = memory.gpu_bytes(self.dist.on_gpu)["gpu_alloc"]
+        started = time.perf_counter()
+        mode = self._write_files(tmp, name)
+        self._pending = {"state": dataclasses.replace(state), "tmp": tmp, "name": name, "started": started,
+                         "mode": mode}
+        if mode == "sync":
+            self._finish_in_flight()
+        stall = time.perf_counter() - started
+        residue = self._release_temporaries(baseline, name)
+        self.timeline.mark(state.step, "save", seconds=round(stall, 3), checkpoint=name, mode=mode,
+                           residue_bytes=residue, host_buffer_bytes=self.io.arena.capacity)
+
+    def _write_files(self, tmp: Path, name: str) -> str:
+        """DeepSpeed's files and this rank's RNG state into tmp, through zerofit's checkpoint
+        engine: written now ("sync"), or snapshotted and handed to the writer ("async")."""
+        if self.dist.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        try:
+            self.ds_engine.save_checkpoint(str(self.root), tag=tmp.name, save_latest=False,
+                                           exclude_frozen_parameters=self.config.lora.enabled)
+        except OSError as e:  # a write outside the checkpoint engine (DeepSpeed's recovery scripts)
+            if self.dist.world_size > 1:
+                raise  # the other ranks wait inside DeepSpeed's barrier: only a restart helps
+            self.io.error = self.io.error or f"DeepSpeed's save_checkpoint: {e}"
+        self.io.save(checkpoint.rng_state(), str(tmp / f"rng_state_rank{self.dist.rank}.pt"))
+        # every rank must take the same road (the sync road publishes through collectives now)
+        mode = "async" if self.settings.async_save and self._all(self.io.snapshot_fits()) else "sync"
+        if self.settings.async_save and mode == "sync" and self.dist.is_main:
+            warn(f"checkpoint {name} written synchronously: "
+                 f"{self.io.fallback_reason or 'another rank is over its host RAM budget'}")
+        self.io.launch(background=mode == "async")
+        return mode
+
+    @property
+    def in_flight(self) -> bool:
+        """A save was started and is not yet published (or failed)."""
+        return self._pending is not None
+
+    def poll(self, step: int) -> None:
+        """Every step: publish the async save in flight once every rank's writer is done.
+        One small collective per step while a save is in flight; never waits for I/O."""
+        if self._pending is None:
+            return
+        if self._all(not self.io.writing):
+            self._finish_in_flight(step)
+
+    def close(self, step: int) -> None:
+        """Drain: wait for the save in flight and publish it (normal end and SIGTERM)."""
+        self._finish_in_flight(step)
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+
+    def stop_requested(self) -> bool:
+        """True on every rank once any rank got SIGTERM (checked at step boundaries, so a
+        save is never cut short by it)."""
+        return self._all(self._terminated, every=False)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._terminated = True
+
+    # ---------------------------------------------------------------- publish
+    def _finish_in_flight(self, step: int | None = None) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        waited = time.perf_counter()
+        self.io.wait()
+        outcomes = self._gather((self.io.error, self.io.written))
+        self._pending = None
+        errors = [f"rank {rank}: {error}" for rank, (error, _) in enumerate(outcomes) if error]
+        if errors:
+            self._failed(step or pending["state"].step, pending["name"], pending["tmp"], "; ".join(errors))
+            return
+        if self.dist.is_main:
+            written = {name: entry for _, files in outcomes for name, entry in files.items()}
+            final = checkpoint.publish(pending["tmp"], pending["state"], written, self.zero_stage)
+            faults.kill_if_armed("latest")
+            removed = checkpoint.apply_retention(self.root, self.settings.keep_last, self.settings.keep_every)
+            self._report(final, pending, written, removed, step, time.perf_counter() - waited)
+
+    def _report(self, final: Path, pending: dict, written: dict, removed: list[str], step: int | None,
+                drain_seconds: float) -> None:
+        total = sum(e["bytes"] for e in written.values())
+        seconds = time.perf_counter() - pending["started"]
+        extra = f", removed {', '.join(removed)}" if removed else ""
+        if pending["mode"] == "async":
+            say(f"checkpoint {final.name}: {total / 1e9:.2f} GB written in the background in {seconds:.1f} s "
+                f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s){extra}")
+            self.timeline.mark(step or pending["state"].step, "checkpoint_written", checkpoint=final.name,
+                               bytes=total, snapshot_seconds=round(self.io.snapshot_seconds, 3),
+                               write_seconds=round(self.io.write_seconds, 3),
+                               write_gbps=round(total / 1e9 / max(self.io.write_seconds, 1e-9), 3),
+                               commit_wait_seconds=round(self.io.commit_wait_seconds, 3),
+                               drain_seconds=round(drain_seconds, 3))
+        else:
+            say(f"checkpoint {final.name}: {total / 1e9:.2f} GB in {seconds:.1f} s{extra}")
+
+    def _failed(self, step: int, name: str, tmp: Path | None, reason: str) -> None:
+        if self.dist.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = checkpoint.published(self.root)
+        kept = f"the previous checkpoint {newest[0].name} is intact" if newest else "no earlier checkpoint exists"
+        message = f"checkpoint {name} was not saved: {reason}; {kept}"
+        self.timeline.mark(step, "checkpoint_failed", checkpoint=name, error=reason)
+        if self.settings.on_error == "stop":
+            raise CheckpointError(f"{message}. Stopped (checkpoint.on_error=stop): fix the cause, then "
+                                  f"`zerofit train --resume` continues from the newest valid checkpoint")
+        if self.dist.is_main:
+            warn(f"{message}; training continues (checkpoint.on_error=continue)")
+
+    # ---------------------------------------------------------------- helpers
+    def _space_problem(self) -> str | None:
+        needed = checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage)
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = 0 if faults.armed("nospace", "save", faults.count("save")) else None
+        return checkpoint.free_space_problem(self.root, needed, free)
+
+    def _reserve_host_buffer(self) -> None:
+        """Fault the snapshot buffer's pages in now, in the background, so the first async
+        save copies into warm memory. Sized from the last manifest or the formula, with
+        slack for partition padding: a buffer found too small is reallocated at the save."""
+        per_rank = checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage) // self.dist.world_size
+        nbytes = min(int(per_rank * 1.02) + (64 << 20), self.io.arena.max_bytes)
+        if self.dist.is_main:
+            say(f"async checkpoints: {memory.gib(nbytes)} of host RAM per rank for snapshots "
+                f"(at most {memory.gib(self.io.arena.max_bytes)}: checkpoint.async_host_max_gib)")
+        threading.Thread(target=self.io.arena.reserve, args=(nbytes,), daemon=True,
+                         name="zerofit-host-buffer").start()
+
+    def _release_temporaries(self, baseline: int, name: str) -> int:
+        """Free what the save left behind and report GPU memory still held beyond the
+        pre-save level (a residue makes the next step's peak higher than planned). The
+        save's temporaries are young objects: collecting generations 0-1 is enough and
+        cheap; a full collection (0.1-0.3 s with transformers loaded) only if GPU memory
+        is still held after it."""
+        residue = self._collect(generation=1) - baseline
+        if residue > RESIDUE_WARN_BYTES:
+            residue = self._collect(generation=2) - baseline
+        if residue > RESIDUE_WARN_BYTES:
+            warn(f"rank {self.dist.rank}: {memory.gib(residue)} of GPU memory still allocated after saving {name} "
+                 f"(before: {memory.gib(baseline)}); the next steps have that much less room")
+        return residue
+
+    def _collect(self, generation: int) -> int:
+        gc.collect(generation)
+        if self.dist.on_gpu:
+            import torch
+
+            torch.cuda.empty_cache()
+        return memory.gpu_bytes(self.dist.on_gpu)["gpu_alloc"]
+
+    def _barrier(self) -> None:
+        if self.dist.world_size > 1:
+            import torch.distributed as torch_dist
+
+            torch_dist.barrier()
+
+    def _agree(self, value):
+        """Rank 0's value on every rank."""
+        if self.dist.world_size == 1:
+            return value
+        import torch.distributed as torch_dist
+
+        box = [value]
+        torch_dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, value) -> list:
+        if self.dist.world_size == 1:
+            return [value]
+        import torch.distributed as torch_dist
+
+        out = [None] * self.dist.world_size
+        torch_dist.all_gather_object(out, value)
+        return out
+
+    def _all(self, flag: bool, every: bool = True) -> bool:
+        """every=True: flag holds on all ranks; False: on any rank."""
+        if self.dist.world_size == 1:
+            return flag
+        import torch
+        import torch.distributed as torch_dist
+
+        value = torch.tensor([int(flag)], device=self.ds_engine.device)
+        torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN if every else torch_dist.ReduceOp.MAX)
+        return bool(value.item())
