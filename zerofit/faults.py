@@ -51,10 +51,12 @@ def disarm(kind: str, where: str, n: int) -> None:
         os.environ.pop(VARIABLE)
 
 
-# Memory drills: real allocations kept alive, so the doctor's detectors can be checked on
-# real runs. `residue@step:N` keeps 192 MiB after step N (put a save at N: post-save
-# residue); `leak@step:N` keeps 48 MiB more at every step from N on (growth).
-RESIDUE_BYTES, LEAK_BYTES_PER_STEP = 192 * 2**20, 48 * 2**20
+# Memory drills: real allocations, so the doctor's detectors can be checked on real runs.
+# `residue@step:N` keeps 192 MiB alive after step N (put a save at N: post-save residue);
+# `leak@step:N` keeps 48 MiB more at every step from N on (growth); `spike@step:N`
+# touches 256 MiB and frees it after step N, a peak the next step's first phase records
+# (put a save at N: the first-step-after-save spike).
+RESIDUE_BYTES, LEAK_BYTES_PER_STEP, SPIKE_BYTES = 192 * 2**20, 48 * 2**20, 256 * 2**20
 _held: list = []
 
 
@@ -69,3 +71,6 @@ def hold_memory_if_armed(step: int, device) -> None:
         _held.append(torch.ones(RESIDUE_BYTES, dtype=torch.uint8, device=device))
     if any(f.kind == "leak" and f.where == "step" and step >= f.n for f in drills):
         _held.append(torch.ones(LEAK_BYTES_PER_STEP, dtype=torch.uint8, device=device))
+    if Fault("spike", "step", step) in drills:
+        spike = torch.ones(SPIKE_BYTES, dtype=torch.uint8, device=device)  # filled: the pages are touched
+        del spike

@@ -137,17 +137,6 @@ def mean_over_ranks(value, dist: engine.Dist) -> float:
     return float(value)
 
 
-def any_rank(flag: bool, dist: engine.Dist) -> bool:
-    import torch
-    import torch.distributed as torch_dist
-
-    if dist.world_size == 1:
-        return flag
-    value = torch.tensor([int(flag)], device="cuda" if dist.on_gpu else "cpu")
-    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], ds_engine, config: Config,
                  state: checkpoint.LoopState, dist: engine.Dist, timeline: memory.Timeline) -> str | None:
     """The watchdog's turn: warn, save pre-emptively, or save and stop (returns why).
@@ -158,7 +147,7 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], ds_engine, co
         warn(("" if dist.world_size == 1 else f"rank {dist.rank}: ") + crossing.message())
         timeline.mark(state.step, "watchdog", **crossing.record())
     action = config.memory.watchdog_action
-    if action == "warn" or not any_rank(crossing is not None, dist):
+    if action == "warn" or not watchdog.any_rank(crossing is not None, dist.on_gpu, dist.world_size):
         return None
     saved = Path(config.run_dir) / "checkpoints" / checkpoint.step_name(state.step)
     if not (saved / checkpoint.MANIFEST).is_file():

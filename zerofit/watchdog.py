@@ -68,6 +68,18 @@ def crossings(step: int, use: dict[str, tuple[int, int]], threshold: float, acti
             for device, (in_use, budget) in use.items() if budget and in_use >= threshold * budget]
 
 
+def any_rank(flag: bool, on_gpu: bool, world_size: int) -> bool:
+    """True on every rank when it is True on one: a pre-emptive save is collective."""
+    if world_size == 1:
+        return flag
+    import torch
+    import torch.distributed as torch_dist
+
+    value = torch.tensor([int(flag)], device="cuda" if on_gpu else "cpu")
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 class Watchdog:
     """Stateful part: re-arming per device, and the GPU reading outside PyTorch."""
 
