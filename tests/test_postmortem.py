@@ -113,3 +113,38 @@ def test_would_fit_steps_along_the_phase():
     assert safer("forward", device="host")[1] == ["zero.pin_memory=False"]
     config, changes = safer("save")
     assert config is None and changes == []
+
+
+def raised_in(function):
+    try:
+        function()
+    except RuntimeError as error:
+        return error
+
+
+def save_checkpoint():
+    raise RuntimeError("CUDA out of memory")
+
+
+def evaluate():
+    raise RuntimeError("CUDA out of memory")
+
+
+def test_failed_phase_and_device():
+    import torch
+
+    from zerofit.postmortem import failed_phase, is_oom, oom_device
+
+    def train_step():
+        raise RuntimeError("CUDA out of memory")
+
+    assert failed_phase(raised_in(save_checkpoint), "optimizer_step") == "save"
+    assert failed_phase(raised_in(evaluate), "optimizer_step") == "eval"
+    assert [failed_phase(raised_in(train_step), last) for last in (None, "forward", "backward", "optimizer_step")] \
+        == ["forward", "backward", "optimizer_step", "forward"]
+    assert oom_device(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), on_gpu=False) == "gpu"
+    assert oom_device(MemoryError(), on_gpu=True) == "host"
+    assert oom_device(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes"),
+                      on_gpu=True) == "host"
+    assert is_oom(MemoryError()) and is_oom(RuntimeError("CUDA error: out of memory"))
+    assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))

@@ -143,16 +143,23 @@ def post_save_residue(records: list[dict], facts: RunFacts, device: str) -> list
     else:
         cause = ("tensors made during the save (gathered parameters, state-dict copies, serialisation "
                  "buffers) are still referenced after it, so the allocator cannot reuse that memory")
-    fix = ["release after each save: gc.collect() then torch.cuda.empty_cache() "
-           "(for HF Trainer, zerofit.hf.MemoryGuardCallback() does it)"]
+    released = all(r.get("released_cache") for r in records if r.get("phase") == "save")
+    if released:
+        cause += "; it survives gc.collect() and torch.cuda.empty_cache(), so a live reference holds it"
+        fix = ["find what keeps a reference after the save: a callback or hook that stores tensors, a "
+               "state dict kept for logging or a copy for upload"]
+    else:
+        fix = ["release after each save: gc.collect() then torch.cuda.empty_cache() "
+               "(for HF Trainer, zerofit.hf.MemoryGuardCallback() does it)"]
     if facts.gathers_on_save():
         fix.append("turn off stage3_gather_16bit_weights_on_model_save (zero.gather_16bit_weights_on_save: false) "
                    "and export at the end with `zerofit export`")
-    fix.append("if it grows with every save, find the holder in the allocator snapshot "
-               "(torch.cuda.memory._record_memory_history, viewed at pytorch.org/memory_viz)")
+    fix.append("find the holder in the allocator snapshot (torch.cuda.memory._record_memory_history, viewed at "
+               "pytorch.org/memory_viz)" if device == "gpu" else
+               "find the holder with tracemalloc or memray around the save")
     steps = ", ".join(f"{s} (+{mib(b)})" for s, b in bad.items())
     return [Finding("post_save_residue", severity, device,
-                    f"{device.upper()} memory held after {len(bad)} save(s) stays above the pre-save baseline: "
+                    f"{label(device)} memory held after {len(bad)} save(s) stays above the pre-save baseline: "
                     f"{mib(total)} in all, worst after step {worst} ({mib(bad[worst])}); saves at {steps}",
                     cause, fix, worst, {"residue_bytes": bad, "reported_residue_bytes": reported,
                                         "drift_bytes_per_step": drift})]
@@ -173,7 +180,7 @@ def growth(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
     last_step = max(series)
     evidence = {"bytes_per_step": int(per_step), "growth_bytes": total, "steps": len(deltas),
                 "rising_fraction": round(rising, 2)}
-    title = (f"{device.upper()} memory grows {mib(per_step)} per step ({mib(total)} over {len(deltas)} steps, "
+    title = (f"{label(device)} memory grows {mib(per_step)} per step ({mib(total)} over {len(deltas)} steps, "
              f"rising in {rising:.0%} of them)")
     if budget:
         _, peak = max(peaks(records, device), key=lambda p: p[1])
@@ -222,17 +229,21 @@ def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[
         cause = (f"sub_group_size={sub_group:.0e}: the optimizer step allocates fp32 temporaries per sub group, "
                  f"and right after a save the allocator has no cached block of that size left to reuse")
         fix = ["zero_optimization.sub_group_size 1e9 -> 1e8 (zero.sub_group_size: 100000000)"]
-    else:
+    elif device == "gpu":
         cause = ("the save left the allocator's cache reshaped (freed gather/serialisation buffers split into "
                  "pieces), so the next step's requests need fresh memory on top of what is held")
         fix = []
+    else:
+        cause = ("host memory is allocated again right after the save (state-dict copies, serialisation or "
+                 "pinned staging buffers) on top of what the step needs")
+        fix = ["find what the first step after a save allocates on the host (tracemalloc or memray)"]
     if device == "gpu":
         fix.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" if "expandable_segments:True"
                    not in facts.alloc_conf else "torch.cuda.empty_cache() right after each save")
     if facts.gathers_on_save():
         fix.append("turn off stage3_gather_16bit_weights_on_model_save and export at the end (`zerofit export`)")
     return [Finding("after_save_spike", "warning", device,
-                    f"the first step after a save peaks {mib(peak - typical)} higher in {phase} "
+                    f"The first step after a save peaks {mib(peak - typical)} higher in {phase} "
                     f"({gib(peak)} at step {record['step']} vs {gib(typical)} in the steps around it), in {len(spikes)} "
                     f"phase(s) after saves", cause, fix or ["empty the cache after each save"], record["step"],
                     {"peak_bytes": peak, "typical_bytes": int(typical), "phase": phase, "spikes": len(spikes)})]
@@ -255,7 +266,7 @@ def near_budget(records: list[dict], facts: RunFacts, device: str, near: float =
         return []
     cause, fix = phase_advice(record["phase"], device, facts)
     return [Finding("near_budget", "error" if fraction >= 0.95 else "warning", device,
-                    f"{device.upper()} peak {gib(peak)} is {fraction:.0%} of the {gib(budget)} budget "
+                    f"{label(device)} peak {gib(peak)} is {fraction:.0%} of the {gib(budget)} budget "
                     f"({record['phase']} of step {record['step']})", cause, fix, record["step"],
                     {"peak_bytes": peak, "budget_bytes": budget, "fraction": round(fraction, 3),
                      "phase": record["phase"]})]
@@ -299,7 +310,7 @@ def events(records: list[dict], facts: RunFacts) -> list[Finding]:
             cause, fix = phase_advice(phase, device, facts)
             asked = f", tried to allocate {gib(r['requested_bytes'])}" if r.get("requested_bytes") else ""
             went_on = any(later.get("phase") == "start" for later in records[i + 1:])
-            found.append(Finding("oom", "error", device, f"{device.upper()} out of memory in {phase} of step "
+            found.append(Finding("oom", "error", device, f"{label(device)} out of memory in {phase} of step "
                                  f"{r['step']}{asked}" + ("; the run resumed afterwards" if went_on else ""),
                                  cause, fix, r["step"], {k: r[k] for k in r if k != "time"}))
         elif r.get("phase") == "watchdog":
@@ -363,6 +374,10 @@ def phase_advice(phase: str, device: str, facts: RunFacts) -> tuple[str, list[st
         fix.append("torch.cuda.empty_cache() before saving, so the save's buffers find room")
         return "the checkpoint save gathers parameters and builds state-dict copies", fix
     return "memory use reached the budget", ["see the timeline for the phase that peaks"]
+
+
+def label(device: str) -> str:
+    return {"gpu": "GPU", "host": "Host"}.get(device, device)
 
 
 def mib(n: float) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from zerofit import faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
-from zerofit.findings import RunFacts, detect, facts_from, gib, phase_advice
+from zerofit.findings import RunFacts, detect, facts_from, gib, label
 from zerofit.memory import gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.progress import say
 
@@ -88,7 +88,7 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
         session = Session(config)
         try:
             return run(config, resume, session)
-        except BaseException as error:  # noqa: B036 - only OOMs are handled, the rest re-raised
+        except Exception as error:  # MemoryError and torch.OutOfMemoryError are Exceptions
             if not is_oom(error):
                 raise
             event = capture(error, session)
@@ -195,16 +195,26 @@ def capture(error: BaseException, session: Session) -> OomEvent:
     phase = failed_phase(error, timeline.last_phase if timeline else None)
     state_step = session.state.step if session.state else 0
     step = state_step + 1 if phase in TRAINING_PHASES else state_step
+    message = "\n".join(str(error).strip().splitlines()[:6]) or type(error).__name__
+    event = OomEvent(step, phase, oom_device(error, on_gpu), message, parse_requested_bytes(str(error)),
+                     gpu_bytes(on_gpu), host_rss_bytes(), snapshot, snapshot_note, rank, dist.world_size if dist else 1)
+    if timeline:
+        try:
+            timeline.mark(step, "oom", failed_phase=phase, device=event.device, requested_bytes=event.requested_bytes,
+                          error=message.splitlines()[0][:300])
+        except (MemoryError, OSError):  # a host OOM may refuse even this; the report still follows
+            pass
+    return event
+
+
+def oom_device(error: BaseException, on_gpu: bool) -> str:
+    """gpu for the CUDA caching allocator's error (its message names CUDA), host otherwise
+    (MemoryError, the CPU allocator's 'DefaultCPUAllocator: not enough memory')."""
     import torch
 
-    device = "gpu" if isinstance(error, torch.OutOfMemoryError) and on_gpu or "CUDA" in str(error) else "host"
-    message = "\n".join(str(error).strip().splitlines()[:6])
-    event = OomEvent(step, phase, device, message, parse_requested_bytes(str(error)), gpu_bytes(on_gpu),
-                     host_rss_bytes(), snapshot, snapshot_note, rank, dist.world_size if dist else 1)
-    if timeline:
-        timeline.mark(step, "oom", failed_phase=phase, device=device, requested_bytes=event.requested_bytes,
-                      error=message.splitlines()[0][:300] if message else type(error).__name__)
-    return event
+    if "CUDA" in str(error) or (on_gpu and isinstance(error, torch.OutOfMemoryError) and "CPU" not in str(error)):
+        return "gpu"
+    return "host"
 
 
 # ---------------------------------------------------------------------- conclude
@@ -319,7 +329,7 @@ def headline(event: dict) -> str:
     where = {"forward": "the forward pass", "backward": "the backward pass", "optimizer_step": "the optimizer step",
              "eval": "evaluation", "save": "the checkpoint save"}.get(event["phase"], event["phase"])
     asked = f", tried to allocate {gib(event['requested_bytes'])}" if event.get("requested_bytes") else ""
-    return f"{event['device'].upper()} out of memory in {where} of step {event['step']}{asked}"
+    return f"{label(event['device'])} out of memory in {where} of step {event['step']}{asked}"
 
 
 def explanation(report: dict) -> str:
