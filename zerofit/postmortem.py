@@ -28,6 +28,7 @@ from pathlib import Path
 
 from zerofit import faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
+from zerofit.doctor import plan_vs_measured, read_json
 from zerofit.findings import RunFacts, detect, facts_from, gib, label
 from zerofit.memory import gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.progress import say
@@ -233,8 +234,6 @@ def conclude(event: OomEvent, session: Session) -> dict:
     directory = directory_for(run_dir, event.rank)
     if safer is not None:
         (directory / "retry-config.yaml").write_text(dump_yaml(safer))
-    from zerofit.doctor import plan_vs_measured
-
     report = {
         "event": asdict(event), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(run_dir),
         "emergency_checkpoint": emergency, "emergency_note": emergency_note,
@@ -318,13 +317,6 @@ def would_fit(config: Config, event: OomEvent, facts: RunFacts) -> tuple[Config 
 
 
 # ---------------------------------------------------------------------- words
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def headline(event: dict) -> str:
     where = {"forward": "the forward pass", "backward": "the backward pass", "optimizer_step": "the optimizer step",
              "eval": "evaluation", "save": "the checkpoint save"}.get(event["phase"], event["phase"])
