@@ -72,4 +72,5 @@ def hold_memory_if_armed(step: int, device) -> None:
     if any(f.kind == "leak" and f.where == "step" and step >= f.n for f in drills):
         _held.append(torch.ones(LEAK_BYTES_PER_STEP, dtype=torch.uint8, device=device))
     if Fault("spike", "step", step) in drills:
-        torch.ones(SPIKE_BYTES, dtype=torch.uint8, device=device).sum()  # filled (pages touched), then freed
+        _held.append(torch.ones(SPIKE_BYTES, dtype=torch.uint8, device=device))  # filled: pages touched
+        _held.pop()  # and freed: only the high-water mark remembers it
