@@ -72,17 +72,22 @@ def test_detectors_find_the_drills_on_a_real_run(drilled_run):
     assert abs(spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] - SPIKE_BYTES) < 64 * MiB
 
 
-def test_near_budget_on_a_real_run(tmp_path):
-    """Also the watchdog's default action: warn once, save nothing extra."""
+def test_near_budget_and_watchdog_save_on_a_real_run(tmp_path):
+    """A 400 MiB host budget: the watchdog (action save) saves once at step 1, and the doctor
+    finds the run over its budget."""
     run, _, done = train(tmp_path, env={"COLUMNS": "400"}, plan={"host_mem": "400MiB"},
-                         memory={"watchdog_threshold": 0.95})
+                         memory={"watchdog_threshold": 0.95, "watchdog_action": "save"})
     assert done.stderr.count("warning: watchdog: host memory") == 1
-    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000009", "step-000012"]
+    assert "budget at step 1 (memory.watchdog_threshold 95%); saving a checkpoint now" in done.stderr
+    records = read_jsonl(run / "memory.jsonl")
+    assert [r["step"] for r in records if r["phase"] == "save"] == [1, 3, 6, 9, 12]  # 1: pre-emptive
+    events = [r for r in records if r["phase"] == "watchdog"]
+    assert len(events) == 1 and events[0]["action"] == "save" and events[0]["budget_bytes"] == 400 * MiB
     found = diagnose(run).findings
     near = next(f for f in found if f.kind == "near_budget")
     assert near.device == "host" and near.evidence["budget_bytes"] == 400 * MiB and near.severity == "error"
     assert any("nvme" in fix.lower() for fix in near.fix)
-    assert any(f.kind == "watchdog" for f in found)  # the run's watchdog saw it too (and warned once)
+    assert any(f.kind == "watchdog" for f in found)
 
 
 def test_report_html_and_terminal_summary(drilled_run, tmp_path):
