@@ -17,6 +17,9 @@ Measured:
   A/B differences of a few milliseconds are within step-time noise.
 - Pinned-memory accounting: after pinning 256 MiB through torch, how much of it shows in
   torch.cuda.host_memory_stats and in VmLck (does `pinned` count it once or twice?).
+- GPU-only paths the CPU tests cannot reach, checked once: the budgets and the watchdog's
+  reading, a real CUDA OOM (under a tightened per-process cap) parsed by the post-mortem,
+  and the allocator snapshot dumped and loaded back.
 """
 from __future__ import annotations
 
@@ -160,6 +163,49 @@ def pinned_accounting(on_gpu: bool) -> dict:
     return result
 
 
+def gpu_paths(run_dir: Path, on_gpu: bool, step_records: list[dict]) -> dict:
+    if not on_gpu:
+        return {"note": "no CUDA: the GPU-only paths are not exercised on CPU"}
+    import pickle
+
+    import torch
+
+    from zerofit import postmortem
+    from zerofit.findings import RunFacts
+    from zerofit.memory import budgets
+    from zerofit.watchdog import Watchdog
+
+    found = {"budgets": budgets(True)}
+    facts = RunFacts(gpu_budget=found["budgets"]["gpu_budget"], host_budget=found["budgets"]["host_budget"],
+                     host_total=found["budgets"]["host_total"])
+    dog = Watchdog(facts, 0.0001, "warn", on_gpu=True)
+    crossing = dog.check(0, step_records)
+    found["watchdog"] = crossing.record() if crossing else None
+    total = torch.cuda.get_device_properties(0).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = getter() if getter else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + 2**30) / total))
+    asked = 4 * 2**30
+    try:
+        torch.empty(asked, dtype=torch.uint8, device="cuda")
+        found["oom"] = "no OOM raised under the tightened cap"
+    except torch.OutOfMemoryError as error:
+        found["oom"] = {"message": str(error)[:400], "is_oom": postmortem.is_oom(error),
+                        "device": postmortem.oom_device(error, True),
+                        "requested_bytes": postmortem.parse_requested_bytes(str(error)), "asked_bytes": asked}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before)
+    set_history(True, True, 10_000)
+    torch.ones(2**20, device="cuda").sum()
+    path, note = postmortem.dump_snapshot(run_dir, True)  # also stops the recording
+    found["snapshot"] = {"path_written": path is not None, "note": note}
+    if path:
+        snapshot = pickle.loads(Path(path).read_bytes())
+        found["snapshot"].update(bytes=Path(path).stat().st_size, segments=len(snapshot.get("segments", [])),
+                                 trace_entries=sum(len(t) for t in snapshot.get("device_traces", [])))
+    return found
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
@@ -195,6 +241,7 @@ def main() -> None:
         "microbench": micro, "timeline_seconds_per_step": round(per_step_s, 6),
         "timeline_overhead_pct": round(100 * per_step_s / medians["off"], 3),
         "target_pct": 2.0, "pinned_accounting": pinned_accounting(dist.on_gpu),
+        "gpu_paths": gpu_paths(run_dir, dist.on_gpu, [timeline.last]),
         "history_max_entries": entries, "versions": versions(), "smoke": args.smoke,
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
     }
