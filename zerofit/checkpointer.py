@@ -106,6 +106,7 @@ class Checkpointer:
             else psutil.virtual_memory().available // 2
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max)
         self._pending: dict | None = None
+        self.saved_step: int | None = None  # the step of the newest save started (published or in flight)
         self._terminated = False
         self._previous_handler = None
         if threading.current_thread() is threading.main_thread():
@@ -134,8 +135,9 @@ class Checkpointer:
         rng_file = directory / f"rng_state_rank{self.dist.rank % state.world_size}.pt"
         if rng_file.is_file():
             checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))
-        if state.world_size != fresh.world_size:
-            state = self._reshaped(state, fresh, n_sequences)
+        state.extra.pop("emergency", None)  # the note an OOM's emergency save carries stays with it
+        if (state.world_size, state.micro_batch_size) != (fresh.world_size, fresh.micro_batch_size):
+            state = self._reshaped(state, fresh, n_sequences)  # another rank count, or an OOM retry's micro batch
         if state.config_fingerprint != fresh.config_fingerprint and self.dist.is_main:
             warn(f"{directory.name} was written with a different config (model, data or training shape); "
                  f"continuing with the current one")
@@ -159,6 +161,7 @@ class Checkpointer:
         """Write a checkpoint of `state`. Sync: written and published before returning.
         Async: the training stalls only for the snapshot; `poll` publishes it later."""
         self._finish_in_flight()  # at most one save in flight: this one waits for the last
+        self.saved_step = state.step
         faults.tick("save")
         name = checkpoint.step_name(state.step)
         problem = self._agree(self._space_problem() if self.dist.is_main else None)

@@ -37,6 +37,8 @@ def load_config(args) -> Config:
     from zerofit.config import load
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
+    if getattr(args, "on_oom", None):
+        overrides.append(f"memory.on_oom={args.on_oom}")
     return load(args.config, overrides)
 
 
@@ -107,6 +109,24 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (auto: the saved dtype on a GPU, fp32 on a CPU)")
 
 
+def cmd_doctor(args) -> int:
+    if args.system:
+        from zerofit.syscheck import check_system, print_checks
+
+        checks = check_system(args.nvme_path, args.nvme_mib)
+        print_checks(checks)
+        return 1 if any(c.status == "fail" for c in checks) else 0
+    if args.repro:
+        from zerofit.repro import write_repro
+
+        print(f"reproduction script: {write_repro(args.run_dir, args.out)}")
+        return 0
+    from zerofit.doctor import doctor
+
+    doctor(args.run_dir, args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerofit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"zerofit {__import__('zerofit').__version__}")
@@ -125,7 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--verify", choices=["sizes", "full"],
                        help="how resume checks a checkpoint against its manifest: file sizes, or full (sizes and "
                             "xxh3 hash of every byte; default: checkpoint.verify)")
+    train.add_argument("--on-oom", choices=["stop", "retry"],
+                       help="after an OOM post-mortem: stop (exit 1), or restart from the newest checkpoint "
+                            "with safer settings (sets memory.on_oom)")
     train.set_defaults(run=cmd_train)
+
+    doctor = verbs.add_parser("doctor", help="explain a run's memory (report.html), check the machine (--system), "
+                                             "or write a reproduction script (--repro)")
+    doctor.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                        help="a zerofit run directory, or an HF Trainer output_dir with MemoryGuardCallback")
+    doctor.add_argument("--out", metavar="FILE", help="where report.html (or with --repro, the script) goes "
+                                                      "(default: inside RUN_DIR)")
+    doctor.add_argument("--system", action="store_true", help="check this machine: GPU, driver, RAM, ulimit -l, "
+                                                              "NVMe direct I/O, libaio / async_io")
+    doctor.add_argument("--nvme-path", metavar="DIR", help="with --system: measure direct-I/O bandwidth here")
+    doctor.add_argument("--nvme-mib", type=int, default=256, metavar="N", help="with --nvme-path: MiB to write/read")
+    doctor.add_argument("--repro", action="store_true", help="write a standalone reproduction script for RUN_DIR")
+    doctor.set_defaults(run=cmd_doctor)
 
     config = verbs.add_parser("config", help="print the resolved config, or --example for every key")
     add_config_args(config)
@@ -162,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb == "doctor" and not args.system and not args.run_dir:
+        parser.error("doctor needs RUN_DIR (or --system)")
     try:
         return args.run(args)
     except ConfigError as e:

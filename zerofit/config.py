@@ -252,6 +252,9 @@ class MemoryConfig(Section):
     """What the watchdog does: warn, save a checkpoint pre-emptively, or save and stop."""
     on_oom: Literal["stop", "retry"] = "stop"
     """After an OOM post-mortem: stop, or restart from the newest checkpoint with a safer plan."""
+    history_max_entries: int = Field(100_000, ge=0)
+    """CUDA allocator events kept for the OOM snapshot (torch.cuda.memory._record_memory_history
+    with Python stacks, the newest N); 0 turns the recording off."""
 
 
 class PlanConfig(Section):

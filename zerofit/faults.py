@@ -1,7 +1,8 @@
 """Fault injection for tests and drills: ZEROFIT_FAULT="kind@where:N[,kind@where:N...]".
 
 Examples: `enospc@save:2` (the 2nd save's writes fail with ENOSPC), `oom@step:5`
-(torch.OutOfMemoryError in the forward pass of step 5), `kill@save:1` (SIGKILL mid-save).
+(torch.OutOfMemoryError in the forward pass of step 5), `kill@save:1` (SIGKILL mid-save),
+`residue@step:3` / `leak@step:2` (memory kept alive after step 3 / every step from 2).
 Code that can fail asks `armed(kind, where, n)` at the matching moment; nothing is
 injected unless the variable is set.
 
@@ -63,3 +64,41 @@ def kill_if_armed(point: str, counter: str = "save") -> None:
     the crash a kill -9 at exactly this point would be, without the timing luck."""
     if armed("kill", point, count(counter)):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def disarm(kind: str, where: str, n: int) -> None:
+    """Remove one fault from ZEROFIT_FAULT in this process (and what it starts): an OOM
+    retry runs with safer settings, under which the injected OOM stands for nothing."""
+    text = os.environ.get(VARIABLE, "")
+    if not text:
+        return
+    kept = [f"{f.kind}@{f.where}:{f.n}" for f in parse(text) if f != Fault(kind, where, n)]
+    if kept:
+        os.environ[VARIABLE] = ",".join(kept)
+    else:
+        os.environ.pop(VARIABLE)
+
+
+# Memory drills: real allocations, so the doctor's detectors can be checked on real runs.
+# `residue@step:N` keeps 192 MiB alive after step N (put a save at N: post-save residue);
+# `leak@step:N` keeps 48 MiB more at every step from N on (growth); `spike@step:N`
+# touches 256 MiB and frees it after step N, a peak the next step's first phase records
+# (put a save at N: the first-step-after-save spike).
+RESIDUE_BYTES, LEAK_BYTES_PER_STEP, SPIKE_BYTES = 192 * 2**20, 48 * 2**20, 256 * 2**20
+_held: list = []
+
+
+def hold_memory_if_armed(step: int, device) -> None:
+    text = os.environ.get(VARIABLE, "")
+    if not text:
+        return
+    import torch
+
+    drills = parse(text)
+    if Fault("residue", "step", step) in drills:
+        _held.append(torch.ones(RESIDUE_BYTES, dtype=torch.uint8, device=device))
+    if any(f.kind == "leak" and f.where == "step" and step >= f.n for f in drills):
+        _held.append(torch.ones(LEAK_BYTES_PER_STEP, dtype=torch.uint8, device=device))
+    if Fault("spike", "step", step) in drills:
+        _held.append(torch.ones(SPIKE_BYTES, dtype=torch.uint8, device=device))  # filled: pages touched
+        _held.pop()  # and freed: only the high-water mark remembers it

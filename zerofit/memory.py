@@ -1,68 +1,197 @@
 """Memory timeline: one JSON line per phase of a step (forward, backward, optimizer step,
-save, eval) with GPU allocated / reserved / peak since the previous mark and host RSS.
+save, eval) in RUN_DIR/memory.jsonl, read back by `zerofit doctor`.
 
-Peaks come from the caching allocator's own counters (torch.cuda.max_memory_allocated,
-reset at every mark), so recording needs no device synchronisation.
+What one record holds (bytes unless named otherwise):
+  step, phase, time     the optimizer step the phase belongs to; `after_save: true` marks
+                        the records of the first step after a checkpoint save
+  gpu_alloc             torch.cuda.memory_allocated at the end of the phase
+  gpu_reserved          torch.cuda.memory_reserved (what the caching allocator holds)
+  gpu_peak              max_memory_allocated within the phase (peaks reset at every phase)
+  gpu_peak_reserved     max_memory_reserved within the phase
+  gpu_frag              gpu_reserved - gpu_alloc: cached but unused
+  gpu_inactive_split    memory_stats()["inactive_split_bytes.all.current"]: free pieces of
+                        split blocks, the fragmentation that makes a large request fail
+  host_rss, host_peak   VmRSS, and VmHWM since the previous phase (/proc/self/status; the
+                        high-water mark is reset through /proc/self/clear_refs, see proc(5))
+  host_avail            psutil.virtual_memory().available (machine-wide), once per step
+  pinned                page-locked host memory, once per step: the CUDA caching host
+                        allocator's bytes (torch.cuda.host_memory_stats, where
+                        `tensor.pin_memory()` and DeepSpeed's default pinning land) plus
+                        VmLck (mlock'ed: DeepSpeed's native pin backend, AIO buffers)
+  nvme_swap             bytes of DeepSpeed swap files under zero.nvme_path, once per step
+
+All GPU figures come from one torch.cuda.memory_stats() call (memory_allocated and its
+siblings each call it too), so recording needs no device synchronisation; the bench
+`bench/timeline_overhead.py` measures what it costs.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
 
 import psutil
 
+GPU_KEYS = ("gpu_alloc", "gpu_reserved", "gpu_peak", "gpu_peak_reserved", "gpu_frag", "gpu_inactive_split")
+PEAK_KEYS = ("gpu_peak", "gpu_peak_reserved", "host_peak")  # kept as the max when a phase recurs
+EVENT_PHASES = ("start", "save", "eval", "oom", "watchdog")  # marked on their own, not per micro batch
+
+
+# ---------------------------------------------------------------------------- readings
+def proc_status() -> dict[str, int]:
+    """VmRSS, VmHWM and VmLck of this process in bytes (0 where /proc is missing)."""
+    found = {"VmRSS": 0, "VmHWM": 0, "VmLck": 0}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key = line[:5]
+                if key in found:
+                    found[key] = int(line.split()[1]) * 1024
+    except OSError:
+        found["VmRSS"] = found["VmHWM"] = psutil.Process().memory_info().rss
+    return found
+
+
+def reset_host_peak() -> None:
+    """Reset VmHWM to the current RSS ("5" in proc(5) clear_refs), so the next reading is
+    the peak of the phase in between. Not permitted everywhere; then VmHWM is lifetime."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
 
 def host_rss_bytes() -> int:
-    return psutil.Process().memory_info().rss
+    return proc_status()["VmRSS"] or psutil.Process().memory_info().rss
 
 
 def gpu_bytes(on_gpu: bool) -> dict:
-    """Allocator counters since the last reset; zeros on a CPU-only machine."""
+    """Allocator counters since the last peak reset; zeros on a CPU-only machine."""
     if not on_gpu:
-        return {"gpu_alloc": 0, "gpu_reserved": 0, "gpu_peak": 0, "gpu_peak_reserved": 0}
+        return dict.fromkeys(GPU_KEYS, 0)
     import torch
 
-    return {"gpu_alloc": torch.cuda.memory_allocated(), "gpu_reserved": torch.cuda.memory_reserved(),
-            "gpu_peak": torch.cuda.max_memory_allocated(), "gpu_peak_reserved": torch.cuda.max_memory_reserved()}
+    stats = torch.cuda.memory_stats()
+    alloc, reserved = stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0)
+    return {"gpu_alloc": alloc, "gpu_reserved": reserved, "gpu_peak": stats.get("allocated_bytes.all.peak", 0),
+            "gpu_peak_reserved": stats.get("reserved_bytes.all.peak", 0), "gpu_frag": reserved - alloc,
+            "gpu_inactive_split": stats.get("inactive_split_bytes.all.current", 0)}
 
 
+def pinned_bytes(mlocked: int) -> int:
+    """CUDA caching host allocator bytes (active + cached) plus mlock'ed bytes."""
+    try:
+        import torch
+
+        torch_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    except (AttributeError, RuntimeError):
+        torch_pinned = 0
+    return torch_pinned + mlocked
+
+
+def nvme_swap_bytes(nvme_path: str | Path | None) -> int:
+    """Bytes in DeepSpeed's swap files (`*.swp` under nvme_path/zero_stage_3/...)."""
+    if not nvme_path or not Path(nvme_path).is_dir():
+        return 0
+    total = 0
+    for root, _, files in os.walk(nvme_path):
+        for name in files:
+            if name.endswith(".swp"):
+                try:
+                    total += os.stat(os.path.join(root, name)).st_size
+                except OSError:  # a swap file removed while we walk
+                    pass
+    return total
+
+
+def gpu_total_bytes() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def gpu_budget_bytes() -> int:
+    """The device memory this process may use: the total, times the per-process fraction
+    when one is set (torch.cuda.set_per_process_memory_fraction, how a smaller card is
+    simulated)."""
+    import torch
+
+    total = gpu_total_bytes()
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = getter() if getter else 1.0
+    return int(total * min(1.0, fraction))
+
+
+def budgets(on_gpu: bool, gpu_mem: str | None = None, host_mem: str | None = None) -> dict:
+    """What the watchdog and the doctor measure against. GPU: plan.gpu_mem, else the
+    device (times the per-process fraction); host: plan.host_mem, else the machine's RAM
+    (`host_budget_is_machine` tells the watchdog to count machine-wide use)."""
+    host_total = psutil.virtual_memory().total
+    found = {"host_total": host_total, "host_budget": parse_bytes(host_mem, "plan.host_mem") or host_total,
+             "host_budget_is_machine": host_mem is None, "gpu_total": 0, "gpu_budget": 0}
+    if on_gpu:
+        found["gpu_total"] = gpu_total_bytes()
+        found["gpu_budget"] = parse_bytes(gpu_mem, "plan.gpu_mem") or gpu_budget_bytes()
+    return found
+
+
+# ---------------------------------------------------------------------------- timeline
 class Timeline:
     """Appends phase records to RUN_DIR/memory.jsonl (rank 0) or memory-rankN.jsonl.
 
     `observe(phase)` closes a peak window; with gradient accumulation a phase recurs in
-    one optimizer step, so `flush(step)` writes one line per phase with the largest peak."""
+    one optimizer step, so `flush(step)` writes one line per phase with the largest
+    peak. `mark(step, phase, **extra)` records a phase that ended on its own (save,
+    eval) right away; extra fields go into its record."""
 
-    def __init__(self, run_dir: Path, rank: int, on_gpu: bool):
+    def __init__(self, run_dir: Path, rank: int, on_gpu: bool, nvme_path: str | None = None):
         name = "memory.jsonl" if rank == 0 else f"memory-rank{rank}.jsonl"
         self.path = Path(run_dir) / name
-        self.rank, self.on_gpu = rank, on_gpu
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.on_gpu, self.nvme_path = rank, on_gpu, nvme_path
         self._file = self.path.open("a", buffering=1)
         self._pending: dict[str, dict] = {}
+        self._after_save = False
         self.last: dict = {}
+        self.last_phase: str | None = None  # the phase observed most recently (post-mortem reads it)
 
     def observe(self, phase: str) -> dict:
-        reading = {**gpu_bytes(self.on_gpu), "host_rss": host_rss_bytes()}
+        status = proc_status()
+        reading = {**gpu_bytes(self.on_gpu), "host_rss": status["VmRSS"], "host_peak": status["VmHWM"]}
         if self.on_gpu:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
+        reset_host_peak()
         seen = self._pending.get(phase)
         if seen:
-            reading = {k: max(v, seen[k]) if k.endswith(("peak", "peak_reserved", "rss")) else v
-                       for k, v in reading.items()}
+            reading = {k: max(v, seen[k]) if k in PEAK_KEYS else v for k, v in reading.items()}
         self._pending[phase] = reading
+        self.last_phase = phase
         return reading
 
     def flush(self, step: int, **extra) -> list[dict]:
-        records = [{"step": step, "phase": phase, "time": round(time.time(), 3), **reading, **extra}
+        """Write the pending phases of `step`; the per-step readings (pinned, NVMe, host
+        available) are taken once here and go into each of its records."""
+        if not self._pending:
+            return []
+        per_step = {"host_avail": psutil.virtual_memory().available,
+                    "pinned": pinned_bytes(proc_status()["VmLck"]), "nvme_swap": nvme_swap_bytes(self.nvme_path)}
+        flags = {"after_save": True} if self._after_save and not set(self._pending) & set(EVENT_PHASES) else {}
+        now = round(time.time(), 3)
+        records = [{"step": step, "phase": phase, "time": now, **reading, **per_step, **flags, **extra}
                    for phase, reading in self._pending.items()]
         for record in records:
             self._file.write(json.dumps(record) + "\n")
         self._pending.clear()
-        if records:
-            self.last = records[-1]
+        if "save" in (r["phase"] for r in records):
+            self._after_save = True
+        elif flags:
+            self._after_save = False
+        self.last = records[-1]
         return records
 
     def mark(self, step: int, phase: str, **extra) -> dict:
@@ -74,11 +203,33 @@ class Timeline:
         self._file.close()
 
 
-def read_timeline(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "memory.jsonl"
+# ---------------------------------------------------------------------------- reading back
+def read_timeline(run_dir: Path, rank: int = 0) -> list[dict]:
+    """The records of memory.jsonl (or memory-rankN.jsonl), in order; a torn last line
+    (the process died mid-write) is skipped."""
+    name = "memory.jsonl" if rank == 0 else f"memory-rank{rank}.jsonl"
+    path = Path(run_dir) / name
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def effective_records(records: list[dict]) -> list[dict]:
+    """The timeline as the run's model saw it: a `start` record at step s (a resume)
+    drops the earlier records of steps after s, which the resume rolled back. OOM and
+    watchdog events are kept: they happened, whatever came after."""
+    kept: list[dict] = []
+    for record in records:
+        if record.get("phase") == "start":
+            kept = [r for r in kept if r["step"] <= record["step"] or r["phase"] in ("oom", "watchdog")]
+        kept.append(record)
+    return kept
 
 
 def gib(n: float) -> str:
@@ -92,9 +243,7 @@ def budget_summary(on_gpu: bool) -> str:
         return f"host {host}"
     import torch
 
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return f"gpu {gib(torch.cuda.max_memory_allocated())}/{gib(total)} host {host}"
-
+    return f"gpu {gib(torch.cuda.max_memory_allocated())}/{gib(gpu_total_bytes())} host {host}"
 
 
 # Decimal units as Hugging Face writes shard sizes ("5GB"), binary ones as GPUs are sold ("24GiB").
@@ -102,13 +251,14 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
 
 
-def parse_bytes(text: str | int, what: str) -> int:
-    """`24GiB`, `5GB`, `512MiB`, `1.5g` (k/m/g/t alone are binary) or a plain byte count."""
+def parse_bytes(text: str | int | None, what: str = "size") -> int | None:
+    """`24GiB`, `5GB`, `512MiB`, `1.5g` (k/m/g/t alone are binary), `1e9` or a plain byte
+    count -> bytes; None stays None. `what` names the setting in the error."""
     from zerofit.config import ConfigError
 
-    if isinstance(text, int):
+    if text is None or isinstance(text, int):
         return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if unit not in _UNITS:
         raise ConfigError(f"{what}={text!r} is not a size; write e.g. 24GiB, 5GB, 512MiB or a byte count")

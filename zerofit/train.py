@@ -1,5 +1,6 @@
 """The training loop, top to bottom: set up, then `while step < max_steps:` with the
-once-in-a-while blocks (eval, checkpoint) each a few lines calling their module."""
+once-in-a-while blocks (eval, checkpoint, memory watchdog) each a few lines calling their
+module. An out-of-memory error anywhere in it goes to the post-mortem (postmortem.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import checkpoint, checkpointer, data, dsconfig, engine, lora, memory, models
+from zerofit import (checkpoint, checkpointer, data, dsconfig, engine, faults, lora, memory, models, postmortem,
+                     watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -28,9 +30,15 @@ class RunResult:
 
 def train(config: Config, resume: bool | None = None) -> RunResult:
     """Train per `config`. resume: True = must resume, False = start over, None = resume
-    when the run dir holds a valid checkpoint."""
+    when the run dir holds a valid checkpoint. An OOM writes RUN_DIR/postmortem/ and
+    stops (exit 1), or retries with safer settings (memory.on_oom)."""
+    return postmortem.run_with_oom_policy(run, config, resume)
+
+
+def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
     run_dir = Path(config.run_dir)
     dist = engine.init_distributed()
+    session.begin(dist)
     seed_everything(config.train.seed)
     tokenizer = models.load_tokenizer(config.model)
     hf_config = models.hf_config(config.model)
@@ -47,32 +55,35 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     if config.lora.enabled and dist.is_main:
         say(lora.trainable_summary(model))
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
-    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu)
+    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu, nvme_path=config.zero.nvme_path)
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
     state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size)
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
+    dog = watchdog.arm(timeline, state.step, dist.on_gpu, config.memory.watchdog_threshold,
+                       config.memory.watchdog_action, config.plan.gpu_mem, config.plan.host_mem, dist.world_size)
     metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
     progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
     tokens_per_step = config.train.micro_batch_size * config.train.seq_len * config.train.grad_accum_steps \
         * dist.world_size
-    train_loss = eval_loss = None
-    stopped = False
+    train_loss = eval_loss = stop_reason = None
+    signalled = False
+    session.attach(engine=ds_engine, saver=saver, state=state, timeline=timeline, progress=progress)
     if state.step >= total_steps and dist.is_main:
         say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
     while state.step < total_steps:
         started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
-        train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist)
+        train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1)
         state.step += 1
         state.micro_batches = batches.position
         state.tokens_seen += tokens_per_step
         seconds = time.perf_counter() - started
         record = {"step": state.step, "loss": train_loss, "lr": lr,
                   "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "epoch": batches.epoch}
-        timeline.flush(state.step)
+        step_records = timeline.flush(state.step)
         last = state.step == total_steps
 
         if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
@@ -81,29 +92,34 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
         saver.poll(state.step)  # an async save whose writers all finished gets published
         if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
             saver.save(state)
+        faults.hold_memory_if_armed(state.step, ds_engine.device)
 
         metrics.write(record)
         if state.step % config.log.every_steps == 0 or last:
             progress.update(state.step, progress_info(record, dist.on_gpu))
 
-        if saver.stop_requested():  # SIGTERM: stop at this step boundary; close() drains the save in flight
-            stopped = True
+        stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
+        signalled = saver.stop_requested()  # SIGTERM: stop at this step boundary
+        if stop_reason or signalled:
             break
 
-    saver.close(state.step)
+    saver.close(state.step)  # drains the save in flight
     progress.close()
     timeline.close()
     metrics.close()
-    if dist.is_main and stopped:
+    if stop_reason:
+        raise watchdog.MemoryStop(stop_reason)
+    if dist.is_main and signalled:
         say(f"stopped by SIGTERM at step {state.step}; `zerofit train --resume` continues from the newest checkpoint")
     elif dist.is_main:
         say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
-    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, stopped)
+    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, signalled)
 
 
 # ------------------------------------------------------------------------ one step
-def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist) -> float:
+def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist,
+               step: int) -> float:
     """One optimizer step of `accum` micro batches; the loss averaged over them and ranks.
     DeepSpeed scales each micro loss by 1/accum and steps the optimizer on the last."""
     import torch
@@ -111,6 +127,7 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
     losses = []
     for _ in range(accum):
         input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
+        postmortem.inject_oom_if_armed(step)
         loss = ds_engine(input_ids=input_ids, labels=labels).loss
         timeline.observe("forward")
         ds_engine.backward(loss)
@@ -128,6 +145,28 @@ def mean_over_ranks(value, dist: engine.Dist) -> float:
         torch_dist.all_reduce(value)
         value = value / dist.world_size
     return float(value)
+
+
+def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkpointer.Checkpointer, config: Config,
+                 state: checkpoint.LoopState, dist: engine.Dist, timeline: memory.Timeline) -> str | None:
+    """The watchdog's turn: warn, save pre-emptively, or save and stop (returns why).
+    A save is collective, so with watchdog_action save/stop the ranks agree first: one
+    rank over the threshold acts for all."""
+    crossing = dog.check(state.step, step_records)
+    if crossing:
+        warn(("" if dist.world_size == 1 else f"rank {dist.rank}: ") + crossing.message())
+        timeline.mark(state.step, "watchdog", **crossing.record())
+    action = config.memory.watchdog_action
+    if action == "warn" or not watchdog.any_rank(crossing is not None, dist.on_gpu, dist.world_size):
+        return None
+    if saver.saved_step != state.step:
+        saver.save(state)
+    saved = saver.root / checkpoint.step_name(state.step)
+    if action != "stop":
+        return None
+    why = crossing.message() if crossing else "watchdog: another rank crossed memory.watchdog_threshold"
+    return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor {config.run_dir}` "
+            f"names the phase and the fix): zerofit train --config {Path(config.run_dir) / 'config.yaml'}")
 
 
 def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,

@@ -1,0 +1,200 @@
+"""`zerofit doctor` on real tiny runs (CPU, real DeepSpeed): the detectors find the memory
+drills (ZEROFIT_FAULT=residue/leak/spike, real allocations) and nothing on a clean run;
+the report renders; --repro writes a script that runs; --system checks the machine."""
+import base64
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+from conftest import read_jsonl, run_zerofit, tiny_config, write_config
+from timelines import GiB, MiB, ds_config, synthetic_run
+
+from zerofit import syscheck
+from zerofit.doctor import diagnose, doctor
+from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
+
+
+def train(base, env=None, **sections):
+    config = write_config(base / "c.yaml", tiny_config(base / "run", train={"max_steps": 12},
+                                                         checkpoint={"every_steps": 3}, **sections))
+    return base / "run", config, run_zerofit(["train", "--config", str(config)], env=env)
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("clean"))
+
+
+@pytest.fixture(scope="module")
+def drilled_run(tmp_path_factory):
+    """A leak from step 3, 192 MiB kept after the save at 6, a 256 MiB spike after the save at 9."""
+    return train(tmp_path_factory.mktemp("drilled"), env={"ZEROFIT_FAULT": "leak@step:3,residue@step:6,spike@step:9"})
+
+
+def test_timeline_records_every_field(clean_run):
+    run, _, _ = clean_run
+    records = read_jsonl(run / "memory.jsonl")
+    start = records[0]
+    assert start["phase"] == "start" and start["host_budget"] > 0 and start["host_budget_is_machine"]
+    for record in records:
+        for key in ("step", "phase", "gpu_alloc", "gpu_peak", "gpu_reserved", "host_rss", "host_peak", "pinned",
+                    "nvme_swap", "host_avail", "gpu_inactive_split"):
+            assert key in record, (key, record)
+        assert record["host_peak"] >= record["host_rss"] > 100 * MiB
+    flagged = {r["step"] for r in records if r.get("after_save")}
+    assert flagged == {4, 7, 10}  # saves at 3, 6, 9, 12
+    assert not any(r.get("after_save") for r in records if r["phase"] in ("save", "eval"))
+
+
+def test_clean_run_has_no_findings(clean_run):
+    run, _, _ = clean_run
+    diagnosis = diagnose(run)
+    assert diagnosis.findings == [], [f.title for f in diagnosis.findings]
+    assert diagnosis.summary["steps"] == 12 and diagnosis.summary["saves"] == 4
+    assert not diagnosis.summary["on_gpu"]
+
+
+def test_detectors_find_the_drills_on_a_real_run(drilled_run):
+    run, _, _ = drilled_run
+    found = {f.kind: f for f in diagnose(run).findings}
+    assert set(found) == {"growth", "post_save_residue", "after_save_spike"}, [f.title for f in found.values()]
+    assert all(f.device == "host" for f in found.values())
+    growth = found["growth"].evidence
+    assert abs(growth["bytes_per_step"] - LEAK_BYTES_PER_STEP) < 8 * MiB
+    residue = found["post_save_residue"].evidence["residue_bytes"]
+    assert list(residue) == [6] and abs(residue[6] - RESIDUE_BYTES) < 16 * MiB  # the leak's drift is taken off
+    spike = found["after_save_spike"]
+    assert spike.step == 10 and spike.evidence["phase"] == "forward"
+    assert abs(spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] - SPIKE_BYTES) < 64 * MiB
+
+
+def test_near_budget_and_watchdog_save_on_a_real_run(tmp_path):
+    """A 400 MiB host budget: the watchdog (action save) saves once at step 1, and the doctor
+    finds the run over its budget."""
+    run, _, done = train(tmp_path, env={"COLUMNS": "400"}, plan={"host_mem": "400MiB"},
+                         memory={"watchdog_threshold": 0.95, "watchdog_action": "save"})
+    assert done.stderr.count("warning: watchdog: host memory") == 1
+    assert "budget at step 1 (memory.watchdog_threshold 95%); saving a checkpoint now" in done.stderr
+    records = read_jsonl(run / "memory.jsonl")
+    assert [r["step"] for r in records if r["phase"] == "save"] == [1, 3, 6, 9, 12]  # 1: pre-emptive
+    events = [r for r in records if r["phase"] == "watchdog"]
+    assert len(events) == 1 and events[0]["action"] == "save" and events[0]["budget_bytes"] == 400 * MiB
+    found = diagnose(run).findings
+    near = next(f for f in found if f.kind == "near_budget")
+    assert near.device == "host" and near.evidence["budget_bytes"] == 400 * MiB and near.severity == "error"
+    assert any("nvme" in fix.lower() for fix in near.fix)
+    assert any(f.kind == "watchdog" for f in found)
+
+
+def test_report_html_and_terminal_summary(drilled_run, tmp_path):
+    run, _, _ = drilled_run
+    done = run_zerofit(["doctor", str(run), "--out", str(tmp_path / "r.html")], env={"COLUMNS": "300"})
+    html = (tmp_path / "r.html").read_text()
+    images = html.split("data:image/png;base64,")[1:]
+    assert len(images) == 1  # the timeline; no plan.json, so no plan chart
+    png = base64.b64decode(images[0].split("'")[0])
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    for title in ("grows 4", "held after 1 save(s)", "first step after a save peaks"):
+        assert title in html and title in done.stdout, title
+    assert "<script" not in html and "http" not in html.split("<footer>")[0].replace("pytorch.org", "")
+    assert "no plan.json" in html and "No out-of-memory error" in html
+
+
+def test_report_with_plan_and_postmortem(tmp_path):
+    """Rendered from files alone: a synthetic GPU timeline, a plan.json, a post-mortem."""
+    run = tmp_path / "run"
+    (run / "postmortem").mkdir(parents=True)
+    records = synthetic_run(steps=30, save_every=10, residue_per_save=GiB, oom_at=27)
+    (run / "memory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "ds_config.json").write_text(json.dumps(ds_config(gather=True)))
+    plan = {"devices": {"gpu": {"total_bytes": 18 * GiB, "budget_bytes": 24 * GiB,
+                                "components": {"activations": 9 * GiB, "params": 9 * GiB}},
+                        "host": {"total_bytes": 40 * GiB, "budget_bytes": 128 * GiB,
+                                 "components": {"pinned buffers": 8 * GiB, "optimizer": 32 * GiB}}}}
+    (run / "plan.json").write_text(json.dumps(plan))
+    event = {"step": 27, "phase": "backward", "device": "gpu", "message": "CUDA out of memory. Tried to allocate 2 GiB",
+             "requested_bytes": 2 * GiB, "gpu": {"gpu_alloc": 20 * GiB, "gpu_reserved": 23 * GiB}, "host_rss": GiB,
+             "snapshot": str(run / "postmortem" / "snapshot.pickle"), "snapshot_note": "open it", "rank": 0,
+             "world_size": 1}
+    report = {"event": event, "run_dir": str(run), "emergency_checkpoint": None, "emergency_note": "not written",
+              "plan": [], "findings": [], "changes": ["train.micro_batch_size=2"], "retry_config": "x.yaml"}
+    (run / "postmortem" / "report.json").write_text(json.dumps(report))
+    diagnosis = doctor(run)
+    gpu = next(row for row in diagnosis.plan if row["device"] == "gpu")
+    assert gpu["measured_bytes"] == 24 * GiB and gpu["error"] == -0.25
+    host = next(row for row in diagnosis.plan if row["device"] == "host")
+    assert next(c for c in host["components"] if c["name"] == "pinned buffers")["measured_bytes"] == 8 * GiB
+    html = (run / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 2  # timeline and plan
+    assert "GPU out of memory in the backward pass of step 27" in html
+    assert "train.micro_batch_size=2" in html and "snapshot.pickle" in html
+    assert "stage3_gather_16bit_weights_on_model_save is on" in html
+
+
+def test_doctor_needs_a_timeline(tmp_path):
+    done = run_zerofit(["doctor", str(tmp_path)], check=False)
+    assert done.returncode == 1 and "has no memory.jsonl" in done.stderr
+    assert run_zerofit(["doctor"], check=False).returncode == 2
+
+
+def test_repro_script_runs_standalone(clean_run, tmp_path):
+    run, _, _ = clean_run
+    done = run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
+    assert "reproduction script" in done.stdout
+    script = (tmp_path / "repro.py").read_text()
+    assert "zerofit" not in script.split('"""', 2)[2]  # nothing but torch, transformers, deepspeed
+    assert "'stage': 3" in script and "'num_hidden_layers': 2" in script
+    ran = subprocess.run([sys.executable, "repro.py", "--steps", "3", "--save-every", "2", "--out", "ckpt"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "step 3 loss" in ran.stdout and "saved step 2: host RSS" in ran.stdout
+    assert (tmp_path / "ckpt" / "step2").is_dir()
+
+
+def test_system_checks(tmp_path):
+    checks = syscheck.check_system(nvme_path=str(tmp_path), nvme_mib=16)
+    names = [c.name for c in checks]
+    assert names[:6] == ["GPU", "driver / CUDA", "host RAM", "pinned-memory limit (ulimit -l)", "libaio",
+                         "DeepSpeed async_io"]
+    assert all(c.status in ("pass", "warn", "fail") for c in checks)
+    assert all(c.fix for c in checks if c.status == "fail")
+    write, read = checks[-2:]
+    assert write.name.endswith("write") and "GB/s over 16 MiB" in write.detail
+    assert read.name.endswith("read") and "GB/s over 16 MiB" in read.detail
+    assert not list(tmp_path.iterdir())  # the test file is gone
+    missing = syscheck.check_direct_io(tmp_path / "absent", 16)
+    assert missing[0].status == "fail" and "mkdir" in missing[0].fix
+
+
+def test_memlock_limit_is_judged():
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
+        check = syscheck.check_memlock()
+        assert check.status == "warn" and "64 KiB" in check.detail and "ulimit -l unlimited" in check.fix
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
+def test_system_cli_exit_code_follows_failures(tmp_path):
+    done = run_zerofit(["doctor", "--system", "--nvme-path", str(tmp_path), "--nvme-mib", "8"], check=False)
+    statuses = [line.split("│")[2].strip() for line in done.stdout.splitlines() if line.count("│") == 5]
+    assert {"pass", "warn", "fail"} >= set(statuses) - {""} and "pass" in statuses
+    failed = "fail" in statuses
+    assert done.returncode == (1 if failed else 0), done.stdout
+    assert "NVMe path" in done.stdout and "async_io" in done.stdout
+
+
+def test_png_is_a_real_image(clean_run):
+    import matplotlib.image
+
+    run, _, _ = clean_run
+    from zerofit.report import timeline_png
+
+    image = matplotlib.image.imread(io.BytesIO(base64.b64decode(timeline_png(diagnose(run)))), format="png")
+    assert image.shape[0] > 200 and image.shape[1] > 800

@@ -1,0 +1,142 @@
+"""The detectors on synthetic timelines: each pathology found, with its cause and fix,
+and nothing found on a healthy run."""
+from timelines import GiB, MiB, ds_config, synthetic_run
+
+from zerofit.findings import RunFacts, detect, facts_from
+from zerofit.memory import effective_records
+
+
+def findings_of(records, **ds):
+    return detect(records, facts_from(records, ds_config(**ds), {"model": {"gradient_checkpointing": True}}))
+
+
+def kinds(found):
+    return {(f.kind, f.device) for f in found}
+
+
+def test_healthy_run_has_no_findings():
+    assert findings_of(synthetic_run()) == []
+
+
+def test_post_save_residue_is_measured_per_save():
+    found = findings_of(synthetic_run(residue_per_save=1 * GiB))
+    assert kinds(found) == {("post_save_residue", "gpu")}
+    residue = found[0]
+    assert residue.evidence["residue_bytes"] == {5: GiB, 10: GiB, 15: GiB}  # the save at 20 has no step after it
+    assert "3 save(s)" in residue.title and "3,072 MiB in all" in residue.title
+    assert any("torch.cuda.empty_cache()" in fix for fix in residue.fix)
+    assert not any("stage3_gather_16bit" in fix for fix in residue.fix)
+
+
+def test_residue_names_16bit_gather_when_it_is_on():
+    found = findings_of(synthetic_run(residue_per_save=1 * GiB), gather=True)
+    residue = next(f for f in found if f.kind == "post_save_residue")
+    assert "stage3_gather_16bit_weights_on_model_save" in residue.cause
+    assert any("gather_16bit_weights_on_save: false" in fix for fix in residue.fix)
+
+
+def test_small_residue_is_below_the_floor():
+    assert findings_of(synthetic_run(residue_per_save=32 * MiB)) == []
+
+
+def test_growth_is_a_leak_not_a_residue():
+    found = findings_of(synthetic_run(leak_per_step=200 * MiB, steps=30))
+    assert kinds(found) == {("growth", "gpu"), ("near_budget", "gpu")}  # 21.3 of 24 GiB at step 30
+    leak = next(f for f in found if f.kind == "growth")
+    assert leak.evidence["bytes_per_step"] == 200 * MiB
+    assert leak.evidence["rising_fraction"] == 1.0
+    # peak at step 30: 10 GiB + 30 x 200 MiB + 5 GiB (backward) + 256 MiB reserved slack
+    assert 0 < leak.evidence["steps_to_budget"] < 40
+    assert "reached near step" in leak.title
+
+
+def test_host_growth():
+    found = findings_of(synthetic_run(host_leak_per_step=512 * MiB))
+    assert ("growth", "host") in kinds(found)
+    assert "host objects" in next(f for f in found if f.device == "host").cause
+
+
+def test_spike_after_save_with_large_sub_group_names_sub_group_size():
+    found = findings_of(synthetic_run(spike_after_save=3 * GiB), sub_group_size=1_000_000_000)
+    spike = next(f for f in found if f.kind == "after_save_spike")
+    assert spike.evidence["phase"] == "optimizer_step"
+    assert spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] == 3 * GiB
+    assert "sub_group_size=1e+09" in spike.cause
+    assert spike.fix[0].startswith("zero_optimization.sub_group_size 1e9 -> 1e8")
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in spike.fix
+
+
+def test_spike_after_save_with_small_sub_group_blames_the_cache():
+    found = findings_of(synthetic_run(spike_after_save=3 * GiB), sub_group_size=100_000_000)
+    spike = next(f for f in found if f.kind == "after_save_spike")
+    assert "reshaped" in spike.cause and "sub_group_size" not in spike.fix[0]
+
+
+def test_fragmentation_suggests_expandable_segments_unless_set():
+    found = findings_of(synthetic_run(frag=4 * GiB, inactive_split=2 * GiB))
+    frag = next(f for f in found if f.kind == "fragmentation")
+    assert frag.evidence == {"reserved_beyond_peak_bytes": 4 * GiB, "inactive_split_bytes": 2 * GiB}
+    assert frag.fix[0].startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    already = findings_of(synthetic_run(frag=4 * GiB, inactive_split=2 * GiB,
+                                        alloc_conf="expandable_segments:True"))
+    frag = next(f for f in already if f.kind == "fragmentation")
+    assert not any("expandable_segments" in fix for fix in frag.fix)
+    assert "even with expandable segments" in frag.cause
+
+
+def test_near_budget_names_the_phase_and_activation_fixes():
+    found = findings_of(synthetic_run(base=16 * GiB), micro_batch=4)
+    near = next(f for f in found if f.kind == "near_budget")
+    assert near.device == "gpu" and near.evidence["phase"] == "backward"
+    assert near.severity == "warning" and 0.85 <= near.evidence["fraction"] < 0.95
+    assert near.fix[0].startswith("halve train.micro_batch_size (4 -> 2)")
+    assert any("offload_param: cpu" in fix for fix in near.fix)
+
+
+def test_oom_event_is_an_error_with_advice():
+    found = findings_of(synthetic_run(oom_at=7), micro_batch=1, offload_param="cpu")
+    oom = found[0]
+    assert oom.kind == "oom" and oom.severity == "error" and oom.step == 7
+    assert "backward of step 7, tried to allocate 2.00 GiB" in oom.title
+    assert not any("micro_batch" in fix for fix in oom.fix)  # already 1
+    assert not any("offload_param" in fix for fix in oom.fix)  # already offloaded
+
+
+def test_watchdog_event():
+    records = synthetic_run(steps=6) + [{"step": 6, "phase": "watchdog", "device": "host", "fraction": 0.93,
+                                          "threshold": 0.9, "action": "save"}]
+    found = findings_of(records)
+    assert [f.kind for f in found] == ["watchdog"]
+    assert "93%" in found[0].title and "action save" in found[0].title
+
+
+def test_findings_sorted_by_severity():
+    found = findings_of(synthetic_run(base=15 * GiB, residue_per_save=512 * MiB, oom_at=18))
+    assert found[0].severity == "error"
+    order = {"error": 0, "warning": 1, "info": 2}
+    assert [order[f.severity] for f in found] == sorted(order[f.severity] for f in found)
+
+
+def test_budgets_come_from_plan_without_start_record():
+    records = [r for r in synthetic_run() if r["phase"] != "start"]
+    plan = {"devices": {"gpu": {"budget_bytes": 16 * GiB}, "host": {"budget_bytes": 64 * GiB}}}
+    facts = facts_from(records, {}, {}, plan)
+    assert (facts.gpu_budget, facts.host_budget) == (16 * GiB, 64 * GiB)
+    assert ("near_budget", "gpu") in kinds(detect(records, facts))  # 17.25 GiB reserved of 16 GiB
+    assert detect(records, RunFacts()) == []  # no budget: nothing to be near
+
+
+def test_cpu_run_is_judged_on_host_memory_only():
+    records = [dict(r, gpu_alloc=0, gpu_peak=0, gpu_reserved=0, gpu_peak_reserved=0, gpu_inactive_split=0)
+               for r in synthetic_run(residue_per_save=GiB, host_leak_per_step=256 * MiB)]
+    assert kinds(findings_of(records)) == {("growth", "host")}
+
+
+def test_resume_drops_rolled_back_records_but_keeps_events():
+    first = synthetic_run(steps=8, save_every=5, oom_at=8)
+    resumed = [r for r in synthetic_run(steps=10, save_every=5) if r["step"] > 5 or r["phase"] == "start"]
+    resumed[0] = dict(resumed[0], step=5)
+    effective = effective_records(first + resumed)
+    steps = [(r["step"], r["phase"]) for r in effective]
+    assert (8, "oom") in steps
+    assert steps.count((6, "forward")) == 1  # the rolled-back step 6 is gone, the replayed one stays

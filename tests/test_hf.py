@@ -1,0 +1,99 @@
+"""MemoryGuardCallback on a real (tiny, CPU) HF Trainer run, read back by zerofit doctor."""
+import json
+
+import pytest
+import torch
+from conftest import read_jsonl, run_zerofit
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from zerofit.doctor import diagnose
+from zerofit.hf import MemoryGuardCallback
+
+RESIDUE = 256 * 2**20
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, seq=32, vocab=128):
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class KeepsMemoryAfterSave(TrainerCallback):
+    """A user callback with a bug: it keeps 256 MiB alive after every save."""
+
+    def __init__(self):
+        self.kept = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.kept.append(torch.ones(RESIDUE, dtype=torch.uint8))
+
+
+def trainer_run(output_dir, callbacks, max_steps=8):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, save_strategy="steps", save_steps=3,
+                             eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=4, logging_steps=100,
+                             report_to="none", use_cpu=True, disable_tqdm=True, learning_rate=1e-3)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(16), callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "out"
+    trainer_run(out, [KeepsMemoryAfterSave(), MemoryGuardCallback()])
+    return out
+
+
+def test_callback_writes_the_timeline_into_output_dir(hf_run):
+    records = read_jsonl(hf_run / "memory.jsonl")
+    phases = [(r["step"], r["phase"]) for r in records]
+    assert phases[0] == (0, "start")
+    assert {(s, "forward_backward") for s in range(1, 9)} <= set(phases)
+    assert {(s, "optimizer_step") for s in range(1, 9)} <= set(phases)
+    assert [s for s, p in phases if p == "save"] == [3, 6, 8]
+    assert [s for s, p in phases if p == "eval"] == [4, 8]
+    assert all(r["after_save"] for r in records if r["step"] in (4, 7) and r["phase"] == "forward_backward")
+    saves = [r for r in records if r["phase"] == "save"]
+    assert all(r["released_cache"] for r in saves)
+    # the buggy callback ran before ours: each save's residue is measured against the step before
+    assert all(r["residue_bytes"] >= 0.9 * RESIDUE for r in saves), [r["residue_bytes"] for r in saves]
+    run = json.loads((hf_run / "memory_run.json").read_text())
+    assert run["source"] == "hf-trainer" and run["model_config"]["num_hidden_layers"] == 2
+    assert run["args"]["gradient_accumulation_steps"] == 2
+
+
+def test_doctor_reads_the_trainer_output_dir(hf_run):
+    diagnosis = diagnose(hf_run)
+    assert diagnosis.source == "hf-trainer"
+    residue = next(f for f in diagnosis.findings if f.kind == "post_save_residue")
+    assert residue.device == "host"
+    assert set(residue.evidence["residue_bytes"]) == {3, 6}  # the save at 8 has no step after it
+    assert all(b >= 0.9 * RESIDUE for b in residue.evidence["residue_bytes"].values())
+    done = run_zerofit(["doctor", str(hf_run)])
+    assert "HF Trainer run" in (hf_run / "report.html").read_text()
+    assert "stays above the pre-save baseline" in done.stdout
+
+
+def test_watchdog_stops_a_trainer_run_after_saving(tmp_path):
+    trainer = trainer_run(tmp_path / "out", [MemoryGuardCallback(watchdog_threshold=0.01, watchdog_action="stop")])
+    assert trainer.state.global_step == 1
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+    watchdog = [r for r in read_jsonl(tmp_path / "out" / "memory.jsonl") if r["phase"] == "watchdog"]
+    assert len(watchdog) == 1 and watchdog[0]["device"] == "host" and watchdog[0]["action"] == "stop"
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="watchdog_action='panic'"):
+        MemoryGuardCallback(watchdog_action="panic")
+    with pytest.raises(ValueError, match="watchdog_threshold=1.5"):
+        MemoryGuardCallback(watchdog_threshold=1.5)

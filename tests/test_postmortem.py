@@ -1,0 +1,150 @@
+"""The OOM post-mortem on an injected OOM (ZEROFIT_FAULT=oom@step:K, a torch.OutOfMemoryError
+with PyTorch's CUDA message, raised in the forward pass) in a real tiny run."""
+import json
+
+import pytest
+from conftest import read_jsonl, run_zerofit, tiny_config, write_config
+
+from zerofit.config import load
+from zerofit.findings import RunFacts
+from zerofit.postmortem import OomEvent, parse_requested_bytes, would_fit
+
+WIDE = {"COLUMNS": "400"}  # rich wraps at 80 columns off a terminal; these tests read whole lines
+OOM_AT_5 = {"ZEROFIT_FAULT": "oom@step:5", **WIDE}
+
+
+def oom_config(base, **sections):
+    return write_config(base / "c.yaml", tiny_config(base / "run", train={"max_steps": 8},
+                                                     checkpoint={"every_steps": 3}, **sections))
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("oom")
+    config = oom_config(base)
+    done = run_zerofit(["train", "--config", str(config)], env=OOM_AT_5, check=False)
+    return base / "run", config, done
+
+
+def test_oom_exits_1_with_one_screen_explanation(stopped_run):
+    run, _, done = stopped_run
+    assert done.returncode == 1, done.stderr[-3000:]
+    explanation = done.stderr[done.stderr.index("zerofit: error:"):].strip().splitlines()
+    assert explanation[0] == ("zerofit: error: GPU out of memory in the forward pass of step 5, "
+                              "tried to allocate 2.00 GiB")
+    assert len(explanation) <= 20
+    text = "\n".join(explanation)
+    assert f"emergency checkpoint: {run / 'checkpoints' / 'step-000004'}" in text
+    assert "would fit: train.micro_batch_size=2 train.grad_accum_steps=2" in text
+    assert f"zerofit train --config {run / 'postmortem' / 'retry-config.yaml'}" in text
+    assert "Traceback" not in done.stderr
+
+
+def test_postmortem_report(stopped_run):
+    run, _, _ = stopped_run
+    report = (run / "postmortem" / "report.md").read_text()
+    assert report.startswith("# Out of memory: GPU out of memory in the forward pass of step 5")
+    for part in ("## Memory when it failed", "| requested | 2,147,483,648 | 2.00 |", "## Plan vs measured",
+                 "No plan.json", "## Findings", "halve train.micro_batch_size (4 -> 2)", "## What would fit",
+                 "`train.micro_batch_size=2`", "## Emergency checkpoint", "written after the OOM",
+                 "no allocator snapshot: the run was on CPU", "| 5 | oom |"):
+        assert part in report, part
+    data = json.loads((run / "postmortem" / "report.json").read_text())
+    assert data["event"]["phase"] == "forward" and data["event"]["requested_bytes"] == 2 * 2**30
+    retry = load(run / "postmortem" / "retry-config.yaml")
+    assert (retry.train.micro_batch_size, retry.train.grad_accum_steps) == (2, 2)
+    oom = [r for r in read_jsonl(run / "memory.jsonl") if r["phase"] == "oom"]
+    assert len(oom) == 1 and oom[0]["step"] == 5 and oom[0]["failed_phase"] == "forward"
+
+
+def test_emergency_checkpoint_is_published_and_loadable(stopped_run, tmp_path):
+    run, config, _ = stopped_run
+    emergency = run / "checkpoints" / "step-000004"
+    assert (emergency / "MANIFEST.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == "step-000004"
+    assert json.loads((emergency / "loop_state.json").read_text())["extra"]["emergency"] == "oom in forward of step 5"
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    done = run_zerofit(["train", "--config", str(config), "--resume"], env=WIDE)
+    assert f"resumed from {emergency} at step 4" in done.stderr
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+    assert "emergency" not in json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())["extra"]
+
+
+def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
+    config = oom_config(tmp_path)
+    done = run_zerofit(["train", "--config", str(config), "--on-oom", "retry"], env=OOM_AT_5)
+    err = done.stderr
+    assert "memory.on_oom=retry: restarting from the newest checkpoint with train.micro_batch_size=2" in err
+    assert "done: step 8" in err
+    run = tmp_path / "run"
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+    state = json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())
+    assert state["micro_batch_size"] == 2
+    assert state["micro_batches"] == 4 * 2 + 4 * 2  # 4 steps of 1 x 4, then 4 steps of 2 x 2, in 2-sequence units
+    phases = [(r["step"], r["phase"]) for r in read_jsonl(run / "memory.jsonl")]
+    assert (5, "oom") in phases and phases.count((4, "start")) == 1
+    assert (run / "postmortem" / "report.md").is_file()
+
+
+def test_requested_bytes_are_parsed():
+    assert parse_requested_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has") == 2 * 2**30
+    assert parse_requested_bytes("Tried to allocate 512.00 MiB (GPU 0; 23.69 GiB total)") == 512 * 2**20
+    assert parse_requested_bytes("DefaultCPUAllocator: not enough memory: you tried to allocate 1073741824 "
+                                 "bytes.") == 2**30
+    assert parse_requested_bytes("Unable to allocate 3.5 GiB for an array with shape") == int(3.5 * 2**30)
+    assert parse_requested_bytes("out of memory") is None
+
+
+def safer(phase, device="gpu", **sections):
+    config = load(None, [f"{k}={v}" for k, v in sections.items()])
+    return would_fit(config, OomEvent(5, phase, device, "", None), RunFacts())
+
+
+def test_would_fit_steps_along_the_phase():
+    assert safer("forward", **{"train.micro_batch_size": 8})[1] == ["train.micro_batch_size=4",
+                                                                    "train.grad_accum_steps=2"]
+    assert safer("backward", **{"train.micro_batch_size": 1, "model.gradient_checkpointing": False})[1] == \
+        ["model.gradient_checkpointing=True"]
+    assert safer("backward", **{"train.micro_batch_size": 1, "model.gradient_checkpointing": True})[1] == \
+        ["zero.offload_param=cpu"]
+    assert safer("optimizer_step", **{"zero.sub_group_size": 1_000_000_000})[1] == ["zero.sub_group_size=100000000"]
+    assert safer("optimizer_step", **{"zero.offload_optimizer": "none"})[1] == ["zero.offload_optimizer=cpu"]
+    assert safer("save", **{"zero.gather_16bit_weights_on_save": True})[1] == ["zero.gather_16bit_weights_on_save=False"]
+    assert safer("forward", device="host")[1] == ["zero.pin_memory=False"]
+    config, changes = safer("save")
+    assert config is None and changes == []
+
+
+def raised_in(function):
+    try:
+        function()
+    except RuntimeError as error:
+        return error
+
+
+def save_checkpoint():
+    raise RuntimeError("CUDA out of memory")
+
+
+def evaluate():
+    raise RuntimeError("CUDA out of memory")
+
+
+def test_failed_phase_and_device():
+    import torch
+
+    from zerofit.postmortem import failed_phase, is_oom, oom_device
+
+    def train_step():
+        raise RuntimeError("CUDA out of memory")
+
+    assert failed_phase(raised_in(save_checkpoint), "optimizer_step") == "save"
+    assert failed_phase(raised_in(evaluate), "optimizer_step") == "eval"
+    assert [failed_phase(raised_in(train_step), last) for last in (None, "forward", "backward", "optimizer_step")] \
+        == ["forward", "backward", "optimizer_step", "forward"]
+    assert oom_device(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), on_gpu=False) == "gpu"
+    assert oom_device(MemoryError(), on_gpu=True) == "host"
+    assert oom_device(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes"),
+                      on_gpu=True) == "host"
+    assert is_oom(MemoryError()) and is_oom(RuntimeError("CUDA error: out of memory"))
+    assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))

@@ -1,0 +1,182 @@
+"""`zerofit doctor RUN_DIR`: read a run directory (zerofit's, or an HF Trainer output_dir
+written by zerofit.hf.MemoryGuardCallback) and explain its memory: the timeline with
+saves, evals and OOMs, plan vs measured, findings with fixes, the post-mortem.
+
+Reading files happens in `diagnose`; everything it computes comes from pure functions
+(findings.detect, plan_vs_measured, phase_peaks, summarize); report.py renders.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from zerofit.config import ConfigError
+from zerofit.findings import Finding, RunFacts, detect, facts_from
+from zerofit.memory import EVENT_PHASES, effective_records, read_timeline
+
+HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
+
+
+@dataclass
+class Diagnosis:
+    run_dir: Path
+    source: str                   # zerofit | hf-trainer
+    records: list[dict]           # the effective timeline (resumes applied)
+    facts: RunFacts
+    findings: list[Finding]
+    plan: list[dict]              # plan_vs_measured rows; [] without plan.json
+    phases: list[dict]            # per phase peaks
+    summary: dict
+    postmortem: dict | None = None
+    checkpoint_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- reading
+def diagnose(run_dir: str | Path) -> Diagnosis:
+    run_dir = Path(run_dir)
+    raw = read_timeline(run_dir)
+    if not raw:
+        raise ConfigError(f"{run_dir} has no memory.jsonl: point `zerofit doctor` at a zerofit run directory, "
+                          f"or at an HF Trainer output_dir trained with zerofit.hf.MemoryGuardCallback()")
+    records = effective_records(raw)
+    hf_run = read_json(run_dir / HF_RUN_FILE)
+    if hf_run:
+        source, ds_config = "hf-trainer", hf_run.get("ds_config") or {}
+        config = {"model": {"gradient_checkpointing": hf_run.get("args", {}).get("gradient_checkpointing")}}
+    else:
+        source, ds_config, config = "zerofit", read_json(run_dir / "ds_config.json") or {}, read_yaml(
+            run_dir / "config.yaml")
+    plan = read_json(run_dir / "plan.json")
+    facts = facts_from(records, ds_config, config, plan)
+    checkpoint_bytes = newest_checkpoint_bytes(run_dir)
+    notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
+    return Diagnosis(run_dir, source, records, facts, detect(records, facts),
+                     plan_vs_measured(plan, records, checkpoint_bytes), phase_peaks(records),
+                     summarize(records, facts), read_json(run_dir / "postmortem" / "report.json"), checkpoint_bytes,
+                     notes)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def newest_checkpoint_bytes(run_dir: Path) -> int:
+    """Size on disk of the newest checkpoint (zerofit's step-N or HF's checkpoint-N)."""
+    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir()] + \
+                 [p for p in run_dir.glob("checkpoint-*") if p.is_dir()]
+    if not candidates:
+        return 0
+    newest = max(candidates, key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+
+
+# ---------------------------------------------------------------------------- pure analysis
+def measured_peaks(records: list[dict]) -> dict[str, int]:
+    return {"gpu": max((r.get("gpu_peak_reserved", 0) for r in records), default=0),
+            "gpu_alloc": max((r.get("gpu_peak", 0) for r in records), default=0),
+            "host": max((r.get("host_peak", r.get("host_rss", 0)) for r in records), default=0),
+            "pinned": max((r.get("pinned", 0) for r in records), default=0),
+            "nvme": max((r.get("nvme_swap", 0) for r in records), default=0)}
+
+
+def measured_component(device: str, name: str, peaks: dict, checkpoint_bytes: int) -> int | None:
+    """The few components a timeline measures on its own, matched by name."""
+    lowered = name.lower()
+    if "pinned" in lowered:
+        return peaks["pinned"]
+    if device == "disk" and ("nvme" in lowered or "swap" in lowered):
+        return peaks["nvme"]
+    if device == "disk" and "checkpoint" in lowered and checkpoint_bytes:
+        return checkpoint_bytes
+    return None
+
+
+def plan_vs_measured(plan: dict | None, records: list[dict], checkpoint_bytes: int = 0) -> list[dict]:
+    """One row per device of plan.json (`devices` -> gpu/host/disk -> total_bytes,
+    budget_bytes, components) with the measured peak next to the prediction, and per
+    phase where the records carry the planner's predicted_gpu_peak / predicted_host_rss."""
+    if not plan:
+        return []
+    peaks = measured_peaks(records)
+    measured = {"gpu": peaks["gpu"], "host": peaks["host"], "disk": peaks["nvme"] + checkpoint_bytes}
+    rows = []
+    for device, entry in plan.get("devices", {}).items():
+        components = [{"name": name, "predicted_bytes": value,
+                       "measured_bytes": measured_component(device, name, peaks, checkpoint_bytes)}
+                      for name, value in (entry.get("components") or {}).items()]
+        key = {"gpu": ("predicted_gpu_peak", "gpu_peak_reserved"), "host": ("predicted_host_rss", "host_peak")}
+        phases = []
+        if device in key:
+            predicted_key, measured_key = key[device]
+            for phase in dict.fromkeys(r["phase"] for r in records if predicted_key in r):
+                mine = [r for r in records if r["phase"] == phase and predicted_key in r]
+                phases.append({"phase": phase, "predicted_bytes": max(r[predicted_key] for r in mine),
+                               "measured_bytes": max(r.get(measured_key, 0) for r in mine)})
+        predicted = entry.get("total_bytes") or sum(c["predicted_bytes"] for c in components)
+        rows.append({"device": device, "predicted_bytes": predicted, "measured_bytes": measured.get(device, 0),
+                     "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
+                     "components": components, "phases": phases})
+    return rows
+
+
+def relative_error(predicted: int | None, measured: int | None) -> float | None:
+    if not predicted or not measured:
+        return None
+    return round((predicted - measured) / measured, 4)
+
+
+def phase_peaks(records: list[dict]) -> list[dict]:
+    """Per phase: how often, the highest GPU and host peaks and where."""
+    rows: dict[str, dict] = {}
+    for r in records:
+        if r["phase"] == "start":
+            continue
+        row = rows.setdefault(r["phase"], {"phase": r["phase"], "count": 0, "gpu_peak": 0, "gpu_peak_reserved": 0,
+                                           "host_peak": 0, "gpu_step": None, "host_step": None})
+        row["count"] += 1
+        if r.get("gpu_peak", 0) > row["gpu_peak"]:
+            row["gpu_peak"], row["gpu_step"] = r["gpu_peak"], r["step"]
+        row["gpu_peak_reserved"] = max(row["gpu_peak_reserved"], r.get("gpu_peak_reserved", 0))
+        host = r.get("host_peak", r.get("host_rss", 0))
+        if host > row["host_peak"]:
+            row["host_peak"], row["host_step"] = host, r["step"]
+    return list(rows.values())
+
+
+def summarize(records: list[dict], facts: RunFacts) -> dict:
+    phases = [r["phase"] for r in records]
+    peaks = measured_peaks(records)
+    training = [r for r in records if r["phase"] not in EVENT_PHASES]
+    return {"steps": max((r["step"] for r in training), default=0), "saves": phases.count("save"),
+            "evals": phases.count("eval"), "ooms": phases.count("oom"), "watchdog": phases.count("watchdog"),
+            "resumes": max(0, phases.count("start") - 1), "on_gpu": any(r.get("gpu_reserved") for r in records),
+            "gpu_peak_reserved": peaks["gpu"], "gpu_peak": peaks["gpu_alloc"], "host_peak": peaks["host"],
+            "pinned": peaks["pinned"], "nvme_swap": peaks["nvme"], "gpu_budget": facts.gpu_budget,
+            "host_budget": facts.host_budget}
+
+
+# ---------------------------------------------------------------------------- the verb
+def doctor(run_dir: str | Path, html: str | Path | None = None, console=None) -> Diagnosis:
+    """Diagnose RUN_DIR, print the terminal summary, write report.html (default:
+    RUN_DIR/report.html)."""
+    from zerofit import report
+
+    diagnosis = diagnose(run_dir)
+    out = Path(html) if html else Path(run_dir) / "report.html"
+    out.write_text(report.render_html(diagnosis))
+    report.print_summary(diagnosis, out, console)
+    return diagnosis

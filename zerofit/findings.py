@@ -1,0 +1,388 @@
+"""Detectors: pure functions from a memory timeline (memory.jsonl records) and the run's
+configs to findings, each naming what was seen (with the numbers), the likely cause and
+the fix. No I/O here: `zerofit doctor`, the post-mortem and the HF callback feed them.
+
+Thresholds: a change counts when it exceeds `significant_bytes` for its device
+(GPU: max(64 MiB, 0.5% of the budget); host: max(128 MiB, 0.5%)). The allocator's
+counters are exact, so GPU growth of one byte per step is real; host RSS jitters by a
+few MiB, hence the larger floor.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from zerofit.memory import EVENT_PHASES
+
+MiB, GiB = 2**20, 2**30
+WARMUP_STEPS = 2  # the first steps allocate optimizer states and caches: not a leak
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
+    severity: str      # error | warning | info
+    device: str        # gpu | host
+    title: str         # what was seen, with the numbers
+    cause: str
+    fix: list[str]
+    step: int | None = None
+    evidence: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the detectors need to know about the run besides the timeline."""
+    gpu_budget: int = 0
+    host_budget: int = 0
+    host_total: int = 0
+    host_budget_is_machine: bool = True
+    alloc_conf: str = ""
+    ds_config: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)   # zerofit's resolved config, {} for HF runs
+
+    @property
+    def zero(self) -> dict:
+        return self.ds_config.get("zero_optimization", {})
+
+    def sub_group_size(self) -> int:
+        return int(self.zero.get("sub_group_size", 1_000_000_000))  # DeepSpeed's default
+
+    def gathers_on_save(self) -> bool:
+        return bool(self.zero.get("stage3_gather_16bit_weights_on_model_save", False))
+
+    def offloaded(self, what: str) -> str:
+        return (self.zero.get(f"offload_{what}") or {}).get("device", "none")
+
+    def gradient_checkpointing(self) -> bool | None:
+        return self.config.get("model", {}).get("gradient_checkpointing")
+
+
+def facts_from(records: list[dict], ds_config: dict | None = None, config: dict | None = None,
+               plan: dict | None = None) -> RunFacts:
+    """Budgets from the newest `start` record, else from plan.json."""
+    start = next((r for r in reversed(records) if r.get("phase") == "start"), {})
+    devices = (plan or {}).get("devices", {})
+    return RunFacts(
+        gpu_budget=start.get("gpu_budget") or devices.get("gpu", {}).get("budget_bytes") or 0,
+        host_budget=start.get("host_budget") or devices.get("host", {}).get("budget_bytes") or 0,
+        host_total=start.get("host_total") or 0,
+        host_budget_is_machine=start.get("host_budget_is_machine", True),
+        alloc_conf=start.get("alloc_conf", ""), ds_config=ds_config or {}, config=config or {})
+
+
+def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
+    """Every detector on one timeline, the most severe first."""
+    found: list[Finding] = []
+    on_gpu = any(r.get("gpu_reserved") for r in records)
+    for device in ("gpu", "host") if on_gpu else ("host",):
+        found += post_save_residue(records, facts, device)
+        found += growth(records, facts, device)
+        found += after_save_spike(records, facts, device)
+        found += near_budget(records, facts, device)
+    if on_gpu:
+        found += fragmentation(records, facts)
+    found += events(records, facts)
+    return sorted(found, key=lambda f: (SEVERITY_ORDER[f.severity], f.kind != "oom"))
+
+
+# ------------------------------------------------------------------------ series
+def significant_bytes(facts: RunFacts, device: str) -> int:
+    if device == "gpu":
+        return max(64 * MiB, int(0.005 * facts.gpu_budget))
+    return max(128 * MiB, int(0.005 * facts.host_budget))
+
+
+def training(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("phase") not in EVENT_PHASES]
+
+
+def end_of_step(records: list[dict], device: str) -> dict[int, int]:
+    """What is held at the end of each step (the last training phase's reading):
+    allocated for the GPU, RSS for the host."""
+    key = "gpu_alloc" if device == "gpu" else "host_rss"
+    return {r["step"]: r[key] for r in training(records)}
+
+
+def peaks(records: list[dict], device: str) -> list[tuple[dict, int]]:
+    key = "gpu_peak" if device == "gpu" else "host_peak"
+    return [(r, r.get(key, 0)) for r in records]
+
+
+def save_steps(records: list[dict]) -> set[int]:
+    return {r["step"] for r in records if r.get("phase") == "save"}
+
+
+def steady_deltas(series: dict[int, int], saves: set[int]) -> list[int]:
+    """Step-to-step changes after warm-up, leaving out those across a save."""
+    steps = [s for s in sorted(series) if s > WARMUP_STEPS]
+    return [series[b] - series[a] for a, b in zip(steps, steps[1:]) if b == a + 1 and a not in saves]
+
+
+# ------------------------------------------------------------------------ detectors
+def post_save_residue(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
+    """Held memory after a save above the pre-save baseline: end of the first step after
+    the save minus end of the step before it, less the run's usual step-to-step drift."""
+    series, saves = end_of_step(records, device), save_steps(records)
+    drift = max(0, statistics.median(steady_deltas(series, saves) or [0]))
+    residues = {s: series[s + 1] - series[s] - drift for s in sorted(saves) if s in series and s + 1 in series}
+    reported = {r["step"]: r["residue_bytes"] for r in records if r.get("phase") == "save" and "residue_bytes" in r}
+    bad = {s: b for s, b in residues.items() if b > significant_bytes(facts, device)}
+    if not bad:
+        return []
+    total, worst = sum(bad.values()), max(bad, key=bad.get)
+    budget = facts.gpu_budget if device == "gpu" else facts.host_budget
+    severity = "error" if budget and total > 0.1 * budget else "warning"
+    if facts.gathers_on_save():
+        cause = ("stage3_gather_16bit_weights_on_model_save is on: each save gathers the full 16-bit model, "
+                 "and what it gathered is still referenced afterwards")
+    else:
+        cause = ("tensors made during the save (gathered parameters, state-dict copies, serialisation "
+                 "buffers) are still referenced after it, so the allocator cannot reuse that memory")
+    released = all(r.get("released_cache") for r in records if r.get("phase") == "save")
+    if released:
+        cause += "; it survives gc.collect() and torch.cuda.empty_cache(), so a live reference holds it"
+        fix = ["find what keeps a reference after the save: a callback or hook that stores tensors, a "
+               "state dict kept for logging or a copy for upload"]
+    else:
+        fix = ["release after each save: gc.collect() then torch.cuda.empty_cache() "
+               "(for HF Trainer, zerofit.hf.MemoryGuardCallback() does it)"]
+    if facts.gathers_on_save():
+        fix.append("turn off stage3_gather_16bit_weights_on_model_save (zero.gather_16bit_weights_on_save: false) "
+                   "and export at the end with `zerofit export`")
+    fix.append("find the holder in the allocator snapshot (torch.cuda.memory._record_memory_history, viewed at "
+               "pytorch.org/memory_viz)" if device == "gpu" else
+               "find the holder with tracemalloc or memray around the save")
+    steps = ", ".join(f"{s} (+{mib(b)})" for s, b in bad.items())
+    return [Finding("post_save_residue", severity, device,
+                    f"{label(device)} memory held after {len(bad)} save(s) stays above the pre-save baseline: "
+                    f"{mib(total)} in all, worst after step {worst} ({mib(bad[worst])}); saves at {steps}",
+                    cause, fix, worst, {"residue_bytes": bad, "reported_residue_bytes": reported,
+                                        "drift_bytes_per_step": drift})]
+
+
+def growth(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
+    """Held memory climbing step after step (a leak), apart from jumps at saves."""
+    series, saves = end_of_step(records, device), save_steps(records)
+    deltas = steady_deltas(series, saves)
+    if len(deltas) < 4:
+        return []
+    total = sum(deltas)
+    rising = sum(d > 0 for d in deltas) / len(deltas)
+    if total <= significant_bytes(facts, device) or rising < 0.6:
+        return []
+    per_step = total / len(deltas)
+    budget = facts.gpu_budget if device == "gpu" else facts.host_budget
+    last_step = max(series)
+    evidence = {"bytes_per_step": int(per_step), "growth_bytes": total, "steps": len(deltas),
+                "rising_fraction": round(rising, 2)}
+    title = (f"{label(device)} memory grows {mib(per_step)} per step ({mib(total)} over {len(deltas)} steps, "
+             f"rising in {rising:.0%} of them)")
+    if budget:
+        _, peak = max(peaks(records, device), key=lambda p: p[1])
+        steps_left = int(max(0, budget - peak) / per_step)
+        evidence["steps_to_budget"] = steps_left
+        title += f"; at this rate the {gib(budget)} budget is reached near step {last_step + steps_left}"
+    if device == "gpu":
+        cause = ("something keeps a reference to device tensors every step: a loss or output kept as a tensor "
+                 "(not .item()), a list that collects activations, a hook that stores them")
+        fix = ["find the blocks allocated every step and never freed in the allocator snapshot "
+               "(pytorch.org/memory_viz); keep logged values as Python floats (.item(), .detach().cpu())"]
+    else:
+        cause = ("the process keeps host objects every step: CPU tensors or Python objects collected per "
+                 "step, or pinned/offload buffers re-created instead of reused")
+        fix = ["look for per-step lists, caches or logging that keep tensors; "
+               "tracemalloc or memray on the host shows which line allocates"]
+    return [Finding("growth", "error" if rising > 0.9 and budget and total > 0.05 * budget else "warning",
+                    device, title, cause, fix, last_step, evidence)]
+
+
+def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
+    """The first step after a save peaks above the same phase in its neighbours (the
+    step before the save and the step after), so steady growth is not mistaken for it."""
+    by_phase: dict[str, dict[int, int]] = {}
+    after: list[tuple[dict, int]] = []
+    for record, peak in peaks(training(records), device):
+        by_phase.setdefault(record["phase"], {})[record["step"]] = peak
+        if record.get("after_save"):
+            after.append((record, peak))
+    spikes = []
+    for record, peak in after:
+        same = by_phase[record["phase"]]
+        neighbours = [same[s] for s in (record["step"] - 1, record["step"] + 1) if s in same]
+        if not neighbours:
+            continue
+        typical = max(neighbours)
+        excess = peak - typical
+        if excess > significant_bytes(facts, device) and excess > 0.1 * typical:
+            spikes.append((record, peak, typical))
+    if not spikes:
+        return []
+    record, peak, typical = max(spikes, key=lambda s: s[1] - s[2])
+    phase = record["phase"]
+    sub_group = facts.sub_group_size()
+    if device == "gpu" and phase == "optimizer_step" and sub_group >= 500_000_000:
+        cause = (f"sub_group_size={sub_group:.0e}: the optimizer step allocates fp32 temporaries per sub group, "
+                 f"and right after a save the allocator has no cached block of that size left to reuse")
+        fix = ["zero_optimization.sub_group_size 1e9 -> 1e8 (zero.sub_group_size: 100000000)"]
+    elif device == "gpu":
+        cause = ("the save left the allocator's cache reshaped (freed gather/serialisation buffers split into "
+                 "pieces), so the next step's requests need fresh memory on top of what is held")
+        fix = []
+    else:
+        cause = ("host memory is allocated again right after the save (state-dict copies, serialisation or "
+                 "pinned staging buffers) on top of what the step needs")
+        fix = ["find what the first step after a save allocates on the host (tracemalloc or memray)"]
+    if device == "gpu":
+        fix.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" if "expandable_segments:True"
+                   not in facts.alloc_conf else "torch.cuda.empty_cache() right after each save")
+    if facts.gathers_on_save():
+        fix.append("turn off stage3_gather_16bit_weights_on_model_save and export at the end (`zerofit export`)")
+    return [Finding("after_save_spike", "warning", device,
+                    f"The first step after a save peaks {mib(peak - typical)} higher in {phase} "
+                    f"({gib(peak)} at step {record['step']} vs {gib(typical)} in the steps around it), in {len(spikes)} "
+                    f"phase(s) after saves", cause, fix or ["empty the cache after each save"], record["step"],
+                    {"peak_bytes": peak, "typical_bytes": int(typical), "phase": phase, "spikes": len(spikes)})]
+
+
+def near_budget(records: list[dict], facts: RunFacts, device: str, near: float = 0.85) -> list[Finding]:
+    """The highest peak against the budget; the phase where it happened names the fix."""
+    if device == "gpu":
+        budget = facts.gpu_budget
+        readings = [(r, max(r.get("gpu_peak_reserved", 0), r.get("gpu_reserved", 0))) for r in records]
+    else:
+        budget = facts.host_budget
+        readings = [(r, host_in_use(r, facts)) for r in records]
+    readings = [(r, v) for r, v in readings if r.get("phase") not in ("start", "oom")]  # an OOM is its own finding
+    if not budget or not readings:
+        return []
+    record, peak = max(readings, key=lambda p: p[1])
+    fraction = peak / budget
+    if fraction < near:
+        return []
+    cause, fix = phase_advice(record["phase"], device, facts)
+    return [Finding("near_budget", "error" if fraction >= 0.95 else "warning", device,
+                    f"{label(device)} peak {gib(peak)} is {fraction:.0%} of the {gib(budget)} budget "
+                    f"({record['phase']} of step {record['step']})", cause, fix, record["step"],
+                    {"peak_bytes": peak, "budget_bytes": budget, "fraction": round(fraction, 3),
+                     "phase": record["phase"]})]
+
+
+def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
+    """Reserved but unusable GPU memory: cached beyond the peak, and free pieces of split
+    blocks (inactive_split) that a large request cannot use."""
+    steady = [r for r in training(records) if r["step"] > WARMUP_STEPS] or training(records)
+    if not steady:
+        return []
+    budget = facts.gpu_budget or max(r.get("gpu_peak_reserved", 0) for r in steady)
+    worst_gap = max(steady, key=lambda r: r.get("gpu_peak_reserved", 0) - r.get("gpu_peak", 0))
+    gap = worst_gap.get("gpu_peak_reserved", 0) - worst_gap.get("gpu_peak", 0)
+    worst_split = max(steady, key=lambda r: r.get("gpu_inactive_split", 0))
+    split = worst_split.get("gpu_inactive_split", 0)
+    floor = significant_bytes(facts, "gpu")
+    if not (gap > max(floor, 0.1 * budget) or split > max(floor, 0.05 * budget)):
+        return []
+    expandable = "expandable_segments:True" in facts.alloc_conf
+    fix = ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow in place instead of splitting)"] \
+        if not expandable else []
+    fix += ["keep request sizes uniform: zero.reduce_bucket_size / prefetch_bucket_size equal, "
+            "sub_group_size 1e8", "torch.cuda.empty_cache() after saves and evals"]
+    return [Finding("fragmentation", "warning", "gpu",
+                    f"GPU fragmentation: {gib(gap)} reserved beyond the allocated peak "
+                    f"({worst_gap['phase']} of step {worst_gap['step']}), up to {gib(split)} in free pieces of "
+                    f"split blocks", "the caching allocator splits large blocks; freed pieces of odd sizes stay "
+                    "reserved but too small for the next large request" +
+                    (" (even with expandable segments on)" if expandable else ""), fix, worst_gap["step"],
+                    {"reserved_beyond_peak_bytes": gap, "inactive_split_bytes": split})]
+
+
+def events(records: list[dict], facts: RunFacts) -> list[Finding]:
+    """OOM and watchdog records written by the post-mortem and the watchdog."""
+    found = []
+    for i, r in enumerate(records):
+        if r.get("phase") == "oom":
+            device = r.get("device", "gpu")
+            phase = r.get("failed_phase", "?")
+            cause, fix = phase_advice(phase, device, facts)
+            asked = f", tried to allocate {gib(r['requested_bytes'])}" if r.get("requested_bytes") else ""
+            went_on = any(later.get("phase") == "start" for later in records[i + 1:])
+            found.append(Finding("oom", "error", device, f"{label(device)} out of memory in {phase} of step "
+                                 f"{r['step']}{asked}" + ("; the run resumed afterwards" if went_on else ""),
+                                 cause, fix, r["step"], {k: r[k] for k in r if k != "time"}))
+        elif r.get("phase") == "watchdog":
+            found.append(Finding("watchdog", "warning", r.get("device", "?"),
+                                 f"watchdog at step {r['step']}: {r.get('device', '?')} memory at "
+                                 f"{r.get('fraction', 0):.0%} of its budget (threshold {r.get('threshold', 0):.0%}), "
+                                 f"action {r.get('action', '?')}", "memory use crossed memory.watchdog_threshold",
+                                 ["see the near-budget finding for where the peak comes from"], r["step"],
+                                 {k: r[k] for k in r if k != "time"}))
+    return found
+
+
+# ------------------------------------------------------------------------ advice
+def host_in_use(record: dict, facts: RunFacts) -> int:
+    """Machine-wide use when the budget is the machine (what the kernel's OOM killer sees),
+    else this process's peak RSS."""
+    if facts.host_budget_is_machine and facts.host_total and record.get("host_avail"):
+        return max(facts.host_total - record["host_avail"], record.get("host_peak", 0))
+    return record.get("host_peak", record.get("host_rss", 0))
+
+
+def phase_advice(phase: str, device: str, facts: RunFacts) -> tuple[str, list[str]]:
+    """The likely cause of a peak (or an OOM) in `phase` and the fixes, most effective
+    first, tailored to what the run's DeepSpeed config already does."""
+    micro = facts.ds_config.get("train_micro_batch_size_per_gpu")
+    if device == "host":
+        fix = []
+        if facts.zero.get("offload_optimizer", {}).get("pin_memory") or facts.zero.get("offload_param", {}).get(
+                "pin_memory"):
+            fix.append("zero.pin_memory: false (pinned offload buffers can never be swapped out)")
+        if facts.gathers_on_save():
+            fix.append("turn off stage3_gather_16bit_weights_on_model_save (it builds the whole 16-bit model "
+                       "in host RAM at each save) and export at the end")
+        fix += ["offload to NVMe instead of RAM (zero.offload_optimizer: nvme, zero.nvme_path: /fast/disk)",
+                "fewer ranks per node, or more host RAM"]
+        return "host RAM holds the offloaded optimizer states and parameters, pinned buffers and save copies", fix
+    if phase in ("forward", "backward", "forward_backward", "eval"):
+        fix = []
+        if micro and micro > 1:
+            fix.append(f"halve train.micro_batch_size ({micro} -> {micro // 2}) and double grad_accum_steps "
+                       f"(same global batch)")
+        if facts.gradient_checkpointing() is False:
+            fix.append("model.gradient_checkpointing: true (recompute activations in backward)")
+        if facts.offloaded("param") == "none" and facts.zero.get("stage") == 3:
+            fix.append("zero.offload_param: cpu (parameters live in host RAM between uses)")
+        fix.append("lower zero.prefetch_bucket_size and zero.max_live_parameters (fewer gathered parameters at once)")
+        return ("activations (micro batch x sequence length x hidden, and the logits at vocabulary size) "
+                "plus the ZeRO-3 parameters gathered for the current layers"), fix
+    if phase == "optimizer_step":
+        fix = []
+        if facts.sub_group_size() >= 500_000_000:
+            fix.append(f"zero_optimization.sub_group_size {facts.sub_group_size():.0e} -> 1e8 "
+                       f"(zero.sub_group_size: 100000000)")
+        if facts.offloaded("optimizer") == "none":
+            fix.append("zero.offload_optimizer: cpu (fp32 master weights and Adam moments in host RAM)")
+        fix.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return "the optimizer step's fp32 temporaries (per sub group) on top of the held gradients", fix
+    if phase == "save":
+        fix = ["turn off stage3_gather_16bit_weights_on_model_save and export at the end (`zerofit export`)"] \
+            if facts.gathers_on_save() else []
+        fix.append("torch.cuda.empty_cache() before saving, so the save's buffers find room")
+        return "the checkpoint save gathers parameters and builds state-dict copies", fix
+    return "memory use reached the budget", ["see the timeline for the phase that peaks"]
+
+
+def label(device: str) -> str:
+    return {"gpu": "GPU", "host": "Host"}.get(device, device)
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:,.0f} MiB"
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"

@@ -1,0 +1,414 @@
+"""OOM post-mortem: a CUDA or host out-of-memory error inside the training loop is caught,
+explained and, where possible, survived.
+
+Into RUN_DIR/postmortem/ (rank r > 0: postmortem/rank{r}/) go:
+  snapshot.pickle   the CUDA caching allocator's snapshot with the last allocation events
+                    (torch.cuda.memory._record_memory_history, started with the run and
+                    bounded by memory.history_max_entries); open it at pytorch.org/memory_viz
+  report.json       what happened, the numbers, plan vs measured, findings, the fix
+  report.md         the same for people (and bug reports)
+  retry-config.yaml the safer configuration
+An emergency checkpoint of the last completed step is published when the state is
+consistent; the process then exits 1 with a one-screen explanation, or, with
+memory.on_oom=retry (`zerofit train --on-oom retry`), restarts from the newest
+checkpoint with the safer settings.
+
+A host OOM the kernel answers with SIGKILL cannot be caught by anyone: the watchdog is
+the defence there. Python's MemoryError and torch's CPU allocator failures are caught.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import re
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from zerofit import faults
+from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
+from zerofit.doctor import plan_vs_measured, read_json
+from zerofit.findings import RunFacts, detect, facts_from, gib, label
+from zerofit.memory import gpu_bytes, host_rss_bytes, read_timeline
+from zerofit.progress import say
+
+MAX_RETRIES = 2
+TRAINING_PHASES = ("forward", "backward", "optimizer_step")
+NEXT_PHASE = {"forward": "backward", "backward": "optimizer_step"}  # the order train_step observes them
+
+
+class OutOfMemoryStop(ConfigError):
+    """The run ran out of memory; the message is the one-screen explanation (exit 1)."""
+
+
+@dataclass
+class OomEvent:
+    step: int                   # the step that was running
+    phase: str                  # forward | backward | optimizer_step | eval | save
+    device: str                 # gpu | host
+    message: str                # the error's text, first lines
+    requested_bytes: int | None
+    gpu: dict = field(default_factory=dict)
+    host_rss: int = 0
+    snapshot: str | None = None
+    snapshot_note: str = ""
+    rank: int = 0
+    world_size: int = 1
+
+
+@dataclass
+class Session:
+    """What the loop lends the post-mortem: set by `attach` once built, read after an OOM."""
+    config: Config
+    dist: object = None
+    engine: object = None
+    saver: object = None
+    state: object = None
+    timeline: object = None
+    progress: object = None
+
+    def begin(self, dist) -> None:
+        """Right after the device is chosen: remember it, start the allocator history."""
+        self.dist = dist
+        start_recording(self.config, dist)
+
+    def attach(self, **parts) -> None:
+        for name, value in parts.items():
+            setattr(self, name, value)
+
+    def release(self) -> None:
+        if self.saver is not None:
+            self.saver.close(self.state.step if self.state else 0)  # publish a save in flight, restore SIGTERM
+        self.engine = self.saver = self.state = self.timeline = self.progress = None
+
+
+# ---------------------------------------------------------------------- the policy
+def run_with_oom_policy(run, config: Config, resume: bool | None):
+    """`run(config, resume, session)`; on an OOM: post-mortem, then stop (exit 1) or retry
+    from the newest checkpoint with safer settings (memory.on_oom)."""
+    retries_left = MAX_RETRIES if config.memory.on_oom == "retry" else 0
+    while True:
+        session = Session(config)
+        try:
+            return run(config, resume, session)
+        except Exception as error:  # MemoryError and torch.OutOfMemoryError are Exceptions
+            if not is_oom(error):
+                raise
+            event = capture(error, session)
+        # Outside the except block: the traceback (and the frames holding the failed
+        # step's tensors) is gone, so the emergency save finds the memory free again.
+        free_memory()
+        report = conclude(event, session)
+        session.release()
+        del session
+        free_memory()
+        safer = report.get("safer_config")
+        if retries_left and safer and event.world_size == 1:
+            retries_left -= 1
+            faults.disarm("oom", "step", event.step)  # an injected OOM stands for the old settings
+            say(f"[bold]memory.on_oom=retry[/]: restarting from the newest checkpoint with "
+                f"{', '.join(report['changes'])}")
+            config, resume = validate(safer), None
+            continue
+        raise OutOfMemoryStop(explanation(report))
+
+
+def is_oom(error: BaseException) -> bool:
+    import torch
+
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except RuntimeError:
+        pass
+
+
+# ---------------------------------------------------------------------- recording
+def start_recording(config: Config, dist) -> None:
+    """Keep the last N allocator events (with Python stacks) for the OOM snapshot. Call
+    after the device is chosen: the history is per device."""
+    if not dist.on_gpu or not config.memory.history_max_entries:
+        return
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                             max_entries=config.memory.history_max_entries)
+
+
+def dump_snapshot(directory: Path, on_gpu: bool) -> tuple[str | None, str]:
+    if not on_gpu:
+        return None, "no allocator snapshot: the run was on CPU (the CUDA allocator keeps it)"
+    import torch
+
+    path = directory / "snapshot.pickle"
+    try:
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    except Exception as e:  # the snapshot is a bonus; the report must still be written
+        return None, f"allocator snapshot failed: {e}"
+    return str(path), "open it at https://pytorch.org/memory_viz (drag the file in)"
+
+
+# ---------------------------------------------------------------------- capture
+def parse_requested_bytes(message: str) -> int | None:
+    """The size the failed allocation asked for, from PyTorch's and numpy's messages:
+    'Tried to allocate 2.00 GiB', 'you tried to allocate 1073741824 bytes',
+    'Unable to allocate 3.2 GiB for an array'."""
+    units = {"b": 1, "bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    found = re.search(r"allocate\s+([\d.]+)\s*(bytes|[KMGT]i?B|B)\b", message, re.IGNORECASE)
+    if not found:
+        return None
+    return int(float(found.group(1)) * units[found.group(2).lower()])
+
+
+def failed_phase(error: BaseException, last_phase: str | None) -> str:
+    """Which phase raised: save and eval by the loop function on the stack; inside a
+    training step, the phase after the last one the timeline observed."""
+    names = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
+    if "save_checkpoint" in names:
+        return "save"
+    if "evaluate" in names:
+        return "eval"
+    return NEXT_PHASE.get(last_phase, "forward")
+
+
+def directory_for(run_dir: Path, rank: int) -> Path:
+    path = Path(run_dir) / "postmortem" / ("" if rank == 0 else f"rank{rank}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def capture(error: BaseException, session: Session) -> OomEvent:
+    """In the except block, before anything else allocates: snapshot, readings, the
+    timeline's `oom` record."""
+    dist, timeline = session.dist, session.timeline
+    on_gpu, rank = bool(dist and dist.on_gpu), dist.rank if dist else 0
+    directory = directory_for(Path(session.config.run_dir), rank)
+    snapshot, snapshot_note = dump_snapshot(directory, on_gpu)
+    phase = failed_phase(error, timeline.last_phase if timeline else None)
+    state_step = session.state.step if session.state else 0
+    step = state_step + 1 if phase in TRAINING_PHASES else state_step
+    message = "\n".join(str(error).strip().splitlines()[:6]) or type(error).__name__
+    event = OomEvent(step, phase, oom_device(error, on_gpu), message, parse_requested_bytes(str(error)),
+                     gpu_bytes(on_gpu), host_rss_bytes(), snapshot, snapshot_note, rank, dist.world_size if dist else 1)
+    if timeline:
+        try:
+            timeline.mark(step, "oom", failed_phase=phase, device=event.device, requested_bytes=event.requested_bytes,
+                          error=message.splitlines()[0][:300])
+        except (MemoryError, OSError):  # a host OOM may refuse even this; the report still follows
+            pass
+    return event
+
+
+def oom_device(error: BaseException, on_gpu: bool) -> str:
+    """gpu for the CUDA caching allocator's error (its message names CUDA), host otherwise
+    (MemoryError, the CPU allocator's 'DefaultCPUAllocator: not enough memory')."""
+    import torch
+
+    if "CUDA" in str(error) or (on_gpu and isinstance(error, torch.OutOfMemoryError) and "CPU" not in str(error)):
+        return "gpu"
+    return "host"
+
+
+# ---------------------------------------------------------------------- conclude
+def conclude(event: OomEvent, session: Session) -> dict:
+    """Emergency checkpoint, safer config, report.json/.md; returns the report."""
+    if session.progress:
+        session.progress.close()
+    emergency, emergency_note = emergency_checkpoint(event, session)
+    if session.timeline:
+        session.timeline.close()
+    config, run_dir = session.config, Path(session.config.run_dir)
+    records = read_timeline(run_dir, event.rank)
+    facts = facts_from(records, read_json(run_dir / "ds_config.json"), config.model_dump(mode="json"),
+                       read_json(run_dir / "plan.json"))
+    safer, changes = would_fit(config, event, facts)
+    directory = directory_for(run_dir, event.rank)
+    if safer is not None:
+        (directory / "retry-config.yaml").write_text(dump_yaml(safer))
+    report = {
+        "event": asdict(event), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(run_dir),
+        "emergency_checkpoint": emergency, "emergency_note": emergency_note,
+        "last_step": [r for r in records if r.get("step") in (event.step - 1, event.step)],
+        "plan": plan_vs_measured(read_json(run_dir / "plan.json"), records),
+        "findings": [f.to_dict() for f in detect(records, facts)],
+        "changes": changes, "safer_config": safer.model_dump(mode="json") if safer else None,
+        "retry_config": str(directory / "retry-config.yaml") if safer else None,
+    }
+    (directory / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (directory / "report.md").write_text(render_markdown(report))
+    return report
+
+
+def emergency_checkpoint(event: OomEvent, session: Session) -> tuple[str | None, str]:
+    """Publish the last completed step when that state is whole: not inside an optimizer
+    step (parameters half-updated), not with several ranks (a save needs them all)."""
+    state, saver = session.state, session.saver
+    if saver is None or state is None:
+        return None, "not written: the OOM came before the engine was built"
+    if event.world_size > 1:
+        return None, "not written: a checkpoint needs every rank, and this rank failed alone"
+    if event.phase == "optimizer_step":
+        return None, "not written: the OOM hit inside the optimizer step, parameters may be half-updated"
+    if state.step == 0:
+        return None, "not written: no step had completed"
+    from zerofit import checkpoint
+
+    path = saver.root / checkpoint.step_name(state.step)
+    if saver.saved_step == state.step:
+        saver.close(state.step)  # a save of this step may still be in flight: publish it
+        return str(path), f"step {state.step} was already saved"
+    state.extra["emergency"] = f"oom in {event.phase} of step {event.step}"
+    try:
+        saver.save(state)
+        saver.close(state.step)  # durable before the process exits
+    except Exception as e:  # a second OOM, a full disk: report it, keep the first error
+        return None, f"not written: the save failed too ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    finally:
+        state.extra.pop("emergency", None)
+    if not (path / checkpoint.MANIFEST).is_file():  # checkpoint.on_error=continue swallowed a failure
+        return None, "not written: the save failed (see the warning above)"
+    return str(path), f"written after the OOM: resume continues from step {state.step}"
+
+
+def would_fit(config: Config, event: OomEvent, facts: RunFacts) -> tuple[Config | None, list[str]]:
+    """The configuration that should fit. Until zerofit.planner lands these are rules,
+    one step safer along the fix the phase calls for; the planner's search replaces
+    this function (same inputs, same outputs)."""
+    changes: dict[str, object] = {}
+    zero, train_section, model = config.zero, config.train, config.model
+    if event.device == "host":
+        if zero.pin_memory:
+            changes["zero.pin_memory"] = False
+        if zero.gather_16bit_weights_on_save:
+            changes["zero.gather_16bit_weights_on_save"] = False
+    elif event.phase in ("forward", "backward", "eval"):
+        if train_section.micro_batch_size > 1:
+            changes["train.micro_batch_size"] = train_section.micro_batch_size // 2
+            changes["train.grad_accum_steps"] = train_section.grad_accum_steps * 2
+        elif not model.gradient_checkpointing:
+            changes["model.gradient_checkpointing"] = True
+        elif zero.stage == 3 and zero.offload_param == "none":
+            changes["zero.offload_param"] = "cpu"
+        else:
+            changes["zero.prefetch_bucket_size"] = zero.prefetch_bucket_size // 2
+            changes["zero.max_live_parameters"] = zero.max_live_parameters // 2
+    elif event.phase == "optimizer_step":
+        if zero.sub_group_size > 100_000_000:
+            changes["zero.sub_group_size"] = 100_000_000
+        elif zero.offload_optimizer == "none":
+            changes["zero.offload_optimizer"] = "cpu"
+        elif zero.offload_optimizer_ratio < 1.0:
+            changes["zero.offload_optimizer_ratio"] = 1.0
+    elif event.phase == "save" and zero.gather_16bit_weights_on_save:
+        changes["zero.gather_16bit_weights_on_save"] = False
+    if not changes:
+        return None, []
+    raw = config.model_dump(mode="json")
+    for key, value in changes.items():
+        set_dotted(raw, key, value)
+    return validate(raw), [f"{key}={value}" for key, value in changes.items()]
+
+
+# ---------------------------------------------------------------------- words
+def headline(event: dict) -> str:
+    where = {"forward": "the forward pass", "backward": "the backward pass", "optimizer_step": "the optimizer step",
+             "eval": "evaluation", "save": "the checkpoint save"}.get(event["phase"], event["phase"])
+    asked = f", tried to allocate {gib(event['requested_bytes'])}" if event.get("requested_bytes") else ""
+    return f"{label(event['device'])} out of memory in {where} of step {event['step']}{asked}"
+
+
+def explanation(report: dict) -> str:
+    """One screen: what, where it went, why, what to do."""
+    event = report["event"]
+    gpu = event.get("gpu", {})
+    lines = [headline(event)]
+    held = f"held: host RSS {gib(event['host_rss'])}"
+    if gpu.get("gpu_reserved"):
+        held = (f"held: GPU {gib(gpu['gpu_alloc'])} allocated, {gib(gpu['gpu_reserved'])} reserved; " +
+                held.removeprefix("held: "))
+    lines.append("  " + held)
+    for row in report["plan"]:
+        if row.get("predicted_bytes") and row.get("measured_bytes"):
+            lines.append(f"  plan: {row['device']} predicted {gib(row['predicted_bytes'])}, "
+                         f"measured {gib(row['measured_bytes'])} at the peak")
+    oom = next((f for f in report["findings"] if f["kind"] == "oom"), None)
+    if oom:
+        lines.append(f"  likely cause: {oom['cause']}")
+    for finding in [f for f in report["findings"] if f["kind"] != "oom"][:3]:
+        lines.append(f"  finding: {finding['title']}")
+    lines.append(f"  emergency checkpoint: {report['emergency_checkpoint'] or '-'} ({report['emergency_note']})")
+    if report["changes"]:
+        lines.append(f"  would fit: {' '.join(report['changes'])}")
+        lines.append(f"  retry: zerofit train --config {report['retry_config']}   "
+                     f"(or memory.on_oom: retry / --on-oom retry)")
+    elif oom:
+        lines.append(f"  fix: {'; '.join(oom['fix'][:2])}")
+    directory = Path(report["run_dir"]) / "postmortem"
+    lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {report['run_dir']}` renders the timeline")
+    if event.get("snapshot"):
+        lines.append(f"  allocator snapshot: {event['snapshot']} ({event['snapshot_note']})")
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict) -> str:
+    event = report["event"]
+    out = [f"# Out of memory: {headline(event)}", "", f"Run: `{report['run_dir']}`, {report['time']}, "
+           f"rank {event['rank']} of {event['world_size']}", "", "```", event["message"], "```", ""]
+    out += ["## Memory when it failed", "", "| | bytes | GiB |", "|---|---:|---:|"]
+    gpu = event.get("gpu", {}) if event.get("gpu", {}).get("gpu_reserved") else {}  # zeros on a CPU run
+    for key, value in {**gpu, "host_rss": event["host_rss"], "requested": event.get("requested_bytes") or 0}.items():
+        out.append(f"| {key} | {value:,} | {value / 2**30:.2f} |")
+    out += ["", "## Plan vs measured", ""]
+    if report["plan"]:
+        out += ["| device | predicted | measured peak | budget |", "|---|---:|---:|---:|"]
+        out += [f"| {r['device']} | {gib(r.get('predicted_bytes') or 0)} | {gib(r.get('measured_bytes') or 0)} | "
+                f"{gib(r.get('budget_bytes') or 0)} |" for r in report["plan"]]
+    else:
+        out.append("No plan.json in the run directory: nothing predicted to compare with.")
+    out += ["", "## Findings", ""]
+    for f in report["findings"] or [{"severity": "info", "title": "none", "cause": "", "fix": []}]:
+        out.append(f"- **{f['severity']}**: {f['title']}")
+        if f["cause"]:
+            out.append(f"  - cause: {f['cause']}")
+        out += [f"  - fix: {fix}" for fix in f["fix"]]
+    out += ["", "## What would fit", ""]
+    if report["changes"]:
+        out += [f"- `{c}`" for c in report["changes"]]
+        out += ["", f"Retry with `zerofit train --config {report['retry_config']}`, or set `memory.on_oom: retry`."]
+    else:
+        out.append("No safer setting is left to try automatically; see the findings' fixes.")
+    out += ["", "## Emergency checkpoint", "", f"{report['emergency_checkpoint'] or '-'}: {report['emergency_note']}",
+            "", "## Allocator snapshot", "", f"{event.get('snapshot') or '-'}: {event.get('snapshot_note', '')}", "",
+            "## The last steps' phases", "", "| step | phase | gpu_alloc | gpu_peak | gpu_reserved | host_rss |",
+            "|---:|---|---:|---:|---:|---:|"]
+    out += [f"| {r['step']} | {r['phase']} | {gib(r.get('gpu_alloc', 0))} | {gib(r.get('gpu_peak', 0))} | "
+            f"{gib(r.get('gpu_reserved', 0))} | {gib(r.get('host_rss', 0))} |" for r in report["last_step"]]
+    return "\n".join(out) + "\n"
+
+
+def inject_oom_if_armed(step: int) -> None:
+    """ZEROFIT_FAULT=oom@step:K: the forward pass of step K fails as a real CUDA OOM
+    would, with PyTorch's own message format."""
+    if faults.armed("oom", "step", step):
+        import torch
+
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB of which "
+            "1.21 GiB is free. Including non-PyTorch memory, this process has 22.77 GiB memory in use. Of the "
+            "allocated memory 20.13 GiB is allocated by PyTorch, and 1.94 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (injected by "
+            f"{faults.VARIABLE}=oom@step:{step})")
+

@@ -1,0 +1,177 @@
+"""`zerofit doctor --repro RUN_DIR`: a standalone reproduction script for a bug report.
+
+The script needs only torch, transformers and deepspeed (not zerofit): the run's model
+config, its exact DeepSpeed config, random tokens of the run's shape, and a loop that
+trains and saves, printing memory after every step and save. Maintainers can run it
+as is; `--layers N` shrinks the model while keeping every other setting.
+"""
+from __future__ import annotations
+
+import pprint
+import time
+from pathlib import Path
+
+from zerofit.config import ConfigError
+from zerofit.doctor import HF_RUN_FILE, diagnose, read_json, read_yaml
+from zerofit.memory import read_timeline
+
+TEMPLATE = '''#!/usr/bin/env python
+"""Memory reproduction written by `zerofit doctor --repro` on {date}
+from the run {run_dir} ({source}).
+
+    python {name} [--steps N] [--save-every K] [--layers L] [--out DIR]
+    torchrun --nproc_per_node {world_size} {name} ...     (the run had {world_size} rank(s))
+
+It needs torch, transformers and deepspeed only. It ran with: {versions}.
+{observed}
+"""
+import argparse
+import os
+import socket
+
+MODEL_CONFIG = {model_config}
+
+DS_CONFIG = {ds_config}
+
+SEQ_LEN = {seq_len}
+GRADIENT_CHECKPOINTING = {gradient_checkpointing}
+
+
+def memory_line(torch, on_gpu):
+    rss = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS"):
+                rss = int(line.split()[1]) * 1024
+    gib = 2 ** 30
+    text = f"host RSS {{rss / gib:.2f}} GiB"
+    if on_gpu:
+        text = (f"GPU allocated {{torch.cuda.memory_allocated() / gib:.2f}} GiB, "
+                f"peak {{torch.cuda.max_memory_allocated() / gib:.2f}} GiB, "
+                f"reserved {{torch.cuda.memory_reserved() / gib:.2f}} GiB; " + text)
+        torch.cuda.reset_peak_memory_stats()
+    return text
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--save-every", type=int, default=2, help="save a checkpoint every K steps")
+    parser.add_argument("--layers", type=int, default=None, help="shrink the model to L layers")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--out", default="repro-checkpoints", help="where checkpoints go")
+    args = parser.parse_args()
+
+    import torch
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = os.environ["DS_ACCELERATOR"] == "cuda"
+    if "RANK" not in os.environ:  # one process without a launcher
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    world = int(os.environ["WORLD_SIZE"])
+    ds = dict(DS_CONFIG)
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1)
+    ds["train_batch_size"] = micro * accum * world
+    fields = dict(MODEL_CONFIG)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if args.layers:
+        config.num_hidden_layers = args.layers
+    keep_alive = HfDeepSpeedConfig(ds) if ds.get("zero_optimization", {{}}).get("stage") == 3 else None  # noqa: F841
+    dtype = torch.bfloat16 if ds.get("bf16", {{}}).get("enabled") else (
+        torch.float16 if ds.get("fp16", {{}}).get("enabled") else torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.use_cache = False
+    if GRADIENT_CHECKPOINTING:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds)
+    print(f"model built: {{memory_line(torch, on_gpu)}}", flush=True)
+    for step in range(1, args.steps + 1):
+        for _ in range(accum):
+            ids = torch.randint(0, config.vocab_size, (micro, args.seq_len), device=engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        print(f"step {{step}} loss {{loss.item():.4f}}: {{memory_line(torch, on_gpu)}}", flush=True)
+        if args.save_every and step % args.save_every == 0:
+            engine.save_checkpoint(args.out, tag=f"step{{step}}")
+            print(f"saved step {{step}}: {{memory_line(torch, on_gpu)}}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def repro_inputs(run_dir: Path) -> dict:
+    """Model config, DeepSpeed config and shape of the run, from its files."""
+    hf_run = read_json(run_dir / HF_RUN_FILE)
+    if hf_run:
+        model_config, ds_config = hf_run.get("model_config"), hf_run.get("ds_config")
+        seq_len = hf_run.get("seq_len") or 512
+        checkpointing = bool(hf_run.get("args", {}).get("gradient_checkpointing"))
+        source = "HF Trainer"
+    else:
+        model_config, ds_config = read_json(run_dir / "model" / "config.json"), read_json(run_dir / "ds_config.json")
+        config = read_yaml(run_dir / "config.yaml")
+        seq_len = config.get("train", {}).get("seq_len", 512)
+        checkpointing = bool(config.get("model", {}).get("gradient_checkpointing", True))
+        source = "zerofit"
+    if not model_config or "model_type" not in model_config:
+        raise ConfigError(f"{run_dir} holds no model config (model/config.json, or model_config in {HF_RUN_FILE}); "
+                          f"a reproduction needs the model's shape")
+    if not ds_config:
+        raise ConfigError(f"{run_dir} holds no DeepSpeed config (ds_config.json, or ds_config in {HF_RUN_FILE}); "
+                          f"the reproduction replays the run's DeepSpeed settings")
+    for key in ("transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype"):
+        model_config.pop(key, None)
+    return {"model_config": model_config, "ds_config": ds_config, "seq_len": seq_len,
+            "gradient_checkpointing": checkpointing, "source": source}
+
+
+def observed(run_dir: Path) -> str:
+    """What the doctor saw, for the script's docstring."""
+    try:
+        diagnosis = diagnose(run_dir)
+    except ConfigError:
+        return "No memory timeline was recorded."
+    lines = ["What zerofit doctor saw:"] + [f"  - {f.severity}: {f.title}" for f in diagnosis.findings[:6]]
+    if diagnosis.postmortem:
+        from zerofit.postmortem import headline
+
+        lines.append(f"  - the run died: {headline(diagnosis.postmortem['event'])}")
+    return "\n".join(lines) if len(lines) > 1 else "zerofit doctor found nothing unusual."
+
+
+def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import deepspeed
+    import torch
+    import transformers
+
+    run_dir = Path(run_dir)
+    inputs = repro_inputs(run_dir)
+    out = Path(out) if out else run_dir / "repro.py"
+    start = next((r for r in read_timeline(run_dir) if r.get("phase") == "start"), {})
+    world_size = start.get("world_size", 1)
+    text = TEMPLATE.format(
+        date=time.strftime("%Y-%m-%d"), run_dir=run_dir, source=inputs["source"], name=out.name,
+        world_size=world_size, versions=f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
+                                        f"transformers {transformers.__version__}",
+        observed=observed(run_dir), model_config=pretty(inputs["model_config"]), ds_config=pretty(inputs["ds_config"]),
+        seq_len=inputs["seq_len"], gradient_checkpointing=inputs["gradient_checkpointing"])
+    out.write_text(text)
+    return out
+
+
+def pretty(value: dict) -> str:
+    """A dict as Python source."""
+    return pprint.pformat(value, indent=1, width=110, sort_dicts=False)

@@ -1,0 +1,181 @@
+"""`zerofit doctor --system`: is this machine ready for ZeRO-3 with offload? Each check is
+pass / warn / fail with the fix: GPU, driver and CUDA, host RAM, the pinned-memory
+limit, an NVMe path's direct-I/O bandwidth, libaio and DeepSpeed's async_io op."""
+from __future__ import annotations
+
+import ctypes.util
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from zerofit.memory import gib
+
+DIRECT_IO_ALIGN = 4096
+GOOD_NVME_GBPS = 1.0  # below this, NVMe offload makes each step I/O-bound (ZeRO-Infinity, Rajbhandari et al. 2021)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str      # pass | warn | fail
+    detail: str
+    fix: str = ""
+
+
+def check_system(nvme_path: str | None = None, nvme_mib: int = 256) -> list[Check]:
+    checks = [check_gpu(), check_driver(), check_host_ram(), check_memlock(), check_libaio(), check_async_io()]
+    if nvme_path:
+        checks += check_direct_io(Path(nvme_path), nvme_mib)
+    return checks
+
+
+def check_gpu() -> Check:
+    import torch
+
+    if not torch.cuda.is_available():
+        return Check("GPU", "warn", "no CUDA device visible: training runs on DeepSpeed's CPU accelerator (slow)",
+                     "install the torch build for your CUDA version and check CUDA_VISIBLE_DEVICES / nvidia-smi")
+    names = [f"{torch.cuda.get_device_name(i)} {gib(torch.cuda.get_device_properties(i).total_memory)}"
+             for i in range(torch.cuda.device_count())]
+    return Check("GPU", "pass", f"{len(names)} device(s): {', '.join(names)}")
+
+
+def check_driver() -> Check:
+    import torch
+
+    cuda = torch.version.cuda
+    if not cuda:
+        return Check("driver / CUDA", "warn", f"torch {torch.__version__} is a CPU build",
+                     "on a GPU machine install torch built for its CUDA (pip install torch --index-url "
+                     "https://download.pytorch.org/whl/cuXXX)")
+    driver = "unknown"
+    if shutil.which("nvidia-smi"):
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+        driver = done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else driver
+    if not torch.cuda.is_available():
+        return Check("driver / CUDA", "fail", f"torch built for CUDA {cuda}, driver {driver}, but CUDA is unusable",
+                     "the driver is older than this CUDA needs: update the NVIDIA driver or install a torch "
+                     "built for an older CUDA")
+    return Check("driver / CUDA", "pass", f"driver {driver}, torch {torch.__version__} built for CUDA {cuda}")
+
+
+def check_host_ram() -> Check:
+    memory = psutil.virtual_memory()
+    detail = f"{gib(memory.total)} total, {gib(memory.available)} available"
+    if memory.available < 0.25 * memory.total:
+        return Check("host RAM", "warn", detail + " (other processes hold most of it)",
+                     "CPU offload keeps ~12 bytes per parameter in RAM: stop other jobs or offload to NVMe")
+    return Check("host RAM", "pass", detail)
+
+
+def check_memlock() -> Check:
+    """Pinned (page-locked) memory: cudaHostAlloc is not limited by RLIMIT_MEMLOCK, but
+    mlock is, and DeepSpeed's async I/O buffers and its native pin backend mlock."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return Check("pinned-memory limit (ulimit -l)", "pass", "unlimited")
+    fix = ("raise it: `ulimit -l unlimited` in the launching shell, `* - memlock unlimited` in "
+           "/etc/security/limits.conf, or `docker run --ulimit memlock=-1`")
+    if soft < 2**30:
+        return Check("pinned-memory limit (ulimit -l)", "warn", f"{soft // 1024} KiB: NVMe offload's mlock'ed "
+                     f"I/O buffers (aio block size x queue depth x buffers) will fail", fix)
+    return Check("pinned-memory limit (ulimit -l)", "pass", f"{gib(soft)}")
+
+
+def check_libaio() -> Check:
+    found = ctypes.util.find_library("aio")
+    if found:
+        return Check("libaio", "pass", f"{found}")
+    return Check("libaio", "fail", "libaio is not installed: DeepSpeed cannot build async_io, NVMe offload fails",
+                 "apt-get install libaio-dev (Debian/Ubuntu) or yum install libaio-devel, then let DeepSpeed "
+                 "rebuild (DS_BUILD_AIO=1 pip install deepspeed, or its JIT build on first use)")
+
+
+def check_async_io() -> Check:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        compatible = AsyncIOBuilder().is_compatible(verbose=False)
+    except Exception as e:  # deepspeed missing or broken: say so, don't crash the check list
+        return Check("DeepSpeed async_io", "fail", f"cannot ask DeepSpeed: {type(e).__name__}: {e}",
+                     "pip install deepspeed")
+    if compatible:
+        return Check("DeepSpeed async_io", "pass", "AsyncIOBuilder().is_compatible() is True: NVMe offload available")
+    return Check("DeepSpeed async_io", "fail", "AsyncIOBuilder().is_compatible() is False: NVMe offload "
+                 "(offload_optimizer / offload_param device nvme) will not work",
+                 "install libaio-dev and a compiler; on some GPUs set TORCH_CUDA_ARCH_LIST (e.g. 9.0) before "
+                 "the build; `ds_report` shows the reason")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_direct_io(path: Path, mib: int) -> list[Check]:
+    """Sequential O_DIRECT write (with fsync) and read of `mib` MiB in 8 MiB blocks: what
+    DeepSpeed's async I/O sees, the page cache bypassed."""
+    name = f"NVMe path {path} direct I/O"
+    if not path.is_dir():
+        return [Check(name, "fail", "not a directory", f"mkdir -p {path} on a local NVMe drive")]
+    free = shutil.disk_usage(path).free
+    file = path / f".zerofit-dio-{os.getpid()}"
+    block = 8 * 2**20
+    blocks = max(1, mib * 2**20 // block)
+    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
+    buffer.write(os.urandom(2**20) * (block // 2**20))
+    try:
+        fd = os.open(file, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError as e:
+        return [Check(name, "fail", f"cannot open with O_DIRECT: {e.strerror}",
+                      "use a directory on a local ext4/xfs NVMe drive (tmpfs and some overlay or network "
+                      "filesystems do not support direct I/O)")]
+    try:
+        started = time.perf_counter()
+        for _ in range(blocks):
+            os.write(fd, buffer)
+        os.fsync(fd)
+        write_gbps = blocks * block / (time.perf_counter() - started) / 1e9
+        os.close(fd)
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        started = time.perf_counter()
+        for _ in range(blocks):
+            os.readv(fd, [buffer])
+        read_gbps = blocks * block / (time.perf_counter() - started) / 1e9
+    except OSError as e:
+        return [Check(name, "fail", f"direct I/O failed: {e.strerror}",
+                      "use a local ext4/xfs NVMe drive for zero.nvme_path")]
+    finally:
+        os.close(fd)
+        file.unlink(missing_ok=True)
+    fix = (f"below {GOOD_NVME_GBPS} GB/s NVMe offload makes each step wait on the disk: use a local NVMe drive, "
+           f"or several in RAID 0")
+    detail = f"{{:.2f}} GB/s over {blocks * block // 2**20} MiB; {gib(free)} free"
+    return [Check(f"{name} write", "pass" if write_gbps >= GOOD_NVME_GBPS else "warn", detail.format(write_gbps),
+                  "" if write_gbps >= GOOD_NVME_GBPS else fix),
+            Check(f"{name} read", "pass" if read_gbps >= GOOD_NVME_GBPS else "warn", detail.format(read_gbps),
+                  "" if read_gbps >= GOOD_NVME_GBPS else fix)]
+
+
+def print_checks(checks: list[Check], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False)
+    table = Table(title="zerofit doctor --system", title_justify="left", show_lines=True)
+    for column in ("check", "status", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    colour = {"pass": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.detail, c.fix)
+    console.print(table)
