@@ -14,8 +14,10 @@ last) and combine in model order at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from zerofit import adapters
 from zerofit.config import ConfigError
 
 BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by lora.check_and_record
+ADAPTER_BASE_FILE = "zerofit_base.json"  # in an `export --adapter-only` directory: recipe + HF config
 BASE_FINGERPRINT = "lora_base_fingerprint"
 FINGERPRINT_SCHEME = 2                # 1 (before): one running hash over the shares, model order only
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -124,6 +127,13 @@ class ShareDigests:
         return [h.digest() for h in self._hashes]
 
 
+def param_digests(value: torch.Tensor, world_size: int) -> list[bytes]:
+    """Every rank's digest of one whole parameter (CPU, training dtype)."""
+    shares = ShareDigests(value.numel(), world_size)
+    shares.update(0, value.reshape(-1))
+    return shares.digests()
+
+
 def combine(named_digests: list[tuple[str, bytes]]) -> str:
     """One rank's fingerprint from (parameter name, digest of its share), in model order."""
     import xxhash
@@ -194,15 +204,23 @@ def peft_skeleton(hf_config, adapter_config: dict, dtype: torch.dtype, trust_rem
     """The PeftModel training wrapped, on the meta device: its parameter names, order and
     requires_grad flags are the ones the fingerprint was taken over (peft wraps the model
     in place: use meta_model for the HF names)."""
-    import warnings
-
     import peft
 
     model = meta_model(hf_config, dtype, trust_remote_code)
     config = peft.get_peft_config({k: v for k, v in adapter_config.items() if k != "inference_mode"})
-    with warnings.catch_warnings():  # peft's advice on tied layers and deprecated questions: nothing to act on
-        warnings.simplefilter("ignore")
+    with quiet_peft():
         return peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """peft asks transformers a deprecated question (is_gradient_checkpointing) and advises on
+    tied layers when it wraps a model: nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r".*tie_word_embeddings.*", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r".*base_model_name_or_path.*was renamed.*", category=UserWarning)
+        yield
 
 
 def frozen_params(peft_model) -> list[BaseParam]:
@@ -248,3 +266,59 @@ def files_fingerprint(params: list[BaseParam], stored: dict, world_size: int, bl
     finally:
         reader.close()
     return fingerprints(params, digests, world_size)
+
+
+# ------------------------------------------------------- an adapter directory's base
+@dataclass
+class AdapterBase:
+    """The base an adapter directory runs on."""
+    recipe: BaseRecipe | None         # None: a peft directory zerofit did not write (nothing to check)
+    hf_config: object
+    path: Path | None                 # None: a random-init base, rebuilt from the recipe
+    adapter_config: dict
+
+
+def adapter_base(adapter_dir: Path) -> AdapterBase:
+    """What `zerofit export --adapter-only` recorded (ADAPTER_BASE_FILE), or for another
+    peft directory its adapter_config.json's base_model_name_or_path (a local directory)."""
+    from transformers import CONFIG_MAPPING
+
+    adapter_dir = Path(adapter_dir)
+    adapter_config = json.loads((adapter_dir / adapters.ADAPTER_CONFIG_FILE).read_text())
+    record_file = adapter_dir / ADAPTER_BASE_FILE
+    if record_file.is_file():
+        record = json.loads(record_file.read_text())
+        recipe = BaseRecipe(**record["recipe"])
+        path = Path(recipe.path) if recipe.path else None
+        fields = dict(record["config"])
+        hf_config = CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields)
+    else:
+        recipe, named = None, adapter_config.get("base_model_name_or_path")
+        path = Path(named) if named else None
+        if path is None:
+            raise ConfigError(f"{adapter_dir}/adapter_config.json names no base model (base_model_name_or_path); "
+                              f"set it to the local base model directory")
+        hf_config = None
+    if path is not None and not (path / "config.json").is_file():
+        raise ConfigError(f"{adapter_dir} runs on the base model {path}, which is not a local model directory; "
+                          f"put the base there or set base_model_name_or_path in its adapter_config.json")
+    if hf_config is None:
+        hf_config = hf_config_of(path, adapter_config.get("trust_remote_code", False))
+    return AdapterBase(recipe, hf_config, path, adapter_config)
+
+
+def verify_files(recipe: BaseRecipe, hf_config, adapter_config: dict, base_dir: Path,
+                 block_elements: int = 1 << 22) -> bool:
+    """Check a base directory's weights against the recipe's fingerprint (streamed)."""
+    from zerofit import zerofiles
+
+    frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, recipe.trust_remote_code))
+    computed = files_fingerprint(frozen, zerofiles.safetensors_tensors(base_dir), recipe.world_size, block_elements)
+    return check(recipe, computed, f"the base at {base_dir}")
+
+
+def verify_values(recipe: BaseRecipe, hf_config, adapter_config: dict, values: dict) -> bool:
+    """Check a rebuilt base (name -> tensor in the training dtype) against the recipe."""
+    frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, recipe.trust_remote_code))
+    digests = {p.name: param_digests(values[p.name], recipe.world_size) for p in frozen if p.name in values}
+    return check(recipe, fingerprints(frozen, digests, recipe.world_size), f"the rebuilt {recipe.describe()} base")

@@ -8,10 +8,10 @@ output dtype and appended to the shard file whose safetensors header was written
 (all names, shapes and dtypes are known before any data is read). Peak RAM is the
 process itself plus two blocks, whatever the model's size.
 
-The seam for later steps (a LoRA merge): `output_tensors()` lists what will be written;
-each `OutputTensor` may carry a `transform(first_row, end_row, fp32_block) -> fp32_block`
-applied to every block before the cast, and callers may rename, drop or add tensors in
-that list before `write_model()`.
+A LoRA checkpoint (merge.py) goes through the same writer: its list of `OutputTensor`s
+reads the base (its safetensors files, or a replayed random init) and carries a
+`transform(first_row, end_row, fp32_block) -> fp32_block`, applied to every block before
+the cast, that adds the adapters' product; `--adapter-only` writes a peft directory instead.
 """
 from __future__ import annotations
 

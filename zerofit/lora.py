@@ -22,17 +22,17 @@ Checkpoints (checkpointer.Checkpointer.save): DeepSpeed's save_checkpoint with
 exclude_frozen_parameters=True, as HF Trainer does for peft models, drops the frozen base
 from model_states (else every save writes its 16-bit partitions as frozen_param_fragments).
 A resume therefore rebuilds the base from model.path / model.config + train.seed, and
-`check_and_record` refuses to continue if it differs from the one the adapters were trained on.
+`check_and_record` refuses to continue if it differs from the one the adapters were trained on
+(fingerprint and recipe: basemodel.py; `zerofit export` and chat check the same).
 """
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from zerofit.adapters import ADAPTER_CONFIG_KEY
-from zerofit.basemodel import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME
+from zerofit.basemodel import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME, quiet_peft
 from zerofit.config import ConfigError, LoraConfig
 
 # Projection names per architecture (model_type of the HF config), after the modules the
@@ -166,8 +166,7 @@ def attach(model, config, target_modules: list[str]):
 
     lora_config = peft_config(config.lora, target_modules, config.model.path)
     torch.manual_seed(config.train.seed)
-    with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing to act on
-        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft():
         return peft.get_peft_model(model, lora_config, autocast_adapter_dtype=False)
 
 

@@ -31,7 +31,6 @@ from zerofit.config import ConfigError
 # whole-matrix B @ A peft computes (measured with MKL: fewer than 12 rows or columns);
 # blocks are widened to this many rows so the merge stays bit-equal to peft's.
 MIN_PRODUCT_ROWS = 16
-ADAPTER_BASE_FILE = "zerofit_base.json"   # in an --adapter-only directory: how chat gets the base
 MERGEABLE = ("Linear", "Embedding", "Conv1D")
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "lora_bias", "trainable_token_indices": "trainable tokens",
                "target_parameters": "target_parameters", "layer_replication": "layer replication",
@@ -282,9 +281,7 @@ class ReplayedBase:
 
     def _digest(self, name: str, value: torch.Tensor) -> None:
         if name in self.frozen_names:
-            shares = basemodel.ShareDigests(value.numel(), self.world_size)
-            shares.update(0, value.reshape(-1))
-            self.digests[name] = shares.digests()
+            self.digests[name] = basemodel.param_digests(value, self.world_size)
 
     def close(self) -> None:
         self._stream.close()
@@ -318,7 +315,7 @@ class ReplayedTensor:
 def write_adapter_dir(checkpoint_dir: Path, config_dir: Path, directory: Path, dtype: str,
                       base_dir: Path | None = None) -> dict:
     """A peft adapter directory (adapters.write_peft_dir) that zerofit chat can run alone: its
-    adapter_config.json names the base directory, ADAPTER_BASE_FILE holds the recipe and
+    adapter_config.json names the base directory, basemodel.ADAPTER_BASE_FILE holds the recipe and
     fingerprint (and the HF config a random-init base is rebuilt from), and the tokenizer
     files sit beside it. Returns the base record."""
     recipe = basemodel.read_recipe(checkpoint_dir)
@@ -330,7 +327,7 @@ def write_adapter_dir(checkpoint_dir: Path, config_dir: Path, directory: Path, d
     adapter_config["base_model_name_or_path"] = recipe.path
     config_file.write_text(json.dumps(adapter_config, indent=2))
     record = {"recipe": asdict(recipe), "config": json.loads((config_dir / "config.json").read_text())}
-    (directory / ADAPTER_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (directory / basemodel.ADAPTER_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     for path in config_dir.iterdir():
         if path.is_file() and path.name != "config.json" and path.suffix not in (".safetensors", ".bin", ".pt"):
             shutil.copy2(path, directory / path.name)  # tokenizer, chat template
