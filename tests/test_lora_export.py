@@ -11,7 +11,9 @@ import torch
 from conftest import exported_tensors, peak_rss_of, run_zerofit, tiny_config, trained_run
 from zerofit import adapters, basemodel, reinit
 from zerofit.cli import main
+from zerofit.config import ConfigError
 from zerofit.export import export
+from zerofit.infer import load_adapter
 from zerofit.models import PRESETS, config_from_name
 
 IDS = torch.tensor([[1, 40, 73, 80, 80, 83, 4, 91, 83, 86, 80, 72, 2]])
@@ -187,3 +189,8 @@ def test_adapter_dir_on_a_random_init_base_chats(random_run, tmp_path):
     assert done.returncode == 1
     assert "the rebuilt random-init (seed 8, bf16, drawn on cpu) base is not the base model the adapters were " \
            "trained on" in done.stderr.strip().splitlines()[-1]
+    if not torch.cuda.is_available():  # a base the GPU's RNG drew cannot be rebuilt here
+        record["recipe"].update(seed=record["recipe"]["seed"] - 1, init_device="cuda")
+        (out / basemodel.ADAPTER_BASE_FILE).write_text(json.dumps(record))
+        with pytest.raises(ConfigError, match="drawn by the GPU's RNG"):
+            load_adapter(out)

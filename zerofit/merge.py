@@ -242,7 +242,7 @@ def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path,
     if deltas:
         raise ConfigError(f"the base model has no {sorted(deltas)[0]} for the adapter trained on it")
     merged_config = dict(model_config, tie_word_embeddings=False) if untie else model_config
-    held = (replay.walk.peak_bytes() if replay else 0) + max(
+    held = (replay.walk.host_peak_bytes() if replay else 0) + max(
         (sum(d.nbytes for d in t.transform.deltas) for t in tensors if t.transform), default=0)
     return MergePlan(tensors, merged_config, recipe, description, frozen,
                      sum(len(t.transform.deltas) for t in tensors if t.transform), held,

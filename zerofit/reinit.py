@@ -97,16 +97,19 @@ class InitReplay:
         """Parameter names in the order the replay hands them out."""
         return [self.names[key] for step in self.steps for key in step.final]
 
-    def peak_bytes(self) -> int:
-        """Most bytes the replay holds at once: what is gathered or waiting for a later step,
-        plus a CPU copy of the largest parameter when the walk runs on a GPU."""
+    def host_peak_bytes(self) -> int:
+        """Most host RAM the replay holds at once. On the CPU: what is gathered or waiting for
+        a later step. On a GPU those sit in GPU memory and the host holds the CPU copy of one
+        finished parameter at a time."""
         sizes = {key: p.numel() * p.element_size() for key, p in self._meta.items()}
+        if self.device.type == "cuda":
+            return max(sizes.values(), default=0)
         live, peak = set(), 0
         for step in self.steps:
             live.update(step.gathered)
             peak = max(peak, sum(sizes[k] for k in live))
             live.difference_update(step.final)
-        return peak + (max(sizes.values(), default=0) if self.device.type == "cuda" else 0)
+        return peak
 
     def __iter__(self):
         is_remote = getattr(self.model, "is_remote_code", lambda: False)()
