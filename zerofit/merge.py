@@ -185,8 +185,8 @@ class MergePlan:
 
 def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path, model_config: dict,
          dtype: torch.dtype, base_dir: Path | None = None) -> MergePlan:
-    from zerofit.export import OutputTensor
-
+    """The merged model's tensors, in write order, for a LoRA checkpoint; `base_dir`
+    overrides the recorded model.path."""
     recipe = basemodel.read_recipe(checkpoint_dir)
     adapter_config = adapters.adapter_config(checkpoint_dir)
     hf_config = basemodel.hf_config_of(config_dir, recipe.trust_remote_code)
@@ -196,51 +196,26 @@ def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path,
     aliases = basemodel.tied_aliases(skeleton)
     kinds = {name: type(module).__name__ for name, module in skeleton.named_modules()}
     deltas, replacements = deltas_and_replacements(zero, adapter_config, kinds, lambda n: aliases.get(n, n))
-    model_order = list(skeleton.state_dict().keys())
 
     replay = base_files = None
     if base_dir is not None or recipe.path:
         base_path = Path(base_dir or recipe.path)
-        base_files = zerofiles.safetensors_tensors(base_path)
-        sources = dict(base_files)
-        rank = {name: i for i, name in enumerate(model_order)}
-        names = sorted(sources, key=lambda n: (rank.get(n, len(rank)), n))
+        sources = base_files = zerofiles.safetensors_tensors(base_path)
+        rank = {name: i for i, name in enumerate(skeleton.state_dict())}
+        names = sorted(sources, key=lambda n: (rank.get(n, len(rank)), n))  # model order
         description = f"the base at {base_path}"
     else:
-        if not recipe.zero_init:
-            raise ConfigError("this run's random-init base was built without ZeRO-3 (zero.stage < 3); zerofit "
-                              "export rebuilds only ZeRO-3 builds; use --adapter-only")
-        from zerofit.reinit import InitReplay
-
-        walk = InitReplay(hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device, recipe.trust_remote_code)
-        replay = ReplayedBase(walk, {p.name for p in frozen}, recipe.world_size)
-        params = {name for name, _ in skeleton.named_parameters()}
-        sources = {name: replay.tensor(name, tuple(p.shape)) for name, p in walk.model.named_parameters()
-                   if name in params}
-        names = [n for n in walk.order if n in params]
-        all_params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-        buffers = [n for n in model_order if n not in all_params and n not in replacements]
-        if buffers:  # persistent buffers come from the checkpoint (DeepSpeed saves them whole)
-            raise ConfigError(f"the checkpoint lacks the model's buffers {buffers[:3]}; cannot rebuild the base")
+        replay = replayed_base(hf_config, recipe, frozen, skeleton, replacements)
+        sources = replay.sources
+        names = [n for n in replay.walk.order if n in sources]  # the order the walk finishes them
         description = f"the {recipe.describe()} base"
 
     reader, scratch = zerofiles.TensorReader(), Scratch()
-    tensors, untie = [], False
-    for name in names + [n for n in replacements if n not in sources]:
-        if name in replacements:
-            source = replacements[name]
-            untie = untie or name in aliases  # a trained copy of a tied head must not be re-tied on load
-        elif name in sources:
-            source = sources[name]
-        else:
-            raise ConfigError(f"the checkpoint trains {name}, which the base model does not have")
-        out_dtype = dtype if source.dtype.is_floating_point else source.dtype
-        tensor = OutputTensor(name, tuple(source.shape), out_dtype, source)
-        if name in deltas and name not in replacements:
-            tensor.transform = MergeRows(deltas.pop(name), source.shape[0], reader, scratch)
-        tensors.append(tensor)
+    tensors = output_tensors(names + [n for n in replacements if n not in sources], sources, replacements, deltas,
+                             dtype, reader, scratch)
     if deltas:
         raise ConfigError(f"the base model has no {sorted(deltas)[0]} for the adapter trained on it")
+    untie = any(name in aliases for name in replacements)  # a trained copy of a tied head must stay apart on load
     merged_config = dict(model_config, tie_word_embeddings=False) if untie else model_config
     held = (replay.walk.host_peak_bytes() if replay else 0) + max(
         (sum(d.nbytes for d in t.transform.deltas) for t in tensors if t.transform), default=0)
@@ -249,22 +224,54 @@ def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path,
                      replay=replay, base_files=base_files, reader=reader)
 
 
+def output_tensors(names: list[str], sources: dict, replacements: dict, deltas: dict[str, list[Delta]],
+                   dtype: torch.dtype, reader: zerofiles.TensorReader, scratch: Scratch) -> list:
+    """export.OutputTensor per name: the checkpoint's tensor where it replaces the base's,
+    else the base's with its deltas as the transform (popped from `deltas`)."""
+    from zerofit.export import OutputTensor
+
+    tensors = []
+    for name in names:
+        source = replacements[name] if name in replacements else sources[name]
+        out_dtype = dtype if source.dtype.is_floating_point else source.dtype
+        tensor = OutputTensor(name, tuple(source.shape), out_dtype, source)
+        if name in deltas and name not in replacements:
+            tensor.transform = MergeRows(deltas.pop(name), source.shape[0], reader, scratch)
+        tensors.append(tensor)
+    return tensors
+
+
+def replayed_base(hf_config, recipe: basemodel.BaseRecipe, frozen: list[basemodel.BaseParam], skeleton,
+                  replacements: dict) -> "ReplayedBase":
+    if not recipe.zero_init:
+        raise ConfigError("this run's random-init base was built without ZeRO-3 (zero.stage < 3); zerofit "
+                          "export rebuilds only ZeRO-3 builds; use --adapter-only")
+    from zerofit.reinit import InitReplay
+
+    params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
+    buffers = [n for n in skeleton.state_dict() if n not in params and n not in replacements]
+    if buffers:  # persistent buffers come from the checkpoint (DeepSpeed saves them whole)
+        raise ConfigError(f"the checkpoint lacks the model's buffers {buffers[:3]}; cannot rebuild the base")
+    walk = InitReplay(hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device, recipe.trust_remote_code)
+    kept = {name for name, _ in skeleton.named_parameters()}  # tied aliases drawn, then dropped by the tie
+    return ReplayedBase(walk, {p.name for p in frozen}, recipe.world_size,
+                        {name: tuple(p.shape) for name, p in walk.model.named_parameters() if name in kept})
+
+
 # ------------------------------------------------------------- a replayed base
 class ReplayedBase:
     """The replayed init as a source of whole tensors, in the order the walk finishes them;
     every frozen parameter is digested as it passes (basemodel.ShareDigests)."""
 
-    def __init__(self, walk, frozen_names: set[str], world_size: int):
+    def __init__(self, walk, frozen_names: set[str], world_size: int, shapes: dict[str, tuple[int, ...]]):
         self.walk = walk
         self.frozen_names = frozen_names
         self.world_size = world_size
+        self.sources = {name: ReplayedTensor(name, shape, walk.dtype, self) for name, shape in shapes.items()}
         self._stream = iter(walk)
         self._current: tuple[str, torch.Tensor] | None = None
         self._values: dict[str, torch.Tensor] = {}
         self.digests: dict[str, list[bytes]] = {}
-
-    def tensor(self, name: str, shape: tuple[int, ...]) -> "ReplayedTensor":
-        return ReplayedTensor(name, shape, self.walk.dtype, self)
 
     def value(self, name: str) -> torch.Tensor:
         while name not in self._values:
