@@ -40,15 +40,17 @@ def write_config(path: Path, config: dict) -> Path:
 
 
 def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600,
-                check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU)."""
+                check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU); `input_text`
+    goes to its stdin."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_port", str(_free_port()), "-m", "zerofit", *args]
     else:
         cmd = [sys.executable, "-m", "zerofit", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          input=input_text)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     return done
@@ -77,6 +79,27 @@ def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, 
         assert resumed[step]["loss"] == original[step]["loss"], step
         assert resumed[step]["lr"] == original[step]["lr"]
     assert resumed[max(original)]["eval_loss"] == original[max(original)]["eval_loss"]
+
+
+def exported_tensors(out_dir) -> dict:
+    """Every tensor of a model directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(out_dir).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def peak_rss_of(cmd: list[str], tmp_path) -> tuple[int, int, str]:
+    """(exit code, peak RSS in bytes as the kernel counted it, stderr) of a child process."""
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    return child.returncode, usage.ru_maxrss * 1024, err.read_text()
 
 
 def _free_port() -> int:

@@ -4,13 +4,12 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, run_zerofit, tiny_config, write_config
+from conftest import exported_tensors, peak_rss_of, run_zerofit, tiny_config, write_config
 from zerofit.cli import main
 from zerofit.export import export
 from zerofit.models import PRESETS
@@ -22,15 +21,6 @@ def deepspeed_state_dict(checkpoint_dir):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
-
-
-def exported_tensors(out_dir) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in sorted(out_dir.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
 
 
 def assert_logits_match(out_dir, checkpoint_dir, rel_tol=5e-2):
@@ -205,6 +195,8 @@ def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert "--max-ram 10.0MiB is too small" in capsys.readouterr().err
     assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--shard-size", "lots"]) == 1
     assert "--shard-size='lots' is not a size" in capsys.readouterr().err
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--adapter-only"]) == 1
+    assert "--adapter-only and --base are for LoRA runs" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -222,17 +214,6 @@ def test_deepspeed_checkpoint_without_manifest(one_rank, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------- the RAM cap
-def peak_rss_of(cmd: list[str], tmp_path) -> tuple[int, int, str]:
-    """(exit code, peak RSS in bytes as the kernel counted it, stderr) of a child process."""
-    err = tmp_path / "stderr.txt"
-    with open(err, "w") as stderr:
-        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-    return child.returncode, usage.ru_maxrss * 1024, err.read_text()
-
-
 @pytest.fixture(scope="module")
 def wide_run(tmp_path_factory, tokenizer_dir):
     """A 41M-parameter model (164 MB of fp32 master weights), one step."""

@@ -9,6 +9,7 @@ import torch
 
 from zerofit import adapters, lora
 from zerofit.config import ConfigError, LoraConfig, validate
+from zerofit.export import export
 from zerofit.models import config_from_name
 
 from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
@@ -119,6 +120,9 @@ def test_two_ranks_with_a_fully_trained_head(tmp_path):
     assert len(tensors) == 2 * 14 + 1  # A and B of 14 modules, and the trained copy of lm_head
     assert tensors["base_model.model.lm_head.weight"].shape == (128, 64)
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+    # The merge replays the random init and checks both ranks' shares of it.
+    result = export(tmp_path / "run", tmp_path / "merged", progress=False)
+    assert result.lora.endswith("(fingerprint checked)") and result.world_size == 2
 
 
 def test_unknown_target_module_names_what_exists(tmp_path):

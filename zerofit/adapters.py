@@ -67,6 +67,13 @@ def hf_target(key: str) -> tuple[str, str]:
     return name.replace(".base_layer.", "."), "replace"
 
 
+def base_name(name: str) -> str:
+    """The HF name of a frozen PeftModel parameter of the base:
+    `base_model.model.X.base_layer.weight` (a wrapped layer) and `X.original_module.weight`
+    (the frozen original of a modules_to_save module) -> `X.weight`."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
 def scaling(r: int, alpha: float, rslora: bool = False) -> float:
     """The factor on B @ A (peft LoraLayer.update_layer: alpha / r; rsLoRA alpha / sqrt(r))."""
     return alpha / (r ** 0.5 if rslora else r)

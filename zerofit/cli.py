@@ -64,7 +64,8 @@ def cmd_export(args) -> int:
     from zerofit.export import export
 
     export(args.source, args.out, dtype=args.dtype, max_ram=args.max_ram, shard_size=args.shard_size,
-           verify=args.verify, overwrite=args.overwrite, model_dir=args.model_dir, hashes=args.hashes)
+           verify=args.verify, overwrite=args.overwrite, model_dir=args.model_dir, hashes=args.hashes,
+           adapter_only=args.adapter_only, base=args.base)
     return 0
 
 
@@ -177,11 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="peak host RAM of the export process (default 2GiB; it reads in blocks that fit)")
     export.add_argument("--shard-size", metavar="SIZE", help="largest safetensors file (default 5GB)")
     export.add_argument("--verify", action="store_true",
-                        help="load the export and compare its logits with DeepSpeed's own reconstruction "
-                             "(holds the model twice in RAM)")
+                        help="load the export and compare its logits with DeepSpeed's own reconstruction; for "
+                             "LoRA with peft's merge_and_unload of the same weights (holds the model twice in RAM)")
     export.add_argument("--overwrite", action="store_true", help="replace --out if it holds files")
     export.add_argument("--model-dir", metavar="DIR",
                         help="config.json + tokenizer (default: RUN_DIR/model, or next to a DeepSpeed checkpoint)")
+    export.add_argument("--adapter-only", action="store_true",
+                        help="LoRA runs: write a peft adapter directory (chat/generate run it on its base) "
+                             "instead of merging the adapters into the base")
+    export.add_argument("--base", metavar="DIR",
+                        help="LoRA runs: the base model directory, when it is no longer at the run's model.path "
+                             "(it must be the same weights: its fingerprint is checked)")
     export.add_argument("--hashes", action="store_true",
                         help="check the checkpoint's file hashes, not only sizes, before reading")
     export.set_defaults(run=cmd_export)

@@ -8,10 +8,10 @@ output dtype and appended to the shard file whose safetensors header was written
 (all names, shapes and dtypes are known before any data is read). Peak RAM is the
 process itself plus two blocks, whatever the model's size.
 
-The seam for later steps (a LoRA merge): `output_tensors()` lists what will be written;
-each `OutputTensor` may carry a `transform(first_row, end_row, fp32_block) -> fp32_block`
-applied to every block before the cast, and callers may rename, drop or add tensors in
-that list before `write_model()`.
+A LoRA checkpoint (merge.py) goes through the same writer: its list of `OutputTensor`s
+reads the base (its safetensors files, or a replayed random init) and carries a
+`transform(first_row, end_row, fp32_block) -> fp32_block`, applied to every block before
+the cast, that adds the adapters' product; `--adapter-only` writes a peft directory instead.
 """
 from __future__ import annotations
 
@@ -28,16 +28,13 @@ from typing import Callable
 
 import torch
 
-from zerofit import checkpoint, zerofiles
+from zerofit import checkpoint, merge, zerofiles
 from zerofit.config import ConfigError
 from zerofit.memory import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
 from zerofit.progress import ByteProgress, say, warn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# safetensors' dtype names (safetensors/src/tensor.rs, Dtype)
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = zerofiles.SAFETENSORS_DTYPES
 DEFAULT_MAX_RAM = "2GiB"
 DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to
 MAX_BLOCK_ELEMENTS = 1 << 23    # 32 MiB of fp32 per read: syscalls and Python cost nothing next to the copy
@@ -96,14 +93,18 @@ class ExportResult:
     peak_rss_bytes: int
     max_ram_bytes: int
     verify: dict | None = None
+    lora: str | None = None           # what a LoRA export did, in words
 
 
 # ----------------------------------------------------------------------------- verb
 def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: str | int | None = None,
            shard_size: str | int | None = None, verify: bool = False, overwrite: bool = False,
-           model_dir: str | Path | None = None, hashes: bool = False, progress: bool = True) -> ExportResult:
+           model_dir: str | Path | None = None, hashes: bool = False, progress: bool = True,
+           adapter_only: bool = False, base: str | Path | None = None) -> ExportResult:
     """Export the checkpoint at `source` (a run directory: its newest complete checkpoint;
-    or one checkpoint directory) into the model directory `out`."""
+    or one checkpoint directory) into the model directory `out`. A LoRA checkpoint's adapters
+    are merged into its base (merge.py; `base` overrides where the base's files are), or
+    with `adapter_only` written as a peft adapter directory."""
     started = time.perf_counter()
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -113,32 +114,83 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     checkpoint_dir, config_dir = locate(Path(source), Path(model_dir) if model_dir else None, hashes)
     check_destination(out, overwrite)
     model_config = read_model_config(config_dir)
+    lora = merge.is_lora_checkpoint(checkpoint_dir)
+    if (adapter_only or base) and not lora:
+        raise ExportError(f"--adapter-only and --base are for LoRA runs; {checkpoint_dir} is a full fine-tuning "
+                          f"checkpoint (drop them)")
     zero = zerofiles.open_checkpoint(checkpoint_dir)
-    tensors = output_tensors(zero, DTYPES[dtype], ties_embeddings(model_config))
+    if adapter_only:
+        return export_adapter(zero, config_dir, out, dtype, base, verify, started, max_ram_bytes)
+    merging = merge.plan(zero, checkpoint_dir, config_dir, model_config, DTYPES[dtype],
+                         Path(base) if base else None) if lora else None
+    tensors = merging.tensors if merging else output_tensors(zero, DTYPES[dtype], ties_embeddings(model_config))
     shards = plan_shards(tensors, shard_bytes)
     baseline = host_rss_bytes()
-    block = block_elements(tensors, max_ram_bytes, baseline, DTYPES[dtype])
+    block = block_elements(tensors, max_ram_bytes, baseline, DTYPES[dtype], merging)
 
     staging = out.parent / f"{checkpoint.TMP_PREFIX}export-{out.name}"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
+        if merging:  # a base from files is checked before anything is written
+            merging.check_base_files(block)
+        staging.mkdir(parents=True)
         write_model(staging, shards, block, progress)
-        write_model_files(staging, config_dir, model_config, dtype)
+        if merging:  # a replayed base once it has streamed
+            merging.check_replayed_base()
+        write_model_files(staging, config_dir, merging.model_config if merging else model_config, dtype)
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if merging:
+            merging.close()
     result = ExportResult(out, checkpoint_dir, zero.world_size, zero.precision, dtype, len(tensors), len(shards),
                           sum(s.nbytes for s in shards), sum(math.prod(t.shape) for t in tensors),
                           time.perf_counter() - started, baseline, peak_rss_bytes(), max_ram_bytes)
+    if merging:
+        result.lora = (f"merged {merging.adapters_merged} LoRA adapter(s) into {merging.base}"
+                       f"{' (fingerprint checked)' if merging.verified else ''}")
     say(summary(result))
     if result.peak_rss_bytes > max_ram_bytes:
         warn(f"peak RSS {human_bytes(result.peak_rss_bytes)} passed --max-ram {human_bytes(max_ram_bytes)}")
     if verify:
-        from zerofit.exportcheck import verify_export
+        from zerofit import exportcheck
 
-        result.verify = verify_export(out, checkpoint_dir)
+        result.verify = exportcheck.verify_lora_export(out, checkpoint_dir, config_dir, base) if merging else \
+            exportcheck.verify_export(out, checkpoint_dir)
+    return result
+
+
+def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, dtype: str, base, verify: bool,
+                   started: float, max_ram_bytes: int) -> ExportResult:
+    """--adapter-only: a peft adapter directory (merge.write_adapter_dir), published atomically."""
+    checkpoint_dir = zero.directory
+    baseline = host_rss_bytes()
+    staging = out.parent / f"{checkpoint.TMP_PREFIX}export-{out.name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        record = merge.write_adapter_dir(checkpoint_dir, config_dir, staging, dtype, Path(base) if base else None)
+        for path in staging.iterdir():
+            checkpoint.fsync_file(path)
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    written = zerofiles.safetensors_tensors(out)
+    result = ExportResult(out, checkpoint_dir, zero.world_size, zero.precision, dtype, len(written), 1,
+                          (out / "adapter_model.safetensors").stat().st_size,
+                          sum(t.numel for t in written.values()), time.perf_counter() - started, baseline,
+                          peak_rss_bytes(), max_ram_bytes)
+    recipe = record["recipe"]
+    result.lora = (f"peft adapter directory for the base {recipe['path']}" if recipe["path"] else
+                   f"peft adapter directory for the random-init base (seed {recipe['seed']}, rebuilt by zerofit chat)")
+    say(summary(result))
+    if verify:
+        from zerofit import exportcheck
+
+        result.verify = exportcheck.verify_adapter_export(out, checkpoint_dir, config_dir)
     return result
 
 
@@ -146,7 +198,8 @@ def summary(result: ExportResult) -> str:
     return (f"exported {result.checkpoint.name} ({result.world_size} rank(s), {result.training_precision} "
             f"training) -> {result.out_dir}: {result.tensors} tensors, {result.parameters:,} parameters, "
             f"{result.shards} shard(s), {human_bytes(result.output_bytes)} {result.dtype} in {result.seconds:.1f} s; "
-            f"peak RSS {human_bytes(result.peak_rss_bytes)} (cap {human_bytes(result.max_ram_bytes)})")
+            f"peak RSS {human_bytes(result.peak_rss_bytes)} (cap {human_bytes(result.max_ram_bytes)})"
+            + (f"; {result.lora}" if result.lora else ""))
 
 
 # -------------------------------------------------------------------- what to read
@@ -228,17 +281,21 @@ def plan_shards(tensors: list[OutputTensor], shard_bytes: int) -> list[Shard]:
     return shards
 
 
-def block_elements(tensors: list[OutputTensor], max_ram: int, baseline_rss: int, dtype: torch.dtype) -> int:
+def block_elements(tensors: list[OutputTensor], max_ram: int, baseline_rss: int, dtype: torch.dtype,
+                   merging: merge.MergePlan | None = None) -> int:
     """Elements per read block: two (fp32 block, cast copy) pairs and a 16-bit staging
-    buffer (frozen pieces) must fit in what --max-ram leaves beside the process itself."""
-    per_element = 2 * (4 + dtype.itemsize) + 2
-    room = max_ram - baseline_rss - WORKING_SLACK
-    elements = min(MAX_BLOCK_ELEMENTS, room // per_element)
+    buffer (frozen pieces, a 16-bit base) must fit in what --max-ram leaves beside the
+    process itself; a LoRA merge adds the delta rows and what it holds whole (merge.py)."""
+    per_element = 2 * (4 + dtype.itemsize) + 2 + (merging.extra_bytes_per_element if merging else 0)
+    held = merging.held_bytes if merging else 0
+    room = max_ram - baseline_rss - WORKING_SLACK - held
+    elements = min(MAX_BLOCK_ELEMENTS, max(0, room) // per_element)
     needed = max(t.row_numel for t in tensors)
     if elements < needed:
-        least = baseline_rss + WORKING_SLACK + needed * per_element
+        least = baseline_rss + WORKING_SLACK + held + needed * per_element
+        holds = f", the merge holds {human_bytes(held)} whole (the base's init walk, one adapter)" if held else ""
         raise ExportError(f"--max-ram {human_bytes(max_ram)} is too small: the process itself holds "
-                          f"{human_bytes(baseline_rss)} and one row of the widest tensor needs "
+                          f"{human_bytes(baseline_rss)}{holds} and one row of the widest tensor needs "
                           f"{human_bytes(needed * per_element)}; give at least {human_bytes(least)}")
     return int(elements)
 

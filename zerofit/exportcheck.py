@@ -2,8 +2,10 @@
 
 The reference is DeepSpeed's own: deepspeed.utils.zero_to_fp32.
 get_fp32_state_dict_from_zero_checkpoint, loaded into a model built from the same
-config. The export is loaded with from_pretrained (every key must load: no missing,
-unexpected or mismatched ones) and both run the same prompt in fp32:
+config; for a LoRA run it is peft's own merge_and_unload of the same base (from_pretrained
+of its directory, or the replayed random init) and the checkpoint's fp32 adapters. The
+export is loaded with from_pretrained (every key must load: no missing, unexpected or
+mismatched ones; an adapter directory as chat loads it) and both run the same prompt in fp32:
   * against the reference with its weights rounded to the export dtype, the logits must
     agree to float32 noise (the same numbers went in);
   * against the unrounded fp32 reference, within that dtype's rounding tolerance.
@@ -55,6 +57,49 @@ def prompt_ids(model_dir: Path, vocab_size: int):
 
 def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
     import torch
+    from transformers import AutoModelForCausalLM
+
+    exported, load_problems, stored_dtype = load_export(out_dir)
+    reference = AutoModelForCausalLM.from_config(exported.config, dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(reference_state_dict(checkpoint_dir), strict=False)
+    tied = {name for name, _ in reference.named_parameters(remove_duplicate=False)} - \
+        {name for name, _ in reference.named_parameters()}
+    if set(missing) - tied or unexpected:
+        raise VerifyError(f"DeepSpeed's reconstruction does not fit the config: missing {sorted(set(missing) - tied)}, "
+                          f"unexpected {sorted(unexpected)}")
+    return compare(exported, reference, rounded_copy(reference, stored_dtype), stored_dtype,
+                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, "DeepSpeed's reconstruction")
+
+
+def verify_lora_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path, base_dir=None) -> dict:
+    """A merged LoRA export against peft's own merge_and_unload of the same base and the
+    checkpoint's fp32 adapters."""
+    exported, load_problems, stored_dtype = load_export(out_dir)
+    reference = peft_merged(checkpoint_dir, config_dir, base_dir)
+    return compare(exported, reference, rounded_copy(reference, stored_dtype), stored_dtype,
+                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, "peft's merge_and_unload")
+
+
+def verify_adapter_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path) -> dict:
+    """An adapter directory as chat runs it (base checked, PeftModel on top, unmerged) against
+    peft's merge_and_unload of the directory's own adapters (same weights) and of the
+    checkpoint's fp32 ones."""
+    from zerofit.basemodel import adapter_base
+    from zerofit.infer import load_adapter
+
+    loaded = load_adapter(out_dir, dtype="fp32")
+    stored_dtype = next(iter(load_export_tensors(out_dir).values())).dtype
+    base_dir = adapter_base(out_dir).path
+    same = peft_merged(checkpoint_dir, config_dir, base_dir, adapter_dir=out_dir)
+    reference = peft_merged(checkpoint_dir, config_dir, base_dir)
+    return compare(loaded.model, reference, same, stored_dtype, prompt_ids(out_dir, loaded.model.config.vocab_size),
+                   {}, "peft's merge_and_unload")
+
+
+# ----------------------------------------------------------------- references
+def load_export(out_dir: Path):
+    """(the export loaded in fp32, from_pretrained's load problems, the dtype it was saved in)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(out_dir, local_files_only=True)
@@ -64,23 +109,64 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
                                                                     "mismatched_keys") and v}
     stored_dtype = getattr(config, "dtype", None) or torch.float32
     stored_dtype = getattr(torch, stored_dtype) if isinstance(stored_dtype, str) else stored_dtype
+    return exported, load_problems, stored_dtype
 
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = reference.load_state_dict(reference_state_dict(checkpoint_dir), strict=False)
-    tied = {name for name, _ in reference.named_parameters(remove_duplicate=False)} - \
-        {name for name, _ in reference.named_parameters()}
-    if set(missing) - tied or unexpected:
-        raise VerifyError(f"DeepSpeed's reconstruction does not fit the config: missing {sorted(set(missing) - tied)}, "
-                          f"unexpected {sorted(unexpected)}")
-    ids = prompt_ids(out_dir, config.vocab_size)
-    exported.eval()
-    reference.eval()
+
+def load_export_tensors(out_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for path in sorted(Path(out_dir).glob("*.safetensors")) for k, v in load_file(path).items()}
+
+
+def peft_merged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None):
+    """peft's merge_and_unload in fp32: the run's base (its files, or the replayed random
+    init) with the checkpoint's fp32 adapters (or those of `adapter_dir`)."""
+    import tempfile
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zerofit import adapters, basemodel, reinit
+
+    recipe = basemodel.read_recipe(checkpoint_dir)
+    path = base_dir or recipe.path
+    if path:
+        base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    else:
+        hf_config = basemodel.hf_config_of(config_dir, recipe.trust_remote_code)
+        base = reinit.build_model(hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device,
+                                  recipe.trust_remote_code)[0].float()
+    with tempfile.TemporaryDirectory() as scratch:
+        if adapter_dir is None:
+            adapter_dir = adapters.write_peft_dir(checkpoint_dir, Path(scratch) / "adapter", "fp32")
+        with basemodel.quiet_peft():
+            model = PeftModel.from_pretrained(base, adapter_dir, autocast_adapter_dtype=False)
+        return model.merge_and_unload().eval()
+
+
+def rounded_copy(model, dtype):
+    """`model` with every parameter rounded to `dtype` (and back to fp32): what an export
+    of exactly these weights holds."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    for parameter in rounded.parameters():
+        parameter.data = parameter.data.to(dtype).float()
+    return rounded
+
+
+def compare(model, reference, same_weights, stored_dtype, ids, load_problems: dict, against: str) -> dict:
+    """Logits of `model` vs `same_weights` (float32 noise allowed) and vs the fp32
+    `reference` (the export dtype's rounding allowed); a VerifyError when either is off."""
+    import torch
+
+    for m in (model, reference, same_weights):
+        m.eval()
     with torch.no_grad():
         fp32_logits = reference(ids).logits
-        for parameter in reference.parameters():
-            parameter.data = parameter.data.to(stored_dtype).float()
-        rounded_logits = reference(ids).logits
-        logits = exported(ids).logits
+        rounded_logits = same_weights(ids).logits
+        logits = model(ids).logits
     scale = max(1.0, float(fp32_logits.abs().max()))
     result = {"prompt_tokens": int(ids.numel()), "logit_scale": scale, "dtype": str(stored_dtype),
               "max_abs_diff": float((logits - rounded_logits).abs().max()),
@@ -88,7 +174,7 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
     tolerance = ROUNDING_TOLERANCE.get(str(stored_dtype).removeprefix("torch."), 5e-2)
     result["ok"] = not load_problems and result["max_abs_diff"] <= SAME_WEIGHTS_TOLERANCE * scale \
         and result["max_abs_diff_fp32"] <= tolerance * scale
-    line = (f"verify: logits over {result['prompt_tokens']} tokens vs DeepSpeed's reconstruction: max |diff| "
+    line = (f"verify: logits over {result['prompt_tokens']} tokens vs {against}: max |diff| "
             f"{result['max_abs_diff']:.2e} (same rounding), {result['max_abs_diff_fp32']:.2e} vs fp32 "
             f"(scale {scale:.2f})")
     if not result["ok"]:

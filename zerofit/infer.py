@@ -1,10 +1,14 @@
 """`zerofit generate` / `zerofit chat`: run an exported model within a GPU budget.
 
 Placement: the model's layers fill `--gpu-mem` (minus room for the KV cache, the layer
-being streamed in and the kernels' workspace) through accelerate's infer_auto_device_map; the rest stays in host RAM and accelerate's hooks copy each
-offloaded layer to the GPU when it runs. The budget is enforced with
-torch.cuda.set_per_process_memory_fraction, so "12GiB" on an 80 GiB card behaves like a
-12 GiB card. Without a GPU everything runs on the CPU.
+being streamed in and the kernels' workspace) through accelerate's infer_auto_device_map;
+the rest stays in host RAM and accelerate's hooks copy each offloaded layer to the GPU
+when it runs. The budget is enforced with torch.cuda.set_per_process_memory_fraction, so
+"12GiB" on an 80 GiB card behaves like a 12 GiB card. Without a GPU everything runs on the CPU.
+
+A LoRA adapter directory (`zerofit export --adapter-only`, or any peft directory whose
+base is local) runs on its base: the base is loaded and placed the same way, checked
+against the fingerprint its run recorded, and peft's PeftModel wraps it.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from zerofit.adapters import ADAPTER_CONFIG_FILE
 from zerofit.config import ConfigError
 from zerofit.memory import human_bytes, parse_bytes
 from zerofit.progress import say, warn
@@ -78,34 +83,91 @@ class Generation:
 # --------------------------------------------------------------------------- loading
 def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "auto",
          context_tokens: int = DEFAULT_CONTEXT) -> Loaded:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """A model directory, or a peft adapter directory (load_adapter)."""
+    from transformers import AutoConfig
 
     model_dir = Path(model_dir)
+    if (model_dir / ADAPTER_CONFIG_FILE).is_file():
+        return load_adapter(model_dir, gpu_mem, dtype, context_tokens)
     if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"{model_dir} holds no config.json; give a model directory (`zerofit export` writes one)")
+        raise ConfigError(f"{model_dir} holds no config.json; give a model directory (`zerofit export` writes one) "
+                          f"or an adapter directory (`zerofit export --adapter-only`)")
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(model_dir)
+    model, device, torch_dtype, placement = place(config, gpu_mem, dtype, context_tokens, model_dir=model_dir)
+    return Loaded(model.eval(), tokenizer, device, str(torch_dtype), placement)
+
+
+def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str = "auto",
+                 context_tokens: int = DEFAULT_CONTEXT) -> Loaded:
+    """The base an adapter directory names (basemodel.adapter_base), checked against the
+    fingerprint its LoRA run recorded, placed like a model directory, with peft's
+    PeftModel.from_pretrained on top. A random-init base is rebuilt (reinit.py)."""
+    from peft import PeftModel
+
+    from zerofit import basemodel
+
+    base = basemodel.adapter_base(adapter_dir)
+    has_tokenizer = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_tokenizer(adapter_dir if has_tokenizer or base.path is None else base.path)
+    if base.path is not None:
+        if base.recipe is not None:
+            basemodel.verify_files(base.recipe, base.hf_config, base.adapter_config, base.path)
+        model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens,
+                                                      model_dir=base.path)
+    else:
+        from zerofit import reinit
+
+        recipe = base.recipe
+        built, values = reinit.build_model(base.hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device,
+                                           recipe.trust_remote_code)
+        basemodel.verify_values(recipe, base.hf_config, base.adapter_config, values)
+        del values
+        model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens, model=built)
+    with basemodel.quiet_peft():
+        model = PeftModel.from_pretrained(model, adapter_dir, autocast_adapter_dtype=False)
+    placement["adapter"] = str(adapter_dir)
+    return Loaded(model.eval(), tokenizer, device, str(torch_dtype), placement)
+
+
+def load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{model_dir} has no usable tokenizer ({e}); copy the tokenizer files next to "
+        raise ConfigError(f"{directory} has no usable tokenizer ({e}); copy the tokenizer files next to "
                           f"config.json") from None
+
+
+def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | None = None, model=None):
+    """(model, input device, dtype, placement) for the weights in `model_dir` or the model
+    already in memory: on the CPU without a GPU, else filling `gpu_mem` and offloading the rest."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     on_gpu = torch.cuda.is_available()
     if gpu_mem is not None and not on_gpu:
         warn("no GPU visible: --gpu-mem ignored, running on the CPU")
     torch_dtype = resolve_dtype(dtype, config, on_gpu)
     if not on_gpu:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype)
-        return Loaded(model.eval(), tokenizer, "cpu", str(torch_dtype), {"cpu_bytes": model_bytes(model)})
+        model = model.to(torch_dtype) if model is not None else \
+            AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype)
+        return model, "cpu", torch_dtype, {"cpu_bytes": model_bytes(model)}
     total = torch.cuda.get_device_properties(0).total_memory
     budget = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else total
     if budget > total:
         raise ConfigError(f"--gpu-mem {human_bytes(budget)} is more than the GPU's {human_bytes(total)}")
     torch.cuda.set_per_process_memory_fraction(budget / total)  # the budget is the allocator's cap
     device_map, placement = plan_placement(config, torch_dtype, budget, context_tokens)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype,
-                                                 device_map=device_map)
-    return Loaded(model.eval(), tokenizer, "cuda:0", str(torch_dtype), placement)
+    if model is not None:
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model.to(torch_dtype), device_map=device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype,
+                                                     device_map=device_map)
+    return model, "cuda:0", torch_dtype, placement
 
 
 def resolve_dtype(dtype: str, config, on_gpu: bool):
@@ -168,10 +230,11 @@ def model_bytes(model) -> int:
 
 def describe(loaded: Loaded) -> str:
     p = loaded.placement
+    adapter = f" + the LoRA adapter {p['adapter']}" if "adapter" in p else ""
     if "gpu_weight_bytes" not in p:
-        return f"{human_bytes(p.get('cpu_bytes', 0))} of {loaded.dtype} weights on the CPU"
+        return f"{human_bytes(p.get('cpu_bytes', 0))} of {loaded.dtype} weights on the CPU{adapter}"
     return (f"{human_bytes(p['gpu_weight_bytes'])} of weights on the GPU, {human_bytes(p['cpu_weight_bytes'])} "
-            f"offloaded to CPU (budget {human_bytes(p['gpu_budget_bytes'])}, {loaded.dtype})")
+            f"offloaded to CPU (budget {human_bytes(p['gpu_budget_bytes'])}, {loaded.dtype}){adapter}")
 
 
 # ------------------------------------------------------------------------ generating

@@ -22,16 +22,17 @@ Checkpoints (checkpointer.Checkpointer.save): DeepSpeed's save_checkpoint with
 exclude_frozen_parameters=True, as HF Trainer does for peft models, drops the frozen base
 from model_states (else every save writes its 16-bit partitions as frozen_param_fragments).
 A resume therefore rebuilds the base from model.path / model.config + train.seed, and
-`check_and_record` refuses to continue if it differs from the one the adapters were trained on.
+`check_and_record` refuses to continue if it differs from the one the adapters were trained on
+(fingerprint and recipe: basemodel.py; `zerofit export` and chat check the same).
 """
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from zerofit.adapters import ADAPTER_CONFIG_KEY
+from zerofit.basemodel import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME, quiet_peft
 from zerofit.config import ConfigError, LoraConfig
 
 # Projection names per architecture (model_type of the HF config), after the modules the
@@ -44,7 +45,6 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
 }
 # Layer kinds peft's LoRA can wrap (peft/tuners/lora/model.py _create_new_module).
 WRAPPABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d")
-BASE_FINGERPRINT = "lora_base_fingerprint"  # key in LoopState.extra (every checkpoint's loop_state.json)
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,7 @@ def attach(model, config, target_modules: list[str]):
 
     lora_config = peft_config(config.lora, target_modules, config.model.path)
     torch.manual_seed(config.train.seed)
-    with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing to act on
-        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft():
         return peft.get_peft_model(model, lora_config, autocast_adapter_dtype=False)
 
 
@@ -234,22 +233,21 @@ def check_adapter_shapes(model, checkpoint: Path) -> None:
 
 
 def base_fingerprint(model, rank: int) -> str | None:
-    """xxh3-128 of this rank's share of every frozen parameter, in order: cheap (local data,
-    no collective) and identical when the base was rebuilt bit for bit. None when the
-    partitions sit on NVMe, where reading them back would cost a full swap-in."""
-    import torch
-    import xxhash
+    """This rank's fingerprint of the frozen base (basemodel.py: xxh3-128 of each frozen
+    parameter's local share, combined in order): cheap (local data, no collective) and
+    identical when the base was rebuilt bit for bit. None when the partitions sit on NVMe,
+    where reading them back would cost a full swap-in."""
+    from zerofit.basemodel import combine, digest
 
-    digest = xxhash.xxh3_128()
+    named = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             continue
         local = _local_share(p, rank)
         if local is None:
             return None
-        digest.update(name.encode())
-        digest.update(local.detach().contiguous().cpu().view(torch.uint8).numpy())  # buffer, no copy
-    return digest.hexdigest()
+        named.append((name, digest(local.detach().cpu())))
+    return combine(named)
 
 
 def _local_share(p, rank: int):
@@ -266,21 +264,24 @@ def _local_share(p, rank: int):
     return p.ds_tensor.reshape(-1).narrow(0, 0, valid)
 
 
-def check_and_record(model, state, rank: int, world_size: int) -> None:
+def check_and_record(model, state, rank: int, world_size: int, recipe: dict) -> None:
     """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on;
-    then record its fingerprint and peft's adapter config in the loop state, so that every
-    checkpoint says which base it needs and how to read its adapters (adapters.write_peft_dir)."""
+    then record its fingerprint, how to rebuild it (basemodel.recipe_record) and peft's
+    adapter config in the loop state, so that every checkpoint says which base it needs and
+    how to read its adapters (adapters.write_peft_dir, zerofit export)."""
     import torch.distributed as dist
 
     prints = [None] * world_size
     dist.all_gather_object(prints, base_fingerprint(model, rank))
     saved = state.extra.get(BASE_FINGERPRINT)
-    comparable = saved and len(saved) == len(prints) and None not in saved and None not in prints
+    same_scheme = (state.extra.get(BASE_RECIPE) or {}).get("fingerprint_scheme") == FINGERPRINT_SCHEME
+    comparable = saved and same_scheme and len(saved) == len(prints) and None not in saved and None not in prints
     if comparable and saved != prints:
         raise ConfigError(
             f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at "
             f"step {state.step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. "
             f"Point model.path at the same weights (or keep model.config, train.seed and train.precision "
-            f"as they were), or start over with --no-resume")
+            f"as they were, on the same kind of device), or start over with --no-resume")
     state.extra[BASE_FINGERPRINT] = prints
+    state.extra[BASE_RECIPE] = recipe
     state.extra[ADAPTER_CONFIG_KEY] = adapter_config(model)

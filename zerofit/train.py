@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (checkpoint, checkpointer, data, dsconfig, engine, faults, lora, memory, models, postmortem,
-                     watchdog)
+from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, lora, memory, models,
+                     postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -59,7 +59,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
     state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
-        lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size)
+        lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
+                              basemodel.recipe_record(config, dist.on_gpu))
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
     dog = watchdog.arm(timeline, state.step, dist.on_gpu, config.memory.watchdog_threshold,

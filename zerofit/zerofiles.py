@@ -14,12 +14,18 @@ concatenated, hold its partition of every parameter, in param_shapes order; the 
 parameter is the ranks' partitions end to end, cut to N. This module only works out
 those byte positions (`Piece`s); `TensorReader` copies a range of elements into a buffer.
 Key names are DeepSpeed's (deepspeed/checkpoint/constants.py); nothing imports DeepSpeed.
+
+A Hugging Face model directory's safetensors files are laid out the same way here
+(`safetensors_tensors`): one piece per tensor, from the file headers alone, read with the
+same reader (nothing memory-mapped), so a LoRA merge streams its base like a checkpoint.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +36,11 @@ from zerofit.torchfile import TensorRef, TorchFile, read_into
 
 MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# safetensors' dtype names (safetensors/src/tensor.rs, Dtype)
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class ZeroCheckpointError(ConfigError):
@@ -53,7 +64,7 @@ class StoredTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[Piece]
-    kind: str  # "trainable" (fp32 master), "frozen" (16-bit fragments) or "buffer"
+    kind: str  # "trainable" (fp32 master), "frozen" (16-bit fragments), "buffer"; "base" (safetensors)
 
     @property
     def numel(self) -> int:
@@ -211,6 +222,41 @@ def _whole(ref: TensorRef, files: dict[Path, TorchFile]) -> Piece:
     return Piece(ref.storage.path, files[ref.storage.path].offset(ref), ref.numel, ref.dtype)
 
 
+# ------------------------------------------------------------------ safetensors
+def safetensors_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a model directory's safetensors files (the index's files, else every
+    *.safetensors), from the headers: an 8-byte little-endian length, a JSON header, then
+    the data, offsets relative to its start (huggingface/safetensors, docs "Format")."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ZeroCheckpointError(f"{directory} is not a directory; the base model of a LoRA run is read "
+                                  f"from its model.path (or --base DIR)")
+    index = directory / SAFETENSORS_INDEX
+    files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()}) \
+        if index.is_file() else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ZeroCheckpointError(f"{directory} holds no safetensors weights (*.safetensors); save the base with "
+                                  f"save_pretrained(safe_serialization=True) first")
+    dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    tensors = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in dtypes:
+                raise ZeroCheckpointError(f"{path.name}: {name} is {entry['dtype']}, which zerofit cannot read")
+            dtype, (start, stop) = dtypes[entry["dtype"]], entry["data_offsets"]
+            numel = math.prod(entry["shape"])
+            if stop - start != numel * dtype.itemsize:
+                raise ZeroCheckpointError(f"{path.name}: {name}'s offsets do not match its shape; the file is damaged")
+            piece = Piece(path, 8 + length + start, numel, dtype)
+            tensors[name] = StoredTensor(name, tuple(entry["shape"]), dtype, [piece], "base")
+    return tensors
+
+
 # ------------------------------------------------------------------------- copying
 class TensorReader:
     """Copies element ranges of stored tensors into caller-owned buffers, converting
@@ -220,7 +266,11 @@ class TensorReader:
         self._fds: dict[Path, int] = {}
 
     def read(self, tensor: StoredTensor, start: int, stop: int, out: torch.Tensor) -> None:
-        """out[:] = tensor.flatten()[start:stop]; `out` is contiguous with stop - start elements."""
+        """out[:] = tensor.flatten()[start:stop]; `out` is contiguous with stop - start elements.
+        A source that is not in files (merge.ReplayedTensor) reads itself."""
+        if not isinstance(tensor, StoredTensor):
+            tensor.read(start, stop, out)
+            return
         position = 0
         for piece in tensor.pieces:
             a, b = max(start, position), min(stop, position + piece.numel)
