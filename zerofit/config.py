@@ -120,6 +120,10 @@ class TrainConfig(Section):
     """Sequences per rank per forward/backward."""
     grad_accum_steps: int = Field(1, ge=1)
     """Micro batches accumulated per optimizer step."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Sequences per optimizer step over all ranks. Set it and leave micro_batch_size /
+    grad_accum_steps unset: the planner picks micro x accumulation x world size that match
+    it, the fastest that fits. Unset: micro_batch_size x grad_accum_steps x world size."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run. Exclusive with `epochs`; one of the two is required."""
     epochs: float | None = Field(None, gt=0)
