@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from zerofit import choice, hardware, modelspec, planner
+from zerofit import activations, choice, hardware, modelspec, planner, zerostates
 from zerofit.config import validate
 from zerofit.planner import Candidate, Shape
 
@@ -74,13 +74,13 @@ def test_tiny_model_states_by_hand():
     device, the reduce bucket, and the fp32 grad buffer of the largest sub group (the >=2-D
     weights: 90,432 less 5 norms x 64 = 90,112) until the first step."""
     spec = modelspec.from_name("tiny")
-    gpu, host, nvme = planner.model_states(spec, Shape(seq_len=64, micro_batch=4),
+    gpu, host, nvme = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4),
                                            Candidate(offload_optimizer="none", reduce_bucket_size=1000), on_gpu=True)
     assert gpu == {"params_16bit": 2 * TINY, "grads_16bit": 2 * TINY, "master_fp32": 4 * TINY,
                    "adam_moments_fp32": 8 * TINY, "reduce_bucket": 2000,
                    "fp32_grad_buffer_until_first_step": 4 * 90_112}
     assert host == {} and nvme == {}
-    assert planner.sub_groups(spec, 1, 100_000_000) == (90_112, 320)
+    assert zerostates.sub_groups(spec, 1, 100_000_000) == (90_112, 320)
 
 
 def test_tiny_offload_pins_powers_of_two():
@@ -88,12 +88,12 @@ def test_tiny_offload_pins_powers_of_two():
     grad partitions 180,864 B -> 262,144; fp32 grads per sub group 360,448 -> 524,288 and
     1,280 -> 2,048. Master weights and moments are pageable."""
     spec = modelspec.from_name("tiny")
-    gpu, host, _ = planner.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(reduce_bucket_size=1000),
+    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(reduce_bucket_size=1000),
                                         on_gpu=True)
     assert gpu == {"params_16bit": 2 * TINY, "reduce_bucket": 2000}
     assert host == {"grads_16bit_pinned": 262_144, "master_fp32": 4 * TINY, "adam_moments_fp32": 8 * TINY,
                     "fp32_grads_pinned": 524_288 + 2_048}
-    _, unpinned, _ = planner.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(), on_gpu=False)
+    _, unpinned, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(), on_gpu=False)
     assert unpinned["grads_16bit_pinned"] == 2 * TINY and unpinned["fp32_grads_pinned"] == 4 * TINY
 
 
@@ -101,16 +101,16 @@ def test_tiny_activations_by_hand():
     """Per token, bf16, hidden 64, q 64, kv 32, heads 4, intermediate 128, vocab 128:
     2 norms x (4*64 + 2*2*64) + 2*(2*64 + 2*32) + 4*4 + 2*4*128 = 1024 + 384 + 16 + 1024."""
     spec = modelspec.from_name("tiny")
-    assert planner.layer_activation_bytes_per_token(spec, 2) == 2448
-    assert planner.loss_bytes_per_token(spec, 2, backward=False) == (2 + 4 + 4) * 128
-    assert planner.loss_bytes_per_token(spec, 2, backward=True) == 12 * 128
-    phases = planner.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=False),
+    assert activations.layer_activation_bytes_per_token(spec, 2) == 2448
+    assert activations.loss_bytes_per_token(spec, 2, backward=False) == (2 + 4 + 4) * 128
+    assert activations.loss_bytes_per_token(spec, 2, backward=True) == 12 * 128
+    phases = activations.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=False),
                                    Candidate(offload_optimizer="none"), on_gpu=True)
     tokens = 256
     saved = tokens * (2448 * 2 + 2 * 2 * 16) + tokens * (4 * 64 + 2 * 2 * 64)
     assert phases["forward"]["activations_saved"] == saved
     assert phases["forward"]["logits_and_loss"] == tokens * 1280
-    checkpointed = planner.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=True),
+    checkpointed = activations.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=True),
                                          Candidate(offload_optimizer="none"), on_gpu=True)
     assert checkpointed["forward"]["activations_saved"] == tokens * (2 * 64 * 2 + 2 * 2 * 16) + tokens * 512
 
@@ -138,7 +138,7 @@ def test_model_states_equal_deepspeed_estimate(gpus, offload_optimizer, offload_
     spec = modelspec.from_name("tiny")
     cand = Candidate(offload_optimizer=offload_optimizer, offload_param=offload_param, pin_memory=False,
                      sub_group_size=10**9)
-    gpu, host, _ = planner.model_states(spec, Shape(seq_len=64, micro_batch=1, world_size=gpus), cand, on_gpu=True)
+    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=1, world_size=gpus), cand, on_gpu=True)
     ds_cpu, ds_gpu, largest = estimate_zero3_model_states_mem_needs(
         TINY, spec.largest_module.numel, num_gpus_per_node=gpus, cpu_offload=offload_optimizer == "cpu",
         cpu_offload_params=offload_param == "cpu", additional_buffer_factor=1)
@@ -224,3 +224,24 @@ def test_plan_json_has_the_documented_keys():
     assert "gpu" in out["save_peak"] and "host" in out["first_step_after_save_peak"]
     assert '"auto"' not in str(out["deepspeed_config"]) and out["deepspeed_config"]["zero_optimization"]["stage"] == 3
     assert abs(out["estimated_step_seconds"] - sum(out["step_terms"].values())) < 1e-3
+
+
+# ----------------------------------------------------------------------- the CLI
+def test_plan_cli_json_and_exit_codes():
+    import json
+
+    from conftest import run_zerofit
+
+    done = run_zerofit(["plan", "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--json"])
+    out = json.loads(done.stdout)
+    assert out["fits"] is True and out["params"] == TINY and out["accelerator"] == "cpu"
+    assert out["shape"]["seq_len"] == 64 and out["deepspeed_config"]["train_micro_batch_size_per_gpu"] == 2
+    for device in ("gpu", "host", "disk"):
+        assert {"total_bytes", "budget_bytes", "components"} <= set(out["devices"][device])
+    assert set(out["save_peak"]) >= {"gpu", "host"} and set(out["first_step_after_save_peak"]) >= {"gpu", "host"}
+    assert out["estimated_step_seconds"] > 0 and out["step_terms"]
+    over = run_zerofit(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "16GiB", "--explain"],
+                       check=False)
+    assert over.returncode == 1
+    assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of host RAM" in over.stdout
+    assert "candidates" in over.stdout  # --explain

@@ -254,7 +254,7 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
               "nvme": "free NVMe space"}
     for name in over:
         device = plan.devices[name]
-        advice.append(f"{name}: or {fmt_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
+        advice.append(f"{name}: {fmt_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
                       f"(have {fmt_bytes(device.budget_bytes)})")
     return advice
 

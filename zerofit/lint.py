@@ -78,14 +78,15 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
             "fine under HF Trainer / LLaMA-Factory; elsewhere write numbers (`zerofit plan --model M --json` "
             "prints a fully resolved deepspeed_config)"))
     ds = without_autos(ds)
+    check_nvme_paths(ds, result)
     zero = check_zero(ds, result)
-    check_top_level(ds, result)
+    check_top_level(ds, zero is not None, result)
     check_batch(ds, world_size, result)
     check_precision(ds, result)
     if zero is not None:
-        check_risky(ds, zero, spec, hw, result)
+        check_risky(ds, zero, spec, hw, result, autos)
         if spec is not None and hw is not None and not result.errors:
-            result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref)
+            result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
     return result
 
 
@@ -124,13 +125,17 @@ def check_zero(ds: dict, result: LintResult):
                 result.findings.append(Finding("error", key, f"{item['msg']} (got {item.get('input')!r})",
                                                "see DeepSpeed's zero_optimization docs for the type"))
         return None
+    return zero
+
+
+def check_nvme_paths(ds: dict, result: LintResult) -> None:
+    section = ds.get("zero_optimization", {})
     for name in ("offload_optimizer", "offload_param"):
-        offload = getattr(zero, name)
-        if offload is not None and offload.device == "nvme" and not offload.nvme_path:
+        offload = section.get(name) if isinstance(section, dict) else None
+        if isinstance(offload, dict) and offload.get("device") == "nvme" and not offload.get("nvme_path"):
             result.findings.append(Finding("error", f"zero_optimization.{name}.nvme_path",
                                            "NVMe offload without nvme_path: DeepSpeed fails when it creates the swap files",
                                            f'add "nvme_path": "/local_nvme/ds" to {name}'))
-    return zero
 
 
 def _nearest(loc: tuple, model) -> str:
@@ -176,22 +181,34 @@ class _RecordingDict(dict):
         return Keys(super().keys())
 
 
-def check_top_level(ds: dict, result: LintResult) -> None:
+def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
+    """Run DeepSpeedConfig over the dict, recording the keys it reads. Problems reported
+    elsewhere (the zero section, the batch arithmetic, "auto" batch keys HF fills) are
+    neutralised first so the parse runs to the end and every read is seen."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    recorder = _RecordingDict(ds)
+    probe = dict(ds)
+    if not zero_ok:
+        probe["zero_optimization"] = {}
+    batch = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if isinstance(ds.get(k), int)]
+    if batch:
+        probe.pop("train_batch_size", None)  # check_batch judges it against the world size
+    elif "train_batch_size" not in probe:
+        probe["train_micro_batch_size_per_gpu"] = 1
+    recorder = _RecordingDict(probe)
     try:
         DeepSpeedConfig(recorder)
     except Exception as e:  # DeepSpeed raises assertion and value errors of many kinds
         result.findings.append(Finding("error", "(config)", f"DeepSpeed rejects the config: {e}",
                                        "fix the value it names"))
+        return
     known = sorted(recorder.seen | {"scheduler", "optimizer"})
     for key in ds:
         if key not in recorder.seen and key not in ("scheduler", "optimizer"):
             near = difflib.get_close_matches(key, [str(k) for k in known], n=1, cutoff=0.6)
             fix = f"did you mean {near[0]}?" if near else "remove it, or move it where it belongs"
             if key.startswith("stage3_") or key in ("offload_optimizer", "offload_param", "stage", "sub_group_size"):
-                fix = f'move it into "zero_optimization"'
+                fix = 'move it into "zero_optimization"'
             result.findings.append(Finding("error", key, "DeepSpeed never reads this top-level key and ignores it silently",
                                            fix))
 
@@ -220,10 +237,10 @@ def check_precision(ds: dict, result: LintResult) -> None:
                 '"min_loss_scale": 1 explicitly, or use bf16'))
 
 
-def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult) -> None:
+def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, autos: list[str] = ()) -> None:
     """Values that work until the worst moment: a save, the first step after it."""
     section = ds.get("zero_optimization", {})
-    a = 4 if not (ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")) else 2
+    a = 4 if precision(ds) == "fp32" else 2
     N = spec.total_params if spec is not None else None
     offload_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
     if zero.stage == 3 and zero.gather_16bit_weights_on_model_save and (N is None or N >= LARGE_MODEL_PARAMS):
@@ -249,7 +266,7 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult) -
                        ("stage3_prefetch_bucket_size", zero.prefetch_bucket_size if zero.stage == 3 else 0)):
         nbytes = a * numel
         limit = BUCKET_SHARE_OF_BUDGET * budget if budget else LARGE_BUCKET_BYTES
-        if nbytes >= limit:
+        if nbytes >= limit and f"zero_optimization.{key}" not in autos:
             implicit = "" if key in section or key.removeprefix("stage3_") in section else " (DeepSpeed's default)"
             share = f", {nbytes / budget:.0%} of the {fmt_bytes(budget)} GPU budget" if budget else ""
             h = spec.hidden_size if spec is not None else None
@@ -270,26 +287,28 @@ def _has_cuda() -> bool:
 
 
 # -------------------------------------------------------------------- planning
-def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref: str) -> dict:
+def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref: str,
+               auto_values: dict[str, int] | None = None) -> dict:
     """The zerofit config (raw dict) that reproduces what this DeepSpeed JSON sets; keys
-    it leaves out take DeepSpeed's defaults (read from DeepSpeed's own config model)."""
+    it leaves out take DeepSpeed's defaults (read from DeepSpeed's own config model);
+    bucket keys set to "auto" take what HF Trainer would fill in (`auto_values`)."""
+    auto_values = auto_values or {}
     opt, par = zero.offload_optimizer, zero.offload_param
-    precision = "bf16" if ds.get("bf16", {}).get("enabled", "bf16" in ds) else \
-        "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
     nvme = (opt.nvme_path if opt is not None and opt.nvme_path else None) or (par.nvme_path if par is not None else None)
     return {
         "model": {"config": model_ref},
-        "train": {"seq_len": seq_len, "max_steps": 1, "precision": precision,
+        "train": {"seq_len": seq_len, "max_steps": 1, "precision": precision(ds),
                   "micro_batch_size": micro_batch or ds.get("train_micro_batch_size_per_gpu") or 1,
                   "grad_accum_steps": ds.get("gradient_accumulation_steps") or 1},
-        "zero": {"stage": int(zero.stage), "offload_optimizer": str(opt.device.value) if opt else "none",
+        "zero": {"stage": int(zero.stage), "offload_optimizer": _device(opt),
                  "offload_optimizer_ratio": float(opt.ratio) if opt else 1.0,
-                 "offload_param": str(par.device.value) if par else "none",
+                 "offload_param": _device(par),
                  "nvme_path": str(nvme) if nvme else None,
                  "pin_memory": bool(opt.pin_memory) if opt else True,
-                 "reduce_bucket_size": int(zero.reduce_bucket_size),
-                 "prefetch_bucket_size": int(zero.prefetch_bucket_size),
-                 "param_persistence_threshold": int(zero.param_persistence_threshold),
+                 "reduce_bucket_size": auto_values.get("reduce_bucket_size", int(zero.reduce_bucket_size)),
+                 "prefetch_bucket_size": auto_values.get("prefetch_bucket_size", int(zero.prefetch_bucket_size)),
+                 "param_persistence_threshold": auto_values.get("param_persistence_threshold",
+                                                                int(zero.param_persistence_threshold)),
                  "max_live_parameters": int(zero.max_live_parameters),
                  "max_reuse_distance": int(zero.max_reuse_distance), "sub_group_size": int(zero.sub_group_size),
                  "gather_16bit_weights_on_save": bool(zero.gather_16bit_weights_on_model_save)},
@@ -298,12 +317,30 @@ def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref:
     }
 
 
+def precision(ds: dict) -> str:
+    """bf16 when its section is there and not disabled ("auto" counts: HF turns it on with
+    --bf16), fp16 when enabled, fp32 otherwise."""
+    if ds.get("bf16", {}).get("enabled", "bf16" in ds):
+        return "bf16"
+    return "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+
+
+def _device(offload) -> str:
+    if offload is None:
+        return "none"
+    return str(getattr(offload.device, "value", offload.device))
+
+
 def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, seq_len: int, micro_batch: int | None,
-                   model_ref: str) -> dict:
+                   model_ref: str, autos: list[str] = ()) -> dict:
     from zerofit import choice, planview
     from zerofit.config import validate
 
-    config = validate(to_zerofit(ds, zero, seq_len, micro_batch, model_ref or "tiny"))
+    names = {"reduce_bucket_size": "reduce_bucket_size", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+             "stage3_param_persistence_threshold": "param_persistence_threshold"}
+    hf_auto = choice.auto_buckets(spec)
+    auto_values = {ours: hf_auto[ours] for theirs, ours in names.items() if f"zero_optimization.{theirs}" in autos}
+    config = validate(to_zerofit(ds, zero, seq_len, micro_batch, model_ref or "tiny", auto_values))
     decision = choice.decide(config, spec, hw, world_size)
     return planview.plan_json(decision, spec, hw) | {"fits": decision.plan.fits}
 
