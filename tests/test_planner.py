@@ -243,5 +243,5 @@ def test_plan_cli_json_and_exit_codes():
     over = run_zerofit(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "16GiB", "--explain"],
                        check=False)
     assert over.returncode == 1
-    assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of host RAM" in over.stdout
+    assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of GPU memory per rank" in over.stdout
     assert "candidates" in over.stdout  # --explain

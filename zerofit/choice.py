@@ -211,15 +211,15 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
     advice = []
     if "gpu" in over:
         if not shape.gradient_checkpointing and fixes("gpu", replace(shape, gradient_checkpointing=True)):
-            advice.append("GPU: model.gradient_checkpointing=true")
+            advice.append("gpu: model.gradient_checkpointing=true")
         if shape.micro_batch > 1:
             one = replace(shape, micro_batch=1, grad_accum=shape.grad_accum * shape.micro_batch)
             if fixes("gpu", one):
-                advice.append(f"GPU: train.micro_batch_size=1 with train.grad_accum_steps={one.grad_accum} "
+                advice.append(f"gpu: train.micro_batch_size=1 with train.grad_accum_steps={one.grad_accum} "
                               f"(same global batch)")
         seq = _largest_fitting_seq(shape, lambda n: fixes("gpu", replace(shape, seq_len=n)) is not None)
         if seq:
-            advice.append(f"GPU: train.seq_len={seq} (the longest multiple of 64 that fits)")
+            advice.append(f"gpu: train.seq_len={seq} (the longest multiple of 64 that fits)")
         if cand.stage == 3 and hw.on_gpu:
             for opt, par in (("cpu", "none"), ("cpu", "cpu")):
                 other = replace(cand, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=1.0)
@@ -227,7 +227,7 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
                     p = fixes("gpu", s, other)
                     if (opt, par, s) != (cand.offload_optimizer, cand.offload_param, shape) and p:
                         ckpt = " model.gradient_checkpointing=true" if s is not shape else ""
-                        advice.append(f"GPU: zero.offload_optimizer={opt} zero.offload_param={par}{ckpt} "
+                        advice.append(f"gpu: zero.offload_optimizer={opt} zero.offload_param={par}{ckpt} "
                                       f"(GPU {fmt_bytes(p.devices['gpu'].total_bytes)}, host "
                                       f"{fmt_bytes(p.devices['host'].total_bytes)})")
                         break
@@ -236,7 +236,7 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
                 break
         for world in WORLD_SIZES_TO_SUGGEST if cand.stage == 3 else ():
             if world > shape.world_size and fixes("gpu", replace(shape, world_size=world)):
-                advice.append(f"GPU: {world} GPUs (ZeRO-3 partitions the model states over ranks)")
+                advice.append(f"gpu: {world} GPUs (ZeRO-3 partitions the model states over ranks)")
                 break
     if "host" in over and cand.stage == 3 and hw.on_gpu:
         if cand.offload_param == "cpu" and fixes("host", c=replace(cand, offload_param="none")):

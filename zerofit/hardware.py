@@ -48,7 +48,7 @@ ZERO3_SECONDS_PER_MODULE_VISIT = 0.7e-3
 class Hardware:
     accelerator: str                 # "cuda" or "cpu" (DeepSpeed's CPU accelerator)
     device_name: str
-    gpu_count: int                   # GPUs on this node (0 on a CPU machine)
+    gpu_count: int                   # GPUs on this node (0: none, or unknown for a planned-as-given GPU)
     gpu_total_bytes: int             # per GPU, probed (0 on a CPU machine)
     gpu_budget_bytes: int            # what one rank may use: --gpu-mem, or probed free memory
     host_total_bytes: int
@@ -91,12 +91,12 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     for one regardless of what is here (a --gpu-mem given on a CPU machine means cuda)."""
     import psutil
 
-    gpu = _probe_gpu()
+    gpu = _probe_gpu() if gpu_mem is None else None  # a given budget needs no CUDA context here
     vm = psutil.virtual_memory()
     overridden = []
     if accelerator is None:
         accelerator = "cuda" if gpu or gpu_mem else "cpu"
-    name, count, total, free = gpu or ("(none: planned as given)" if accelerator == "cuda" else "cpu", 0, 0, 0)
+    name, count, total, free = gpu or ("(as given)" if accelerator == "cuda" else "cpu", _gpu_count(), 0, 0)
     gpu_budget = free
     if gpu_mem is not None:
         gpu_budget = parse_bytes(gpu_mem, "gpu_mem")
@@ -109,7 +109,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         name, count, total, gpu_budget = "cpu", 0, 0, 0
     disk = _existing_parent(Path(disk_path))
     return Hardware(
-        accelerator=accelerator, device_name=name, gpu_count=max(count, 1 if accelerator == "cuda" else 0),
+        accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
         host_total_bytes=vm.total, host_budget_bytes=host_budget,
         pinned_limit_bytes=_memlock_limit(), cpu_cores=_cpu_cores(),
@@ -134,6 +134,15 @@ def _probe_gpu() -> tuple[str, int, int, int] | None:
     device = torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(device)
     return torch.cuda.get_device_name(device), torch.cuda.device_count(), total, free
+
+
+def _gpu_count() -> int:
+    """GPUs visible here, without creating a CUDA context."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _memlock_limit() -> int | None:

@@ -16,6 +16,7 @@ import copy
 import difflib
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -349,7 +350,7 @@ def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, seq_len:
 def render(result: LintResult, console=None) -> None:
     from rich.console import Console
 
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     for f in result.findings:
         colour = "red" if f.level == "error" else "yellow"
         console.print(f"[{colour}]{f.level}[/] {f.key}: {f.message}" + (f"\n  fix: {f.fix}" if f.fix else ""))

@@ -23,10 +23,13 @@ from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_step_h
                                 sub_groups)
 
 GIB = 2**30
-# Process RSS before any model state: python, torch, transformers, datasets, deepspeed and
-# its cpu_adam op (measured on the CPU test machine: 0.49 GiB after the imports, 0.59-0.61
-# GiB through a tiny run whose model states take ~2 MB).
-HOST_PROCESS_BYTES = int(0.6 * GIB)
+# Process RSS before any model state: python, torch, transformers, deepspeed and its
+# cpu_adam op (measured on the CPU test machine: 0.49-0.50 GiB through a tiny run on
+# synthetic data whose model states take ~2 MB).
+HOST_PROCESS_BYTES = int(0.5 * GIB)
+# HF datasets and pyarrow, loaded when data comes from files (0.59-0.61 GiB for the same
+# tiny run on the demo data).
+DATASETS_LIBRARY_BYTES = int(0.1 * GIB)
 # Host RSS a CUDA process adds: driver, CUDA runtime, cuBLAS/cuDNN kernels mapped in
 # (1-2 GiB on the H200 machine; /work/shared/device/README.md).
 CUDA_HOST_CONTEXT_BYTES = int(1.5 * GIB)
@@ -151,6 +154,12 @@ def export_bytes(total_params: int, element_bytes: int = 2) -> int:
     """A safetensors export: every parameter once, in the export dtype."""
     return element_bytes * total_params
 
+def ranks_on_this_node(hw: Hardware, world_size: int) -> int:
+    """Ranks sharing this host's RAM and cores: one per GPU here; all of them on the CPU
+    accelerator or when the GPU count is unknown (planned from elsewhere)."""
+    return min(world_size, hw.gpu_count) if hw.on_gpu and hw.gpu_count else world_size
+
+
 # ---------------------------------------------------------------------- step time
 # CPU accelerator (tests, CPU-only machines): a rough fp32/bf16 matmul rate per core.
 CPU_FLOPS_PER_CORE = 30e9
@@ -178,7 +187,7 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     N = spec.total_params
     n_rank = -(-N // W) if cand.stage == 3 else N
     passes = 3 if ckpt else 2
-    ranks_here = max(1, min(W, hw.gpu_count)) if hw.on_gpu else W
+    ranks_here = ranks_on_this_node(hw, W)
     cores = max(1, hw.cpu_cores // ranks_here)
     flops = (6 * N + 12 * spec.num_layers * spec.hidden_size * shape.seq_len) * T * (4 / 3 if ckpt else 1)
     rate = hw_rates.BF16_MATMUL_FLOPS * hw_rates.MODEL_FLOPS_UTILISATION if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
@@ -225,7 +234,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         host_base["cuda_host_context"] = CUDA_HOST_CONTEXT_BYTES
     if shape.dataset_bytes:
         host_base["dataset"] = shape.dataset_bytes
-    ranks_here = max(1, min(shape.world_size, hw.gpu_count)) if on_gpu else shape.world_size
+    ranks_here = ranks_on_this_node(hw, shape.world_size)
     notes = [f"backward peaks at the {backward_at} backward"]
 
     if not on_gpu:  # the CPU accelerator: the "device" is host RAM

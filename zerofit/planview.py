@@ -6,6 +6,7 @@ Also what `train` calls: `plan_run(config, dist)` plans, broadcasts the decision
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -16,7 +17,7 @@ from zerofit.choice import Decision
 from zerofit.config import Config
 from zerofit.hardware import Hardware, fmt_bytes
 from zerofit.modelspec import ModelSpec
-from zerofit.planner import Device
+from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
 PHASE_FIELDS = ("predicted_gpu_peak", "predicted_host_rss")
 
@@ -32,10 +33,15 @@ def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None,
     """Plan `config` for `world_size` ranks on `hw` (probed when not given)."""
     spec = spec or modelspec.from_model_config(config.model)
     hw = hw or probe_for(config)
-    if dataset_bytes == 0 and config.data.path == "synthetic":
-        # random int64 ids and labels (data.synthetic_sequences)
-        dataset_bytes = 16 * config.data.synthetic_samples * config.train.seq_len
-    return choice.decide(config, spec, hw, world_size, dataset_bytes), spec, hw
+    return choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes)), spec, hw
+
+
+def data_bytes(config: Config, held: int = 0) -> int:
+    """Host bytes for the data: the tokenized sequences (`held`, or int64 ids and labels
+    of the synthetic set), plus HF datasets itself when data comes from files."""
+    if config.data.path == "synthetic":
+        return held or 16 * config.data.synthetic_samples * config.train.seq_len
+    return held + DATASETS_LIBRARY_BYTES
 
 
 def plan_json(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict:
@@ -63,7 +69,7 @@ def _outside_allocator(device: Device) -> int:
 # ---------------------------------------------------------------------- rendering
 def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = False,
            console: Console | None = None) -> None:
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     plan = decision.plan
     verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     where = f"{hw.device_name}, {fmt_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
@@ -134,7 +140,8 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
 
     box: list = [None]
     if dist.is_main:
-        decision, spec, hw = plan_config(config, dist.world_size, dataset_bytes=dataset_bytes)
+        hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
+        decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         write_plan(Path(config.run_dir), decision, spec, hw)
         box = [decision]
