@@ -263,9 +263,10 @@ class MemoryConfig(Section):
 
 class PlanConfig(Section):
     enabled: bool = True
-    """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not fit."""
+    """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not
+    fit. Off: the config runs as given; the prediction is still recorded (plan.json)."""
     gpu_mem: str | None = None
-    """GPU memory budget per rank, e.g. `24GiB` (default: the probed device)."""
+    """GPU memory budget per rank, e.g. `24GiB` (default: the GPU's free memory at start)."""
     host_mem: str | None = None
     """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM)."""
     headroom: float = Field(0.1, ge=0.0, lt=0.9)
