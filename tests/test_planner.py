@@ -245,3 +245,12 @@ def test_plan_cli_json_and_exit_codes():
     assert over.returncode == 1
     assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of GPU memory per rank" in over.stdout
     assert "candidates" in over.stdout  # --explain
+
+
+def test_sizes_parse_and_bad_ones_name_the_key():
+    from zerofit.config import ConfigError
+
+    assert hardware.parse_bytes("24GiB") == 24 * GIB and hardware.parse_bytes("64GB") == 64 * 10**9
+    assert hardware.parse_bytes("512MiB") == 2**29 and hardware.parse_bytes("1000") == 1000
+    with pytest.raises(ConfigError, match=r"gpu_mem='lots' is not a size; write e.g. 24GiB"):
+        hardware.probe(gpu_mem="lots")

@@ -123,7 +123,9 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
     for opt, par, ckpt, (micro, accum) in itertools.product(opt_devices, param_devices, checkpointing,
                                                             batch_splits(config, world_size)):
         ratios = [base.offload_optimizer_ratio]
-        if opt == "cpu" and base.stage == 3 and hw.on_gpu and "offload_optimizer_ratio" not in zero_set:
+        # A partial offload is the planner's only when the offload itself is: a user who
+        # wrote offload_optimizer: cpu meant the whole optimizer.
+        if opt == "cpu" and base.stage == 3 and hw.on_gpu and not {"offload_optimizer", "offload_optimizer_ratio"} & zero_set:
             ratios = list(PARTIAL_OFFLOAD_RATIOS)
         for ratio in ratios if opt != "none" else [1.0]:
             shape = replace(base_shape, micro_batch=micro, grad_accum=accum, gradient_checkpointing=ckpt)
@@ -167,8 +169,12 @@ def free_choices(before: Config, after: Config) -> dict[str, object]:
         return {}
     out = {}
     for section, keys in DECIDED.items():
+        if section == "train" and before.train.global_batch_size is None:
+            continue  # micro batch and accumulation are the planner's only to split a global batch
         old, new = getattr(before, section), getattr(after, section)
         for key in keys:
+            if key == "offload_optimizer_ratio" and new.offload_optimizer == "none":
+                continue
             if key not in old.model_fields_set:
                 out[f"{section}.{key}"] = getattr(new, key)
     return out

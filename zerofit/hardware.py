@@ -77,8 +77,9 @@ def parse_bytes(text: str | int | float, key: str = "size") -> int:
     if not match:
         raise ConfigError(f"{key}={text!r} is not a size; write e.g. 24GiB, 64GB, 512MiB or a byte count")
     number, prefix, binary = match.groups()
-    power = "KMGTP".find(prefix.upper()) + 1 if prefix else 0
-    return int(float(number) * (1024 if binary or not prefix else 1000) ** power) if prefix else int(float(number))
+    if not prefix:
+        return int(float(number))
+    return int(float(number) * (1024 if binary else 1000) ** ("KMGTP".index(prefix.upper()) + 1))
 
 
 def fmt_bytes(n: float) -> str:

@@ -82,6 +82,8 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     for column in ("device", "component", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
     for name, device in plan.devices.items():
+        if not device.budget_bytes and not device.total_bytes:
+            continue  # no GPU: the CPU accelerator's tensors are in the host rows
         for i, (comp, nbytes) in enumerate(sorted(device.components.items(), key=lambda kv: -kv[1])):
             table.add_row(name if i == 0 else "", comp, fmt_bytes(nbytes))
         mark = "[green]ok[/]" if device.fits else "[red]over[/]"
