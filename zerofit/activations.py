@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zerofit.modelspec import ModelSpec
-from zerofit.zerostates import gathered_peak_numel, optimizer_step_device, partition_numel
+from zerofit.zerostates import Gathered, gathered_numel, optimizer_step_device, partition_numel
 
 if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape
@@ -79,39 +79,41 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
     blocks_saved = T * ((a * h if ckpt else layer_full) * L + 2 * a * spec.head_dim)
     final_norm = T * (4 * h + 2 * a * h)
-    gathered = 0
+    gathered = Gathered(0, 0, 0, 0)
     if cand.stage == 3 and (cand.offload_param != "none" or W > 1):
         # Offloaded partitions are copied to the GPU one parameter at a time
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
-        gathered = a * gathered_peak_numel(spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters,
-                                           cand.max_reuse_distance, cand.param_persistence_threshold)
+        gathered = Gathered(*(a * n for n in gathered_numel(
+            spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
+            cand.param_persistence_threshold)))
     head_numel = V * h
     block_modules = [m.numel for m in spec.modules if m.layer is not None] or [0]
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
 
     forward = {"activations_saved": blocks_saved + final_norm,
-               "logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False), "gathered_params": gathered}
+               "logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False),
+               "gathered_params": gathered.forward}
     backward_options = {
         "loss": {"activations_saved": blocks_saved + final_norm,
-                 "logits_grad": T * loss_bytes_per_token(spec, a, backward=True), "gathered_params": gathered},
+                 "logits_grad": T * loss_bytes_per_token(spec, a, backward=True), "gathered_params": gathered.at_loss},
         "lm_head": {"activations_saved": blocks_saved + final_norm, "logits_grad": T * a * V,
                     "param_grad": a * head_numel,
                     "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False),
-                    "gathered_params": gathered},
+                    "gathered_params": gathered.at_loss},
         "last_block": {"activations_saved": blocks_saved,
                        "block_recompute": T * layer_full if ckpt else 0,
                        "block_grads": T * layer_backward_working_per_token(spec, a),
                        "param_grad": a * max(block_modules),
                        "grad_reduce": reduce_transient_bytes(bucket, cand, shape, several=True),
-                       "gathered_params": gathered},
+                       "gathered_params": gathered.backward},
         "embedding": {"param_grad": a * spec.embedding_params,
                       "grad_reduce": reduce_transient_bytes(spec.embedding_params, cand, shape, several=False),
-                      "gathered_params": gathered},
+                      "gathered_params": gathered.at_end},
     }
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))
     # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time.
     evaluation = {"logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False),
-                  "block_working": T * layer_full, "gathered_params": gathered}
+                  "block_working": T * layer_full, "gathered_params": gathered.forward}
     phases = {"forward": forward, "backward": backward,
               "optimizer_step": optimizer_step_device(spec, shape, cand, on_gpu), "eval": evaluation}
     return {name: {k: v for k, v in comps.items() if v} for name, comps in phases.items()} | {"backward_peak_at": at}

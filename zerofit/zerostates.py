@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from zerofit.modelspec import ModelSpec
 
@@ -64,67 +64,77 @@ def sub_groups(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[int, .
     return tuple(groups)
 
 
-@functools.lru_cache(maxsize=64)
-def gathered_peak_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int,
-                        reuse_distance: int, persistence_threshold: int) -> int:
-    """Most parameter elements gathered at once, by replaying ZeRO-3's fetch/release.
+class Gathered(NamedTuple):
+    """Gathered (full) parameter elements live on a rank at points of a training step."""
+    forward: int       # most during the forward pass
+    at_loss: int       # at the last forward module (lm_head): the loss and its backward
+    backward: int      # most during the backward pass
+    at_end: int        # at the last backward module (the embedding)
 
-    Trace: forward in module order, then backward in reverse with each decoder block
-    recomputed (forward order) before its backward when checkpointing. At each module the
-    coordinator (partitioned_param_coordinator.py) fetches the module's parameters, prefetches
-    the next ones up to min(prefetch_bucket_size, max_live_parameters - available), and on
-    release keeps a parameter whose next use is within max_reuse_distance elements.
-    Parameters of at most param_persistence_threshold elements stay gathered (ds_persist)
-    and are counted elsewhere."""
+
+def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int):
+    """ZeRO-3's module trace of one step: forward in module order, then backward in reverse
+    with each decoder block recomputed (forward order) before its own backward when
+    checkpointing. Modules whose parameters are all persistent drop out (never fetched)."""
     numel = {p.name: p.numel for p in spec.params}
     module_params = [tuple(n for n in m.params if numel[n] > persistence_threshold) for m in spec.modules]
-    order = list(range(len(spec.modules)))
-    trace = list(order)
     layers: dict[int, list[int]] = {}
     for i, m in enumerate(spec.modules):
         if m.layer is not None:
             layers.setdefault(m.layer, []).append(i)
-    tail = [i for i in order if spec.modules[i].layer is None and i > max(sum(layers.values(), [-1]))]
-    head = [i for i in order if spec.modules[i].layer is None and i not in tail]
-    trace += list(reversed(tail))
+    last_block = max((i for ids in layers.values() for i in ids), default=-1)
+    outside = [i for i, m in enumerate(spec.modules) if m.layer is None]
+    head, tail = [i for i in outside if i < last_block], [i for i in outside if i > last_block]
+    forward = list(range(len(spec.modules)))
+    backward = list(reversed(tail))
     for layer in sorted(layers, reverse=True):
-        trace += (layers[layer] if checkpointing else []) + list(reversed(layers[layer]))
-    trace += list(reversed(head))
-    trace = [i for i in trace if module_params[i]]
-    sizes = [sum(numel[n] for n in module_params[i]) for i in trace]
+        backward += (layers[layer] if checkpointing else []) + list(reversed(layers[layer]))
+    backward += list(reversed(head))
+    trace = [module_params[i] for i in forward + backward if module_params[i]]
+    return trace, sum(1 for i in forward if module_params[i]), numel
+
+
+@functools.lru_cache(maxsize=64)
+def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int,
+                   reuse_distance: int, persistence_threshold: int) -> Gathered:
+    """Replays partitioned_param_coordinator.py over the trace: at each module fetch its
+    parameters, then prefetch the next ones not yet available up to min(prefetch_bucket_size,
+    max_live_parameters - available) more elements (the fetch queue only moves forward, so
+    the prefetched window grows until max_live_parameters bounds it); on release keep a
+    parameter whose next use is within max_reuse_distance elements (__params_to_release)."""
+    trace, n_forward, numel = zero3_trace(spec, checkpointing, persistence_threshold)
+    sizes = [sum(numel[n] for n in params) for params in trace]
     prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
     next_use: list[dict[str, int]] = [{} for _ in trace]
     last_seen: dict[str, int] = {}
     for t in range(len(trace) - 1, -1, -1):
-        for n in module_params[trace[t]]:
+        for n in trace[t]:
             if n in last_seen:
                 next_use[t][n] = last_seen[n]
             last_seen[n] = t
-
     available: set[str] = set()
-    live = peak = 0
-    for t, i in enumerate(trace):
-        for n in module_params[i]:
-            if n not in available:
-                available.add(n)
-                live += numel[n]
-        room, fetched, j = min(prefetch, max_live - live), 0, t + 1
+    live, lives = 0, []
+    for t, params in enumerate(trace):
+        wanted = [n for n in params if n not in available]
+        room, fetched, j = min(prefetch, max_live - live - sum(numel[n] for n in wanted)), 0, t + 1
         while j < len(trace) and fetched < room:
-            for n in module_params[trace[j]]:
-                if n not in available:
-                    available.add(n)
-                    live += numel[n]
-                    fetched += numel[n]
+            wanted += [n for n in trace[j] if n not in available and n not in wanted]
+            fetched = sum(numel[n] for n in wanted) - sum(numel[n] for n in params if n in wanted)
             j += 1
-        peak = max(peak, live)
-        for n in module_params[i]:
+        available.update(wanted)
+        live += sum(numel[n] for n in wanted)
+        lives.append(live)
+        for n in params:
             nxt = next_use[t].get(n)
             if nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance:
                 available.discard(n)
                 live -= numel[n]
-    return peak
+    if not lives:
+        return Gathered(0, 0, 0, 0)
+    return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
+                    backward=max(lives[n_forward:] or [0]), at_end=lives[-1])
 
 
 def persistent_numel(spec: ModelSpec, threshold: int) -> int:
