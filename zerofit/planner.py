@@ -235,7 +235,6 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     if shape.dataset_bytes:
         host_base["dataset"] = shape.dataset_bytes
     ranks_here = ranks_on_this_node(hw, shape.world_size)
-    notes = [f"backward peaks at the {backward_at} backward"]
 
     if not on_gpu:  # the CPU accelerator: the "device" is host RAM
         host_states = {**host_states, **{f"device:{k}": v for k, v in gpu_states.items()}}
@@ -250,6 +249,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         else:
             per_phase[name] = {"gpu": 0, "host": resident_host + sum(transient.values()) + host_extra}
     peak_name = max(PHASES, key=lambda p: per_phase[p]["gpu" if on_gpu else "host"])
+    notes = [f"the device peaks in the {peak_name} phase" + (f" (at the {backward_at} backward)"
+                                                              if peak_name == "backward" else "")]
     transients = sorted((sum(phases[p].values()) for p in ("backward", "optimizer_step")), reverse=True)
     # Fragmentation: blocks cached for one phase's tensors are not reused by another's of
     # other sizes, so reserved memory holds the two largest phase transients (measured with

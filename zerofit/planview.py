@@ -97,8 +97,9 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
                            ("export", plan.export_peak)):
         peaks.add_row(label, *(fmt_bytes(devices[d].total_bytes) if d in devices else "-" for d in ("gpu", "host", "disk")))
     console.print(peaks)
-    console.print(f"checkpoint size on disk: {fmt_bytes(plan.checkpoint_bytes)}; predicted allocator peak "
-                  f"{fmt_bytes(plan.gpu_allocated_peak)}, host RSS {fmt_bytes(plan.host_rss_peak)}")
+    console.print(f"checkpoint size on disk: {fmt_bytes(plan.checkpoint_bytes)}; per rank: allocator peak "
+                  f"{fmt_bytes(plan.gpu_allocated_peak)} (torch.cuda.max_memory_allocated), host RSS "
+                  f"{fmt_bytes(plan.host_rss_peak)}")
     terms = ", ".join(f"{k} {v:.3f}s" for k, v in plan.step_terms.items())
     console.print(f"estimated step: {plan.step_seconds:.3f} s ({terms})")
     for note in plan.notes:
