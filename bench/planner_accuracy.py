@@ -132,7 +132,7 @@ def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     from zerofit.config import validate
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))
-    spec = SPECS.setdefault(cell.model, modelspec.from_model_config(config.model))
+    spec = SPECS.setdefault(cell.model, modelspec.from_config(config))
     hw = hardware.probe(disk_path=ROOT, gpu_mem=config.plan.gpu_mem if setup["accelerator"] == "cuda" else None,
                         host_mem=host_budget, accelerator=setup["accelerator"])
     hw = hardware.with_overrides(hw, cpu_cores=cores, disk_free_bytes=10**13)

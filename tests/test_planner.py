@@ -254,3 +254,21 @@ def test_sizes_parse_and_bad_ones_name_the_key():
     assert hardware.parse_bytes("512MiB") == 2**29 and hardware.parse_bytes("1000") == 1000
     with pytest.raises(ConfigError, match=r"gpu_mem='lots' is not a size; write e.g. 24GiB"):
         hardware.probe(gpu_mem="lots")
+
+
+def test_lora_plans_adapters_only_for_gradients_and_optimizer():
+    """peft on the meta device: r x (in + out) per adapted projection; the frozen base keeps
+    its 16-bit partitions, and only adapters get grads, master weights, moments, checkpoints.
+    tiny, r 16: q 16*(64+64) + k,v 16*(64+32) + o 16*(64+64) + gate,up,down 16*(64+128) =
+    16,384 per block, 32,768 for two."""
+    pytest.importorskip("peft")
+    cfg = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "lora": {"enabled": True, "r": 16}})
+    spec = modelspec.from_config(cfg)
+    assert spec.trainable_params == 32_768 and spec.total_params == TINY + 32_768
+    assert spec.adapter_rank_per_layer == 7 * 16 and spec.adapter_dropout
+    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=1), Candidate(reduce_bucket_size=10),
+                                           on_gpu=False)
+    assert gpu["params_16bit"] == 2 * (TINY + 32_768)
+    assert host["master_fp32"] == 4 * 32_768 and host["adam_moments_fp32"] == 8 * 32_768
+    plan = planner.predict(spec, cpu_box(), Shape(seq_len=64, micro_batch=1), Candidate())
+    assert plan.checkpoint_bytes == planner.checkpoint_bytes(32_768) and plan.trainable_params == 32_768

@@ -26,12 +26,15 @@ def layer_activation_bytes_per_token(spec: ModelSpec, a: int) -> int:
     - attention keeps q and k after RoPE, v, the SDPA output (flash/efficient kernels keep
       no s x s matrix, only a fp32 logsumexp per head);
     - the SwiGLU MLP keeps gate, up, silu(gate) and their product (4 x intermediate);
-      a 2-matrix MLP keeps the fc1 output and the activation (2 x intermediate)."""
+      a 2-matrix MLP keeps the fc1 output and the activation (2 x intermediate);
+    - LoRA (peft): each adapter's lora_B keeps lora_A's output (rank wide), and with
+      dropout each lora_A keeps its own dropped input and dropout keeps its mask (1 byte)."""
     h, i = spec.hidden_size, spec.intermediate_size
     norm = 4 * h + 2 * a * h
     attention = a * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
     mlp = a * (4 * i if spec.gated_mlp else 2 * i)
-    return 2 * norm + attention + mlp
+    adapters = a * spec.adapter_rank_per_layer + (a + 1) * spec.adapter_inputs_per_layer * spec.adapter_dropout
+    return 2 * norm + attention + mlp + adapters
 
 
 def layer_backward_working_per_token(spec: ModelSpec, a: int) -> int:
@@ -67,6 +70,20 @@ def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: b
 
 
 # -------------------------------------------------------------------- the phases
+def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
+    """Trainable elements after the blocks (lm_head), before them (embedding), and of the
+    largest trainable module inside a block."""
+    trainable = {p.name for p in spec.params if p.trainable}
+    numel = {p.name: p.numel for p in spec.params}
+    blocks = [i for i, m in enumerate(spec.modules) if m.layer is not None]
+    first, last = (min(blocks), max(blocks)) if blocks else (len(spec.modules), -1)
+    sizes = [sum(numel[n] for n in m.params if n in trainable) for m in spec.modules]
+    after = sum(size for i, size in enumerate(sizes) if i > last and spec.modules[i].layer is None)
+    before = sum(size for i, size in enumerate(sizes) if i < first and spec.modules[i].layer is None)
+    inside = max((sizes[i] for i in blocks), default=0)
+    return after, before, inside
+
+
 def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> dict[str, dict[str, int]]:
     """Transient device bytes per phase as named components, on top of the resident
     states. The backward entry is its largest sub-phase, named in `backward_peak_at`."""
@@ -86,8 +103,8 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
         gathered = Gathered(*(a * n for n in gathered_numel(
             spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
             cand.param_persistence_threshold)))
-    head_numel = V * h
-    block_modules = [m.numel for m in spec.modules if m.layer is not None] or [0]
+    # Weight gradients exist only for trainable parameters (a LoRA base has none).
+    head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
 
     forward = {"activations_saved": blocks_saved + final_norm,
@@ -103,11 +120,11 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
         "last_block": {"activations_saved": blocks_saved,
                        "block_recompute": T * layer_full if ckpt else 0,
                        "block_grads": T * layer_backward_working_per_token(spec, a),
-                       "param_grad": a * max(block_modules),
+                       "param_grad": a * block_module,
                        "grad_reduce": reduce_transient_bytes(bucket, cand, shape, several=True),
                        "gathered_params": gathered.backward},
-        "embedding": {"param_grad": a * spec.embedding_params,
-                      "grad_reduce": reduce_transient_bytes(spec.embedding_params, cand, shape, several=False),
+        "embedding": {"param_grad": a * embedding_numel,
+                      "grad_reduce": reduce_transient_bytes(embedding_numel, cand, shape, several=False),
                       "gathered_params": gathered.at_end},
     }
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))

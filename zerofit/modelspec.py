@@ -11,9 +11,9 @@ read), so a 70B config takes a second. What the planner needs comes out of it:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from zerofit.config import ModelConfig
+from zerofit.config import Config, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Param:
     numel: int
     ndim: int
     module: str          # owning module's name
+    trainable: bool = True   # requires_grad (LoRA freezes the base)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,13 @@ class ModelSpec:
     embedding_params: int
     lm_head_params: int          # 0 when tied to the embedding
     layer_params: int            # one decoder block (the largest)
+    adapter_inputs_per_layer: int = 0   # LoRA: sum of the adapted projections' input widths in one block
+    adapter_rank_per_layer: int = 0     # LoRA: sum of their ranks
+    adapter_dropout: bool = False       # LoRA dropout > 0: each adapter keeps its own dropped input
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
 
     @property
     def largest_module(self) -> ModuleSize:
@@ -66,6 +74,7 @@ class ModelSpec:
     def summary(self) -> dict:
         """The JSON a plan carries (the per-parameter list is left out)."""
         out = {k: v for k, v in asdict(self).items() if k not in ("params", "modules")}
+        out["trainable_params"] = self.trainable_params
         largest = self.largest_module
         out["largest_module"] = {"name": largest.name, "numel": largest.numel}
         out["modules"] = len(self.modules)
@@ -76,6 +85,31 @@ def from_model_config(model: ModelConfig) -> ModelSpec:
     from zerofit.models import hf_config
 
     return from_hf_config(hf_config(model), model.trust_remote_code)
+
+
+def from_config(config: Config) -> ModelSpec:
+    """The model a run trains: with lora.enabled, the peft model zerofit/lora.py attaches
+    (built on the meta device here too), whose base is frozen."""
+    if not config.lora.enabled:
+        return from_model_config(config.model)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerofit import lora
+    from zerofit.models import hf_config
+
+    hf = hf_config(config.model)
+    targets = lora.resolve(config, hf)
+    peft_config = lora.peft_config(config.lora, targets)
+    import peft
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf, trust_remote_code=config.model.trust_remote_code)
+        model = peft.get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+    spec = from_module(model, hf)
+    adapters = [m for m in spec.modules if m.name.endswith("lora_A.default") and m.layer == 0]
+    return replace(spec, adapter_inputs_per_layer=sum(m.numel for m in adapters) // config.lora.r,
+                   adapter_rank_per_layer=config.lora.r * len(adapters), adapter_dropout=config.lora.dropout > 0)
 
 
 def from_name(name: str, trust_remote_code: bool = False) -> ModelSpec:
@@ -105,7 +139,7 @@ def from_module(model, hf_config) -> ModelSpec:
         for param_name, p in direct:
             if id(p) not in names:
                 names[id(p)] = f"{module_name}.{param_name}".lstrip(".")
-                params.append(Param(names[id(p)], p.numel(), p.dim(), module_name))
+                params.append(Param(names[id(p)], p.numel(), p.dim(), module_name, p.requires_grad))
         if direct:
             modules.append(ModuleSize(module_name, sum(p.numel() for _, p in direct),
                                       _layer_index(module_name, blocks), tuple(names[id(p)] for _, p in direct)))

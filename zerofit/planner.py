@@ -19,8 +19,8 @@ from zerofit import hardware as hw_rates
 from zerofit.activations import device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
-from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_step_host, partition_numel,
-                                sub_groups)
+from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_groups, optimizer_step_host,
+                                partition_numel)
 
 GIB = 2**30
 # Process RSS before any model state: python, torch, transformers, deepspeed and its
@@ -101,6 +101,7 @@ class Device:
 class Plan:
     fits: bool
     params: int
+    trainable_params: int
     shape: Shape
     candidate: Candidate
     accelerator: str
@@ -123,7 +124,8 @@ class Plan:
 
     def to_json(self) -> dict:
         return {
-            "fits": self.fits, "params": self.params, "accelerator": self.accelerator,
+            "fits": self.fits, "params": self.params, "trainable_params": self.trainable_params,
+            "accelerator": self.accelerator,
             "shape": asdict(self.shape), "candidate": asdict(self.candidate),
             "devices": {k: d.to_json() for k, d in self.devices.items()},
             "predicted_gpu_peak": self.gpu_allocated_peak, "predicted_host_rss": self.host_rss_peak,
@@ -168,9 +170,10 @@ CPU_FLOPS_PER_CORE = 30e9
 def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate) -> dict[str, float]:
     """Seconds one optimizer step spends per term (summed: overlap is not assumed).
 
-    - compute: 6 x params x tokens (Kaplan et al. arXiv:2001.08361; forward 2, backward 4)
-      plus attention 12 x layers x hidden x seq per token (PaLM, arXiv:2204.02311 app. B),
-      x 4/3 with recompute, at the calibrated matmul rate x utilisation;
+    - compute: 6 x params x tokens (Kaplan et al. arXiv:2001.08361; forward 2, backward 4;
+      4 + 2 x trainable/params with a frozen base) plus attention 12 x layers x hidden x seq
+      per token (PaLM, arXiv:2204.02311 app. B), plus a forward with recompute, at the
+      calibrated matmul rate x utilisation;
     - pcie_params: offloaded 16-bit parameters copied to the GPU for forward, recompute and
       backward (ZeRO-Infinity, arXiv:2104.07857 sec. 5);
     - pcie_grads: offloaded gradient partitions to the host each micro batch (a round trip
@@ -184,15 +187,20 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
       across W ranks (ZeRO paper sec. 7: 3 x the data-parallel volume for stage 3)."""
     a, W, T = shape.element_bytes, shape.world_size, shape.tokens_per_micro
     accum, ckpt = shape.grad_accum, shape.gradient_checkpointing
-    N = spec.total_params
+    N, trainable = spec.total_params, spec.trainable_params
     n_rank = -(-N // W) if cand.stage == 3 else N
+    t_rank = -(-trainable // W) if cand.stage >= 2 else trainable
     passes = 3 if ckpt else 2
     ranks_here = ranks_on_this_node(hw, W)
     cores = max(1, hw.cpu_cores // ranks_here)
-    flops = (6 * N + 12 * spec.num_layers * spec.hidden_size * shape.seq_len) * T * (4 / 3 if ckpt else 1)
+    # Forward 2N; backward computes input gradients through every weight (2N) but weight
+    # gradients only for the trainable ones (2T): 6N for full fine-tuning, ~4N for LoRA.
+    # Recompute adds a forward (2N): 4/3 for full fine-tuning.
+    per_token = 4 * N + 2 * trainable + 12 * spec.num_layers * spec.hidden_size * shape.seq_len
+    flops = (per_token + (2 * N if ckpt else 0)) * T
     rate = hw_rates.BF16_MATMUL_FLOPS * hw_rates.MODEL_FLOPS_UTILISATION if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
     terms = {"compute": accum * flops / rate}
-    groups = sub_groups(spec, W, cand.sub_group_size) if cand.stage == 3 else (n_rank,)
+    groups = optimizer_groups(spec, shape, cand)
     n_device_groups = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
     on_device, offloaded = sum(groups[:n_device_groups]), sum(groups[n_device_groups:])
     if hw.on_gpu:
@@ -200,8 +208,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
         if cand.offload_param != "none":
             terms["pcie_params"] = accum * passes * a * n_rank / pcie
         if cand.offload_optimizer != "none":
-            per_micro = a * n_rank * (1 + 2 * (accum - 1) / accum)
-            terms["pcie_grads"] = (accum * per_micro + 4 * offloaded + a * n_rank) / pcie
+            per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
+            terms["pcie_grads"] = (accum * per_micro + 4 * offloaded + a * t_rank) / pcie
     if offloaded:
         terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM * hw_rates.CPU_ADAM_CORES / cores
     if on_device:
@@ -270,7 +278,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     host_peak_extra = {f"optimizer_step:{k}": v for k, v in host_step.items()}
     if not on_gpu:
         host_peak_extra = {**peak_transient, **(host_peak_extra if peak_name == "optimizer_step" else {})}
-    ckpt_bytes = checkpoint_bytes(spec.total_params, shape.world_size, cand.stage, shape.element_bytes)
+    # LoRA checkpoints leave the frozen base out (checkpoint.save exclude_frozen)
+    ckpt_bytes = checkpoint_bytes(spec.trainable_params, shape.world_size, cand.stage, shape.element_bytes)
     disk_free = hw.disk_free_bytes
     devices = {"gpu": gpu_device(peak_transient, fragmentation), "host": host_device(host_peak_extra),
                "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk}, disk_free, headroom)}
@@ -281,7 +290,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     # storages to the host one at a time (largest: an fp32 sub-group tensor); a consolidated
     # 16-bit model (gather_16bit_weights_on_save) gathers module by module on the GPU
     # (engine._zero3_consolidated_16bit_state_dict) and holds the whole model on the host.
-    largest_group = max(sub_groups(spec, shape.world_size, cand.sub_group_size)) if cand.stage == 3 else spec.total_params
+    largest_group = max(optimizer_groups(spec, shape, cand))
     save_gpu, save_host = {}, {}
     if on_gpu and cand.offload_optimizer == "none":
         save_host["torch_save_staging"] = 4 * largest_group
@@ -310,7 +319,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     fits = all(d.fits for d in devices.values()) and all(d.fits for d in save_peak.values()) \
         and all(d.fits for d in first_step.values())
     host_rss_peak = max(p["host"] for p in per_phase.values())
-    return Plan(fits=fits, params=spec.total_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
+    return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
                 devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
                 host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak,
                 first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes, export_peak=export,

@@ -31,7 +31,7 @@ def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | N
 def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None, spec: ModelSpec | None = None,
                 dataset_bytes: int = 0) -> tuple[Decision, ModelSpec, Hardware]:
     """Plan `config` for `world_size` ranks on `hw` (probed when not given)."""
-    spec = spec or modelspec.from_model_config(config.model)
+    spec = spec or modelspec.from_config(config)
     hw = hw or probe_for(config)
     return choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes)), spec, hw
 

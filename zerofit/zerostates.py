@@ -43,13 +43,13 @@ def partition_numel(numel: int, world: int) -> int:
 def sub_groups(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[int, ...]:
     """Element counts of the optimizer sub groups of one rank.
 
-    zerofit passes two param groups (engine.param_groups: >=2-D weights decay, the rest do
-    not); stage3.py `_create_fp16_sub_groups` cuts each group, in parameter order, into runs
-    that close once they reach sub_group_size elements."""
+    zerofit passes two param groups of the trainable parameters (engine.param_groups: >=2-D
+    weights decay, the rest do not); stage3.py `_create_fp16_sub_groups` cuts each group, in
+    parameter order, into runs that close once they reach sub_group_size elements."""
     groups: list[int] = []
     for decay in (True, False):
         run = 0
-        members = [partition_numel(p.numel, world) for p in spec.params if (p.ndim >= 2) == decay]
+        members = [partition_numel(p.numel, world) for p in spec.params if p.trainable and (p.ndim >= 2) == decay]
         total = sum(members)
         if not members:
             continue
@@ -137,6 +137,13 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
                     backward=max(lives[n_forward:] or [0]), at_end=lives[-1])
 
 
+def optimizer_groups(spec: ModelSpec, shape: Shape, cand: Candidate) -> tuple[int, ...]:
+    """What the optimizer steps at once: ZeRO-3's sub groups, else the trainable shard."""
+    if cand.stage == 3:
+        return sub_groups(spec, shape.world_size, cand.sub_group_size) or (0,)
+    return (spec.trainable_params // (shape.world_size if cand.stage >= 1 else 1),)
+
+
 def persistent_numel(spec: ModelSpec, threshold: int) -> int:
     return sum(p.numel for p in spec.params if p.numel <= threshold)
 
@@ -152,29 +159,36 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
     if cand.stage < 3:
         return _model_states_stage012(spec, shape, cand, on_gpu)
     n_rank = sum(partition_numel(p.numel, W) for p in spec.params)
-    groups = sub_groups(spec, W, cand.sub_group_size)
+    trainable = [p for p in spec.params if p.trainable]
+    t_rank = sum(partition_numel(p.numel, W) for p in trainable)
+    groups = sub_groups(spec, W, cand.sub_group_size) or (0,)
     # Partial offload (offload_optimizer.ratio): stage3.py `_create_fp32_partitions` keeps the
     # first int((1 - ratio) * n_sub_groups) sub groups on the GPU, the rest on the CPU.
     on_device = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
     device_groups, offloaded_groups = groups[:on_device], groups[on_device:]
     dev_numel, off_numel = sum(device_groups), sum(offloaded_groups)
 
-    # 16-bit parameter partitions: one flat buffer on the GPU (`lp_param_buffer`, defragment)
-    # or, offloaded, one pinned flat buffer per param group (`_create_param_groups_fp16_flat_cpu_memory`).
+    # 16-bit parameter partitions: the trainable ones in one flat buffer on the GPU
+    # (`lp_param_buffer`, defragment) or, offloaded, one pinned flat buffer per param group
+    # (`_create_param_groups_fp16_flat_cpu_memory`); frozen ones (a LoRA base) stay where
+    # zero.Init put them, each partition its own (pinned, when offloaded) block.
     if cand.offload_param == "none":
         gpu["params_16bit"] = a * n_rank
     else:
-        group_numels = [sum(partition_numel(p.numel, W) for p in spec.params if (p.ndim >= 2) == d) for d in (True, False)]
-        in_cpu = n_rank if cand.offload_param == "cpu" else min(n_rank, PARAM_MAX_IN_CPU)
+        group_numels = [sum(partition_numel(p.numel, W) for p in trainable if (p.ndim >= 2) == d) for d in (True, False)]
+        in_cpu = t_rank if cand.offload_param == "cpu" else min(t_rank, PARAM_MAX_IN_CPU)
         host["params_16bit_pinned"] = sum(pinned(a * g, cand, on_gpu) for g in group_numels if g) \
-            if in_cpu == n_rank else pinned(a * in_cpu, cand, on_gpu)
+            if in_cpu == t_rank else pinned(a * in_cpu, cand, on_gpu)
+        frozen = [partition_numel(p.numel, W) for p in spec.params if not p.trainable]
+        if frozen:
+            host["frozen_params_16bit_pinned"] = sum(pinned(a * n, cand, on_gpu) for n in frozen)
         if cand.offload_param == "nvme":
             nvme["params_16bit_swap"] = a * n_rank
             host["param_swap_buffers_pinned"] = PARAM_SWAP_BUFFERS * pinned(a * PARAM_SWAP_BUFFER_NUMEL, cand, on_gpu)
-        # zero.Init pins each parameter's partition on its own; moving them into the flat
-        # buffer frees those blocks into the CachingHostAllocator's cache, which keeps them.
+        # zero.Init pins each parameter's partition on its own; moving the trainable ones into
+        # the flat buffer frees those blocks into the CachingHostAllocator's cache, which keeps them.
         if on_gpu and cand.pin_memory:
-            host["zero_init_pinned_cache"] = sum(pow2_ceil(a * partition_numel(p.numel, W)) for p in spec.params)
+            host["zero_init_pinned_cache"] = sum(pow2_ceil(a * partition_numel(p.numel, W)) for p in trainable)
         # Persistent (small) parameters stay on the GPU, gathered (parameter_offload.py).
         gpu["params_persistent"] = a * persistent_numel(spec, cand.param_persistence_threshold)
     if W > 1 and cand.offload_param == "none":
@@ -183,9 +197,9 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
     # Gradient partitions, one flat buffer in the accumulation dtype (= model dtype) on the
     # optimizer's device, pinned there (`_setup_for_real_optimizer`).
     if cand.offload_optimizer == "none":
-        gpu["grads_16bit"] = a * n_rank
+        gpu["grads_16bit"] = a * t_rank
     else:
-        host["grads_16bit_pinned"] = pinned(a * n_rank, cand, on_gpu)
+        host["grads_16bit_pinned"] = pinned(a * t_rank, cand, on_gpu)
 
     # fp32 master weights and Adam moments (ZeRO: 12 bytes per parameter), partitioned.
     if dev_numel:
@@ -218,10 +232,10 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
 def _model_states_stage012(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool):
     """ZeRO stages 0-2 (arXiv:1910.02054 fig. 1): 16-bit params whole on every rank; grads
     partitioned from stage 2, optimizer states from stage 1; ZeRO-Offload moves the fp32
-    states (and the grads they step on) to the CPU."""
-    W, a, N = shape.world_size, shape.element_bytes, spec.total_params
-    shard = N // W if cand.stage >= 1 else N
-    gpu = {"params_16bit": a * N, "grads_16bit": a * (N // W if cand.stage >= 2 else N),
+    states (and the grads they step on) to the CPU; only trainable parameters have them."""
+    W, a, N, T = shape.world_size, shape.element_bytes, spec.total_params, spec.trainable_params
+    shard = T // W if cand.stage >= 1 else T
+    gpu = {"params_16bit": a * N, "grads_16bit": a * (T // W if cand.stage >= 2 else T),
            "reduce_bucket": a * cand.reduce_bucket_size}
     host: dict[str, int] = {}
     if cand.offload_optimizer == "none":
@@ -239,7 +253,7 @@ def optimizer_step_device(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu
     this multi-GB. torch's AdamW (the CPU accelerator; a partial offload's device part)
     adds foreach temporaries (sqrt(exp_avg_sq) and the denominator: 2 x 4 bytes)."""
     a = shape.element_bytes
-    groups = sub_groups(spec, shape.world_size, cand.sub_group_size) if cand.stage == 3 else (spec.total_params,)
+    groups = optimizer_groups(spec, shape, cand)
     n_device = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
     if not n_device:
         return {}
@@ -256,5 +270,5 @@ def optimizer_step_host(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[
     the host first (torch's cross-device copy_ with a dtype change)."""
     if cand.offload_optimizer == "none" or cand.offload_param != "none":
         return {}
-    groups = sub_groups(spec, shape.world_size, cand.sub_group_size) if cand.stage == 3 else (spec.total_params,)
+    groups = optimizer_groups(spec, shape, cand)
     return {"step_16bit_copy": shape.element_bytes * max(groups)}
