@@ -305,8 +305,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     residue = save_gpu.get("gathered_module", 0)
     first_step = {"gpu": gpu_device(peak_transient, fragmentation + residue), "host": devices["host"]}
     # Export: one rank's optimizer file read whole (torch.load) plus one output shard.
-    n_rank = partition_numel(spec.total_params, shape.world_size)
-    export = {"host": _device({"process": HOST_PROCESS_BYTES, "optimizer_file_of_one_rank": 12 * n_rank,
+    t_rank = partition_numel(spec.trainable_params, shape.world_size)
+    export = {"host": _device({"process": HOST_PROCESS_BYTES, "optimizer_file_of_one_rank": 12 * t_rank,
                                "output_shard": min(EXPORT_SHARD_BYTES, export_bytes(spec.total_params))},
                               hw.host_budget_bytes, headroom),
               "disk": _device({"safetensors": export_bytes(spec.total_params)}, disk_free, headroom)}
