@@ -14,7 +14,8 @@ import itertools
 from dataclasses import dataclass, replace
 
 from zerofit.config import Config, ConfigError
-from zerofit.hardware import Hardware, fmt_bytes
+from zerofit.hardware import Hardware
+from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import Candidate, Plan, Shape, predict
 
@@ -187,9 +188,9 @@ def refuse(decision: Decision) -> PlanError:
     for name in plan.binding or [n for n, d in {**plan.save_peak}.items() if not d.fits]:
         device = plan.devices[name]
         top = sorted(device.components.items(), key=lambda kv: -kv[1])[:6]
-        lines.append(f"  {name}: {fmt_bytes(device.total_bytes)} of {fmt_bytes(device.usable_bytes)} usable "
-                     f"({fmt_bytes(device.budget_bytes)} less {decision.config.plan.headroom:.0%} headroom): "
-                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in top))
+        lines.append(f"  {name}: {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)} usable "
+                     f"({human_bytes(device.budget_bytes)} less {decision.config.plan.headroom:.0%} headroom): "
+                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in top))
     lines.append("what would fit:")
     lines += [f"  - {a}" for a in decision.advice] or ["  - nothing zerofit can change; more memory is needed"]
     return PlanError("\n".join(lines))
@@ -234,8 +235,8 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
                     if (opt, par, s) != (cand.offload_optimizer, cand.offload_param, shape) and p:
                         ckpt = " model.gradient_checkpointing=true" if s is not shape else ""
                         advice.append(f"gpu: zero.offload_optimizer={opt} zero.offload_param={par}{ckpt} "
-                                      f"(GPU {fmt_bytes(p.devices['gpu'].total_bytes)}, host "
-                                      f"{fmt_bytes(p.devices['host'].total_bytes)})")
+                                      f"(GPU {human_bytes(p.devices['gpu'].total_bytes)}, host "
+                                      f"{human_bytes(p.devices['host'].total_bytes)})")
                         break
                 else:
                     continue
@@ -251,7 +252,7 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
         p = fixes("host", c=nvme, h=replace(hw, nvme_free_bytes=10**18))
         if p:
             advice.append(f"host: zero.offload_optimizer=nvme with zero.nvme_path on a fast local disk with "
-                          f">= {fmt_bytes(p.devices['nvme'].total_bytes / (1 - headroom))} free")
+                          f">= {human_bytes(p.devices['nvme'].total_bytes / (1 - headroom))} free")
     if "disk" in over and shape.checkpoints_on_disk > 1:
         one = replace(shape, checkpoints_on_disk=2)
         if fixes("disk", one):
@@ -260,8 +261,8 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
               "nvme": "free NVMe space"}
     for name in over:
         device = plan.devices[name]
-        advice.append(f"{name}: {fmt_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
-                      f"(have {fmt_bytes(device.budget_bytes)})")
+        advice.append(f"{name}: {human_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
+                      f"(have {human_bytes(device.budget_bytes)})")
     return advice
 
 

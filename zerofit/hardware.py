@@ -10,13 +10,12 @@ The rates the step-time model uses are named constants here, each with its sourc
 from __future__ import annotations
 
 import os
-import re
 import resource
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from zerofit.config import ConfigError
+from zerofit.memory import parse_bytes
 
 GIB = 2**30
 
@@ -67,23 +66,6 @@ class Hardware:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def parse_bytes(text: str | int | float, key: str = "size") -> int:
-    """`24GiB`, `64GB`, `512MiB`, `1.5T`, or a plain number of bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGTP]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise ConfigError(f"{key}={text!r} is not a size; write e.g. 24GiB, 64GB, 512MiB or a byte count")
-    number, prefix, binary = match.groups()
-    if not prefix:
-        return int(float(number))
-    return int(float(number) * (1024 if binary else 1000) ** ("KMGTP".index(prefix.upper()) + 1))
-
-
-def fmt_bytes(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: str | None = None,

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zerofit.config import ConfigError
-from zerofit.hardware import GIB, Hardware, fmt_bytes
+from zerofit.hardware import GIB, Hardware
+from zerofit.memory import human_bytes
 
 # DeepSpeed's own defaults where a key is absent (runtime/zero/config.py).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
@@ -245,7 +246,7 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
     N = spec.total_params if spec is not None else None
     offload_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
     if zero.stage == 3 and zero.gather_16bit_weights_on_model_save and (N is None or N >= LARGE_MODEL_PARAMS):
-        size = f" ({fmt_bytes(a * N)} for this model)" if N else ""
+        size = f" ({human_bytes(a * N)} for this model)" if N else ""
         result.findings.append(Finding(
             "warning", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
             f"every save gathers the whole 16-bit model into rank 0's host RAM{size} and stalls training "
@@ -259,7 +260,7 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
             result.findings.append(Finding(
                 "warning", "zero_optimization.sub_group_size",
                 f"sub_group_size {zero.sub_group_size:.0e}{implicit} without optimizer offload: each optimizer "
-                f"step allocates up to {fmt_bytes(temporaries)} of fp32 gradient temporaries on the GPU "
+                f"step allocates up to {human_bytes(temporaries)} of fp32 gradient temporaries on the GPU "
                 "(stage3.py _prepare_fp32_grad_for_sub_group), on top of the training peak and most often "
                 "fatal in the first step after a save", 'set "sub_group_size": 1e8'))
     budget = hw.gpu_budget_bytes if hw is not None and hw.on_gpu else None
@@ -269,11 +270,11 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
         limit = BUCKET_SHARE_OF_BUDGET * budget if budget else LARGE_BUCKET_BYTES
         if nbytes >= limit and f"zero_optimization.{key}" not in autos:
             implicit = "" if key in section or key.removeprefix("stage3_") in section else " (DeepSpeed's default)"
-            share = f", {nbytes / budget:.0%} of the {fmt_bytes(budget)} GPU budget" if budget else ""
+            share = f", {nbytes / budget:.0%} of the {human_bytes(budget)} GPU budget" if budget else ""
             h = spec.hidden_size if spec is not None else None
             fix = f"set {key} to hidden^2 = {h * h:.2e} (HF's auto value)" if h else "set it to hidden_size^2 (HF's auto value)"
             result.findings.append(Finding("warning", f"zero_optimization.{key}",
-                                           f"{numel:.2e} elements = {fmt_bytes(nbytes)} resident{implicit}{share}", fix))
+                                           f"{numel:.2e} elements = {human_bytes(nbytes)} resident{implicit}{share}", fix))
     if zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
         result.findings.append(Finding("warning", "zero_optimization.offload_param",
                                        f"parameter offload needs stage 3; stage {zero.stage} ignores it", "use stage 3"))
@@ -357,10 +358,10 @@ def render(result: LintResult, console=None) -> None:
     if result.plan is not None:
         plan = result.plan
         verdict = "fits" if plan["fits"] else "does NOT fit"
-        console.print(f"plan: {verdict}: GPU {fmt_bytes(plan['devices']['gpu']['total_bytes'])} of "
-                      f"{fmt_bytes(plan['devices']['gpu']['usable_bytes'])} usable, host "
-                      f"{fmt_bytes(plan['devices']['host']['total_bytes'])} of "
-                      f"{fmt_bytes(plan['devices']['host']['usable_bytes'])} usable; "
-                      f"save peak host {fmt_bytes(plan['save_peak']['host']['total_bytes'])}")
+        console.print(f"plan: {verdict}: GPU {human_bytes(plan['devices']['gpu']['total_bytes'])} of "
+                      f"{human_bytes(plan['devices']['gpu']['usable_bytes'])} usable, host "
+                      f"{human_bytes(plan['devices']['host']['total_bytes'])} of "
+                      f"{human_bytes(plan['devices']['host']['usable_bytes'])} usable; "
+                      f"save peak host {human_bytes(plan['save_peak']['host']['total_bytes'])}")
     errors, warnings = len(result.errors), len(result.findings) - len(result.errors)
     console.print(f"{result.path}: {errors} error(s), {warnings} warning(s)")

@@ -38,8 +38,9 @@ CUDA_DEVICE_CONTEXT_BYTES = int(0.5 * GIB)
 # Per-rank checkpoint bytes besides the tensors: pickled metadata, model_states.pt,
 # rng state (measured: 27 KB for the tiny model).
 CHECKPOINT_OVERHEAD_BYTES = 64 * 1024
-# HF writes safetensors shards of at most 5 GB (PreTrainedModel.save_pretrained max_shard_size).
-EXPORT_SHARD_BYTES = 5 * 10**9
+# `zerofit export` streams fp32 master rows in blocks under --max-ram, 2 GiB by default
+# (export.DEFAULT_MAX_RAM): its peak RSS is the process plus two read/cast block pairs.
+EXPORT_MAX_RAM_BYTES = 2 * GIB
 PHASES = ("forward", "backward", "optimizer_step", "eval")
 
 
@@ -304,10 +305,9 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     # (fragmentation), on top of the usual step peak.
     residue = save_gpu.get("gathered_module", 0)
     first_step = {"gpu": gpu_device(peak_transient, fragmentation + residue), "host": devices["host"]}
-    # Export: one rank's optimizer file read whole (torch.load) plus one output shard.
-    t_rank = partition_numel(spec.trainable_params, shape.world_size)
-    export = {"host": _device({"process": HOST_PROCESS_BYTES, "optimizer_file_of_one_rank": 12 * t_rank,
-                               "output_shard": min(EXPORT_SHARD_BYTES, export_bytes(spec.total_params))},
+    # Export: zerofit export's streaming reader, within its default RAM cap.
+    export = {"host": _device({"process": HOST_PROCESS_BYTES,
+                               "read_and_cast_blocks": EXPORT_MAX_RAM_BYTES - HOST_PROCESS_BYTES},
                               hw.host_budget_bytes, headroom),
               "disk": _device({"safetensors": export_bytes(spec.total_params)}, disk_free, headroom)}
 

@@ -15,7 +15,8 @@ from rich.table import Table
 from zerofit import choice, dsconfig, hardware, modelspec
 from zerofit.choice import Decision
 from zerofit.config import Config
-from zerofit.hardware import Hardware, fmt_bytes
+from zerofit.hardware import Hardware
+from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
@@ -72,9 +73,9 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     plan = decision.plan
     verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
-    where = f"{hw.device_name}, {fmt_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
+    where = f"{hw.device_name}, {human_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
     console.print(f"[bold]{spec.model_type}[/] {spec.total_params / 1e9:.3f}B parameters on {where}, "
-                  f"host {fmt_bytes(hw.host_budget_bytes)}, {plan.shape.world_size} rank(s): {verdict}")
+                  f"host {human_bytes(hw.host_budget_bytes)}, {plan.shape.world_size} rank(s): {verdict}")
     console.print(f"configuration: {choice.describe(plan)}")
     if decision.chosen_fields:
         console.print("chosen by the planner: " + ", ".join(f"{k}={v}" for k, v in decision.chosen_fields.items()))
@@ -85,21 +86,21 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
         if not device.budget_bytes and not device.total_bytes:
             continue  # no GPU: the CPU accelerator's tensors are in the host rows
         for i, (comp, nbytes) in enumerate(sorted(device.components.items(), key=lambda kv: -kv[1])):
-            table.add_row(name if i == 0 else "", comp, fmt_bytes(nbytes))
+            table.add_row(name if i == 0 else "", comp, human_bytes(nbytes))
         mark = "[green]ok[/]" if device.fits else "[red]over[/]"
-        table.add_row("", f"[bold]total[/] (usable {fmt_bytes(device.usable_bytes)} of {fmt_bytes(device.budget_bytes)})",
-                      f"[bold]{fmt_bytes(device.total_bytes)}[/] {mark}", end_section=True)
+        table.add_row("", f"[bold]total[/] (usable {human_bytes(device.usable_bytes)} of {human_bytes(device.budget_bytes)})",
+                      f"[bold]{human_bytes(device.total_bytes)}[/] {mark}", end_section=True)
     console.print(table)
     peaks = Table(title="other peaks")
     for column in ("when", "gpu", "host", "disk"):
         peaks.add_column(column)
     for label, devices in (("checkpoint save", plan.save_peak), ("first step after a save", plan.first_step_after_save_peak),
                            ("export", plan.export_peak)):
-        peaks.add_row(label, *(fmt_bytes(devices[d].total_bytes) if d in devices else "-" for d in ("gpu", "host", "disk")))
+        peaks.add_row(label, *(human_bytes(devices[d].total_bytes) if d in devices else "-" for d in ("gpu", "host", "disk")))
     console.print(peaks)
-    console.print(f"checkpoint size on disk: {fmt_bytes(plan.checkpoint_bytes)}; per rank: allocator peak "
-                  f"{fmt_bytes(plan.gpu_allocated_peak)} (torch.cuda.max_memory_allocated), host RSS "
-                  f"{fmt_bytes(plan.host_rss_peak)}")
+    console.print(f"checkpoint size on disk: {human_bytes(plan.checkpoint_bytes)}; per rank: allocator peak "
+                  f"{human_bytes(plan.gpu_allocated_peak)} (torch.cuda.max_memory_allocated), host RSS "
+                  f"{human_bytes(plan.host_rss_peak)}")
     terms = ", ".join(f"{k} {v:.3f}s" for k, v in plan.step_terms.items())
     console.print(f"estimated step: {plan.step_seconds:.3f} s ({terms})")
     for note in plan.notes:
@@ -125,7 +126,7 @@ def render_explain(decision: Decision, console: Console) -> None:
     ranked = sorted(decision.considered, key=lambda p: (not p.fits, p.step_seconds))
     for p in ranked[:15]:
         table.add_row(choice.describe(p), "yes" if p.fits else "no", f"{p.step_seconds:.3f}",
-                      fmt_bytes(p.devices["gpu"].total_bytes), fmt_bytes(p.devices["host"].total_bytes))
+                      human_bytes(p.devices["gpu"].total_bytes), human_bytes(p.devices["host"].total_bytes))
     console.print(table)
 
 
