@@ -55,7 +55,7 @@ def test_a_plan_that_does_not_fit_is_refused(tmp_path):
     done = run_zerofit(["train", "--config", str(config), "--set", "plan.host_mem=1MiB"], check=False)
     assert done.returncode == 1
     assert "no configuration fits" in done.stderr and "host:" in done.stderr
-    assert "what would fit" in done.stderr and "GiB of host RAM (have 1.0MiB)" in done.stderr
+    assert "what would fit" in done.stderr and "MiB of host RAM (have 1.0MiB)" in done.stderr
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["fits"] is False
     assert not (tmp_path / "run" / "checkpoints").exists()
 
