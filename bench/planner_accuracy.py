@@ -10,7 +10,8 @@ Two caps of one configuration allocate the same tensors (the cap only bounds the
 so such a pair is measured once, under the smaller cap, and the record says so.
 
 Measured: GPU peak = max over the phase lines of memory.jsonl of max_memory_allocated;
-host = max over phases of the peak RSS (VmHWM, reset at every phase mark). Predicted: the
+host = max over phases of the peak RSS (VmHWM, reset at every phase mark); both leave out
+step 1's forward line, whose window also spans the build (kept as *_incl_init). Predicted: the
 plan.json the run itself wrote (predicted_gpu_peak, predicted_host_rss).
 
 Several cells run at once as separate processes (host RAM, GPU memory and cores shared by
@@ -99,7 +100,9 @@ def worker(cell_file: Path) -> None:
     started = time.time()
     train(validate(spec["config"]), resume=False)
     run_dir = Path(spec["config"]["run_dir"])
-    rows = [r for r in memory.read_timeline(run_dir) if r["phase"] in ("forward", "backward", "optimizer_step")]
+    every = [r for r in memory.read_timeline(run_dir) if r["phase"] in ("forward", "backward", "optimizer_step")]
+    # The first window (step 1's forward) also spans the model build and deepspeed.initialize.
+    rows = [r for r in every if (r["step"], r["phase"]) != (1, "forward")]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     plan = json.loads((run_dir / "plan.json").read_text())
     result = {
@@ -108,6 +111,8 @@ def worker(cell_file: Path) -> None:
         "measured_host_rss": max(r.get("host_peak", r["host_rss"]) for r in rows),
         "measured_host_rss_sampled": max(r["host_rss"] for r in rows),
         "measured_host_maxrss_incl_init": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "measured_gpu_peak_incl_init": max(r["gpu_peak"] for r in every),
+        "measured_host_peak_incl_init": max(r["host_peak"] for r in every),
         "measured_step_seconds": metrics[-1]["step_seconds"],
         "predicted_gpu_peak": plan["predicted_gpu_peak"], "predicted_host_rss": plan["predicted_host_rss"],
         "predicted_step_seconds": plan["estimated_step_seconds"],
