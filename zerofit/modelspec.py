@@ -11,6 +11,7 @@ read), so a 70B config takes a second. What the planner needs comes out of it:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from zerofit.config import Config, ModelConfig
@@ -103,7 +104,7 @@ def from_config(config: Config) -> ModelSpec:
     peft_config = lora.peft_config(config.lora, targets)
     import peft
 
-    with torch.device("meta"):
+    with torch.device("meta"), _zero3_off():
         model = AutoModelForCausalLM.from_config(hf, trust_remote_code=config.model.trust_remote_code)
         model = peft.get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     spec = from_module(model, hf)
@@ -123,9 +124,24 @@ def from_hf_config(hf_config, trust_remote_code: bool = False) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta"), _zero3_off():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     return from_module(model, hf_config)
+
+
+@contextmanager
+def _zero3_off():
+    """A meta build while a ZeRO-3 engine lives in this process (an OOM retry re-plans):
+    transformers would run its ZeRO-3 weight init on meta tensors, so its weak reference
+    to the live HfDeepSpeedConfig is parked for the build."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    parked = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = parked
 
 
 def from_module(model, hf_config) -> ModelSpec:
