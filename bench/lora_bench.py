@@ -58,11 +58,15 @@ def case_config(name: str, offload_param: str, smoke: bool, work: Path) -> dict:
 
 
 def planner_prediction(config) -> dict | None:
-    """PLANNER HOOK (issue 9, item 2): when zerofit/planner.py is on main, return its
-    prediction for `config` here as {"gpu_peak_bytes": ..., "host_peak_bytes": ...}; the
-    case then records planner_error = measured / predicted - 1 for each. Until then None,
-    and lora.json says the planner was not run."""
-    return None
+    """The planner's prediction for `config`, planned as train plans it (zerofit/planview.py):
+    the GPU peak as the allocator would reserve it (allocated peak + fragmentation, without
+    the CUDA context) and the host RSS peak."""
+    from zerofit import planview
+
+    decision, _, _ = planview.plan_config(config, world_size=1)
+    gpu = decision.plan.devices["gpu"]
+    return {"gpu_peak_bytes": gpu.total_bytes - gpu.components.get("cuda_context", 0),
+            "host_peak_bytes": decision.plan.host_rss_peak}
 
 
 # ------------------------------------------------------------------- one case

@@ -74,8 +74,8 @@ def test_detectors_find_the_drills_on_a_real_run(drilled_run):
 
 def test_near_budget_and_watchdog_save_on_a_real_run(tmp_path):
     """A 400 MiB host budget: the watchdog (action save) saves once at step 1, and the doctor
-    finds the run over its budget."""
-    run, _, done = train(tmp_path, env={"COLUMNS": "400"}, plan={"host_mem": "400MiB"},
+    finds the run over its budget (plan.enabled off: the planner would refuse to start)."""
+    run, _, done = train(tmp_path, env={"COLUMNS": "400"}, plan={"host_mem": "400MiB", "enabled": False},
                          memory={"watchdog_threshold": 0.95, "watchdog_action": "save"})
     assert done.stderr.count("warning: watchdog: host memory") == 1
     assert "budget at step 1 (memory.watchdog_threshold 95%); saving a checkpoint now" in done.stderr
@@ -95,13 +95,13 @@ def test_report_html_and_terminal_summary(drilled_run, tmp_path):
     done = run_zerofit(["doctor", str(run), "--out", str(tmp_path / "r.html")], env={"COLUMNS": "300"})
     html = (tmp_path / "r.html").read_text()
     images = html.split("data:image/png;base64,")[1:]
-    assert len(images) == 1  # the timeline; no plan.json, so no plan chart
+    assert len(images) == 2  # the timeline and plan vs measured (train writes plan.json)
     png = base64.b64decode(images[0].split("'")[0])
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     for title in ("grows 4", "held after 1 save(s)", "first step after a save peaks"):
         assert title in html and title in done.stdout, title
     assert "<script" not in html and "http" not in html.split("<footer>")[0].replace("pytorch.org", "")
-    assert "no plan.json" in html and "No out-of-memory error" in html
+    assert "no plan.json" not in html and "No out-of-memory error" in html
 
 
 def test_report_with_plan_and_postmortem(tmp_path):

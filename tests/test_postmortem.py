@@ -45,7 +45,7 @@ def test_postmortem_report(stopped_run):
     report = (run / "postmortem" / "report.md").read_text()
     assert report.startswith("# Out of memory: GPU out of memory in the forward pass of step 5")
     for part in ("## Memory when it failed", "| requested | 2,147,483,648 | 2.00 |", "## Plan vs measured",
-                 "No plan.json", "## Findings", "halve train.micro_batch_size (4 -> 2)", "## What would fit",
+                 "| host | ", "## Findings", "halve train.micro_batch_size (4 -> 2)", "## What would fit",
                  "`train.micro_batch_size=2`", "## Emergency checkpoint", "written after the OOM",
                  "no allocator snapshot: the run was on CPU", "| 5 | oom |"):
         assert part in report, part

@@ -32,6 +32,34 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert "done: step 6" in done.stderr
 
 
+def test_run_records_predicted_next_to_measured(one_rank_run):
+    """plan.json holds what DeepSpeed got; every phase line of memory.jsonl carries the
+    prediction next to the measurement (CPU accelerator: everything is host RAM)."""
+    run, _, _ = one_rank_run
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["fits"] is True and plan["params"] == 90_432
+    assert plan["deepspeed_config"] == json.loads((run / "ds_config.json").read_text())
+    rows = [r for r in read_jsonl(run / "memory.jsonl") if r["phase"] in ("forward", "backward", "optimizer_step")]
+    assert rows and all("predicted_host_rss" in r and "predicted_gpu_peak" in r for r in rows)
+    for r in rows:  # the tiny model is all process baseline: the prediction is close
+        assert 0.75 < r["host_peak"] / r["predicted_host_rss"] < 1.3, r
+    assert checkpoint_size(run / "checkpoints" / "step-000006") / plan["checkpoint_bytes"] == pytest.approx(1, abs=0.1)
+
+
+def checkpoint_size(path):
+    return sum(f.stat().st_size for f in path.iterdir())
+
+
+def test_a_plan_that_does_not_fit_is_refused(tmp_path):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    done = run_zerofit(["train", "--config", str(config), "--set", "plan.host_mem=1MiB"], check=False)
+    assert done.returncode == 1
+    assert "no configuration fits" in done.stderr and "host:" in done.stderr
+    assert "what would fit" in done.stderr and "MiB of host RAM (have 1.0MiB)" in done.stderr
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["fits"] is False
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_checkpoints_are_published_with_manifests(one_rank_run):
     run, _, _ = one_rank_run
     ckpts = run / "checkpoints"

@@ -269,18 +269,13 @@ def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str
 
 # ------------------------------------------------------------------- disk space
 def checkpoint_bytes(n_params: int, zero_stage: int) -> int:
-    """Predicted bytes of one ZeRO checkpoint (all ranks) of a model with n_params
-    trainable parameters under mixed-precision Adam. The optimizer files hold the fp32
-    master weights and both Adam moments, 4 + 4 + 4 = 12 bytes per parameter
-    (DeepSpeed stage_1_and_2.py / stage3.py `state_dict`: fp32 flat groups + base
-    optimizer state); below stage 3 the 16-bit model is written once more in
-    mp_rank_00_model_states.pt (2 bytes per parameter; at stage 3 those files hold only
-    placeholders). Measured on the GPU machine: 1.5B parameters, stage 3 -> 16.7 GiB,
-    i.e. 12.0 bytes per parameter.
-    The planner (planner.py) owns the memory and disk prediction of a whole run; this is
-    the stand-alone formula the save path needs until the two are unified."""
-    per_param = 12 + (2 if zero_stage < 3 else 0)
-    return per_param * n_params
+    """Predicted bytes of one ZeRO checkpoint (all ranks) of a model with n_params trainable
+    parameters: the planner's formula (planner.checkpoint_bytes: 12 bytes per parameter of
+    fp32 master weights and Adam moments, plus the 16-bit model below stage 3). Measured on
+    the GPU machine: 1.5B parameters, stage 3 -> 16.7 GiB, i.e. 12.0 bytes per parameter."""
+    from zerofit.planner import checkpoint_bytes as planned
+
+    return planned(n_params, world_size=1, stage=zero_stage)
 
 
 def predicted_save_bytes(root: Path, n_params: int, zero_stage: int) -> int:

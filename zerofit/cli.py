@@ -53,6 +53,64 @@ def cmd_train(args) -> int:
     return 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
 
 
+def plan_overrides(args) -> list[str]:
+    """Shape and hardware flags of plan/lint as config overrides (they become constraints)."""
+    flags = {"seq_len": "train.seq_len", "micro_batch": "train.micro_batch_size", "grad_accum": "train.grad_accum_steps",
+             "global_batch": "train.global_batch_size", "precision": "train.precision",
+             "gradient_checkpointing": "model.gradient_checkpointing", "stage": "zero.stage",
+             "offload_optimizer": "zero.offload_optimizer", "offload_param": "zero.offload_param",
+             "gpu_mem": "plan.gpu_mem", "host_mem": "plan.host_mem", "nvme_path": "zero.nvme_path",
+             "headroom": "plan.headroom"}
+    out = [f"{key}={getattr(args, flag)}" for flag, key in flags.items() if getattr(args, flag, None) is not None]
+    return list(getattr(args, "overrides", [])) + out
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from zerofit.planview import plan, plan_json, render
+
+    decision, spec, hw = plan(args.model, args.config, plan_overrides(args), args.world_size, args.accelerator,
+                              args.cpu_cores)
+    if args.json:
+        print(json.dumps(plan_json(decision, spec, hw), indent=2))
+    else:
+        render(decision, spec, hw, explain=args.explain)
+    return 0 if decision.plan.fits else 1
+
+
+def cmd_lint(args) -> int:
+    import json
+
+    from zerofit import lint, modelspec, planview
+    from zerofit.config import validate
+
+    spec = hw = None
+    if args.model:
+        spec = modelspec.from_name(args.model)
+        raw = {"model": {"config": args.model}, "train": {"max_steps": 1}, "plan": {"gpu_mem": args.gpu_mem,
+                                                                                   "host_mem": args.host_mem}}
+        hw = planview.probe_for(validate(raw), args.accelerator, args.cpu_cores)
+    result = lint.lint(lint.read(args.file), args.file, spec, hw, args.world_size, args.seq_len or 1024,
+                       args.micro_batch, args.model or "")
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        lint.render(result)
+    return 1 if result.errors else 0
+
+
+def add_hardware_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (GPUs) to plan for (default 1)")
+    parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
+    parser.add_argument("--host-mem", metavar="SIZE", help="host RAM budget, e.g. 64GiB (default: available RAM)")
+    parser.add_argument("--cpu-cores", type=int, metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
+    parser.add_argument("--accelerator", choices=["cuda", "cpu"], help="plan for this accelerator (default: what is here)")
+    parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, metavar="N", help="sequences per rank per forward/backward")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
 def cmd_config(args) -> int:
     from zerofit.config import dump_yaml, example_yaml
 
@@ -163,6 +221,31 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nvme-mib", type=int, default=256, metavar="N", help="with --nvme-path: MiB to write/read")
     doctor.add_argument("--repro", action="store_true", help="write a standalone reproduction script for RUN_DIR")
     doctor.set_defaults(run=cmd_doctor)
+
+    plan = verbs.add_parser("plan", help="predict GPU, host and disk peaks and choose the fastest DeepSpeed config that fits")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="M", help="preset, config.json or model directory")
+    source.add_argument("--config", metavar="FILE", help="a zerofit run config to plan")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one config key (repeatable)")
+    add_hardware_args(plan)
+    plan.add_argument("--grad-accum", type=int, metavar="N", help="micro batches per optimizer step")
+    plan.add_argument("--global-batch", type=int, metavar="N", help="sequences per optimizer step, all ranks")
+    plan.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    plan.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    plan.add_argument("--stage", type=int, choices=[0, 1, 2, 3])
+    plan.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"])
+    plan.add_argument("--offload-param", choices=["none", "cpu", "nvme"])
+    plan.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (makes NVMe offload a candidate)")
+    plan.add_argument("--headroom", type=float, metavar="F", help="fraction of each budget kept free (default 0.1)")
+    plan.add_argument("--explain", action="store_true", help="show the cost terms and the candidates")
+    plan.set_defaults(run=cmd_plan)
+
+    lint = verbs.add_parser("lint", help="validate a DeepSpeed JSON with DeepSpeed's own schema; flag risky values")
+    lint.add_argument("file", metavar="DS_CONFIG_JSON")
+    lint.add_argument("--model", metavar="M", help="preset, config.json or model directory: also plan the config")
+    add_hardware_args(lint)
+    lint.set_defaults(run=cmd_lint)
 
     config = verbs.add_parser("config", help="print the resolved config, or --example for every key")
     add_config_args(config)

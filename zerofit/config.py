@@ -120,6 +120,10 @@ class TrainConfig(Section):
     """Sequences per rank per forward/backward."""
     grad_accum_steps: int = Field(1, ge=1)
     """Micro batches accumulated per optimizer step."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Sequences per optimizer step over all ranks. Set it and leave micro_batch_size /
+    grad_accum_steps unset: the planner picks micro x accumulation x world size that match
+    it, the fastest that fits. Unset: micro_batch_size x grad_accum_steps x world size."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run. Exclusive with `epochs`; one of the two is required."""
     epochs: float | None = Field(None, gt=0)
@@ -259,9 +263,10 @@ class MemoryConfig(Section):
 
 class PlanConfig(Section):
     enabled: bool = True
-    """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not fit."""
+    """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not
+    fit. Off: the config runs as given; the prediction is still recorded (plan.json)."""
     gpu_mem: str | None = None
-    """GPU memory budget per rank, e.g. `24GiB` (default: the probed device)."""
+    """GPU memory budget per rank, e.g. `24GiB` (default: the GPU's free memory at start)."""
     host_mem: str | None = None
     """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM)."""
     headroom: float = Field(0.1, ge=0.0, lt=0.9)

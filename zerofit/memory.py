@@ -145,13 +145,17 @@ class Timeline:
     `observe(phase)` closes a peak window; with gradient accumulation a phase recurs in
     one optimizer step, so `flush(step)` writes one line per phase with the largest
     peak. `mark(step, phase, **extra)` records a phase that ended on its own (save,
-    eval) right away; extra fields go into its record."""
+    eval) right away; extra fields go into its record. `predictions` (phase ->
+    {"predicted_gpu_peak", "predicted_host_rss"}, from the plan) go on each phase's
+    record, next to what was measured."""
 
-    def __init__(self, run_dir: Path, rank: int, on_gpu: bool, nvme_path: str | None = None):
+    def __init__(self, run_dir: Path, rank: int, on_gpu: bool, nvme_path: str | None = None,
+                 predictions: dict[str, dict] | None = None):
         name = "memory.jsonl" if rank == 0 else f"memory-rank{rank}.jsonl"
         self.path = Path(run_dir) / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.on_gpu, self.nvme_path = rank, on_gpu, nvme_path
+        self.predictions = predictions or {}
         self._file = self.path.open("a", buffering=1)
         self._pending: dict[str, dict] = {}
         self._after_save = False
@@ -182,7 +186,8 @@ class Timeline:
                     "pinned": pinned_bytes(proc_status()["VmLck"]), "nvme_swap": nvme_swap_bytes(self.nvme_path)}
         flags = {"after_save": True} if self._after_save and not set(self._pending) & set(EVENT_PHASES) else {}
         now = round(time.time(), 3)
-        records = [{"step": step, "phase": phase, "time": now, **reading, **per_step, **flags, **extra}
+        records = [{"step": step, "phase": phase, "time": now, **reading, **per_step, **flags,
+                    **self.predictions.get(phase, {}), **extra}
                    for phase, reading in self._pending.items()]
         for record in records:
             self._file.write(json.dumps(record) + "\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, lora, memory, models,
-                     postmortem, watchdog)
+                     planview, postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -44,6 +44,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     hf_config = models.hf_config(config.model)
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size)
+    config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
     resume_point = checkpointer.choose_resume(config, dist, resume)
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
@@ -55,7 +56,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if config.lora.enabled and dist.is_main:
         say(lora.trainable_summary(model))
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
-    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu, nvme_path=config.zero.nvme_path)
+    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu, nvme_path=config.zero.nvme_path,
+                               predictions=planview.phase_predictions(decision))
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
     state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
@@ -208,9 +210,14 @@ def total_optimizer_steps(config: Config, sequences: int, world_size: int) -> in
     return max(1, math.ceil(config.train.epochs * steps_per_epoch))
 
 
+def held_bytes(*sets: data.Sequences) -> int:
+    """Host bytes of the tokenized data every rank keeps (ids and labels)."""
+    return sum(s.input_ids.nbytes + s.labels.nbytes for s in sets)
+
+
 def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config) -> None:
-    """config.yaml (resolved), ds_config.json (what DeepSpeed gets) and model/ (the HF
-    config and tokenizer an export needs)."""
+    """config.yaml (resolved, with the planner's choices), ds_config.json (what DeepSpeed
+    gets) and model/ (the HF config and tokenizer an export needs); plan.json is already there."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(config))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))

@@ -1,0 +1,126 @@
+"""`zerofit lint` on good and bad DeepSpeed JSON, checked with DeepSpeed's own config models."""
+import json
+
+import pytest
+
+from zerofit import dsconfig, hardware, lint, modelspec
+from zerofit.config import load
+
+from conftest import run_zerofit
+
+# LLaMA-Factory's examples/deepspeed/ds_z3_offload_config.json: "auto" everywhere HF Trainer fills in.
+LLAMA_FACTORY_Z3_OFFLOAD = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": False, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+def findings(result, level=None):
+    return {f.key: f for f in result.findings if level is None or f.level == level}
+
+
+def gpu_box(gpu="24GiB", host="128GiB"):
+    return hardware.with_overrides(hardware.probe(gpu_mem=gpu, host_mem=host), cpu_cores=16)
+
+
+def test_zerofits_own_config_is_clean():
+    ds = dsconfig.build(load(), world_size=1, on_gpu=True)
+    assert lint.lint(ds).findings == []
+
+
+def test_llama_factory_offload_config_passes_with_warnings_and_plans():
+    spec = modelspec.from_name("llama-1.5b")
+    result = lint.lint(LLAMA_FACTORY_Z3_OFFLOAD, spec=spec, hw=gpu_box(), seq_len=1024, micro_batch=2,
+                       model_ref="llama-1.5b")
+    assert result.errors == []
+    warnings = findings(result, "warning")
+    auto = next(f for k, f in warnings.items() if "auto" in f.message)
+    assert "train_micro_batch_size_per_gpu" in auto.key and "zero_optimization.reduce_bucket_size" in auto.key
+    gather = warnings["zero_optimization.stage3_gather_16bit_weights_on_model_save"]
+    assert "2.8GiB" in gather.message  # 2 bytes x 1.498e9 parameters on rank 0's host
+    assert "zero_optimization.reduce_bucket_size" not in warnings  # "auto": HF fills hidden^2
+    plan = result.plan
+    assert plan["fits"] is True and plan["shape"]["micro_batch"] == 2
+    assert plan["candidate"]["offload_param"] == "cpu" and plan["candidate"]["sub_group_size"] == 10**9
+    assert plan["candidate"]["reduce_bucket_size"] == 2048 * 2048
+    assert plan["save_peak"]["host"]["components"]["consolidated_16bit_model"] == 2 * spec.total_params
+
+
+def test_unknown_zero_key_is_an_error_with_the_fix():
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1,
+                        "zero_optimization": {"stage": 3, "stage3_offload_optimizer": True}})
+    error = findings(result, "error")["zero_optimization.stage3_offload_optimizer"]
+    assert "not a DeepSpeed ZeRO key" in error.message and '"offload_optimizer": {"device": "cpu"}' in error.fix
+    typo = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "sub_grup_size": 1}})
+    assert findings(typo, "error")["zero_optimization.sub_grup_size"].fix == "did you mean sub_group_size?"
+
+
+def test_top_level_keys_deepspeed_ignores_are_flagged():
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "gradient_clip": 1.0, "stage3_max_live_parameters": 1e9,
+                        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    errors = findings(result, "error")
+    assert errors["gradient_clip"].fix == "did you mean gradient_clipping?"
+    assert errors["stage3_max_live_parameters"].fix == 'move it into "zero_optimization"'
+    assert "bf16" not in errors and "zero_optimization" not in errors
+
+
+def test_nvme_without_path_and_batch_arithmetic():
+    result = lint.lint({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
+                        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, world_size=1)
+    errors = findings(result, "error")
+    assert "nvme_path" in errors["zero_optimization.offload_param.nvme_path"].fix
+    assert errors["train_batch_size"].fix == "set train_batch_size to 8"
+    ok = lint.lint({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
+                    "zero_optimization": {"stage": 2}}, world_size=2)
+    assert ok.errors == []
+
+
+@pytest.mark.parametrize("fp16, warned", [({"enabled": True}, True),
+                                          ({"enabled": True, "loss_scale": 0, "initial_scale_power": 16}, False)])
+def test_fp16_without_loss_scale_settings(fp16, warned):
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "fp16": fp16, "zero_optimization": {"stage": 2}})
+    assert ("fp16" in findings(result, "warning")) == warned
+
+
+def test_sub_group_and_bucket_sizes_against_the_budget():
+    spec = modelspec.from_name("llama-1.5b")
+    risky = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3}}, spec=spec, hw=gpu_box("8GiB"))
+    warnings = findings(risky, "warning")
+    sub = warnings["zero_optimization.sub_group_size"]
+    assert "DeepSpeed's default 1e+09" in sub.message and "5.6GiB" in sub.message  # 6 bytes x 1e9
+    assert sub.fix == 'set "sub_group_size": 1e8'
+    bucket = warnings["zero_optimization.reduce_bucket_size"]
+    assert "953.7MiB" in bucket.message and "8.0GiB GPU budget" in bucket.message
+    assert risky.plan is not None and risky.plan["fits"] is False  # 16 bytes/param of 1.5B on 8 GiB
+    safe = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                      "zero_optimization": {"stage": 3, "sub_group_size": 1e8, "reduce_bucket_size": 4e6,
+                                            "stage3_prefetch_bucket_size": 4e6,
+                                            "offload_optimizer": {"device": "cpu"}}}, spec=spec, hw=gpu_box("8GiB"))
+    assert safe.findings == [] and safe.plan["fits"] is True
+
+
+def test_cli_exit_codes(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 3, "stage3_offload_optimizer": True}}))
+    done = run_zerofit(["lint", str(bad), "--json"], check=False)
+    assert done.returncode == 1
+    out = json.loads(done.stdout)
+    assert out["ok"] is False and out["findings"][0]["key"] == "zero_optimization.stage3_offload_optimizer"
+    good = tmp_path / "lf.json"
+    good.write_text(json.dumps(LLAMA_FACTORY_Z3_OFFLOAD))
+    done = run_zerofit(["lint", str(good), "--model", "tiny", "--gpu-mem", "24GiB"], check=False)
+    assert done.returncode == 0, done.stderr
+    assert "0 error(s)" in done.stdout and "plan: fits" in done.stdout
+    missing = run_zerofit(["lint", str(tmp_path / "nope.json")], check=False)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr

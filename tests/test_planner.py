@@ -1,0 +1,274 @@
+"""The planner's arithmetic: parameter counts against instantiated models, model states
+against DeepSpeed's own estimator, bytes worked out by hand for the tiny model, and the
+choice among candidates. Pure functions: no DeepSpeed engine is built here."""
+import os
+
+import pytest
+
+from zerofit import activations, choice, hardware, modelspec, planner, zerostates
+from zerofit.config import validate
+from zerofit.planner import Candidate, Shape
+
+GIB = 2**30
+TINY = 90_432  # preset tiny: embed 8192 + 2 x 36,992 per block + norm 64 + lm_head 8192
+
+
+def cuda_box(gpu="24GiB", host="128GiB", cores=16, disk=10**13):
+    """A GPU machine described by overrides, whatever this machine is."""
+    hw = hardware.probe(gpu_mem=gpu, host_mem=host)
+    return hardware.with_overrides(hw, cpu_cores=cores, disk_free_bytes=disk)
+
+
+def cpu_box(host="16GiB"):
+    return hardware.with_overrides(hardware.probe(host_mem=host, accelerator="cpu"), disk_free_bytes=10**13)
+
+
+# ------------------------------------------------------------------ modelspec
+def tiny_configs():
+    from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "llama": LlamaConfig(num_key_value_heads=2, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        "qwen2-tied": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+        "mistral": MistralConfig(num_key_value_heads=2, **common),
+        "gpt_neox": GPTNeoXConfig(**common),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-tied", "mistral", "gpt_neox"])
+def test_parameter_counts_equal_instantiated_numel(name):
+    import torch
+    from deepspeed.runtime.zero.stage3 import model_to_params
+    from transformers import AutoModelForCausalLM
+
+    hf_config = tiny_configs()[name]
+    spec = modelspec.from_hf_config(hf_config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
+    total, largest = model_to_params(model)  # DeepSpeed's own count (tied weights once)
+    assert (spec.total_params, spec.largest_module.numel) == (total, largest)
+    assert spec.tied_embeddings == (name == "qwen2-tied")
+    assert spec.lm_head_params == (0 if name == "qwen2-tied" else 96 * 32 + (0 if name != "gpt_neox" else 0))
+    assert spec.gated_mlp == (name != "gpt_neox")
+    assert (spec.hidden_size, spec.num_layers, spec.vocab_size) == (32, 2, 96)
+    assert spec.num_kv_heads == (4 if name == "gpt_neox" else 2)
+    # the tied lm_head still fetches the embedding (ZeRO-3 gathers it for both modules)
+    if name == "qwen2-tied":
+        assert spec.modules[-1].name == "lm_head" and spec.modules[-1].params == ("model.embed_tokens.weight",)
+
+
+def test_presets_sizes():
+    assert modelspec.from_name("tiny").total_params == TINY
+    spec = modelspec.from_name("llama-1.5b")
+    assert spec.total_params == 1_498_482_688
+    assert spec.largest_module.name == "model.embed_tokens" and spec.largest_module.numel == 128256 * 2048
+    assert spec.layer_params == 60_821_504
+
+
+# ------------------------------------------------------------ by hand: tiny model
+def test_tiny_model_states_by_hand():
+    """ZeRO-3, 1 rank, nothing offloaded, bf16: 2 + 2 + 4 + 8 bytes per parameter on the
+    device, the reduce bucket, and the fp32 grad buffer of the largest sub group (the >=2-D
+    weights: 90,432 less 5 norms x 64 = 90,112) until the first step."""
+    spec = modelspec.from_name("tiny")
+    gpu, host, nvme = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4),
+                                           Candidate(offload_optimizer="none", reduce_bucket_size=1000), on_gpu=True)
+    assert gpu == {"params_16bit": 2 * TINY, "grads_16bit": 2 * TINY, "master_fp32": 4 * TINY,
+                   "adam_moments_fp32": 8 * TINY, "reduce_bucket": 2000,
+                   "fp32_grad_buffer_until_first_step": 4 * 90_112}
+    assert host == {} and nvme == {}
+    assert zerostates.sub_groups(spec, 1, 100_000_000) == (90_112, 320)
+
+
+def test_tiny_offload_pins_powers_of_two():
+    """Optimizer on the CPU, pinned (torch's CachingHostAllocator rounds to 2^k): the bf16
+    grad partitions 180,864 B -> 262,144; fp32 grads per sub group 360,448 -> 524,288 and
+    1,280 -> 2,048. Master weights and moments are pageable."""
+    spec = modelspec.from_name("tiny")
+    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(reduce_bucket_size=1000),
+                                        on_gpu=True)
+    assert gpu == {"params_16bit": 2 * TINY, "reduce_bucket": 2000}
+    assert host == {"grads_16bit_pinned": 262_144, "master_fp32": 4 * TINY, "adam_moments_fp32": 8 * TINY,
+                    "fp32_grads_pinned": 524_288 + 2_048}
+    _, unpinned, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(), on_gpu=False)
+    assert unpinned["grads_16bit_pinned"] == 2 * TINY and unpinned["fp32_grads_pinned"] == 4 * TINY
+
+
+def test_tiny_activations_by_hand():
+    """Per token, bf16, hidden 64, q 64, kv 32, heads 4, intermediate 128, vocab 128:
+    2 norms x (4*64 + 2*2*64) + 2*(2*64 + 2*32) + 4*4 + 2*4*128 = 1024 + 384 + 16 + 1024."""
+    spec = modelspec.from_name("tiny")
+    assert activations.layer_activation_bytes_per_token(spec, 2) == 2448
+    assert activations.loss_bytes_per_token(spec, 2, backward=False) == (2 + 4 + 4) * 128
+    assert activations.loss_bytes_per_token(spec, 2, backward=True) == 12 * 128
+    phases = activations.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=False),
+                                   Candidate(offload_optimizer="none"), on_gpu=True)
+    tokens = 256
+    saved = tokens * (2448 * 2 + 2 * 2 * 16) + tokens * (4 * 64 + 2 * 2 * 64)
+    assert phases["forward"]["activations_saved"] == saved
+    assert phases["forward"]["logits_and_loss"] == tokens * 1280
+    checkpointed = activations.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=True),
+                                         Candidate(offload_optimizer="none"), on_gpu=True)
+    assert checkpointed["forward"]["activations_saved"] == tokens * (2 * 64 * 2 + 2 * 2 * 16) + tokens * 512
+
+
+def test_checkpoint_size_formula():
+    """12 bytes per parameter (fp32 master + 2 Adam moments) per rank plus metadata; the
+    tiny model's optimizer file measured 1,090,117 bytes."""
+    assert planner.checkpoint_bytes(TINY) == 12 * TINY + planner.CHECKPOINT_OVERHEAD_BYTES
+    assert abs(planner.checkpoint_bytes(TINY) - 1_122_076) / 1_122_076 < 0.05  # du -sb of step-000006
+    assert planner.checkpoint_bytes(1000, world_size=2) == 2 * (12 * 500 + planner.CHECKPOINT_OVERHEAD_BYTES)
+
+
+# ------------------------------------------------------- against DeepSpeed's estimator
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("offload_optimizer, offload_param", [("cpu", "cpu"), ("cpu", "none"), ("none", "none")])
+def test_model_states_equal_deepspeed_estimate(gpus, offload_optimizer, offload_param):
+    """estimate_zero3_model_states_mem_needs counts, per node: params 2 + fp32 master 4 +
+    Adam 8 + fp32 grads 4 bytes (18 or 16 with params on the GPU), and on the GPU the 16-bit
+    partition (offloaded optimizer) or all 18 bytes (nothing offloaded). The same things in
+    our breakdown (no pinning rounding, additional_buffer_factor 1, sub_group_size >= N so
+    the one fp32 grad buffer covers the model) must give the same bytes."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    spec = modelspec.from_name("tiny")
+    cand = Candidate(offload_optimizer=offload_optimizer, offload_param=offload_param, pin_memory=False,
+                     sub_group_size=10**9)
+    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=1, world_size=gpus), cand, on_gpu=True)
+    ds_cpu, ds_gpu, largest = estimate_zero3_model_states_mem_needs(
+        TINY, spec.largest_module.numel, num_gpus_per_node=gpus, cpu_offload=offload_optimizer == "cpu",
+        cpu_offload_params=offload_param == "cpu", additional_buffer_factor=1)
+    counted = ("params_16bit_pinned", "params_16bit", "master_fp32", "adam_moments_fp32", "fp32_grads_pinned",
+               "fp32_grad_buffer_until_first_step")
+    if offload_optimizer == "cpu":
+        assert sum(host.get(k, 0) for k in counted) * gpus == ds_cpu
+        assert gpu.get("params_16bit", 0) == ds_gpu - largest
+    else:
+        # sub groups are per param group: the fp32 buffer covers the 2-D weights; the norms' 320
+        # elements form their own (smaller) sub group
+        assert sum(gpu.get(k, 0) for k in counted) + 4 * 320 // gpus == ds_gpu - largest
+
+
+# ------------------------------------------------------------------------ choice
+def config(**sections):
+    raw = {"model": {"config": "llama-1.5b"}, "train": {"max_steps": 10, "seq_len": 1024},
+           "checkpoint": {"save_final": False}}
+    for key, values in sections.items():
+        raw.setdefault(key, {}).update(values)
+    return validate(raw)
+
+
+def test_keeps_parameters_on_a_gpu_that_holds_them():
+    spec = modelspec.from_name("llama-1.5b")
+    decision = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("24GiB"), 1)
+    assert decision.plan.fits and decision.config.zero.offload_param == "none"
+    assert decision.chosen_fields["zero.offload_param"] == "none"
+    small = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("6GiB"), 1)
+    assert small.plan.fits and small.config.zero.offload_param == "cpu"
+    assert small.config.zero.offload_optimizer == "cpu"
+
+
+def test_user_settings_are_constraints():
+    spec = modelspec.from_name("llama-1.5b")
+    decision = choice.decide(config(zero={"offload_param": "cpu"}, model={"gradient_checkpointing": True}),
+                             spec, cuda_box("80GiB"), 1)
+    assert decision.config.zero.offload_param == "cpu" and decision.config.model.gradient_checkpointing
+    assert "zero.offload_param" not in decision.chosen_fields
+    assert {shape.gradient_checkpointing for shape in {p.shape for p in decision.considered}} == {True}
+
+
+def test_global_batch_is_split_into_micro_and_accumulation():
+    spec = modelspec.from_name("llama-1.5b")
+    decision = choice.decide(config(train={"global_batch_size": 16}), spec, cuda_box("24GiB"), 2)
+    train = decision.config.train
+    assert train.micro_batch_size * train.grad_accum_steps * 2 == 16
+    with pytest.raises(Exception, match="multiple of the world size"):
+        choice.decide(config(train={"global_batch_size": 15}), spec, cuda_box(), 2)
+
+
+def test_nothing_fits_says_what_would_with_numbers():
+    spec = modelspec.from_name("llama-8b")
+    decision = choice.decide(config(model={"config": "llama-8b"}, zero={"offload_optimizer": "cpu"}), spec,
+                             cuda_box("24GiB", host="64GiB"), 1)
+    assert not decision.plan.fits and "host" in decision.plan.binding
+    text = str(choice.refuse(decision))
+    assert "no configuration fits" in text and "host:" in text and "GiB of host RAM" in text
+    assert any("nvme" in a for a in decision.advice)
+
+
+def test_cpu_machine_plans_against_host_ram():
+    spec = modelspec.from_name("tiny")
+    decision = choice.decide(validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}}), spec, cpu_box(), 1)
+    plan = decision.plan
+    assert plan.accelerator == "cpu" and plan.gpu_allocated_peak == 0 and plan.devices["gpu"].total_bytes == 0
+    assert any(k.startswith("device:") for k in plan.devices["host"].components)
+    assert decision.config.zero.offload_param == "none"
+
+
+def test_plan_json_has_the_documented_keys():
+    from zerofit import planview
+
+    cfg = config(train={"micro_batch_size": 1})
+    decision, spec, hw = planview.plan_config(cfg, 1, hw=cuda_box("8GiB"))
+    out = planview.plan_json(decision, spec, hw)
+    for key in ("fits", "params", "devices", "save_peak", "first_step_after_save_peak", "deepspeed_config",
+                "estimated_step_seconds", "step_terms", "checkpoint_bytes", "export_peak"):
+        assert key in out, key
+    for device in ("gpu", "host", "disk"):
+        assert {"total_bytes", "budget_bytes", "components"} <= set(out["devices"][device])
+        assert out["devices"][device]["total_bytes"] == sum(out["devices"][device]["components"].values())
+    assert "gpu" in out["save_peak"] and "host" in out["first_step_after_save_peak"]
+    assert '"auto"' not in str(out["deepspeed_config"]) and out["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert abs(out["estimated_step_seconds"] - sum(out["step_terms"].values())) < 1e-3
+
+
+# ----------------------------------------------------------------------- the CLI
+def test_plan_cli_json_and_exit_codes():
+    import json
+
+    from conftest import run_zerofit
+
+    done = run_zerofit(["plan", "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--json"])
+    out = json.loads(done.stdout)
+    assert out["fits"] is True and out["params"] == TINY and out["accelerator"] == "cpu"
+    assert out["shape"]["seq_len"] == 64 and out["deepspeed_config"]["train_micro_batch_size_per_gpu"] == 2
+    for device in ("gpu", "host", "disk"):
+        assert {"total_bytes", "budget_bytes", "components"} <= set(out["devices"][device])
+    assert set(out["save_peak"]) >= {"gpu", "host"} and set(out["first_step_after_save_peak"]) >= {"gpu", "host"}
+    assert out["estimated_step_seconds"] > 0 and out["step_terms"]
+    over = run_zerofit(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "16GiB", "--explain"],
+                       check=False)
+    assert over.returncode == 1
+    assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of GPU memory per rank" in over.stdout
+    assert "candidates" in over.stdout  # --explain
+
+
+def test_sizes_parse_and_bad_ones_name_the_key():
+    from zerofit.config import ConfigError
+
+    assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").gpu_budget_bytes == 24 * GIB
+    assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").host_budget_bytes == 64 * 10**9
+    with pytest.raises(ConfigError, match=r"gpu_mem='lots' is not a size; write e.g. 24GiB"):
+        hardware.probe(gpu_mem="lots")
+
+
+def test_lora_plans_adapters_only_for_gradients_and_optimizer():
+    """peft on the meta device: r x (in + out) per adapted projection; the frozen base keeps
+    its 16-bit partitions, and only adapters get grads, master weights, moments, checkpoints.
+    tiny, r 16: q 16*(64+64) + k,v 16*(64+32) + o 16*(64+64) + gate,up,down 16*(64+128) =
+    16,384 per block, 32,768 for two."""
+    pytest.importorskip("peft")
+    cfg = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "lora": {"enabled": True, "r": 16}})
+    spec = modelspec.from_config(cfg)
+    assert spec.trainable_params == 32_768 and spec.total_params == TINY + 32_768
+    assert spec.adapter_rank_per_layer == 7 * 16 and spec.adapter_dropout
+    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=1), Candidate(reduce_bucket_size=10),
+                                           on_gpu=False)
+    assert gpu["params_16bit"] == 2 * (TINY + 32_768)
+    assert host["master_fp32"] == 4 * 32_768 and host["adam_moments_fp32"] == 8 * 32_768
+    plan = planner.predict(spec, cpu_box(), Shape(seq_len=64, micro_batch=1), Candidate())
+    assert plan.checkpoint_bytes == planner.checkpoint_bytes(32_768) and plan.trainable_params == 32_768

@@ -1,0 +1,136 @@
+"""Activation memory of a training step, per phase, as named components (pure arithmetic).
+
+The counting method is Korthikanti et al. (arXiv:2205.05198, sec. 4.1): sum the tensors each
+op keeps for backward; the tensors are those HF transformers' Llama-style blocks keep with
+SDPA attention, and those its causal-LM loss materialises at vocab size.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zerofit.modelspec import ModelSpec
+from zerofit.zerostates import Gathered, gathered_numel, optimizer_step_device, partition_numel
+
+if TYPE_CHECKING:
+    from zerofit.planner import Candidate, Shape
+
+
+def layer_activation_bytes_per_token(spec: ModelSpec, a: int) -> int:
+    """Bytes one decoder block saves for backward per token, without recompute.
+
+    The method is Korthikanti et al. (arXiv:2205.05198, sec. 4.1: sum the tensors each op
+    keeps for backward); the tensors are those of HF's Llama-style block with SDPA:
+    - each RMSNorm computes in fp32 (LlamaRMSNorm): keeps the fp32 input (4h), the 16-bit
+      normalised tensor its weight multiplies (a*h), and its output, which the next
+      projections keep as their input (a*h);
+    - attention keeps q and k after RoPE, v, the SDPA output (flash/efficient kernels keep
+      no s x s matrix, only a fp32 logsumexp per head);
+    - the SwiGLU MLP keeps gate, up, silu(gate) and their product (4 x intermediate);
+      a 2-matrix MLP keeps the fc1 output and the activation (2 x intermediate);
+    - LoRA (peft): each adapter's lora_B keeps lora_A's output (rank wide), and with
+      dropout each lora_A keeps its own dropped input and dropout keeps its mask (1 byte)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    norm = 4 * h + 2 * a * h
+    attention = a * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+    mlp = a * (4 * i if spec.gated_mlp else 2 * i)
+    adapters = a * spec.adapter_rank_per_layer + (a + 1) * spec.adapter_inputs_per_layer * spec.adapter_dropout
+    return 2 * norm + attention + mlp + adapters
+
+
+def layer_backward_working_per_token(spec: ModelSpec, a: int) -> int:
+    """Gradients alive inside one block's backward: at the MLP, grad of the product, of
+    silu and of up (3 x intermediate) plus the incoming and outgoing hidden gradients."""
+    i = spec.intermediate_size
+    return a * ((3 if spec.gated_mlp else 2) * i + 2 * spec.hidden_size)
+
+
+def loss_bytes_per_token(spec: ModelSpec, a: int, backward: bool) -> int:
+    """Logits at vocab size and the loss. HF's ForCausalLMLoss upcasts the 16-bit logits to
+    fp32 (logits.float()), and cross_entropy keeps its fp32 log_softmax for backward.
+    Forward peak: 16-bit logits + fp32 copy + log_softmax. Backward of log_softmax holds
+    its saved output, the incoming and the outgoing fp32 gradient (3 x 4 bytes)."""
+    V = spec.vocab_size
+    if backward:
+        return 12 * V
+    return a * V + (4 * V if a != 4 else 0) + 4 * V
+
+
+def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: bool) -> int:
+    """GPU bytes in flight while ZeRO-3 reduces `numel` gradient elements (stage3.py):
+    reduce_scatter_coalesced concatenates several tensors into one buffer
+    (comm/coalesced_collectives.py); with the optimizer offloaded `partition_grads` copies
+    the pinned partition back to the GPU (.to(device)) and, at the accumulation boundary,
+    `_offload_grad_partition_at_boundary` converts it to fp32 before the copy to the host."""
+    a, W = shape.element_bytes, shape.world_size
+    part = partition_numel(numel, W)
+    total = a * numel if several else 0
+    if cand.offload_optimizer != "none":
+        total += a * part + 4 * part
+    return total
+
+
+# -------------------------------------------------------------------- the phases
+def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
+    """Trainable elements after the blocks (lm_head), before them (embedding), and of the
+    largest trainable module inside a block."""
+    trainable = {p.name for p in spec.params if p.trainable}
+    numel = {p.name: p.numel for p in spec.params}
+    blocks = [i for i, m in enumerate(spec.modules) if m.layer is not None]
+    first, last = (min(blocks), max(blocks)) if blocks else (len(spec.modules), -1)
+    sizes = [sum(numel[n] for n in m.params if n in trainable) for m in spec.modules]
+    after = sum(size for i, size in enumerate(sizes) if i > last and spec.modules[i].layer is None)
+    before = sum(size for i, size in enumerate(sizes) if i < first and spec.modules[i].layer is None)
+    inside = max((sizes[i] for i in blocks), default=0)
+    return after, before, inside
+
+
+def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> dict[str, dict[str, int]]:
+    """Transient device bytes per phase as named components, on top of the resident
+    states. The backward entry is its largest sub-phase, named in `backward_peak_at`."""
+    a, T, W = shape.element_bytes, shape.tokens_per_micro, shape.world_size
+    h, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
+    ckpt = shape.gradient_checkpointing
+    layer_full = layer_activation_bytes_per_token(spec, a)
+    # Saved for backward: with checkpointing only each block's input (HF's non-reentrant
+    # checkpoint per decoder layer), else every block's tensors; the rotary cos/sin are
+    # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
+    blocks_saved = T * ((a * h if ckpt else layer_full) * L + 2 * a * spec.head_dim)
+    final_norm = T * (4 * h + 2 * a * h)
+    gathered = Gathered(0, 0, 0, 0)
+    if cand.stage == 3 and (cand.offload_param != "none" or W > 1):
+        # Offloaded partitions are copied to the GPU one parameter at a time
+        # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
+        gathered = Gathered(*(a * n for n in gathered_numel(
+            spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
+            cand.param_persistence_threshold)))
+    # Weight gradients exist only for trainable parameters (a LoRA base has none).
+    head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
+    bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
+
+    forward = {"activations_saved": blocks_saved + final_norm,
+               "logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False),
+               "gathered_params": gathered.forward}
+    backward_options = {
+        "loss": {"activations_saved": blocks_saved + final_norm,
+                 "logits_grad": T * loss_bytes_per_token(spec, a, backward=True), "gathered_params": gathered.at_loss},
+        "lm_head": {"activations_saved": blocks_saved + final_norm, "logits_grad": T * a * V,
+                    "param_grad": a * head_numel,
+                    "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False),
+                    "gathered_params": gathered.at_loss},
+        "last_block": {"activations_saved": blocks_saved,
+                       "block_recompute": T * layer_full if ckpt else 0,
+                       "block_grads": T * layer_backward_working_per_token(spec, a),
+                       "param_grad": a * block_module,
+                       "grad_reduce": reduce_transient_bytes(bucket, cand, shape, several=True),
+                       "gathered_params": gathered.backward},
+        "embedding": {"param_grad": a * embedding_numel,
+                      "grad_reduce": reduce_transient_bytes(embedding_numel, cand, shape, several=False),
+                      "gathered_params": gathered.at_end},
+    }
+    at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))
+    # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time.
+    evaluation = {"logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False),
+                  "block_working": T * layer_full, "gathered_params": gathered.forward}
+    phases = {"forward": forward, "backward": backward,
+              "optimizer_step": optimizer_step_device(spec, shape, cand, on_gpu), "eval": evaluation}
+    return {name: {k: v for k, v in comps.items() if v} for name, comps in phases.items()} | {"backward_peak_at": at}

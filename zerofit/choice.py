@@ -1,0 +1,283 @@
+"""Choose the fastest DeepSpeed configuration that fits, or say what would fit.
+
+Fields the user set (pydantic's `model_fields_set` on `config.zero`, `config.train`,
+`config.model`) are constraints; unset ones are free. The candidates are every
+combination of the free choices (offload devices, partial offload ratio, micro batch x
+accumulation for a fixed `train.global_batch_size`, gradient checkpointing); bucket sizes
+left unset take HF Trainer's "auto" formulas. Each candidate is predicted by
+`planner.predict`; among those that fit with `plan.headroom`, the fastest wins (ties go to
+the one using less GPU memory). Pure: a Config, a ModelSpec and a Hardware in, a Decision out.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from zerofit.config import Config, ConfigError
+from zerofit.hardware import Hardware
+from zerofit.memory import human_bytes
+from zerofit.modelspec import ModelSpec
+from zerofit.planner import Candidate, Plan, Shape, predict
+
+PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
+MAX_MICRO_BATCH = 64
+WORLD_SIZES_TO_SUGGEST = (2, 4, 8, 16, 32, 64)
+
+
+class PlanError(ConfigError):
+    """Nothing fits: the message holds the breakdown of the closest candidate and the fixes."""
+
+
+@dataclass
+class Decision:
+    config: Config                       # the input with the chosen values filled in
+    plan: Plan                           # the chosen (or, when nothing fits, the closest) plan
+    considered: list[Plan]
+    chosen_fields: dict[str, object]     # what the planner decided (free fields)
+    advice: list[str]                    # when nothing fits: what would, with numbers
+
+
+# ---------------------------------------------------------------- config <-> plan
+def shape_of(config: Config, world_size: int, dataset_bytes: int = 0) -> Shape:
+    train = config.train
+    return Shape(seq_len=train.seq_len, micro_batch=train.micro_batch_size, grad_accum=train.grad_accum_steps,
+                 world_size=world_size, precision=train.precision,
+                 gradient_checkpointing=config.model.gradient_checkpointing, dataset_bytes=dataset_bytes,
+                 checkpoints_on_disk=checkpoints_on_disk(config))
+
+
+def checkpoints_on_disk(config: Config) -> int:
+    """Most checkpoints on disk at once: keep_last plus the one being written, or fewer
+    when the run saves fewer times (a run with an epoch count may save keep_last + 1)."""
+    ckpt, steps = config.checkpoint, config.train.max_steps
+    if steps is None:
+        return ckpt.keep_last + 1
+    saves = (steps // ckpt.every_steps if ckpt.every_steps else 0) + int(ckpt.save_final)
+    return min(ckpt.keep_last + 1, saves)
+
+
+def candidate_of(config: Config) -> Candidate:
+    zero = config.zero
+    return Candidate(stage=zero.stage, offload_optimizer=zero.offload_optimizer,
+                     offload_optimizer_ratio=zero.offload_optimizer_ratio, offload_param=zero.offload_param,
+                     pin_memory=zero.pin_memory, reduce_bucket_size=zero.reduce_bucket_size,
+                     prefetch_bucket_size=zero.prefetch_bucket_size,
+                     param_persistence_threshold=zero.param_persistence_threshold,
+                     max_live_parameters=zero.max_live_parameters, max_reuse_distance=zero.max_reuse_distance,
+                     sub_group_size=zero.sub_group_size, gather_16bit_weights_on_save=zero.gather_16bit_weights_on_save)
+
+
+def apply(config: Config, shape: Shape, cand: Candidate) -> Config:
+    """A copy of `config` carrying the shape's batch split and the candidate's zero knobs."""
+    zero = config.zero.model_copy(update={
+        "stage": cand.stage, "offload_optimizer": cand.offload_optimizer,
+        "offload_optimizer_ratio": cand.offload_optimizer_ratio, "offload_param": cand.offload_param,
+        "reduce_bucket_size": cand.reduce_bucket_size, "prefetch_bucket_size": cand.prefetch_bucket_size,
+        "param_persistence_threshold": cand.param_persistence_threshold})
+    train = config.train.model_copy(update={"micro_batch_size": shape.micro_batch,
+                                            "grad_accum_steps": shape.grad_accum})
+    model = config.model.model_copy(update={"gradient_checkpointing": shape.gradient_checkpointing})
+    return config.model_copy(update={"zero": zero, "train": train, "model": model})
+
+
+# -------------------------------------------------------------------- candidates
+def auto_buckets(spec: ModelSpec) -> dict[str, int]:
+    """HF Trainer's "auto" values (transformers integrations/deepspeed.py,
+    HfTrainerDeepSpeedConfig.trainer_config_finalize): hidden^2, 0.9 hidden^2, 10 hidden."""
+    h = spec.hidden_size
+    return {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
+            "param_persistence_threshold": 10 * h}
+
+
+def batch_splits(config: Config, world_size: int) -> list[tuple[int, int]]:
+    """(micro batch, accumulation) pairs allowed by the config."""
+    train = config.train
+    fixed = train.model_fields_set
+    if train.global_batch_size is None:
+        return [(train.micro_batch_size, train.grad_accum_steps)]
+    per_rank, rest = divmod(train.global_batch_size, world_size)
+    if rest:
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of the world size "
+                          f"{world_size}; pick a multiple of {world_size}")
+    micros = [m for m in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % m == 0]
+    if "micro_batch_size" in fixed:
+        micros = [m for m in micros if m == train.micro_batch_size]
+    if "grad_accum_steps" in fixed:
+        micros = [m for m in micros if per_rank // m == train.grad_accum_steps]
+    if not micros:
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} cannot be split as micro_batch_size="
+                          f"{train.micro_batch_size} x grad_accum_steps={train.grad_accum_steps} x {world_size} "
+                          f"ranks; unset micro_batch_size/grad_accum_steps and the planner picks them")
+    return [(m, per_rank // m) for m in micros]
+
+
+def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
+               dataset_bytes: int = 0) -> list[tuple[Shape, Candidate]]:
+    zero_set, model_set = config.zero.model_fields_set, config.model.model_fields_set
+    base_shape, base = shape_of(config, world_size, dataset_bytes), candidate_of(config)
+    base = replace(base, **{k: v for k, v in auto_buckets(spec).items() if k not in zero_set})
+    devices = ["none", "cpu"] + (["nvme"] if config.zero.nvme_path else []) if hw.on_gpu else ["none"]
+    opt_devices = [base.offload_optimizer] if "offload_optimizer" in zero_set else devices
+    param_devices = [base.offload_param] if "offload_param" in zero_set or base.stage != 3 else devices
+    checkpointing = [base_shape.gradient_checkpointing] if "gradient_checkpointing" in model_set else [False, True]
+    out = []
+    for opt, par, ckpt, (micro, accum) in itertools.product(opt_devices, param_devices, checkpointing,
+                                                            batch_splits(config, world_size)):
+        ratios = [base.offload_optimizer_ratio]
+        # A partial offload is the planner's only when the offload itself is: a user who
+        # wrote offload_optimizer: cpu meant the whole optimizer.
+        if opt == "cpu" and base.stage == 3 and hw.on_gpu and not {"offload_optimizer", "offload_optimizer_ratio"} & zero_set:
+            ratios = list(PARTIAL_OFFLOAD_RATIOS)
+        for ratio in ratios if opt != "none" else [1.0]:
+            shape = replace(base_shape, micro_batch=micro, grad_accum=accum, gradient_checkpointing=ckpt)
+            out.append((shape, replace(base, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=ratio)))
+    return out
+
+
+# ------------------------------------------------------------------------ choose
+def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, dataset_bytes: int = 0) -> Decision:
+    """The fastest fitting configuration. When plan.enabled is false, the config as given."""
+    headroom = config.plan.headroom
+    options = candidates(config, spec, hw, world_size, dataset_bytes) if config.plan.enabled else \
+        [(shape_of(config, world_size, dataset_bytes), candidate_of(config))]
+    plans = [predict(spec, hw, shape, cand, headroom) for shape, cand in options]
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        best = min(fitting, key=lambda p: (p.step_seconds, p.devices["gpu"].total_bytes, p.devices["host"].total_bytes))
+        advice = []
+    else:
+        best = min(plans, key=overflow)
+        advice = what_would_fit(best, spec, hw)
+    chosen = apply(config, best.shape, best.candidate)
+    return Decision(config=chosen, plan=best, considered=plans, chosen_fields=free_choices(config, chosen),
+                    advice=advice)
+
+
+def overflow(plan: Plan) -> float:
+    """How far over their budgets the devices are, summed (0 = everything fits)."""
+    devices = [*plan.devices.values(), *plan.save_peak.values(), *plan.first_step_after_save_peak.values()]
+    return sum(max(0.0, d.total_bytes / max(d.usable_bytes, 1) - 1) for d in devices)
+
+
+DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "reduce_bucket_size",
+                    "prefetch_bucket_size", "param_persistence_threshold"),
+           "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
+
+
+def free_choices(before: Config, after: Config) -> dict[str, object]:
+    """The fields the planner was free to set, with the values it set."""
+    if not before.plan.enabled:
+        return {}
+    out = {}
+    for section, keys in DECIDED.items():
+        if section == "train" and before.train.global_batch_size is None:
+            continue  # micro batch and accumulation are the planner's only to split a global batch
+        old, new = getattr(before, section), getattr(after, section)
+        for key in keys:
+            if key == "offload_optimizer_ratio" and new.offload_optimizer == "none":
+                continue
+            if key not in old.model_fields_set:
+                out[f"{section}.{key}"] = getattr(new, key)
+    return out
+
+
+def refuse(decision: Decision) -> PlanError:
+    """The error train raises when nothing fits: the breakdown and the fixes."""
+    plan = decision.plan
+    lines = [f"no configuration fits; the closest ({describe(plan)}) needs:"]
+    for name in plan.binding or [n for n, d in {**plan.save_peak}.items() if not d.fits]:
+        device = plan.devices[name]
+        top = sorted(device.components.items(), key=lambda kv: -kv[1])[:6]
+        lines.append(f"  {name}: {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)} usable "
+                     f"({human_bytes(device.budget_bytes)} less {decision.config.plan.headroom:.0%} headroom): "
+                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in top))
+    lines.append("what would fit:")
+    lines += [f"  - {a}" for a in decision.advice] or ["  - nothing zerofit can change; more memory is needed"]
+    return PlanError("\n".join(lines))
+
+
+def describe(plan: Plan) -> str:
+    c, s = plan.candidate, plan.shape
+    ratio = f" ratio {c.offload_optimizer_ratio}" if c.offload_optimizer != "none" and c.offload_optimizer_ratio < 1 else ""
+    return (f"ZeRO-{c.stage}, optimizer on {c.offload_optimizer if c.offload_optimizer != 'none' else 'device'}{ratio}, "
+            f"params on {c.offload_param if c.offload_param != 'none' else 'device'}, micro batch {s.micro_batch} x "
+            f"{s.grad_accum}, seq {s.seq_len}, checkpointing {'on' if s.gradient_checkpointing else 'off'}")
+
+
+# ------------------------------------------------------------------------ advice
+def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
+    """For each device over budget, the changes that bring it under, each with the number
+    it needs; then the memory it would take without changes."""
+    shape, cand, headroom = plan.shape, plan.candidate, _headroom(plan)
+    over = [name for name in ("gpu", "host", "disk", "nvme") if name in plan.devices and not plan.devices[name].fits]
+
+    def fixes(device: str, s: Shape = shape, c: Candidate = cand, h: Hardware = hw) -> Plan | None:
+        p = predict(spec, h, s, c, headroom)
+        return p if p.devices[device].fits else None
+
+    advice = []
+    if "gpu" in over:
+        if not shape.gradient_checkpointing and fixes("gpu", replace(shape, gradient_checkpointing=True)):
+            advice.append("gpu: model.gradient_checkpointing=true")
+        if shape.micro_batch > 1:
+            one = replace(shape, micro_batch=1, grad_accum=shape.grad_accum * shape.micro_batch)
+            if fixes("gpu", one):
+                advice.append(f"gpu: train.micro_batch_size=1 with train.grad_accum_steps={one.grad_accum} "
+                              f"(same global batch)")
+        seq = _largest_fitting_seq(shape, lambda n: fixes("gpu", replace(shape, seq_len=n)) is not None)
+        if seq:
+            advice.append(f"gpu: train.seq_len={seq} (the longest multiple of 64 that fits)")
+        if cand.stage == 3 and hw.on_gpu:
+            for opt, par in (("cpu", "none"), ("cpu", "cpu")):
+                other = replace(cand, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=1.0)
+                for s in (shape, replace(shape, gradient_checkpointing=True)):
+                    p = fixes("gpu", s, other)
+                    if (opt, par, s) != (cand.offload_optimizer, cand.offload_param, shape) and p:
+                        ckpt = " model.gradient_checkpointing=true" if s is not shape else ""
+                        advice.append(f"gpu: zero.offload_optimizer={opt} zero.offload_param={par}{ckpt} "
+                                      f"(GPU {human_bytes(p.devices['gpu'].total_bytes)}, host "
+                                      f"{human_bytes(p.devices['host'].total_bytes)})")
+                        break
+                else:
+                    continue
+                break
+        for world in WORLD_SIZES_TO_SUGGEST if cand.stage == 3 else ():
+            if world > shape.world_size and fixes("gpu", replace(shape, world_size=world)):
+                advice.append(f"gpu: {world} GPUs (ZeRO-3 partitions the model states over ranks)")
+                break
+    if "host" in over and cand.stage == 3 and hw.on_gpu:
+        if cand.offload_param == "cpu" and fixes("host", c=replace(cand, offload_param="none")):
+            advice.append("host: zero.offload_param=none (if the GPU holds the 16-bit parameters)")
+        nvme = replace(cand, offload_optimizer="nvme", offload_param="nvme" if cand.offload_param != "none" else "none")
+        p = fixes("host", c=nvme, h=replace(hw, nvme_free_bytes=10**18))
+        if p:
+            advice.append(f"host: zero.offload_optimizer=nvme with zero.nvme_path on a fast local disk with "
+                          f">= {human_bytes(p.devices['nvme'].total_bytes / (1 - headroom))} free")
+    if "disk" in over and shape.checkpoints_on_disk > 1:
+        one = replace(shape, checkpoints_on_disk=2)
+        if fixes("disk", one):
+            advice.append("disk: checkpoint.keep_last=1 (two checkpoints on disk while the newer one is written)")
+    labels = {"gpu": "GPU memory per rank", "host": "host RAM", "disk": "free disk for checkpoints",
+              "nvme": "free NVMe space"}
+    for name in over:
+        device = plan.devices[name]
+        advice.append(f"{name}: {human_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
+                      f"(have {human_bytes(device.budget_bytes)})")
+    return advice
+
+
+def _headroom(plan: Plan) -> float:
+    host = plan.devices["host"]
+    return 1 - host.usable_bytes / host.budget_bytes if host.budget_bytes else 0.1
+
+
+def _largest_fitting_seq(shape: Shape, fits_at) -> int | None:
+    """Binary search over multiples of 64 below the current length."""
+    lo, hi = 0, shape.seq_len // 64 - (1 if shape.seq_len % 64 == 0 else 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits_at(mid * 64):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 64 if lo else None

@@ -1,0 +1,147 @@
+"""What the machine has: GPU memory per rank, host RAM, the pinned-memory limit, free disk.
+
+Every figure is probed and every figure can be overridden (`--gpu-mem 24GiB`,
+`plan.gpu_mem`), so a plan for a 24 GiB card can be made on any machine. On a machine
+without a GPU the "device" is the CPU (DeepSpeed's CPU accelerator): everything lives in
+host RAM and the plan is made against it.
+
+The rates the step-time model uses are named constants here, each with its source.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from zerofit.memory import parse_bytes
+
+GIB = 2**30
+
+# ------------------------------------------------------------------------- rates
+# Measured on the GPU machine (one H200, 16 cores; /work/shared/device/README.md, bench of
+# 2026-11-29). They calibrate the cost model; the choice only needs them to rank candidates.
+BF16_MATMUL_FLOPS = 810e12          # bf16 8192^3 matmul peak
+PCIE_BYTES_PER_S = 55e9             # pinned host<->device, each way
+CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
+CPU_ADAM_CORES = 16                        # ... on this many cores (scaled linearly with cores)
+DISK_WRITE_BYTES_PER_S = 1.5e9      # sequential write with fsync (/tmp)
+DISK_READ_BYTES_PER_S = 2.2e9       # sequential read
+# Not measured there; from vendor data sheets (H200: 4.8 TB/s HBM3e, NVLink 900 GB/s
+# bidirectional), discounted to what streaming kernels and NCCL reach in practice.
+GPU_MEMORY_BYTES_PER_S = 0.7 * 4.8e12
+NVLINK_BYTES_PER_S = 0.5 * 450e9
+# Fraction of matmul peak a training step reaches (model FLOPs utilisation). The README's
+# 1.5B/3.6B offload runs are dominated by transfers and CPU-Adam, so this is an assumption
+# (typical 35-50% for dense decoder training), to be refined by bench/planner_accuracy.py.
+MODEL_FLOPS_UTILISATION = 0.4
+# ZeRO-3 hook work per module visit (fetch, wait, release, trace bookkeeping). Fitted to the
+# README's stock offload runs: 1.5B step 1.43 s and 3.6B step 2.34 s leave 0.63 s over 441
+# and 0.40 s over 765 module visits once compute, PCIe and CPU-Adam are taken out (1.4 and
+# 0.5 ms); the middle, to be refined by bench/planner_accuracy.py's measured step times.
+ZERO3_SECONDS_PER_MODULE_VISIT = 0.7e-3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    accelerator: str                 # "cuda" or "cpu" (DeepSpeed's CPU accelerator)
+    device_name: str
+    gpu_count: int                   # GPUs on this node (0: none, or unknown for a planned-as-given GPU)
+    gpu_total_bytes: int             # per GPU, probed (0 on a CPU machine)
+    gpu_budget_bytes: int            # what one rank may use: --gpu-mem, or probed free memory
+    host_total_bytes: int
+    host_budget_bytes: int           # --host-mem, or probed available RAM
+    pinned_limit_bytes: int | None   # ulimit -l; None = unlimited
+    cpu_cores: int
+    disk_path: str                   # where checkpoints go (the run directory)
+    disk_free_bytes: int
+    nvme_path: str | None
+    nvme_free_bytes: int | None
+    overridden: tuple[str, ...] = ()
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.accelerator == "cuda"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: str | None = None,
+          host_mem: str | None = None, accelerator: str | None = None) -> Hardware:
+    """The machine as it is now, with overrides applied. accelerator: "cuda"/"cpu" to plan
+    for one regardless of what is here (a --gpu-mem given on a CPU machine means cuda)."""
+    import psutil
+
+    gpu = _probe_gpu() if gpu_mem is None else None  # a given budget needs no CUDA context here
+    vm = psutil.virtual_memory()
+    overridden = []
+    if accelerator is None:
+        accelerator = "cuda" if gpu or gpu_mem else "cpu"
+    name, count, total, free = gpu or ("(as given)" if accelerator == "cuda" else "cpu", _gpu_count(), 0, 0)
+    gpu_budget = free
+    if gpu_mem is not None:
+        gpu_budget = parse_bytes(gpu_mem, "gpu_mem")
+        overridden.append("gpu_mem")
+    host_budget = vm.available
+    if host_mem is not None:
+        host_budget = parse_bytes(host_mem, "host_mem")
+        overridden.append("host_mem")
+    if accelerator == "cpu":
+        name, count, total, gpu_budget = "cpu", 0, 0, 0
+    disk = _existing_parent(Path(disk_path))
+    return Hardware(
+        accelerator=accelerator, device_name=name, gpu_count=count,
+        gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
+        host_total_bytes=vm.total, host_budget_bytes=host_budget,
+        pinned_limit_bytes=_memlock_limit(), cpu_cores=_cpu_cores(),
+        disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
+        nvme_path=nvme_path,
+        nvme_free_bytes=shutil.disk_usage(_existing_parent(Path(nvme_path))).free if nvme_path else None,
+        overridden=tuple(overridden))
+
+
+def with_overrides(hw: Hardware, **changes) -> Hardware:
+    return replace(hw, **changes)
+
+
+def _probe_gpu() -> tuple[str, int, int, int] | None:
+    """(name, count, total bytes, free bytes) of the current CUDA device, None without one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    return torch.cuda.get_device_name(device), torch.cuda.device_count(), total, free
+
+
+def _gpu_count() -> int:
+    """GPUs visible here, without creating a CUDA context."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _memlock_limit() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -1,0 +1,367 @@
+"""`zerofit lint ds_config.json`: check a DeepSpeed JSON the way DeepSpeed reads it, then
+flag what it would silently ignore and the values that cost memory at the worst moment.
+
+- zero_optimization is validated with DeepSpeed's own pydantic model
+  (deepspeed.runtime.zero.config.DeepSpeedZeroConfig): unknown keys there, such as
+  `"stage3_offload_optimizer": true`, are errors, named with the nearest valid key.
+- The whole dict goes through DeepSpeedConfig with every key lookup recorded: a top-level
+  key DeepSpeed never looks at is one it silently ignores.
+- "auto" values are filled only by HF Trainer / Accelerate; DeepSpeed itself does not.
+- Risky values get the reason and the fix, with numbers when a model is given.
+With a model (and hardware: probed or --gpu-mem/--host-mem), the config is also planned.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from zerofit.config import ConfigError
+from zerofit.hardware import GIB, Hardware
+from zerofit.memory import human_bytes
+
+# DeepSpeed's own defaults where a key is absent (runtime/zero/config.py).
+DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+DS_DEFAULT_REDUCE_BUCKET = 500_000_000
+LARGE_BUCKET_BYTES = 512 * 2**20        # without a budget: a bucket this big is worth a look
+BUCKET_SHARE_OF_BUDGET = 0.05
+LARGE_MODEL_PARAMS = 1_000_000_000      # where a 16-bit consolidation at save starts to hurt
+
+
+@dataclass
+class Finding:
+    level: str          # "error" or "warning"
+    key: str
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class LintResult:
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    plan: dict | None = None            # plan JSON when a model was given
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "error"]
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "ok": not self.errors, "findings": [asdict(f) for f in self.findings],
+                "plan": self.plan}
+
+
+def read(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; pass the DeepSpeed JSON file to lint")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None = None, world_size: int = 1,
+         seq_len: int = 1024, micro_batch: int | None = None, model_ref: str = "") -> LintResult:
+    result = LintResult(path)
+    autos = auto_paths(ds)
+    if autos:
+        result.findings.append(Finding(
+            "warning", ", ".join(autos),
+            '"auto" is filled in only by HF Trainer / Accelerate from TrainingArguments; DeepSpeed '
+            "itself (deepspeed.initialize, zerofit) does not resolve it and drops or rejects it",
+            "fine under HF Trainer / LLaMA-Factory; elsewhere write numbers (`zerofit plan --model M --json` "
+            "prints a fully resolved deepspeed_config)"))
+    ds = without_autos(ds)
+    check_nvme_paths(ds, result)
+    zero = check_zero(ds, result)
+    check_top_level(ds, zero is not None, result)
+    check_batch(ds, world_size, result)
+    check_precision(ds, result)
+    if zero is not None:
+        check_risky(ds, zero, spec, hw, result, autos)
+        if spec is not None and hw is not None and not result.errors:
+            result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
+    return result
+
+
+# -------------------------------------------------------------------- the checks
+def auto_paths(node, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in auto_paths(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
+    return [prefix] if node == "auto" else []
+
+
+def without_autos(node):
+    if isinstance(node, dict):
+        return {k: without_autos(v) for k, v in node.items() if v != "auto"}
+    return copy.deepcopy(node)
+
+
+def check_zero(ds: dict, result: LintResult):
+    """DeepSpeed's DeepSpeedZeroConfig: extra keys forbidden, types checked."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    section = ds.get("zero_optimization", {})
+    if not isinstance(section, dict):
+        result.findings.append(Finding("error", "zero_optimization", "must be an object", '{"stage": 3, ...}'))
+        return None
+    try:
+        zero = DeepSpeedZeroConfig(**section)
+    except ValidationError as e:
+        for item in e.errors():
+            key = "zero_optimization." + ".".join(str(p) for p in item["loc"])
+            if item["type"] == "extra_forbidden":
+                result.findings.append(Finding("error", key, "not a DeepSpeed ZeRO key: DeepSpeed refuses this config",
+                                               _nearest(item["loc"], DeepSpeedZeroConfig)))
+            else:
+                result.findings.append(Finding("error", key, f"{item['msg']} (got {item.get('input')!r})",
+                                               "see DeepSpeed's zero_optimization docs for the type"))
+        return None
+    return zero
+
+
+def check_nvme_paths(ds: dict, result: LintResult) -> None:
+    section = ds.get("zero_optimization", {})
+    for name in ("offload_optimizer", "offload_param"):
+        offload = section.get(name) if isinstance(section, dict) else None
+        if isinstance(offload, dict) and offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            result.findings.append(Finding("error", f"zero_optimization.{name}.nvme_path",
+                                           "NVMe offload without nvme_path: DeepSpeed fails when it creates the swap files",
+                                           f'add "nvme_path": "/local_nvme/ds" to {name}'))
+
+
+def _nearest(loc: tuple, model) -> str:
+    *parents, name = [str(p) for p in loc]
+    for parent in parents:
+        model = model.model_fields[parent].annotation
+        model = next((a for a in getattr(model, "__args__", (model,)) if hasattr(a, "model_fields")), model)
+    valid = [a for n, f in model.model_fields.items() for a in (n, f.alias) if a]
+    near = difflib.get_close_matches(name.removeprefix("stage3_"), valid, n=1, cutoff=0.5) \
+        or difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    if name.startswith("stage3_offload"):
+        return f'remove it; offload is configured as {{"{name.removeprefix("stage3_")}": {{"device": "cpu"}}}}'
+    return f"did you mean {near[0]}?" if near else f"valid keys: {', '.join(sorted(valid))}"
+
+
+class _RecordingDict(dict):
+    """A dict that remembers which keys were looked up (DeepSpeedConfig's reads)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen: set = set()
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        parent = self
+
+        class Keys(list):
+            def __contains__(self, key):
+                parent.seen.add(key)
+                return list.__contains__(self, key)
+
+        return Keys(super().keys())
+
+
+def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
+    """Run DeepSpeedConfig over the dict, recording the keys it reads. Problems reported
+    elsewhere (the zero section, the batch arithmetic, "auto" batch keys HF fills) are
+    neutralised first so the parse runs to the end and every read is seen."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = dict(ds)
+    if not zero_ok:
+        probe["zero_optimization"] = {}
+    batch = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if isinstance(ds.get(k), int)]
+    if batch:
+        probe.pop("train_batch_size", None)  # check_batch judges it against the world size
+    elif "train_batch_size" not in probe:
+        probe["train_micro_batch_size_per_gpu"] = 1
+    recorder = _RecordingDict(probe)
+    try:
+        DeepSpeedConfig(recorder)
+    except Exception as e:  # DeepSpeed raises assertion and value errors of many kinds
+        result.findings.append(Finding("error", "(config)", f"DeepSpeed rejects the config: {e}",
+                                       "fix the value it names"))
+        return
+    known = sorted(recorder.seen | {"scheduler", "optimizer"})
+    for key in ds:
+        if key not in recorder.seen and key not in ("scheduler", "optimizer"):
+            near = difflib.get_close_matches(key, [str(k) for k in known], n=1, cutoff=0.6)
+            fix = f"did you mean {near[0]}?" if near else "remove it, or move it where it belongs"
+            if key.startswith("stage3_") or key in ("offload_optimizer", "offload_param", "stage", "sub_group_size"):
+                fix = 'move it into "zero_optimization"'
+            result.findings.append(Finding("error", key, "DeepSpeed never reads this top-level key and ignores it silently",
+                                           fix))
+
+
+def check_batch(ds: dict, world_size: int, result: LintResult) -> None:
+    micro, accum, total = (ds.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                               "train_batch_size"))
+    if all(isinstance(v, int) for v in (micro, accum, total)) and micro * accum * world_size != total:
+        result.findings.append(Finding(
+            "error", "train_batch_size",
+            f"{total} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {accum} x "
+            f"{world_size} ranks; DeepSpeed asserts at start", f"set train_batch_size to {micro * accum * world_size}"))
+
+
+def check_precision(ds: dict, result: LintResult) -> None:
+    fp16, bf16 = ds.get("fp16", {}), ds.get("bf16", {})
+    if isinstance(fp16, dict) and fp16.get("enabled") is True:
+        if bf16.get("enabled") is True:
+            result.findings.append(Finding("error", "fp16.enabled, bf16.enabled", "both enabled; DeepSpeed refuses",
+                                           "enable one (bf16 on Ampere and newer)"))
+        if not any(k in fp16 for k in ("loss_scale", "initial_scale_power", "loss_scale_window")):
+            result.findings.append(Finding(
+                "warning", "fp16", "fp16 without loss-scale settings: DeepSpeed starts at 2^16 and halves on "
+                "overflow, skipping steps silently; the settings are not visible in the config",
+                'set "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, '
+                '"min_loss_scale": 1 explicitly, or use bf16'))
+
+
+def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, autos: list[str] = ()) -> None:
+    """Values that work until the worst moment: a save, the first step after it."""
+    section = ds.get("zero_optimization", {})
+    a = 4 if precision(ds) == "fp32" else 2
+    N = spec.total_params if spec is not None else None
+    offload_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
+    if zero.stage == 3 and zero.gather_16bit_weights_on_model_save and (N is None or N >= LARGE_MODEL_PARAMS):
+        size = f" ({human_bytes(a * N)} for this model)" if N else ""
+        result.findings.append(Finding(
+            "warning", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+            f"every save gathers the whole 16-bit model into rank 0's host RAM{size} and stalls training "
+            "while it is written", "set it false and export after training (`zerofit export`, or DeepSpeed's "
+            "zero_to_fp32.py)"))
+    if zero.stage == 3 and not offload_opt:
+        groups = min(zero.sub_group_size, N) if N else zero.sub_group_size
+        temporaries = (a + 4) * groups
+        if temporaries >= 2 * GIB:
+            implicit = "" if "sub_group_size" in section else f" (absent: DeepSpeed's default {DS_DEFAULT_SUB_GROUP_SIZE:.0e})"
+            result.findings.append(Finding(
+                "warning", "zero_optimization.sub_group_size",
+                f"sub_group_size {zero.sub_group_size:.0e}{implicit} without optimizer offload: each optimizer "
+                f"step allocates up to {human_bytes(temporaries)} of fp32 gradient temporaries on the GPU "
+                "(stage3.py _prepare_fp32_grad_for_sub_group), on top of the training peak and most often "
+                "fatal in the first step after a save", 'set "sub_group_size": 1e8'))
+    budget = hw.gpu_budget_bytes if hw is not None and hw.on_gpu else None
+    for key, numel in (("reduce_bucket_size", zero.reduce_bucket_size),
+                       ("stage3_prefetch_bucket_size", zero.prefetch_bucket_size if zero.stage == 3 else 0)):
+        nbytes = a * numel
+        limit = BUCKET_SHARE_OF_BUDGET * budget if budget else LARGE_BUCKET_BYTES
+        if nbytes >= limit and f"zero_optimization.{key}" not in autos:
+            implicit = "" if key in section or key.removeprefix("stage3_") in section else " (DeepSpeed's default)"
+            share = f", {nbytes / budget:.0%} of the {human_bytes(budget)} GPU budget" if budget else ""
+            h = spec.hidden_size if spec is not None else None
+            fix = f"set {key} to hidden^2 = {h * h:.2e} (HF's auto value)" if h else "set it to hidden_size^2 (HF's auto value)"
+            result.findings.append(Finding("warning", f"zero_optimization.{key}",
+                                           f"{numel:.2e} elements = {human_bytes(nbytes)} resident{implicit}{share}", fix))
+    if zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
+        result.findings.append(Finding("warning", "zero_optimization.offload_param",
+                                       f"parameter offload needs stage 3; stage {zero.stage} ignores it", "use stage 3"))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# -------------------------------------------------------------------- planning
+def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref: str,
+               auto_values: dict[str, int] | None = None) -> dict:
+    """The zerofit config (raw dict) that reproduces what this DeepSpeed JSON sets; keys
+    it leaves out take DeepSpeed's defaults (read from DeepSpeed's own config model);
+    bucket keys set to "auto" take what HF Trainer would fill in (`auto_values`)."""
+    auto_values = auto_values or {}
+    opt, par = zero.offload_optimizer, zero.offload_param
+    nvme = (opt.nvme_path if opt is not None and opt.nvme_path else None) or (par.nvme_path if par is not None else None)
+    return {
+        "model": {"config": model_ref},
+        "train": {"seq_len": seq_len, "max_steps": 1, "precision": precision(ds),
+                  "micro_batch_size": micro_batch or ds.get("train_micro_batch_size_per_gpu") or 1,
+                  "grad_accum_steps": ds.get("gradient_accumulation_steps") or 1},
+        "zero": {"stage": int(zero.stage), "offload_optimizer": _device(opt),
+                 "offload_optimizer_ratio": float(opt.ratio) if opt else 1.0,
+                 "offload_param": _device(par),
+                 "nvme_path": str(nvme) if nvme else None,
+                 "pin_memory": bool(opt.pin_memory) if opt else True,
+                 "reduce_bucket_size": auto_values.get("reduce_bucket_size", int(zero.reduce_bucket_size)),
+                 "prefetch_bucket_size": auto_values.get("prefetch_bucket_size", int(zero.prefetch_bucket_size)),
+                 "param_persistence_threshold": auto_values.get("param_persistence_threshold",
+                                                                int(zero.param_persistence_threshold)),
+                 "max_live_parameters": int(zero.max_live_parameters),
+                 "max_reuse_distance": int(zero.max_reuse_distance), "sub_group_size": int(zero.sub_group_size),
+                 "gather_16bit_weights_on_save": bool(zero.gather_16bit_weights_on_model_save)},
+        "checkpoint": {"save_final": False},
+        "plan": {"enabled": False},
+    }
+
+
+def precision(ds: dict) -> str:
+    """bf16 when its section is there and not disabled ("auto" counts: HF turns it on with
+    --bf16), fp16 when enabled, fp32 otherwise."""
+    if ds.get("bf16", {}).get("enabled", "bf16" in ds):
+        return "bf16"
+    return "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+
+
+def _device(offload) -> str:
+    if offload is None:
+        return "none"
+    return str(getattr(offload.device, "value", offload.device))
+
+
+def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, seq_len: int, micro_batch: int | None,
+                   model_ref: str, autos: list[str] = ()) -> dict:
+    from zerofit import choice, planview
+    from zerofit.config import validate
+
+    names = {"reduce_bucket_size": "reduce_bucket_size", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+             "stage3_param_persistence_threshold": "param_persistence_threshold"}
+    hf_auto = choice.auto_buckets(spec)
+    auto_values = {ours: hf_auto[ours] for theirs, ours in names.items() if f"zero_optimization.{theirs}" in autos}
+    config = validate(to_zerofit(ds, zero, seq_len, micro_batch, model_ref or "tiny", auto_values))
+    decision = choice.decide(config, spec, hw, world_size)
+    return planview.plan_json(decision, spec, hw) | {"fits": decision.plan.fits}
+
+
+# ---------------------------------------------------------------------- report
+def render(result: LintResult, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    for f in result.findings:
+        colour = "red" if f.level == "error" else "yellow"
+        console.print(f"[{colour}]{f.level}[/] {f.key}: {f.message}" + (f"\n  fix: {f.fix}" if f.fix else ""))
+    if result.plan is not None:
+        plan = result.plan
+        verdict = "fits" if plan["fits"] else "does NOT fit"
+        console.print(f"plan: {verdict}: GPU {human_bytes(plan['devices']['gpu']['total_bytes'])} of "
+                      f"{human_bytes(plan['devices']['gpu']['usable_bytes'])} usable, host "
+                      f"{human_bytes(plan['devices']['host']['total_bytes'])} of "
+                      f"{human_bytes(plan['devices']['host']['usable_bytes'])} usable; "
+                      f"save peak host {human_bytes(plan['save_peak']['host']['total_bytes'])}")
+    errors, warnings = len(result.errors), len(result.findings) - len(result.errors)
+    console.print(f"{result.path}: {errors} error(s), {warnings} warning(s)")

@@ -1,0 +1,332 @@
+"""The memory and time model: pure functions of (ModelSpec, Hardware, Shape, Candidate).
+
+`predict()` returns a Plan: bytes per device (gpu, host, disk) as named components, per
+training phase (forward, backward, optimizer step, eval, save), the checkpoint-save peak,
+the first step after a save, the checkpoint size and the export peak, and a step time with
+its terms. Nothing here touches a GPU, a file or a clock.
+
+The parts, each citing its sources where a formula is used:
+- zerostates.py: parameters, gradients and optimizer states per device (ZeRO, ZeRO-Offload,
+  ZeRO-Infinity papers; DeepSpeed's stage3.py buffers; torch's pinned-memory rounding);
+- activations.py: activations, logits and gradient transients per phase (Korthikanti et al.);
+- here: the step-time model, checkpoint and export sizes, fragmentation and the fit test.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from zerofit import hardware as hw_rates
+from zerofit.activations import device_phases
+from zerofit.hardware import Hardware
+from zerofit.modelspec import ModelSpec
+from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_groups, optimizer_step_host,
+                                partition_numel)
+
+GIB = 2**30
+# Process RSS before any model state: python, torch, transformers, deepspeed and its
+# cpu_adam op (measured on the CPU test machine: 0.49-0.50 GiB through a tiny run on
+# synthetic data whose model states take ~2 MB).
+HOST_PROCESS_BYTES = int(0.5 * GIB)
+# HF datasets and pyarrow, loaded when data comes from files (0.59-0.61 GiB for the same
+# tiny run on the demo data).
+DATASETS_LIBRARY_BYTES = int(0.1 * GIB)
+# Host RSS a CUDA process adds: driver, CUDA runtime, cuBLAS/cuDNN kernels mapped in
+# (1-2 GiB on the H200 machine; /work/shared/device/README.md).
+CUDA_HOST_CONTEXT_BYTES = int(1.5 * GIB)
+# Device memory outside torch's allocator counters: CUDA context and cuBLAS workspaces.
+CUDA_DEVICE_CONTEXT_BYTES = int(0.5 * GIB)
+# Per-rank checkpoint bytes besides the tensors: pickled metadata, model_states.pt,
+# rng state (measured: 27 KB for the tiny model).
+CHECKPOINT_OVERHEAD_BYTES = 64 * 1024
+# `zerofit export` streams fp32 master rows in blocks under --max-ram, 2 GiB by default
+# (export.DEFAULT_MAX_RAM): its peak RSS is the process plus two read/cast block pairs.
+EXPORT_MAX_RAM_BYTES = 2 * GIB
+PHASES = ("forward", "backward", "optimizer_step", "eval")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The training shape: what one optimizer step computes."""
+    seq_len: int
+    micro_batch: int
+    grad_accum: int = 1
+    world_size: int = 1
+    precision: str = "bf16"
+    gradient_checkpointing: bool = True
+    dataset_bytes: int = 0           # tokenized data held in host RAM per rank
+    checkpoints_on_disk: int = 3     # most checkpoints on disk at once (keep_last + the one being written)
+
+    @property
+    def tokens_per_micro(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def element_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The DeepSpeed knobs one configuration sets (names as in zerofit's zero section)."""
+    stage: int = 3
+    offload_optimizer: str = "cpu"
+    offload_optimizer_ratio: float = 1.0
+    offload_param: str = "none"
+    pin_memory: bool = True
+    reduce_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 100_000_000
+    gather_16bit_weights_on_save: bool = False
+
+
+@dataclass
+class Device:
+    total_bytes: int
+    budget_bytes: int
+    components: dict[str, int]
+    usable_bytes: int = 0            # budget less headroom
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+    def to_json(self) -> dict:
+        return {"total_bytes": self.total_bytes, "budget_bytes": self.budget_bytes,
+                "usable_bytes": self.usable_bytes, "fits": self.fits, "components": dict(self.components)}
+
+
+@dataclass
+class Plan:
+    fits: bool
+    params: int
+    trainable_params: int
+    shape: Shape
+    candidate: Candidate
+    accelerator: str
+    devices: dict[str, Device]                  # gpu, host, disk (+ nvme when used)
+    gpu_allocated_peak: int                     # what torch.cuda.max_memory_allocated should show
+    host_rss_peak: int                          # what psutil's RSS should show at the peak
+    phases: dict[str, dict[str, int]]           # phase -> {"gpu": allocated peak, "host": rss}
+    save_peak: dict[str, Device]
+    first_step_after_save_peak: dict[str, Device]
+    checkpoint_bytes: int
+    export_peak: dict[str, Device]
+    step_seconds: float
+    step_terms: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def binding(self) -> list[str]:
+        """Devices over their usable budget."""
+        return [name for name, d in self.devices.items() if not d.fits]
+
+    def to_json(self) -> dict:
+        return {
+            "fits": self.fits, "params": self.params, "trainable_params": self.trainable_params,
+            "accelerator": self.accelerator,
+            "shape": asdict(self.shape), "candidate": asdict(self.candidate),
+            "devices": {k: d.to_json() for k, d in self.devices.items()},
+            "predicted_gpu_peak": self.gpu_allocated_peak, "predicted_host_rss": self.host_rss_peak,
+            "phases": self.phases,
+            "save_peak": {k: d.to_json() for k, d in self.save_peak.items()},
+            "first_step_after_save_peak": {k: d.to_json() for k, d in self.first_step_after_save_peak.items()},
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "export_peak": {k: d.to_json() for k, d in self.export_peak.items()},
+            "estimated_step_seconds": self.step_seconds, "step_terms": self.step_terms,
+            "notes": self.notes,
+        }
+
+
+# --------------------------------------------------------------- checkpoint, export
+def checkpoint_bytes(total_params: int, world_size: int = 1, stage: int = 3, element_bytes: int = 2) -> int:
+    """Bytes a DeepSpeed checkpoint takes on disk, all ranks together.
+
+    Each rank writes its optimizer file: the fp32 master partition and Adam's exp_avg and
+    exp_avg_sq (stage3.py `_rigid_state_dict`: 12 bytes per element); ZeRO-3 model files
+    hold only shapes, stages 0-2 hold the 16-bit module too. Measured on the tiny model:
+    1,090,117 bytes of optimizer file for 90,432 parameters (12.05 per parameter)."""
+    per_rank = 12 * partition_numel(total_params, world_size) + CHECKPOINT_OVERHEAD_BYTES
+    model_file = element_bytes * total_params if stage < 3 else 0
+    return per_rank * world_size + model_file
+
+
+def export_bytes(total_params: int, element_bytes: int = 2) -> int:
+    """A safetensors export: every parameter once, in the export dtype."""
+    return element_bytes * total_params
+
+def ranks_on_this_node(hw: Hardware, world_size: int) -> int:
+    """Ranks sharing this host's RAM and cores: one per GPU here; all of them on the CPU
+    accelerator or when the GPU count is unknown (planned from elsewhere)."""
+    return min(world_size, hw.gpu_count) if hw.on_gpu and hw.gpu_count else world_size
+
+
+# ---------------------------------------------------------------------- step time
+# CPU accelerator (tests, CPU-only machines): a rough fp32/bf16 matmul rate per core.
+CPU_FLOPS_PER_CORE = 30e9
+
+
+def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate) -> dict[str, float]:
+    """Seconds one optimizer step spends per term (summed: overlap is not assumed).
+
+    - compute: 6 x params x tokens (Kaplan et al. arXiv:2001.08361; forward 2, backward 4;
+      4 + 2 x trainable/params with a frozen base) plus attention 12 x layers x hidden x seq
+      per token (PaLM, arXiv:2204.02311 app. B), plus a forward with recompute, at the
+      calibrated matmul rate x utilisation;
+    - pcie_params: offloaded 16-bit parameters copied to the GPU for forward, recompute and
+      backward (ZeRO-Infinity, arXiv:2104.07857 sec. 5);
+    - pcie_grads: offloaded gradient partitions to the host each micro batch (a round trip
+      when accumulating), fp32 at the boundary, updated 16-bit parameters back (stage3.py
+      partition_grads, _offload_grad_partition_at_boundary, _reassign_or_swap_out...);
+    - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate; a device Adam streams
+      ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
+    - nvme: swapped optimizer states (16 bytes per element in and out) and parameters;
+    - zero3_hooks: ZeRO-3's per-module fetch/release work, per module visit;
+    - collectives: all-gather of parameters per pass and reduce-scatter of gradients
+      across W ranks (ZeRO paper sec. 7: 3 x the data-parallel volume for stage 3)."""
+    a, W, T = shape.element_bytes, shape.world_size, shape.tokens_per_micro
+    accum, ckpt = shape.grad_accum, shape.gradient_checkpointing
+    N, trainable = spec.total_params, spec.trainable_params
+    n_rank = -(-N // W) if cand.stage == 3 else N
+    t_rank = -(-trainable // W) if cand.stage >= 2 else trainable
+    passes = 3 if ckpt else 2
+    ranks_here = ranks_on_this_node(hw, W)
+    cores = max(1, hw.cpu_cores // ranks_here)
+    # Forward 2N; backward computes input gradients through every weight (2N) but weight
+    # gradients only for the trainable ones (2T): 6N for full fine-tuning, ~4N for LoRA.
+    # Recompute adds a forward (2N): 4/3 for full fine-tuning.
+    per_token = 4 * N + 2 * trainable + 12 * spec.num_layers * spec.hidden_size * shape.seq_len
+    flops = (per_token + (2 * N if ckpt else 0)) * T
+    rate = hw_rates.BF16_MATMUL_FLOPS * hw_rates.MODEL_FLOPS_UTILISATION if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
+    terms = {"compute": accum * flops / rate}
+    groups = optimizer_groups(spec, shape, cand)
+    n_device_groups = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
+    on_device, offloaded = sum(groups[:n_device_groups]), sum(groups[n_device_groups:])
+    if hw.on_gpu:
+        pcie = hw_rates.PCIE_BYTES_PER_S
+        if cand.offload_param != "none":
+            terms["pcie_params"] = accum * passes * a * n_rank / pcie
+        if cand.offload_optimizer != "none":
+            per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
+            terms["pcie_grads"] = (accum * per_micro + 4 * offloaded + a * t_rank) / pcie
+    if offloaded:
+        terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM * hw_rates.CPU_ADAM_CORES / cores
+    if on_device:
+        terms["device_adam"] = on_device * 36 / (hw_rates.GPU_MEMORY_BYTES_PER_S if hw.on_gpu else 5e9 * cores)
+    nvme_bytes = (16 * offloaded if cand.offload_optimizer == "nvme" else 0)
+    if nvme_bytes:
+        terms["nvme"] = nvme_bytes / hw_rates.DISK_READ_BYTES_PER_S + nvme_bytes / hw_rates.DISK_WRITE_BYTES_PER_S
+    if cand.offload_param == "nvme" and n_rank > PARAM_MAX_IN_CPU:
+        swapped = a * (n_rank - PARAM_MAX_IN_CPU)
+        terms["nvme"] = terms.get("nvme", 0) + accum * passes * swapped / hw_rates.DISK_READ_BYTES_PER_S \
+            + swapped / hw_rates.DISK_WRITE_BYTES_PER_S
+    if cand.stage == 3:
+        terms["zero3_hooks"] = accum * passes * len(spec.modules) * hw_rates.ZERO3_SECONDS_PER_MODULE_VISIT
+    if W > 1:
+        volume = a * N * (W - 1) / W
+        gathers = passes if cand.stage == 3 else 0
+        terms["collectives"] = accum * (gathers + 1) * volume / hw_rates.NVLINK_BYTES_PER_S
+    return {k: round(v, 4) for k, v in terms.items()}
+
+# ------------------------------------------------------------------------ predict
+def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = 0.1) -> Plan:
+    """The whole prediction for one candidate configuration."""
+    on_gpu = hw.on_gpu
+    gpu_states, host_states, nvme_states = model_states(spec, shape, cand, on_gpu)
+    phases = device_phases(spec, shape, cand, on_gpu)
+    backward_at = phases.pop("backward_peak_at")
+    host_step = optimizer_step_host(spec, shape, cand)
+    host_base = {"process": HOST_PROCESS_BYTES}
+    if on_gpu:
+        host_base["cuda_host_context"] = CUDA_HOST_CONTEXT_BYTES
+    if shape.dataset_bytes:
+        host_base["dataset"] = shape.dataset_bytes
+    ranks_here = ranks_on_this_node(hw, shape.world_size)
+
+    if not on_gpu:  # the CPU accelerator: the "device" is host RAM
+        host_states = {**host_states, **{f"device:{k}": v for k, v in gpu_states.items()}}
+        gpu_states = {}
+    resident_gpu, resident_host = sum(gpu_states.values()), sum(host_base.values()) + sum(host_states.values())
+    per_phase = {}
+    for name in PHASES:
+        transient = phases[name]
+        host_extra = sum(host_step.values()) if name == "optimizer_step" else 0
+        if on_gpu:
+            per_phase[name] = {"gpu": resident_gpu + sum(transient.values()), "host": resident_host + host_extra}
+        else:
+            per_phase[name] = {"gpu": 0, "host": resident_host + sum(transient.values()) + host_extra}
+    peak_name = max(PHASES, key=lambda p: per_phase[p]["gpu" if on_gpu else "host"])
+    notes = [f"the device peaks in the {peak_name} phase" + (f" (at the {backward_at} backward)"
+                                                              if peak_name == "backward" else "")]
+    transients = sorted((sum(phases[p].values()) for p in ("backward", "optimizer_step")), reverse=True)
+    # Fragmentation: blocks cached for one phase's tensors are not reused by another's of
+    # other sizes, so reserved memory holds the two largest phase transients (measured with
+    # HF Trainer + ZeRO-3, 1.5B: reserved 35.7 GiB vs allocated peak 28.0 = steady 22.4 +
+    # step 5.6; /work/shared/device/README.md), plus 5% of the largest for rounding.
+    fragmentation = transients[1] + int(0.05 * transients[0])
+
+    def gpu_device(extra: dict[str, int], frag: int) -> Device:
+        comps = {**gpu_states, **extra, "fragmentation": frag, "cuda_context": CUDA_DEVICE_CONTEXT_BYTES} if on_gpu else {}
+        return _device(comps, hw.gpu_budget_bytes, headroom)
+
+    def host_device(extra: dict[str, int]) -> Device:
+        comps = {**host_base, **host_states, **extra}
+        return _device({k: v * ranks_here for k, v in comps.items() if v}, hw.host_budget_bytes, headroom)
+
+    peak_transient = {f"{peak_name}:{k}": v for k, v in phases[peak_name].items()}
+    host_peak_extra = {f"optimizer_step:{k}": v for k, v in host_step.items()}
+    if not on_gpu:
+        host_peak_extra = {**peak_transient, **(host_peak_extra if peak_name == "optimizer_step" else {})}
+    # LoRA checkpoints leave the frozen base out (checkpoint.save exclude_frozen)
+    ckpt_bytes = checkpoint_bytes(spec.trainable_params, shape.world_size, cand.stage, shape.element_bytes)
+    disk_free = hw.disk_free_bytes
+    devices = {"gpu": gpu_device(peak_transient, fragmentation), "host": host_device(host_peak_extra),
+               "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk}, disk_free, headroom)}
+    if nvme_states:
+        devices["nvme"] = _device(nvme_states, hw.nvme_free_bytes or 0, headroom)
+
+    # Checkpoint save: between steps (no activations). torch.save copies device-resident
+    # storages to the host one at a time (largest: an fp32 sub-group tensor); a consolidated
+    # 16-bit model (gather_16bit_weights_on_save) gathers module by module on the GPU
+    # (engine._zero3_consolidated_16bit_state_dict) and holds the whole model on the host.
+    largest_group = max(optimizer_groups(spec, shape, cand))
+    save_gpu, save_host = {}, {}
+    if on_gpu and cand.offload_optimizer == "none":
+        save_host["torch_save_staging"] = 4 * largest_group
+    if cand.gather_16bit_weights_on_save:
+        save_gpu["gathered_module"] = shape.element_bytes * spec.largest_module.numel
+        save_host["consolidated_16bit_model"] = shape.element_bytes * spec.total_params
+    save_peak = {"gpu": gpu_device(save_gpu, 0), "host": host_device(save_host if on_gpu else {**save_host, **{
+        f"device:{k}": v for k, v in save_gpu.items()}}),
+        "disk": devices["disk"]}
+    # First step after a save: the save's freed blocks stay cached in the allocator
+    # (fragmentation), on top of the usual step peak.
+    residue = save_gpu.get("gathered_module", 0)
+    first_step = {"gpu": gpu_device(peak_transient, fragmentation + residue), "host": devices["host"]}
+    # Export: zerofit export's streaming reader, within its default RAM cap.
+    export = {"host": _device({"process": HOST_PROCESS_BYTES,
+                               "read_and_cast_blocks": EXPORT_MAX_RAM_BYTES - HOST_PROCESS_BYTES},
+                              hw.host_budget_bytes, headroom),
+              "disk": _device({"safetensors": export_bytes(spec.total_params)}, disk_free, headroom)}
+
+    pinned_total = sum(v for k, v in host_states.items() if "pinned" in k) * ranks_here
+    if on_gpu and hw.pinned_limit_bytes is not None and pinned_total > hw.pinned_limit_bytes:
+        notes.append(f"{pinned_total / GIB:.1f} GiB pinned exceeds ulimit -l ({hw.pinned_limit_bytes / GIB:.2f} GiB); "
+                     f"fine with torch's pinning (cudaHostAlloc), fatal with DS_PIN_MEMORY_BACKEND=native")
+    terms = step_time_terms(spec, hw, shape, cand)
+    fits = all(d.fits for d in devices.values()) and all(d.fits for d in save_peak.values()) \
+        and all(d.fits for d in first_step.values())
+    host_rss_peak = max(p["host"] for p in per_phase.values())
+    return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
+                devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
+                host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak,
+                first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes, export_peak=export,
+                step_seconds=round(sum(terms.values()), 4), step_terms=terms, notes=notes)
+
+
+def _device(components: dict[str, int], budget: int, headroom: float) -> Device:
+    components = {k: int(v) for k, v in components.items() if v}
+    return Device(total_bytes=sum(components.values()), budget_bytes=int(budget), components=components,
+                  usable_bytes=int(budget * (1 - headroom)))

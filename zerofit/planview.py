@@ -1,0 +1,180 @@
+"""`zerofit plan`: plan a model or a run config and show it (rich table or JSON).
+
+Also what `train` calls: `plan_run(config, dist)` plans, broadcasts the decision from rank 0
+(every rank must build the same engine), writes plan.json, and refuses when nothing fits.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from zerofit import choice, dsconfig, hardware, modelspec
+from zerofit.choice import Decision
+from zerofit.config import Config
+from zerofit.hardware import Hardware
+from zerofit.memory import human_bytes
+from zerofit.modelspec import ModelSpec
+from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
+
+PHASE_FIELDS = ("predicted_gpu_peak", "predicted_host_rss")
+
+
+def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None) -> Hardware:
+    hw = hardware.probe(disk_path=config.run_dir, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem,
+                        host_mem=config.plan.host_mem, accelerator=accelerator)
+    return hardware.with_overrides(hw, cpu_cores=cpu_cores) if cpu_cores else hw
+
+
+def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None, spec: ModelSpec | None = None,
+                dataset_bytes: int = 0) -> tuple[Decision, ModelSpec, Hardware]:
+    """Plan `config` for `world_size` ranks on `hw` (probed when not given)."""
+    spec = spec or modelspec.from_config(config)
+    hw = hw or probe_for(config)
+    return choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes)), spec, hw
+
+
+def data_bytes(config: Config, held: int = 0) -> int:
+    """Host bytes for the data: the tokenized sequences (`held`, or int64 ids and labels
+    of the synthetic set), plus HF datasets itself when data comes from files."""
+    if config.data.path == "synthetic":
+        return held or 16 * config.data.synthetic_samples * config.train.seq_len
+    return held + DATASETS_LIBRARY_BYTES
+
+
+def plan_json(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict:
+    plan = decision.plan
+    world = plan.shape.world_size
+    return {**plan.to_json(), "model": spec.summary(), "hardware": hw.to_json(),
+            "chosen": choice.describe(plan), "chosen_fields": decision.chosen_fields,
+            "deepspeed_config": dsconfig.build(decision.config, world, hw.on_gpu),
+            "advice": decision.advice, "candidates_considered": len(decision.considered)}
+
+
+def phase_predictions(decision: Decision) -> dict[str, dict[str, int]]:
+    """What memory.Timeline writes next to each phase's measurement."""
+    plan = decision.plan
+    out = {name: {"predicted_gpu_peak": p["gpu"], "predicted_host_rss": p["host"]} for name, p in plan.phases.items()}
+    out["save"] = {"predicted_gpu_peak": plan.save_peak["gpu"].total_bytes - _outside_allocator(plan.save_peak["gpu"]),
+                   "predicted_host_rss": plan.save_peak["host"].total_bytes}
+    return out
+
+
+def _outside_allocator(device: Device) -> int:
+    return sum(v for k, v in device.components.items() if k in ("fragmentation", "cuda_context"))
+
+
+# ---------------------------------------------------------------------- rendering
+def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = False,
+           console: Console | None = None) -> None:
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    plan = decision.plan
+    verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
+    where = f"{hw.device_name}, {human_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
+    console.print(f"[bold]{spec.model_type}[/] {spec.total_params / 1e9:.3f}B parameters on {where}, "
+                  f"host {human_bytes(hw.host_budget_bytes)}, {plan.shape.world_size} rank(s): {verdict}")
+    console.print(f"configuration: {choice.describe(plan)}")
+    if decision.chosen_fields:
+        console.print("chosen by the planner: " + ", ".join(f"{k}={v}" for k, v in decision.chosen_fields.items()))
+    table = Table(title="predicted peak per device (training)", show_lines=False)
+    for column in ("device", "component", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for name, device in plan.devices.items():
+        if not device.budget_bytes and not device.total_bytes:
+            continue  # no GPU: the CPU accelerator's tensors are in the host rows
+        for i, (comp, nbytes) in enumerate(sorted(device.components.items(), key=lambda kv: -kv[1])):
+            table.add_row(name if i == 0 else "", comp, human_bytes(nbytes))
+        mark = "[green]ok[/]" if device.fits else "[red]over[/]"
+        table.add_row("", f"[bold]total[/] (usable {human_bytes(device.usable_bytes)} of {human_bytes(device.budget_bytes)})",
+                      f"[bold]{human_bytes(device.total_bytes)}[/] {mark}", end_section=True)
+    console.print(table)
+    peaks = Table(title="other peaks")
+    for column in ("when", "gpu", "host", "disk"):
+        peaks.add_column(column)
+    for label, devices in (("checkpoint save", plan.save_peak), ("first step after a save", plan.first_step_after_save_peak),
+                           ("export", plan.export_peak)):
+        peaks.add_row(label, *(human_bytes(devices[d].total_bytes) if d in devices else "-" for d in ("gpu", "host", "disk")))
+    console.print(peaks)
+    console.print(f"checkpoint size on disk: {human_bytes(plan.checkpoint_bytes)}; per rank: allocator peak "
+                  f"{human_bytes(plan.gpu_allocated_peak)} (torch.cuda.max_memory_allocated), host RSS "
+                  f"{human_bytes(plan.host_rss_peak)}")
+    terms = ", ".join(f"{k} {v:.3f}s" for k, v in plan.step_terms.items())
+    console.print(f"estimated step: {plan.step_seconds:.3f} s ({terms})")
+    for note in plan.notes:
+        console.print(f"[dim]note: {note}[/]")
+    if not plan.fits:
+        console.print("[bold]what would fit:[/]")
+        for item in decision.advice or ["nothing zerofit can change; more memory is needed"]:
+            console.print(f"  - {item}")
+    if explain:
+        render_explain(decision, console)
+
+
+def render_explain(decision: Decision, console: Console) -> None:
+    from zerofit.planner import step_time_terms
+
+    console.print("[bold]step time terms[/] (planner.step_time_terms):")
+    for line in (step_time_terms.__doc__ or "").splitlines()[1:]:
+        if line.strip():
+            console.print(f"  {line.strip()}")
+    table = Table(title=f"candidates ({len(decision.considered)}; fastest fitting first)")
+    for column in ("configuration", "fits", "step s", "gpu", "host"):
+        table.add_column(column)
+    ranked = sorted(decision.considered, key=lambda p: (not p.fits, p.step_seconds))
+    for p in ranked[:15]:
+        table.add_row(choice.describe(p), "yes" if p.fits else "no", f"{p.step_seconds:.3f}",
+                      human_bytes(p.devices["gpu"].total_bytes), human_bytes(p.devices["host"].total_bytes))
+    console.print(table)
+
+
+def write_plan(run_dir: Path, decision: Decision, spec: ModelSpec, hw: Hardware) -> Path:
+    path = Path(run_dir) / "plan.json"
+    path.write_text(json.dumps(plan_json(decision, spec, hw), indent=2))
+    return path
+
+
+# ------------------------------------------------------------------ train's call
+def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Decision]:
+    """Plan on rank 0, share the decision with every rank, write plan.json, refuse when
+    nothing fits (plan.enabled) or just record the prediction (plan.enabled false)."""
+    import torch.distributed as torch_dist
+
+    box: list = [None]
+    if dist.is_main:
+        hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
+        decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
+        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+        write_plan(Path(config.run_dir), decision, spec, hw)
+        box = [decision]
+    if dist.world_size > 1:
+        torch_dist.broadcast_object_list(box, src=0)
+    decision = box[0]
+    if config.plan.enabled and not decision.plan.fits:
+        raise choice.refuse(decision)
+    return decision.config, decision
+
+
+# ----------------------------------------------------------- the verb as a function
+def plan(model: str | None = None, config_path: str | None = None, overrides: list[str] = (),
+         world_size: int = 1, accelerator: str | None = None, cpu_cores: int | None = None,
+         ) -> tuple[Decision, ModelSpec, Hardware]:
+    """`zerofit plan`: a model (preset, config.json, directory) with a default run around
+    it, or a run config; `overrides` are `section.key=value` as for train's --set."""
+    from zerofit.config import load, parse_override, set_dotted, validate
+
+    if config_path:
+        config = load(config_path, list(overrides))
+    else:
+        if not model:
+            from zerofit.config import ConfigError
+
+            raise ConfigError("zerofit plan needs --model (a preset, config.json or model directory) or --config FILE")
+        raw = {"model": {"config": model}, "train": {"epochs": 1}}
+        for item in overrides:
+            set_dotted(raw, *parse_override(item))
+        config = validate(raw)
+    hw = probe_for(config, accelerator, cpu_cores)
+    return plan_config(config, world_size, hw=hw)

@@ -1,0 +1,274 @@
+"""ZeRO model states: where DeepSpeed keeps parameters, gradients and optimizer states,
+byte by byte, per rank (pure arithmetic).
+
+Sources: ZeRO (Rajbhandari et al., arXiv:1910.02054) for 2 + 2 + 12 bytes per parameter and
+what each stage partitions; ZeRO-Offload/Infinity (arXiv:2101.06840, arXiv:2104.07857) for
+what moves to CPU/NVMe; DeepSpeed 0.19's runtime/zero/stage3.py for the buffers it really
+allocates (named in each function); torch's CachingHostAllocator
+(ATen/core/CachingHostAllocator.h), which rounds pinned blocks up to a power of two and
+keeps them cached after free.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+from zerofit.modelspec import ModelSpec
+
+if TYPE_CHECKING:
+    from zerofit.planner import Candidate, Shape
+
+# DeepSpeed defaults of the NVMe swap buffers (runtime/zero/offload_config.py).
+OPTIMIZER_SWAP_BUFFERS = 4
+PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_NUMEL, PARAM_MAX_IN_CPU = 5, 100_000_000, 1_000_000_000
+
+
+def pow2_ceil(n: int) -> int:
+    """torch's CachingHostAllocator rounds every pinned block up to a power of two."""
+    return 1 << max(0, math.ceil(n) - 1).bit_length() if n > 0 else 0
+
+
+def pinned(nbytes: int, cand: Candidate, on_gpu: bool) -> int:
+    """Bytes one pinned allocation really takes. DeepSpeed's CPU accelerator does not pin."""
+    return pow2_ceil(nbytes) if on_gpu and cand.pin_memory else nbytes
+
+
+def partition_numel(numel: int, world: int) -> int:
+    """ZeRO-3 pads each parameter to a multiple of the world size (partition_parameters.py)."""
+    return -(-numel // world)
+
+
+@functools.lru_cache(maxsize=64)
+def sub_groups(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[int, ...]:
+    """Element counts of the optimizer sub groups of one rank.
+
+    zerofit passes two param groups of the trainable parameters (engine.param_groups: >=2-D
+    weights decay, the rest do not); stage3.py `_create_fp16_sub_groups` cuts each group, in
+    parameter order, into runs that close once they reach sub_group_size elements."""
+    groups: list[int] = []
+    for decay in (True, False):
+        run = 0
+        members = [partition_numel(p.numel, world) for p in spec.params if p.trainable and (p.ndim >= 2) == decay]
+        total = sum(members)
+        if not members:
+            continue
+        if sub_group_size >= total:
+            groups.append(total)
+            continue
+        for i, numel in enumerate(members):
+            run += numel
+            if run >= sub_group_size or i == len(members) - 1:
+                groups.append(run)
+                run = 0
+    return tuple(groups)
+
+
+class Gathered(NamedTuple):
+    """Gathered (full) parameter elements live on a rank at points of a training step."""
+    forward: int       # most during the forward pass
+    at_loss: int       # at the last forward module (lm_head): the loss and its backward
+    backward: int      # most during the backward pass
+    at_end: int        # at the last backward module (the embedding)
+
+
+def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int):
+    """ZeRO-3's module trace of one step: forward in module order, then backward in reverse
+    with each decoder block recomputed (forward order) before its own backward when
+    checkpointing. Modules whose parameters are all persistent drop out (never fetched)."""
+    numel = {p.name: p.numel for p in spec.params}
+    module_params = [tuple(n for n in m.params if numel[n] > persistence_threshold) for m in spec.modules]
+    layers: dict[int, list[int]] = {}
+    for i, m in enumerate(spec.modules):
+        if m.layer is not None:
+            layers.setdefault(m.layer, []).append(i)
+    last_block = max((i for ids in layers.values() for i in ids), default=-1)
+    outside = [i for i, m in enumerate(spec.modules) if m.layer is None]
+    head, tail = [i for i in outside if i < last_block], [i for i in outside if i > last_block]
+    forward = list(range(len(spec.modules)))
+    backward = list(reversed(tail))
+    for layer in sorted(layers, reverse=True):
+        backward += (layers[layer] if checkpointing else []) + list(reversed(layers[layer]))
+    backward += list(reversed(head))
+    trace = [module_params[i] for i in forward + backward if module_params[i]]
+    return trace, sum(1 for i in forward if module_params[i]), numel
+
+
+@functools.lru_cache(maxsize=64)
+def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int,
+                   reuse_distance: int, persistence_threshold: int) -> Gathered:
+    """Replays partitioned_param_coordinator.py over the trace: at each module fetch its
+    parameters, then prefetch the next ones not yet available up to min(prefetch_bucket_size,
+    max_live_parameters - available) more elements (the fetch queue only moves forward, so
+    the prefetched window grows until max_live_parameters bounds it); on release keep a
+    parameter whose next use is within max_reuse_distance elements (__params_to_release)."""
+    trace, n_forward, numel = zero3_trace(spec, checkpointing, persistence_threshold)
+    sizes = [sum(numel[n] for n in params) for params in trace]
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    next_use: list[dict[str, int]] = [{} for _ in trace]
+    last_seen: dict[str, int] = {}
+    for t in range(len(trace) - 1, -1, -1):
+        for n in trace[t]:
+            if n in last_seen:
+                next_use[t][n] = last_seen[n]
+            last_seen[n] = t
+    available: set[str] = set()
+    live, lives = 0, []
+    for t, params in enumerate(trace):
+        wanted = [n for n in params if n not in available]
+        room, fetched, j = min(prefetch, max_live - live - sum(numel[n] for n in wanted)), 0, t + 1
+        while j < len(trace) and fetched < room:
+            wanted += [n for n in trace[j] if n not in available and n not in wanted]
+            fetched = sum(numel[n] for n in wanted) - sum(numel[n] for n in params if n in wanted)
+            j += 1
+        available.update(wanted)
+        live += sum(numel[n] for n in wanted)
+        lives.append(live)
+        for n in params:
+            nxt = next_use[t].get(n)
+            if nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance:
+                available.discard(n)
+                live -= numel[n]
+    if not lives:
+        return Gathered(0, 0, 0, 0)
+    return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
+                    backward=max(lives[n_forward:] or [0]), at_end=lives[-1])
+
+
+def optimizer_groups(spec: ModelSpec, shape: Shape, cand: Candidate) -> tuple[int, ...]:
+    """What the optimizer steps at once: ZeRO-3's sub groups, else the trainable shard."""
+    if cand.stage == 3:
+        return sub_groups(spec, shape.world_size, cand.sub_group_size) or (0,)
+    return (spec.trainable_params // (shape.world_size if cand.stage >= 1 else 1),)
+
+
+def persistent_numel(spec: ModelSpec, threshold: int) -> int:
+    return sum(p.numel for p in spec.params if p.numel <= threshold)
+
+
+# ------------------------------------------------------------------ model states
+def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> tuple[dict, dict, dict]:
+    """(gpu, host, nvme) resident bytes per rank of parameters, gradients and optimizer
+    states, named by what holds them in DeepSpeed."""
+    W, a = shape.world_size, shape.element_bytes
+    gpu: dict[str, int] = {}
+    host: dict[str, int] = {}
+    nvme: dict[str, int] = {}
+    if cand.stage < 3:
+        return _model_states_stage012(spec, shape, cand, on_gpu)
+    n_rank = sum(partition_numel(p.numel, W) for p in spec.params)
+    trainable = [p for p in spec.params if p.trainable]
+    t_rank = sum(partition_numel(p.numel, W) for p in trainable)
+    groups = sub_groups(spec, W, cand.sub_group_size) or (0,)
+    # Partial offload (offload_optimizer.ratio): stage3.py `_create_fp32_partitions` keeps the
+    # first int((1 - ratio) * n_sub_groups) sub groups on the GPU, the rest on the CPU.
+    on_device = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
+    device_groups, offloaded_groups = groups[:on_device], groups[on_device:]
+    dev_numel, off_numel = sum(device_groups), sum(offloaded_groups)
+
+    # 16-bit parameter partitions: the trainable ones in one flat buffer on the GPU
+    # (`lp_param_buffer`, defragment) or, offloaded, one pinned flat buffer per param group
+    # (`_create_param_groups_fp16_flat_cpu_memory`); frozen ones (a LoRA base) stay where
+    # zero.Init put them, each partition its own (pinned, when offloaded) block.
+    if cand.offload_param == "none":
+        gpu["params_16bit"] = a * n_rank
+    else:
+        group_numels = [sum(partition_numel(p.numel, W) for p in trainable if (p.ndim >= 2) == d) for d in (True, False)]
+        in_cpu = t_rank if cand.offload_param == "cpu" else min(t_rank, PARAM_MAX_IN_CPU)
+        host["params_16bit_pinned"] = sum(pinned(a * g, cand, on_gpu) for g in group_numels if g) \
+            if in_cpu == t_rank else pinned(a * in_cpu, cand, on_gpu)
+        frozen = [partition_numel(p.numel, W) for p in spec.params if not p.trainable]
+        if frozen:
+            host["frozen_params_16bit_pinned"] = sum(pinned(a * n, cand, on_gpu) for n in frozen)
+        if cand.offload_param == "nvme":
+            nvme["params_16bit_swap"] = a * n_rank
+            host["param_swap_buffers_pinned"] = PARAM_SWAP_BUFFERS * pinned(a * PARAM_SWAP_BUFFER_NUMEL, cand, on_gpu)
+        # zero.Init pins each parameter's partition on its own; moving the trainable ones into
+        # the flat buffer frees those blocks into the CachingHostAllocator's cache, which keeps them.
+        if on_gpu and cand.pin_memory:
+            host["zero_init_pinned_cache"] = sum(pow2_ceil(a * partition_numel(p.numel, W)) for p in trainable)
+        # Persistent (small) parameters stay on the GPU, gathered (parameter_offload.py).
+        gpu["params_persistent"] = a * persistent_numel(spec, cand.param_persistence_threshold)
+    if W > 1 and cand.offload_param == "none":
+        gpu["params_persistent"] = a * persistent_numel(spec, cand.param_persistence_threshold) * (W - 1) // W
+
+    # Gradient partitions, one flat buffer in the accumulation dtype (= model dtype) on the
+    # optimizer's device, pinned there (`_setup_for_real_optimizer`).
+    if cand.offload_optimizer == "none":
+        gpu["grads_16bit"] = a * t_rank
+    else:
+        host["grads_16bit_pinned"] = pinned(a * t_rank, cand, on_gpu)
+
+    # fp32 master weights and Adam moments (ZeRO: 12 bytes per parameter), partitioned.
+    if dev_numel:
+        gpu["master_fp32"] = 4 * dev_numel
+        gpu["adam_moments_fp32"] = 8 * dev_numel
+    if off_numel:
+        if cand.offload_optimizer == "nvme":
+            nvme["optimizer_swap"] = 16 * off_numel           # fp32 params, grads, exp_avg, exp_avg_sq
+            largest = max(offloaded_groups)
+            host["optimizer_swap_buffers_pinned"] = OPTIMIZER_SWAP_BUFFERS * pinned(4 * largest, cand, on_gpu)
+        else:
+            host["master_fp32"] = 4 * off_numel              # `.to(cpu, fp32).clone()`: pageable
+            host["adam_moments_fp32"] = 8 * off_numel        # cpu_adam.py: zeros_like at the first step
+            # One pinned fp32 gradient buffer per sub group (`initialize_optimizer_states`);
+            # GPU sub groups of a partial offload get theirs via .to(gpu), leaving the pinned
+            # block cached on the host.
+        if cand.offload_optimizer == "cpu" or dev_numel:
+            host["fp32_grads_pinned"] = sum(pinned(4 * g, cand, on_gpu) for g in groups)
+    if dev_numel and cand.offload_optimizer != "none":
+        gpu["fp32_grads"] = 4 * dev_numel
+    # The reduce bucket (contiguous_gradients), on the device (`_setup_for_real_optimizer`).
+    gpu["reduce_bucket"] = a * cand.reduce_bucket_size
+    if cand.offload_optimizer == "none":
+        # `initialize_optimizer_states` hangs every sub group's .grad on one fp32 buffer of the
+        # largest sub group; it lives until the first optimizer step releases them.
+        gpu["fp32_grad_buffer_until_first_step"] = 4 * max(groups)
+    return gpu, host, nvme
+
+
+def _model_states_stage012(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool):
+    """ZeRO stages 0-2 (arXiv:1910.02054 fig. 1): 16-bit params whole on every rank; grads
+    partitioned from stage 2, optimizer states from stage 1; ZeRO-Offload moves the fp32
+    states (and the grads they step on) to the CPU; only trainable parameters have them."""
+    W, a, N, T = shape.world_size, shape.element_bytes, spec.total_params, spec.trainable_params
+    shard = T // W if cand.stage >= 1 else T
+    gpu = {"params_16bit": a * N, "grads_16bit": a * (T // W if cand.stage >= 2 else T),
+           "reduce_bucket": a * cand.reduce_bucket_size}
+    host: dict[str, int] = {}
+    if cand.offload_optimizer == "none":
+        gpu.update(master_fp32=4 * shard, adam_moments_fp32=8 * shard)
+    else:
+        host.update(master_fp32=4 * shard, adam_moments_fp32=8 * shard, fp32_grads_pinned=pinned(4 * shard, cand, on_gpu))
+    return gpu, host, {}
+
+
+
+def optimizer_step_device(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> dict[str, int]:
+    """Device temporaries of the optimizer step. For sub groups stepped on the device,
+    `_prepare_fp32_grad_for_sub_group` flattens the 16-bit grads (a bytes) and converts
+    them to fp32 (4 bytes): (a + 4) x the largest sub group, so sub_group_size 1e9 makes
+    this multi-GB. torch's AdamW (the CPU accelerator; a partial offload's device part)
+    adds foreach temporaries (sqrt(exp_avg_sq) and the denominator: 2 x 4 bytes)."""
+    a = shape.element_bytes
+    groups = optimizer_groups(spec, shape, cand)
+    n_device = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
+    if not n_device:
+        return {}
+    largest = max(groups[:n_device])
+    out = {"step_fp32_grad_flatten": (a + 4) * largest}
+    if cand.offload_optimizer != "none" or not on_gpu:
+        out["torch_adamw_temporaries"] = 8 * largest
+    return out
+
+
+def optimizer_step_host(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, int]:
+    """Host temporaries of an offloaded step: copying the updated fp32 partition into the
+    16-bit one on the GPU (`_reassign_or_swap_out_partitioned_parameters`) converts it on
+    the host first (torch's cross-device copy_ with a dtype change)."""
+    if cand.offload_optimizer == "none" or cand.offload_param != "none":
+        return {}
+    groups = optimizer_groups(spec, shape, cand)
+    return {"step_16bit_copy": shape.element_bytes * max(groups)}
