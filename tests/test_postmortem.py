@@ -148,3 +148,10 @@ def test_failed_phase_and_device():
                       on_gpu=True) == "host"
     assert is_oom(MemoryError()) and is_oom(RuntimeError("CUDA error: out of memory"))
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
+
+
+def test_allocator_history_is_skipped_where_torch_breaks_checkpointing():
+    from zerofit.postmortem import history_breaks_checkpointing
+
+    assert history_breaks_checkpointing("2.11.0+cu130") and history_breaks_checkpointing("2.13.0+cpu")
+    assert not history_breaks_checkpointing("2.10.1") and not history_breaks_checkpointing("2.4.0")

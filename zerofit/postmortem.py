@@ -31,7 +31,7 @@ from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
 from zerofit.doctor import plan_vs_measured, read_json
 from zerofit.findings import RunFacts, detect, facts_from, gib, label
 from zerofit.memory import gpu_bytes, host_rss_bytes, read_timeline
-from zerofit.progress import say
+from zerofit.progress import say, warn
 
 MAX_RETRIES = 2
 TRAINING_PHASES = ("forward", "backward", "optimizer_step")
@@ -134,6 +134,16 @@ def free_memory() -> None:
 
 
 # ---------------------------------------------------------------------- recording
+def history_breaks_checkpointing(torch_version: str) -> bool:
+    """torch 2.11 raises "SystemError: <built-in method apply of FunctionMeta> returned NULL"
+    in autograd Functions (DeepSpeed's ZeRO-3 linear) under non-reentrant activation
+    checkpointing while the allocator history records (pytorch/pytorch#179536, a regression
+    from 2.10; seen on the GPU machine in every checkpointed run). No fixed release is
+    known yet, so every version from 2.11 on is treated as affected."""
+    major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 11)
+
+
 def start_recording(config: Config, dist) -> None:
     """Keep the last N allocator events (with Python stacks) for the OOM snapshot. Call
     after the device is chosen: the history is per device."""
@@ -141,6 +151,12 @@ def start_recording(config: Config, dist) -> None:
         return
     import torch
 
+    if config.model.gradient_checkpointing and history_breaks_checkpointing(torch.__version__):
+        if dist.is_main:
+            warn(f"allocator history off: torch {torch.__version__} with activation checkpointing fails inside "
+                 f"autograd Functions while it records (pytorch/pytorch#179536); an OOM post-mortem will "
+                 f"have no snapshot.pickle, the rest of it stays")
+        return
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
                                              max_entries=config.memory.history_max_entries)
 
