@@ -12,7 +12,9 @@ import socket
 import warnings
 from dataclasses import dataclass
 
+from zerofit import opbuild
 from zerofit.config import Config
+from zerofit.progress import warn
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ def select_accelerator() -> bool:
 def init_distributed() -> Dist:
     """Join the launcher's process group (torchrun, deepspeed), or form a group of one."""
     on_gpu = select_accelerator()
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one clearer per machine: no two race on a lock
+        for lock in opbuild.clear_stale_build_locks():
+            warn(f"removed DeepSpeed's op build lock {lock.describe()} (every later load would wait on it forever)")
     # DeepSpeed still calls collectives torch deprecated; the user can do nothing about it.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if "RANK" not in os.environ:

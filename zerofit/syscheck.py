@@ -1,6 +1,7 @@
 """`zerofit doctor --system`: is this machine ready for ZeRO-3 with offload? Each check is
 pass / warn / fail with the fix: GPU, driver and CUDA, host RAM, the pinned-memory
-limit, an NVMe path's direct-I/O bandwidth, libaio and DeepSpeed's async_io op."""
+limit, an NVMe path's direct-I/O bandwidth, libaio and DeepSpeed's async_io op, and op
+build locks left by a killed build (opbuild.py)."""
 from __future__ import annotations
 
 import ctypes.util
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from zerofit import opbuild
 from zerofit.memory import gib
 
 DIRECT_IO_ALIGN = 4096
@@ -30,7 +32,8 @@ class Check:
 
 
 def check_system(nvme_path: str | None = None, nvme_mib: int = 256) -> list[Check]:
-    checks = [check_gpu(), check_driver(), check_host_ram(), check_memlock(), check_libaio(), check_async_io()]
+    checks = [check_gpu(), check_driver(), check_host_ram(), check_memlock(), check_libaio(), check_async_io(),
+              check_op_build_locks()]
     if nvme_path:
         checks += check_direct_io(Path(nvme_path), nvme_mib)
     return checks
@@ -114,6 +117,17 @@ def check_async_io() -> Check:
                  "(offload_optimizer / offload_param device nvme) will not work",
                  "install libaio-dev and a compiler; on some GPUs set TORCH_CUDA_ARCH_LIST (e.g. 9.0) before "
                  "the build; `ds_report` shows the reason")
+
+
+def check_op_build_locks() -> Check:
+    locks = opbuild.build_locks()
+    stale = [lock for lock in locks if lock.stale]
+    if stale:
+        return Check("DeepSpeed op builds", "warn", "; ".join(lock.describe() for lock in stale)
+                     + ": DeepSpeed would wait on it forever", "zerofit train removes it; elsewhere `rm` it")
+    if locks:
+        return Check("DeepSpeed op builds", "pass", "; ".join(lock.describe() for lock in locks))
+    return Check("DeepSpeed op builds", "pass", f"no build lock under {opbuild.build_root()}")
 
 
 def _cuda() -> bool:

@@ -1,0 +1,94 @@
+"""DeepSpeed's just-in-time ops (cpu_adam, the CPU accelerator's shm comm, async_io) and the
+lock their build leaves behind when it is killed.
+
+torch.utils.cpp_extension builds each op under a FileBaton: it creates `BUILD_DIR/NAME/lock`
+with O_CREAT|O_EXCL, keeps it open while ninja runs, and deletes it when done. A build that
+is killed (Ctrl-C in the first minute of a first run, an OOM kill, a job's time limit)
+leaves the file, and every later process that loads the op waits for it in
+`FileBaton.wait()`, forever and without a word (torch/utils/file_baton.py). zerofit clears
+such a lock before DeepSpeed starts: a lock no process on this machine holds open and that
+is older than any build, a build being minutes on the slowest machine we know.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# A lock younger than this may belong to a build on another node sharing this home
+# directory (its open file is invisible here); DeepSpeed's CPU ops build in 1-3 minutes.
+STALE_AFTER_S = 600
+
+
+@dataclass(frozen=True)
+class BuildLock:
+    path: Path
+    age_s: float
+    held_open: bool
+
+    @property
+    def stale(self) -> bool:
+        return not self.held_open and self.age_s > STALE_AFTER_S
+
+    def describe(self) -> str:
+        minutes = self.age_s / 60
+        if self.held_open:
+            return f"{self.path}: a build in progress ({minutes:.0f} min old)"
+        return f"{self.path}: left by a build that stopped {minutes:.0f} min ago"
+
+
+def build_root() -> Path:
+    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def build_locks(root: Path | None = None) -> list[BuildLock]:
+    """Every op build lock under `root` (ROOT/op/lock with TORCH_EXTENSIONS_DIR set,
+    ROOT/py311_cpu/op/lock by default)."""
+    root = root or build_root()
+    paths = sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
+    if not paths:
+        return []
+    open_files = _files_open_on_this_machine()
+    now = time.time()
+    locks = []
+    for path in paths:
+        try:
+            age_s = now - path.stat().st_mtime
+        except FileNotFoundError:  # its build just finished
+            continue
+        locks.append(BuildLock(path, age_s, str(path.resolve()) in open_files))
+    return locks
+
+
+def clear_stale_build_locks(root: Path | None = None) -> list[BuildLock]:
+    """Delete the stale locks under `root`; returns what was deleted, for the caller to say."""
+    cleared = []
+    for lock in build_locks(root):
+        if lock.stale:
+            try:
+                lock.path.unlink()
+            except FileNotFoundError:
+                continue
+            cleared.append(lock)
+    return cleared
+
+
+def _files_open_on_this_machine() -> set[str]:
+    """Paths every readable process has open (/proc/PID/fd). Processes we may not read
+    (another user's, without root) are skipped: the age rule covers them."""
+    open_files = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            links = list(fd_dir.iterdir())
+        except OSError:
+            continue
+        for link in links:
+            try:
+                open_files.add(os.readlink(link))
+            except OSError:
+                continue
+    return open_files
