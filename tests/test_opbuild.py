@@ -37,6 +37,25 @@ def test_only_old_locks_nobody_holds_are_cleared(tmp_path):
     assert not stale.exists() and fresh.exists() and held.exists()
 
 
+def test_a_lock_left_while_waiting_is_cleared_too(tmp_path, monkeypatch):
+    """A build that dies while this process waits on its lock (FileBaton.wait) leaves the
+    same trap: the sweeper clears it within one sweep."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(opbuild, "SWEEP_EVERY_S", 0.05)
+    cleared = []
+    with opbuild.stale_locks_cleared(cleared.append):
+        assert cleared == []
+        lock = _lock(tmp_path, "cpu_adam", HOUR)
+        deadline = time.time() + 10
+        while lock.exists() and time.time() < deadline:
+            time.sleep(0.05)
+    assert not lock.exists() and [c.path for c in cleared] == [lock]
+    again = _lock(tmp_path, "cpu_adam", HOUR)
+    with opbuild.stale_locks_cleared(cleared.append, enabled=False):  # not the node's first rank
+        time.sleep(0.2)
+    assert again.exists()
+
+
 def test_training_goes_on_past_a_killed_build(tmp_path):
     """The CI failure this guards against: a build killed at 13:18 left cpu_adam/lock and
     every later `zerofit train` hung in FileBaton.wait()."""

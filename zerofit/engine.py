@@ -41,9 +41,6 @@ def select_accelerator() -> bool:
 def init_distributed() -> Dist:
     """Join the launcher's process group (torchrun, deepspeed), or form a group of one."""
     on_gpu = select_accelerator()
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one clearer per machine: no two race on a lock
-        for lock in opbuild.clear_stale_build_locks():
-            warn(f"removed DeepSpeed's op build lock {lock.describe()} (every later load would wait on it forever)")
     # DeepSpeed still calls collectives torch deprecated; the user can do nothing about it.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if "RANK" not in os.environ:
@@ -53,7 +50,8 @@ def init_distributed() -> Dist:
     import torch
 
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
+        with _ops_unblocked():  # the CPU accelerator builds its shm comm op here
+            deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:
         torch.cuda.set_device(local_rank)
@@ -146,6 +144,15 @@ def build_engine(model, config: Config, ds_config: dict, total_steps: int):
     def scheduler(optimizer):
         return LambdaLR(optimizer, lr_lambda(config, total_steps))
 
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, config.train.weight_decay),
-                                      config=ds_config, lr_scheduler=scheduler)
+    with _ops_unblocked():  # CPU-Adam and async_io load here
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler,
+                                          model_parameters=param_groups(model, config.train.weight_decay))
     return engine
+
+
+def _ops_unblocked():
+    """DeepSpeed's op loads, with build locks left by killed builds cleared (opbuild.py)."""
+    def on_clear(lock: opbuild.BuildLock) -> None:
+        warn(f"removed DeepSpeed's op build lock {lock.describe()} (a load would wait on it forever)")
+
+    return opbuild.stale_locks_cleared(on_clear, enabled=int(os.environ.get("LOCAL_RANK", 0)) == 0)

@@ -7,18 +7,23 @@ is killed (Ctrl-C in the first minute of a first run, an OOM kill, a job's time 
 leaves the file, and every later process that loads the op waits for it in
 `FileBaton.wait()`, forever and without a word (torch/utils/file_baton.py). zerofit clears
 such a lock before DeepSpeed starts: a lock no process on this machine holds open and that
-is older than any build, a build being minutes on the slowest machine we know.
+is older than any build, both before DeepSpeed starts and while it loads its ops (a build
+that dies while another process waits on it leaves the same trap).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 # A lock younger than this may belong to a build on another node sharing this home
 # directory (its open file is invisible here); DeepSpeed's CPU ops build in 1-3 minutes.
-STALE_AFTER_S = 600
+STALE_AFTER_S = 300
+SWEEP_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,31 @@ def clear_stale_build_locks(root: Path | None = None) -> list[BuildLock]:
                 continue
             cleared.append(lock)
     return cleared
+
+
+@contextmanager
+def stale_locks_cleared(on_clear: Callable[[BuildLock], None], enabled: bool = True) -> Iterator[None]:
+    """Clear stale locks now and every SWEEP_EVERY_S while the block runs. `enabled`: one
+    process per machine sweeps (the node's first rank), so no two race on one lock."""
+    if not enabled:
+        yield
+        return
+    for lock in clear_stale_build_locks():
+        on_clear(lock)
+    done = threading.Event()
+
+    def sweep() -> None:
+        while not done.wait(SWEEP_EVERY_S):
+            for lock in clear_stale_build_locks():
+                on_clear(lock)
+
+    sweeper = threading.Thread(target=sweep, name="zerofit-build-locks", daemon=True)
+    sweeper.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sweeper.join()
 
 
 def _files_open_on_this_machine() -> set[str]:
