@@ -32,7 +32,7 @@ recorded as skipped with the reason.
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/speed_bench.py
 Here (CPU):   python bench/speed_bench.py --smoke
-Writes $OUT/speed.json and $OUT/speed.md (or --out).
+Writes $OUT/speed.json and $OUT/speed.md (or --out); `--cases 3.6b` alone writes speed-3.6b.*.
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ CASES = {
 # The smoke: the same path, smaller (each process's imports take ~15 s on 2 shared cores).
 SMOKE_CASE = dict(model="tiny", cap_gib=8, seq_len=32, global_batch=4, measured_steps=(2, 2, 2),
                   budgets_s=(60, 60, 60))
+DEFAULT_CASES = "1.5b,3.6b"
 CONFIGS = ("zerofit", "stock_tuned", "stock_lf")   # run order: the slowest last
 # zerofit's defaults (config.TrainConfig), given to every config.
 LR, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 2e-5, (0.9, 0.95), 1e-8, 0.0, 1.0
@@ -501,7 +502,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU accelerator")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     parser.add_argument("--deadline-s", type=float, default=390)
-    parser.add_argument("--cases", default="1.5b,3.6b", help="in order; a later case runs only if time is left")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="in order; a later case runs only if time is left "
+                        "(another list than the default writes speed-CASES.json)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -516,15 +518,18 @@ def main() -> None:
     runner = Runner(work, accelerator, started, args.deadline_s)
     cases = [("tiny", SMOKE_CASE)] if args.smoke else [(c, CASES[c]) for c in args.cases.split(",")]
     result = {"device": "CPU accelerator (smoke)" if args.smoke else gpu_name(),
-              "command": "python bench/speed_bench.py" + (" --smoke" if args.smoke else ""),
+              "command": "python bench/speed_bench.py" + (" --smoke" if args.smoke else "")
+              + (f" --cases {args.cases}" if args.cases != DEFAULT_CASES else ""),
               "deadline_s": args.deadline_s, "cases": []}
+
+    stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '+')}"
 
     def save() -> None:
         result["elapsed_s"] = round(time.time() - started, 1)
-        tmp = out / "speed.json.tmp"
+        tmp = out / f"{stem}.json.tmp"
         tmp.write_text(json.dumps(result, indent=1, default=str))
-        tmp.replace(out / "speed.json")
-        write_markdown(out / "speed.md", result)
+        tmp.replace(out / f"{stem}.json")
+        write_markdown(out / f"{stem}.md", result)
 
     from zerofit import modelspec
     from zerofit.config import validate
@@ -536,6 +541,12 @@ def main() -> None:
     # autodetection fails on "9.0a" there (device README); the workers inherit it.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     rates_run = runner.run("roofline", "roofline", {"adam_params": params}, 60 if args.smoke else 150)
+    if rates_run["status"] != "done":  # killed mid-build: its lock would hang every later worker
+        from zerofit import opbuild
+
+        for lock in opbuild.build_locks():
+            if not lock.held_open:
+                lock.path.unlink(missing_ok=True)
     rates_file = rates_run["dir"] / "roofline.json"
     result["rates"] = json.loads(rates_file.read_text()) if rates_file.exists() else {}
     result["rates"]["status"] = rates_run["status"]
