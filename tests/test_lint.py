@@ -1,5 +1,6 @@
 """`zerofit lint` on good and bad DeepSpeed JSON, checked with DeepSpeed's own config models."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -8,20 +9,10 @@ from zerofit.config import load
 
 from conftest import run_zerofit
 
-# LLaMA-Factory's examples/deepspeed/ds_z3_offload_config.json: "auto" everywhere HF Trainer fills in.
-LLAMA_FACTORY_Z3_OFFLOAD = {
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "bf16": {"enabled": "auto"},
-    "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": False, "contiguous_gradients": True,
-        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
-}
+# LLaMA-Factory's examples/deepspeed/ds_z3_offload_config.json: "auto" everywhere HF Trainer
+# fills in (bench/configs/: the values, shared with bench/speed_bench.py).
+LLAMA_FACTORY_Z3_OFFLOAD = json.loads(
+    (Path(__file__).resolve().parents[1] / "bench" / "configs" / "llama_factory_ds_z3_offload.json").read_text())
 
 
 def findings(result, level=None):

@@ -4,7 +4,8 @@ Fields the user set (pydantic's `model_fields_set` on `config.zero`, `config.tra
 `config.model`) are constraints; unset ones are free. The candidates are every
 combination of the free choices (offload devices, partial offload ratio, micro batch x
 accumulation for a fixed `train.global_batch_size`, gradient checkpointing); bucket sizes
-left unset take HF Trainer's "auto" formulas. Each candidate is predicted by
+left unset take HF Trainer's "auto" formulas, except that one rank keeping its parameters on
+the GPU makes them all persistent (`all_persistent`). Each candidate is predicted by
 `planner.predict`; among those that fit with `plan.headroom`, the fastest wins (ties go to
 the one using less GPU memory). Pure: a Config, a ModelSpec and a Hardware in, a Decision out.
 """
@@ -128,10 +129,24 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
         # wrote offload_optimizer: cpu meant the whole optimizer.
         if opt == "cpu" and base.stage == 3 and hw.on_gpu and not {"offload_optimizer", "offload_optimizer_ratio"} & zero_set:
             ratios = list(PARTIAL_OFFLOAD_RATIOS)
+        persistence = base.param_persistence_threshold
+        if par == "none" and world_size == 1 and base.stage == 3 and "param_persistence_threshold" not in zero_set:
+            persistence = all_persistent(spec)
         for ratio in ratios if opt != "none" else [1.0]:
             shape = replace(base_shape, micro_batch=micro, grad_accum=accum, gradient_checkpointing=ckpt)
-            out.append((shape, replace(base, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=ratio)))
+            out.append((shape, replace(base, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=ratio,
+                                       param_persistence_threshold=persistence)))
     return out
+
+
+def all_persistent(spec: ModelSpec) -> int:
+    """A stage3_param_persistence_threshold that makes every parameter persistent.
+
+    One rank whose 16-bit parameters stay on the GPU holds each one whole already: ZeRO-3's
+    fetch there is a view of the partition (partition_parameters.py `_no_gather_coalesced`,
+    NoGatherHandle), so persistence costs no memory (zerostates: (W - 1) / W copies) and
+    spares every module visit its fetch and release (partitioned_param_coordinator.py)."""
+    return max(p.numel for p in spec.params)
 
 
 # ------------------------------------------------------------------------ choose

@@ -36,11 +36,17 @@ NVLINK_BYTES_PER_S = 0.5 * 450e9
 # 1.5B/3.6B offload runs are dominated by transfers and CPU-Adam, so this is an assumption
 # (typical 35-50% for dense decoder training), to be refined by bench/planner_accuracy.py.
 MODEL_FLOPS_UTILISATION = 0.4
-# ZeRO-3 hook work per module visit (fetch, wait, release, trace bookkeeping). Fitted to the
-# README's stock offload runs: 1.5B step 1.43 s and 3.6B step 2.34 s leave 0.63 s over 441
-# and 0.40 s over 765 module visits once compute, PCIe and CPU-Adam are taken out (1.4 and
-# 0.5 ms); the middle, to be refined by bench/planner_accuracy.py's measured step times.
-ZERO3_SECONDS_PER_MODULE_VISIT = 0.7e-3
+# ZeRO-3 hook work per visit of a module that fetches and releases parameters. Fitted to the
+# README's single-process stock offload runs (1.5B: 1.43 s/step, 3.6B: 2.34 s/step, micro
+# batch 2, seq 1024): once compute, PCIe and CPU-Adam are taken out they leave 0.63 s over
+# 340 and 0.40 s over 592 fetching visits (planner.step_work). 1.0 ms, near their geometric
+# mean, predicts the two steps within -19% and +9%. (bench/results/planner_accuracy.json's
+# step times are not used: up to six cells shared the 16 cores and the GPU there.)
+ZERO3_SECONDS_PER_MODULE_VISIT = 1.0e-3
+# A visit whose parameters are all persistent fetches and releases nothing: only the hook
+# bookkeeping (trace, prefetch queue) is left. Not measured yet; an assumption (a seventh of
+# a fetching visit) that bench/speed_bench.py's per-config step times are there to refine.
+ZERO3_SECONDS_PER_IDLE_VISIT = 0.1e-3
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from zerofit.activations import device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
 from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_groups, optimizer_step_host,
-                                partition_numel)
+                                partition_numel, zero3_trace)
 
 GIB = 2**30
 # Process RSS before any model state: python, torch, transformers, deepspeed and its
@@ -168,49 +168,76 @@ def ranks_on_this_node(hw: Hardware, world_size: int) -> int:
 CPU_FLOPS_PER_CORE = 30e9
 
 
-def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate) -> dict[str, float]:
-    """Seconds one optimizer step spends per term (summed: overlap is not assumed).
+def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float]:
+    """What one optimizer step has to do, device-independent: the quantities the cost model
+    and the roofline (bench/speed_bench.py) turn into seconds with a rate.
 
-    - compute: 6 x params x tokens (Kaplan et al. arXiv:2001.08361; forward 2, backward 4;
+    - flops: 6 x params x tokens (Kaplan et al. arXiv:2001.08361; forward 2, backward 4;
       4 + 2 x trainable/params with a frozen base) plus attention 12 x layers x hidden x seq
-      per token (PaLM, arXiv:2204.02311 app. B), plus a forward with recompute, at the
-      calibrated matmul rate x utilisation;
-    - pcie_params: offloaded 16-bit parameters copied to the GPU for forward, recompute and
-      backward (ZeRO-Infinity, arXiv:2104.07857 sec. 5);
-    - pcie_grads: offloaded gradient partitions to the host each micro batch (a round trip
-      when accumulating), fp32 at the boundary, updated 16-bit parameters back (stage3.py
-      partition_grads, _offload_grad_partition_at_boundary, _reassign_or_swap_out...);
-    - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate; a device Adam streams
-      ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
-    - nvme: swapped optimizer states (16 bytes per element in and out) and parameters;
-    - zero3_hooks: ZeRO-3's per-module fetch/release work, per module visit;
-    - collectives: all-gather of parameters per pass and reduce-scatter of gradients
-      across W ranks (ZeRO paper sec. 7: 3 x the data-parallel volume for stage 3)."""
+      per token (PaLM, arXiv:2204.02311 app. B), plus a forward with recompute;
+    - pcie_param_bytes: offloaded 16-bit parameters copied to the GPU for forward, recompute
+      and backward (ZeRO-Infinity, arXiv:2104.07857 sec. 5);
+    - pcie_grad_bytes: gradient partitions to the host each micro batch, a round trip when
+      accumulating (stage3.py partition_grads: a CPU buffer is copied to the GPU, added to,
+      copied back), fp32 at the boundary, updated 16-bit parameters back
+      (_offload_grad_partition_at_boundary, _reassign_or_swap_out_partitioned_parameters);
+    - adam_host_params / adam_device_params: optimizer elements stepped on the CPU / GPU;
+    - fetch_visits / idle_visits: ZeRO-3 module hook calls that fetch and release
+      partitioned parameters, and those whose parameters are all persistent (nothing to fetch:
+      partitioned_param_coordinator.py fetch_sub_module filters on ds_status)."""
     a, W, T = shape.element_bytes, shape.world_size, shape.tokens_per_micro
     accum, ckpt = shape.grad_accum, shape.gradient_checkpointing
     N, trainable = spec.total_params, spec.trainable_params
     n_rank = -(-N // W) if cand.stage == 3 else N
     t_rank = -(-trainable // W) if cand.stage >= 2 else trainable
     passes = 3 if ckpt else 2
-    ranks_here = ranks_on_this_node(hw, W)
-    cores = max(1, hw.cpu_cores // ranks_here)
     # Forward 2N; backward computes input gradients through every weight (2N) but weight
     # gradients only for the trainable ones (2T): 6N for full fine-tuning, ~4N for LoRA.
     # Recompute adds a forward (2N): 4/3 for full fine-tuning.
     per_token = 4 * N + 2 * trainable + 12 * spec.num_layers * spec.hidden_size * shape.seq_len
-    flops = (per_token + (2 * N if ckpt else 0)) * T
-    rate = hw_rates.BF16_MATMUL_FLOPS * hw_rates.MODEL_FLOPS_UTILISATION if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
-    terms = {"compute": accum * flops / rate}
+    work = {"flops": accum * (per_token + (2 * N if ckpt else 0)) * T}
     groups = optimizer_groups(spec, shape, cand)
     n_device_groups = len(groups) if cand.offload_optimizer == "none" else int((1 - cand.offload_optimizer_ratio) * len(groups))
-    on_device, offloaded = sum(groups[:n_device_groups]), sum(groups[n_device_groups:])
+    work["adam_device_params"], work["adam_host_params"] = sum(groups[:n_device_groups]), sum(groups[n_device_groups:])
+    work["pcie_param_bytes"] = accum * passes * a * n_rank if cand.offload_param != "none" else 0
+    work["pcie_grad_bytes"] = 0
+    if cand.offload_optimizer != "none":
+        per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
+        work["pcie_grad_bytes"] = accum * per_micro + 4 * work["adam_host_params"] + a * t_rank
+    if cand.stage == 3:
+        every = len(zero3_trace(spec, ckpt, -1)[0])
+        fetching = len(zero3_trace(spec, ckpt, cand.param_persistence_threshold)[0])
+        work["fetch_visits"], work["idle_visits"] = accum * fetching, accum * (every - fetching)
+    return work
+
+
+def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate) -> dict[str, float]:
+    """Seconds one optimizer step spends per term (summed: overlap is not assumed), from
+    step_work's quantities at the rates in zerofit/hardware.py.
+
+    - compute: the step's FLOPs at the calibrated matmul rate x utilisation;
+    - pcie_params / pcie_grads: parameter and gradient bytes over pinned PCIe;
+    - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate; a device Adam streams
+      ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
+    - nvme: swapped optimizer states (16 bytes per element in and out) and parameters;
+    - zero3_hooks: ZeRO-3's per-module work: fetch, wait and release per fetching visit,
+      the hook bookkeeping alone per visit of a module whose parameters are persistent;
+    - collectives: all-gather of parameters per pass and reduce-scatter of gradients
+      across W ranks (ZeRO paper sec. 7: 3 x the data-parallel volume for stage 3)."""
+    a, W = shape.element_bytes, shape.world_size
+    accum, passes = shape.grad_accum, 3 if shape.gradient_checkpointing else 2
+    N = spec.total_params
+    n_rank = -(-N // W) if cand.stage == 3 else N
+    cores = max(1, hw.cpu_cores // ranks_on_this_node(hw, W))
+    work = step_work(spec, shape, cand)
+    rate = hw_rates.BF16_MATMUL_FLOPS * hw_rates.MODEL_FLOPS_UTILISATION if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
+    terms = {"compute": work["flops"] / rate}
+    offloaded, on_device = work["adam_host_params"], work["adam_device_params"]
     if hw.on_gpu:
-        pcie = hw_rates.PCIE_BYTES_PER_S
-        if cand.offload_param != "none":
-            terms["pcie_params"] = accum * passes * a * n_rank / pcie
-        if cand.offload_optimizer != "none":
-            per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
-            terms["pcie_grads"] = (accum * per_micro + 4 * offloaded + a * t_rank) / pcie
+        if work["pcie_param_bytes"]:
+            terms["pcie_params"] = work["pcie_param_bytes"] / hw_rates.PCIE_BYTES_PER_S
+        if work["pcie_grad_bytes"]:
+            terms["pcie_grads"] = work["pcie_grad_bytes"] / hw_rates.PCIE_BYTES_PER_S
     if offloaded:
         terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM * hw_rates.CPU_ADAM_CORES / cores
     if on_device:
@@ -223,7 +250,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
         terms["nvme"] = terms.get("nvme", 0) + accum * passes * swapped / hw_rates.DISK_READ_BYTES_PER_S \
             + swapped / hw_rates.DISK_WRITE_BYTES_PER_S
     if cand.stage == 3:
-        terms["zero3_hooks"] = accum * passes * len(spec.modules) * hw_rates.ZERO3_SECONDS_PER_MODULE_VISIT
+        terms["zero3_hooks"] = work["fetch_visits"] * hw_rates.ZERO3_SECONDS_PER_MODULE_VISIT \
+            + work["idle_visits"] * hw_rates.ZERO3_SECONDS_PER_IDLE_VISIT
     if W > 1:
         volume = a * N * (W - 1) / W
         gathers = passes if cand.stage == 3 else 0

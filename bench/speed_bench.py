@@ -1,0 +1,578 @@
+"""Speed: zerofit's planned config vs LLaMA-Factory's ZeRO-3 offload config, side by side.
+
+Case (issue 7): llama-1.5b preset (random init), seq 1024, 16 sequences per optimizer step,
+AdamW (DeepSpeedCPUAdam wherever states are on the CPU), bf16, under an 8 GiB cap simulated
+with torch.cuda.set_per_process_memory_fraction(cap / total). Each config runs in its own
+process, one after the other (never two at once: they would share cores and PCIe):
+  zerofit        `zerofit train` (the Python function) with the planner's choice, given
+                 plan.gpu_mem = the cap and the machine's real available RAM;
+  stock_lf       LLaMA-Factory's examples/deepspeed/ds_z3_offload_config.json values through
+                 HF Trainer (deepspeed=dict), micro batch 1 x accumulation 16;
+  stock_tuned    the same config at the largest micro batch the planner predicts to fit the
+                 cap with its 10% headroom (planner.predict on the stock candidate; no probe
+                 run: a probe would cost a model build). An OOM there is retried once at the
+                 next smaller micro batch if the deadline allows.
+The shipped file has no optimizer section, so HF Trainer would hand DeepSpeed torch's AdamW,
+which then steps on the CPU ~4x slower than DeepSpeedCPUAdam (device README). For the same
+optimizer everywhere the stock runs get {"optimizer": {"type": "AdamW", ...}} with zerofit's
+hyper-parameters: DeepSpeed then builds DeepSpeedCPUAdam, as for zerofit.
+
+Per config: step times of every optimizer step (the first is warm-up and excluded), steady
+tokens/s, GPU peak (max_memory_allocated / reserved), host RSS peak (VmHWM, sampled by this
+parent), the planner's predicted step seconds and terms for that config, and its roofline:
+the bound is max(FLOPs / measured bf16 matmul rate, PCIe bytes / measured pinned rate,
+CPU-Adam elements x measured DeepSpeedCPUAdam seconds per element) with FLOPs, bytes and
+elements from planner.step_work; roofline_fraction = bound / measured step seconds.
+The rates are measured in the same command, first (roofline worker).
+
+Deadlines: every config has its own, and the whole command stops at --deadline-s (default
+390 s); results are rewritten after every config, so a timeout still leaves them. A second
+case (3.6B @ 24 GiB) runs only when enough time is left (`--cases 1.5b,3.6b`); else it is
+recorded as skipped with the reason.
+
+GPU machine:  source .whl/prelude.sh || exit; python bench/speed_bench.py
+Here (CPU):   python bench/speed_bench.py --smoke
+Writes $OUT/speed.json and $OUT/speed.md (or --out); `--cases 3.6b` alone writes speed-3.6b.*.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+GIB = 2**30
+CASES = {
+    "1.5b": dict(model="llama-1.5b", cap_gib=8, seq_len=1024, global_batch=16, measured_steps=(5, 3, 3),
+                 budgets_s=(110, 100, 140)),
+    "3.6b": dict(model="llama-3.6b", cap_gib=24, seq_len=1024, global_batch=16, measured_steps=(4, 3, 3),
+                 budgets_s=(170, 150, 200)),
+}
+# The smoke: the same path, smaller (each process's imports take ~15 s on 2 shared cores).
+SMOKE_CASE = dict(model="tiny", cap_gib=8, seq_len=32, global_batch=4, measured_steps=(2, 2, 2),
+                  budgets_s=(60, 60, 60))
+DEFAULT_CASES = "1.5b,3.6b"
+CONFIGS = ("zerofit", "stock_tuned", "stock_lf")   # run order: the slowest last
+# zerofit's defaults (config.TrainConfig), given to every config.
+LR, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 2e-5, (0.9, 0.95), 1e-8, 0.0, 1.0
+
+# LLaMA-Factory examples/deepspeed/ds_z3_offload_config.json (hiyouga/LLaMA-Factory, read at
+# commit 1d6e8b21), less its comms_config (verbose off) and monitor_config (a DeepSpeedMonitor
+# tag with every writer off): neither changes a step. tests/test_lint.py lints the same file.
+LF_Z3_OFFLOAD = json.loads((ROOT / "bench" / "configs" / "llama_factory_ds_z3_offload.json").read_text())
+
+
+def stock_ds_config() -> dict:
+    return {**LF_Z3_OFFLOAD, "optimizer": {"type": "AdamW", "params": {
+        "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}}
+
+
+# ----------------------------------------------------------------------- workers
+def cap_gpu(cap_gib: float) -> bool:
+    """Cap this process's allocator (a smaller card); False on the CPU accelerator."""
+    import torch
+
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+        return False
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), 0)
+    torch.zeros(1, device="cuda")
+    return True
+
+
+def worker_roofline(spec: dict, out: Path) -> None:
+    """The bound's rates: bf16 matmul, pinned host<->device copies, DeepSpeedCPUAdam."""
+    import torch
+
+    on_gpu = spec["accelerator"] == "cuda"
+    result: dict = {}
+    n = 8192 if on_gpu else 256
+    device = "cuda" if on_gpu else "cpu"
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    reps, t0 = 20, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    result["matmul_flops_per_s"] = 2 * n**3 * reps / (time.perf_counter() - t0)
+    result["matmul_shape"] = f"bf16 {n}^3 on {device}"
+    del a, b
+    nbytes = (1 * GIB) if on_gpu else 64 * 2**20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for name, dst, src in (("h2d_bytes_per_s", dev, host), ("d2h_bytes_per_s", host, dev)):
+        dst.copy_(src, non_blocking=True)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        sync()
+        result[name] = 5 * nbytes / (time.perf_counter() - t0)
+    result["copy_note"] = "pinned host <-> GPU, 1 GiB" if on_gpu else "no device here: a host memcpy of 64 MiB"
+    del host, dev
+    (out / "roofline.json").write_text(json.dumps(result))  # the rest may still time out
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    numel, chunk = spec["adam_params"], 100_000_000
+    params = []
+    for start in range(0, numel, chunk):
+        p = torch.nn.Parameter(torch.full((min(chunk, numel - start),), 0.01))
+        p.grad = torch.full_like(p, 1e-3)
+        params.append(p)
+    adam = DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    adam.step()  # allocates the moments
+    t0 = time.perf_counter()
+    for _ in range(3):
+        adam.step()
+    result["cpu_adam_seconds_per_param"] = (time.perf_counter() - t0) / 3 / numel
+    result["cpu_adam"] = f"DeepSpeedCPUAdam, {numel} fp32 elements, {torch.get_num_threads()} threads"
+    (out / "roofline.json").write_text(json.dumps(result))
+
+
+def worker_zerofit(spec: dict, out: Path) -> None:
+    from zerofit.config import validate
+    from zerofit.train import train
+
+    cap_gpu(spec["cap_gib"])
+    train(validate(spec["config"]), resume=False)
+
+
+def worker_hf(spec: dict, out: Path) -> None:
+    """HF Trainer + DeepSpeed as a LLaMA-Factory run drives it: TrainingArguments(deepspeed=)
+    before the model, so transformers builds it under zero.Init; gradient checkpointing on."""
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from zerofit.config import ModelConfig
+    from zerofit.models import hf_config
+
+    on_gpu = cap_gpu(spec["cap_gib"])
+    steps_file = out / "steps.jsonl"
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if on_gpu:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            record = {"step": state.global_step, "step_seconds": now - self.last}
+            if on_gpu:
+                record.update(gpu_peak=torch.cuda.max_memory_allocated(),
+                              gpu_peak_reserved=torch.cuda.max_memory_reserved())
+            with steps_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            self.last = now
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int, seq: int, vocab: int):
+            self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    micro, accum = spec["micro_batch"], spec["grad_accum"]
+    args = TrainingArguments(
+        output_dir=str(out / "hf"), per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+        max_steps=spec["steps"], learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
+        weight_decay=WEIGHT_DECAY, max_grad_norm=GRAD_CLIP, lr_scheduler_type="constant", bf16=True,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        deepspeed=spec["ds_config"], save_strategy="no", logging_steps=10**6, report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, use_cpu=not on_gpu, seed=42)
+    config = hf_config(ModelConfig(config=spec["model"]))
+    torch.manual_seed(42)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.config.use_cache = False
+    data = Tokens(micro * accum * spec["steps"], spec["seq_len"], config.vocab_size)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[StepClock()]).train()
+
+
+WORKERS = {"roofline": worker_roofline, "zerofit": worker_zerofit, "hf": worker_hf}
+
+
+# ------------------------------------------------------------------------ parent
+class Runner:
+    """Starts one worker process at a time, samples its host RSS peak, kills it at its deadline."""
+
+    def __init__(self, work: Path, accelerator: str, started: float, deadline_s: float):
+        self.work, self.accelerator, self.started, self.deadline_s = work, accelerator, started, deadline_s
+
+    def left(self) -> float:
+        return self.deadline_s - (time.time() - self.started)
+
+    def run(self, name: str, kind: str, spec: dict, budget_s: float) -> dict:
+        out = self.work / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec.json").write_text(json.dumps({**spec, "accelerator": self.accelerator}))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": self.accelerator,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
+               "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        budget = max(0.0, min(budget_s, self.left()))
+        t0 = time.time()
+        print(f"start {name} (budget {budget:.0f}s)", flush=True)
+        with (out / "log.txt").open("w") as log:
+            proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, str(out)], cwd=ROOT, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            host_peak, status = 0, "done"
+            while proc.poll() is None:
+                host_peak = max(host_peak, vm_hwm(proc.pid))
+                if time.time() - t0 > budget:
+                    proc.kill()
+                    status = f"stopped at its deadline ({budget:.0f}s)"
+                    break
+                time.sleep(0.5)
+            proc.wait()
+        if status == "done" and proc.returncode:
+            status = f"failed (exit {proc.returncode})"
+        tail = (out / "log.txt").read_text()[-2500:] if status.startswith("failed") else None
+        print(f"  {name}: {status} in {time.time() - t0:.0f}s", flush=True)
+        return {"status": status, "wall_s": round(time.time() - t0, 1), "host_rss_peak": host_peak or None,
+                "dir": out, **({"log_tail": tail} if tail else {})}
+
+
+def vm_hwm(pid: int) -> int:
+    """Peak RSS of a live process (VmHWM), 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def steady(step_seconds: list[float], tokens_per_step: int) -> dict:
+    """Warm-up (the first optimizer step) excluded; tokens/s over the rest."""
+    measured = step_seconds[1:]
+    if not measured:
+        return {"tokens_per_s": None, "steady_step_seconds": None, "measured_steps": 0,
+                "warmup_step_seconds": round(step_seconds[0], 3) if step_seconds else None}
+    mean = sum(measured) / len(measured)
+    return {"tokens_per_s": round(tokens_per_step / mean, 1), "steady_step_seconds": round(mean, 3),
+            "measured_steps": len(measured), "warmup_step_seconds": round(step_seconds[0], 3)}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> dict:
+    return {"run_dir": str(run_dir), "model": {"config": case["model"]},
+            "data": {"path": "synthetic", "synthetic_samples": case["global_batch"] * (steps + 1),
+                     "eval_fraction": 0.0},
+            "train": {"seq_len": case["seq_len"], "global_batch_size": case["global_batch"], "max_steps": steps,
+                      "precision": "bf16", "warmup_steps": 0, "lr": LR, "adam_betas": list(BETAS), "adam_eps": EPS,
+                      "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP},
+            "checkpoint": {"save_final": False}, "eval": {"at_end": False}, "log": {"progress": False},
+            "plan": {"gpu_mem": f"{case['cap_gib']}GiB"} if accelerator == "cuda" else {}}
+
+
+def planning(case: dict, accelerator: str):
+    """(spec, hw) the planner sees for this case here: the cap and the real available RAM."""
+    from zerofit import hardware, modelspec
+    from zerofit.config import validate
+
+    config = validate(zerofit_config(case, Path("/tmp/unused"), 2, accelerator))
+    hw = hardware.probe(disk_path=ROOT, gpu_mem=config.plan.gpu_mem, accelerator=accelerator)
+    return modelspec.from_config(config), hardware.with_overrides(hw, disk_free_bytes=10**13)
+
+
+def stock_candidate(spec):
+    """The LLaMA-Factory config in the planner's terms ("auto" = HF Trainer's formulas)."""
+    from zerofit.choice import auto_buckets
+    from zerofit.planner import Candidate
+
+    return replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,
+                             gather_16bit_weights_on_save=True), **auto_buckets(spec))
+
+
+def stock_micro_batches(case: dict, spec, hw) -> list[tuple[int, dict]]:
+    """Micro batches dividing the global batch, largest first, with the planner's verdict."""
+    from zerofit.planner import Shape, predict
+
+    out = []
+    for micro in sorted((m for m in range(1, case["global_batch"] + 1) if case["global_batch"] % m == 0), reverse=True):
+        plan = predict(spec, hw, Shape(seq_len=case["seq_len"], micro_batch=micro,
+                                       grad_accum=case["global_batch"] // micro), stock_candidate(spec))
+        out.append((micro, plan))
+    return out
+
+
+def roofline(work: dict, rates: dict) -> dict:
+    """Bound terms of one config at the measured rates; which one binds."""
+    terms = {}
+    if rates.get("matmul_flops_per_s"):
+        terms["compute"] = work["flops"] / rates["matmul_flops_per_s"]
+    if rates.get("h2d_bytes_per_s"):
+        pcie = min(rates["h2d_bytes_per_s"], rates["d2h_bytes_per_s"])
+        terms["pcie"] = (work["pcie_param_bytes"] + work["pcie_grad_bytes"]) / pcie
+    if rates.get("cpu_adam_seconds_per_param"):
+        terms["cpu_adam"] = work["adam_host_params"] * rates["cpu_adam_seconds_per_param"]
+    terms = {k: round(v, 4) for k, v in terms.items()}
+    binds = max(terms, key=terms.get) if terms else None
+    return {"bound_terms_s": terms, "bound_s": terms.get(binds), "binds": binds}
+
+
+def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, save) -> None:
+    accelerator = runner.accelerator
+    spec, hw = planning(case, accelerator)
+    tokens_per_step = case["global_batch"] * case["seq_len"]
+    record.update(model=case["model"], params=spec.total_params, gpu_cap_gib=case["cap_gib"], seq_len=case["seq_len"],
+                  global_batch=case["global_batch"], tokens_per_step=tokens_per_step,
+                  host_ram_available_gib=round(hw.host_budget_bytes / GIB, 1), configs={}, tokens_per_s={})
+    save()
+    options = stock_micro_batches(case, spec, hw)
+    tuned = [m for m, plan in options if plan.devices["gpu"].fits] or [1]
+    record["stock_tuned_choice"] = {
+        "how": "planner.predict on the stock candidate for every micro batch dividing the global batch; the largest "
+               "whose GPU peak fits the cap less 10% headroom (no probe run)",
+        "predicted_gpu_gib": {m: round(p.devices["gpu"].total_bytes / GIB, 2) for m, p in options}}
+    for index, name in enumerate(CONFIGS):
+        measured_steps, budget = case["measured_steps"][index], case["budgets_s"][index]
+        steps = 1 + measured_steps
+        if name == "zerofit":
+            run_dir = runner.work / f"{label}-zerofit" / "run"
+            result = runner.run(f"{label}-zerofit", "zerofit", {
+                "cap_gib": case["cap_gib"], "config": zerofit_config(case, run_dir, steps, accelerator)}, budget)
+            entry = zerofit_entry(run_dir, tokens_per_step)
+        else:
+            micros = tuned[:2] if name == "stock_tuned" else [1]
+            if name == "stock_tuned" and micros[0] == 1:
+                record["configs"][name] = {"status": "same as stock_lf: micro batch 1 is the largest that fits"}
+                continue
+            for attempt, micro in enumerate(micros):
+                result = runner.run(f"{label}-{name}-m{micro}", "hf", {
+                    "cap_gib": case["cap_gib"], "model": case["model"], "seq_len": case["seq_len"],
+                    "micro_batch": micro, "grad_accum": case["global_batch"] // micro, "steps": steps,
+                    "ds_config": stock_ds_config()}, budget)
+                entry = hf_entry(result["dir"], tokens_per_step, micro)
+                oom = "OutOfMemoryError" in (result.get("log_tail") or "") or "out of memory" in (result.get(
+                    "log_tail") or "")
+                if not oom or attempt == len(micros) - 1:
+                    break
+                record["configs"][f"{name}_m{micro}"] = {**entry, **result, "dir": None, "status": "OOM"}
+        record["configs"][name] = complete(entry, result, spec, hw, rates, case)
+        record["tokens_per_s"][name] = entry.get("tokens_per_s")
+        summarise_case(record)
+        save()
+    lever_persistence(label, case, runner, rates, record, spec, hw, save)
+
+
+def lever_persistence(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save) -> None:
+    """One lever alone, when time is left: zerofit's choice with HF's "auto" persistence
+    threshold (10 x hidden) instead of every parameter persistent."""
+    chosen = record["configs"].get("zerofit", {}).get("chosen_fields") or {}
+    budget = case["budgets_s"][0]
+    why_not = ("no zerofit plan" if not chosen else
+               "the plan did not make parameters persistent" if "zero.param_persistence_threshold" not in chosen else
+               f"{runner.left():.0f}s left" if runner.left() < budget + 30 else None)
+    if why_not:
+        record["levers"] = {"persistence": f"not measured: {why_not}"}
+        save()
+        return
+    run_dir = runner.work / f"{label}-zerofit-auto-persistence" / "run"
+    config = zerofit_config(case, run_dir, 1 + case["measured_steps"][0], runner.accelerator)
+    for dotted, value in {**chosen, "zero.param_persistence_threshold": 10 * spec.hidden_size}.items():
+        section, key = dotted.split(".")
+        config.setdefault(section, {})[key] = value
+    config["train"].pop("global_batch_size")  # micro batch x accumulation are now given
+    result = runner.run(f"{label}-zerofit-auto-persistence", "zerofit", {"cap_gib": case["cap_gib"], "config": config},
+                        budget)
+    entry = complete(zerofit_entry(run_dir, case["global_batch"] * case["seq_len"]), result, spec, hw, rates, case)
+    record["configs"]["zerofit_auto_persistence"] = entry
+    with_lever, without = record["tokens_per_s"].get("zerofit"), entry.get("tokens_per_s")
+    record["levers"] = {"persistence": {
+        "what": "every parameter persistent (one rank, parameters on the GPU) vs HF's auto threshold 10 x hidden",
+        "tokens_per_s_with": with_lever, "tokens_per_s_without": without,
+        "gain": round(with_lever / without, 2) if with_lever and without else None}}
+    save()
+
+
+def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:
+    """A measured config's record: the run's outcome, the planner's prediction for it, the
+    step's work and its roofline at the measured rates."""
+    from zerofit.planner import Shape, step_time_terms, step_work
+
+    entry.update({k: v for k, v in result.items() if k != "dir"})
+    shape = Shape(seq_len=case["seq_len"], micro_batch=entry["micro_batch"],
+                  grad_accum=case["global_batch"] // entry["micro_batch"],
+                  gradient_checkpointing=entry.get("gradient_checkpointing", True))
+    cand = entry.pop("candidate", None) or stock_candidate(spec)
+    work = step_work(spec, shape, cand)
+    terms = step_time_terms(spec, hw, shape, cand)
+    entry.setdefault("predicted_step_seconds", round(sum(terms.values()), 3))
+    entry.setdefault("predicted_terms_s", terms)
+    entry["work"] = {k: int(v) for k, v in work.items()}
+    entry.update(roofline(work, rates))
+    if entry.get("steady_step_seconds") and entry.get("bound_s"):
+        entry["roofline_fraction"] = round(entry["bound_s"] / entry["steady_step_seconds"], 3)
+        entry["prediction_error_pct"] = round(100 * (entry["predicted_step_seconds"] - entry["steady_step_seconds"])
+                                              / entry["steady_step_seconds"], 1)
+    return entry
+
+
+def zerofit_entry(run_dir: Path, tokens_per_step: int) -> dict:
+    from zerofit.planner import Candidate
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    timeline = read_jsonl(run_dir / "memory.jsonl")
+    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").exists() else {}
+    entry = steady([m["step_seconds"] for m in metrics], tokens_per_step)
+    entry["step_seconds"] = [round(m["step_seconds"], 3) for m in metrics]
+    entry["gpu_peak"] = max((r.get("gpu_peak") or 0 for r in timeline), default=None)
+    entry["gpu_peak_reserved"] = max((r.get("gpu_peak_reserved") or 0 for r in timeline), default=None)
+    entry["loss"] = [round(m["loss"], 4) for m in metrics]
+    if plan:
+        shape, cand = plan["shape"], plan["candidate"]
+        entry.update(chosen=plan["chosen"], chosen_fields=plan["chosen_fields"], micro_batch=shape["micro_batch"],
+                     gradient_checkpointing=shape["gradient_checkpointing"], candidate=Candidate(**cand),
+                     predicted_step_seconds=plan["estimated_step_seconds"], predicted_terms_s=plan["step_terms"],
+                     predicted_gpu_peak=plan["predicted_gpu_peak"], predicted_host_rss=plan["predicted_host_rss"],
+                     deepspeed_config=plan["deepspeed_config"]["zero_optimization"])
+    else:
+        entry.update(micro_batch=1)
+    return entry
+
+
+def hf_entry(out: Path, tokens_per_step: int, micro: int) -> dict:
+    steps = read_jsonl(out / "steps.jsonl")
+    entry = steady([s["step_seconds"] for s in steps], tokens_per_step)
+    entry.update(step_seconds=[round(s["step_seconds"], 3) for s in steps], micro_batch=micro,
+                 gpu_peak=max((s.get("gpu_peak") or 0 for s in steps), default=None),
+                 gpu_peak_reserved=max((s.get("gpu_peak_reserved") or 0 for s in steps), default=None),
+                 chosen=f"LLaMA-Factory ds_z3_offload, micro batch {micro}")
+    return entry
+
+
+def summarise_case(record: dict) -> None:
+    tps = record["tokens_per_s"]
+    stock = max((tps.get(n) or 0 for n in ("stock_lf", "stock_tuned")), default=0)
+    record["faster_stock"] = max(("stock_lf", "stock_tuned"), key=lambda n: tps.get(n) or 0) if stock else None
+    record["speedup_vs_stock"] = round(tps["zerofit"] / stock, 2) if stock and tps.get("zerofit") else None
+    z = record["configs"].get("zerofit", {})
+    record["roofline_fraction"] = z.get("roofline_fraction")
+    record["bound_terms_s"], record["binds"] = z.get("bound_terms_s"), z.get("binds")
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    lines = [f"# Speed: zerofit vs stock ZeRO-3 offload ({result['device']})", "",
+             f"Command: `{result['command']}`", "",
+             f"Rates measured first: {json.dumps(result.get('rates', {}))}", ""]
+    for case in result["cases"]:
+        if case.get("skipped"):
+            lines += [f"## {case['model']} @ {case.get('gpu_cap_gib')} GiB: skipped ({case['skipped']})", ""]
+            continue
+        lines += [f"## {case['model']} @ {case['gpu_cap_gib']} GiB, seq {case['seq_len']}, "
+                  f"{case['global_batch']} sequences per step",
+                  f"speedup vs the faster stock ({case.get('faster_stock')}): {case.get('speedup_vs_stock')}; "
+                  f"zerofit roofline fraction {case.get('roofline_fraction')} (binds: {case.get('binds')})", "",
+                  "| config | chosen | tokens/s | steady step s | steps | predicted s | GPU peak GiB | host RSS GiB "
+                  "| bound s (binds) | roofline fraction | status |", "|---" * 11 + "|"]
+        for name, c in case["configs"].items():
+            gib = (lambda b: f"{b / GIB:.2f}" if b else "-")
+            lines.append(f"| {name} | {c.get('chosen', '-')} | {c.get('tokens_per_s')} | {c.get('steady_step_seconds')} "
+                         f"| {c.get('measured_steps')} | {c.get('predicted_step_seconds')} | {gib(c.get('gpu_peak'))} "
+                         f"| {gib(c.get('host_rss_peak'))} | {c.get('bound_s')} ({c.get('binds')}) "
+                         f"| {c.get('roofline_fraction')} | {c.get('status')} |")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU accelerator")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--deadline-s", type=float, default=390)
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="in order; a later case runs only if time is left "
+                        "(another list than the default writes speed-CASES.json)")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, out = args.worker[0], Path(args.worker[1])
+        return WORKERS[kind](json.loads((out / "spec.json").read_text()), out)
+
+    started = time.time()
+    accelerator = "cpu" if args.smoke else "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"speed-bench-{os.getpid()}"
+    runner = Runner(work, accelerator, started, args.deadline_s)
+    cases = [("tiny", SMOKE_CASE)] if args.smoke else [(c, CASES[c]) for c in args.cases.split(",")]
+    result = {"device": "CPU accelerator (smoke)" if args.smoke else gpu_name(),
+              "command": "python bench/speed_bench.py" + (" --smoke" if args.smoke else "")
+              + (f" --cases {args.cases}" if args.cases != DEFAULT_CASES else ""),
+              "deadline_s": args.deadline_s, "cases": []}
+
+    stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '+')}"
+
+    def save() -> None:
+        result["elapsed_s"] = round(time.time() - started, 1)
+        tmp = out / f"{stem}.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(out / f"{stem}.json")
+        write_markdown(out / f"{stem}.md", result)
+
+    from zerofit import modelspec
+    from zerofit.config import validate
+
+    first = cases[0][1]
+    params = modelspec.from_config(validate(zerofit_config(first, Path("/tmp/unused"), 2, accelerator))).total_params
+    # The roofline worker measures the GPU first, then builds DeepSpeed's cpu_adam (JIT, once:
+    # the config workers load that build) and times it. TORCH_CUDA_ARCH_LIST: the arch
+    # autodetection fails on "9.0a" there (device README); the workers inherit it.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    rates_run = runner.run("roofline", "roofline", {"adam_params": params}, 60 if args.smoke else 150)
+    if rates_run["status"] != "done":  # killed mid-build: its lock would hang every later worker
+        from zerofit import opbuild
+
+        for lock in opbuild.build_locks():
+            if not lock.held_open:
+                lock.path.unlink(missing_ok=True)
+    rates_file = rates_run["dir"] / "roofline.json"
+    result["rates"] = json.loads(rates_file.read_text()) if rates_file.exists() else {}
+    result["rates"]["status"] = rates_run["status"]
+    save()
+    for label, case in cases:
+        need = sum(case["budgets_s"]) * (0.6 if result["cases"] else 0)
+        if runner.left() < max(need, 60):
+            result["cases"].append({"model": case["model"], "gpu_cap_gib": case["cap_gib"],
+                                    "skipped": f"{runner.left():.0f}s left of the {args.deadline_s:.0f}s deadline; "
+                                               f"it needs ~{need:.0f}s: run `--cases {label}` on its own"})
+            save()
+            continue
+        record: dict = {}
+        result["cases"].append(record)
+        run_case(label, case, runner, result["rates"], record, save)
+    save()
+    print(json.dumps({c.get("model"): {"tokens_per_s": c.get("tokens_per_s"), "speedup": c.get("speedup_vs_stock"),
+                                       "roofline_fraction": c.get("roofline_fraction")} for c in result["cases"]}),
+          flush=True)
+    print(f"wrote {out / 'speed.json'} in {time.time() - started:.0f}s", flush=True)
+
+
+def gpu_name() -> str:
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                          capture_output=True, text=True).stdout.strip() or "cuda"
+
+
+if __name__ == "__main__":
+    main()
