@@ -115,6 +115,19 @@ def timed_steps(ds_engine, batches, recorder, dist, accum: int, steps: int, firs
     return seconds
 
 
+def history_unusable(config, on_gpu: bool) -> str | None:
+    """Why the allocator-history variant cannot run here, as zerofit itself decides for a
+    run (postmortem.start_recording): pytorch#179536 under activation checkpointing."""
+    import torch
+
+    from zerofit import postmortem
+
+    if on_gpu and config.model.gradient_checkpointing and postmortem.history_breaks_checkpointing(torch.__version__):
+        return (f"torch {torch.__version__}: allocator history breaks DeepSpeed's ZeRO-3 linear under activation "
+                "checkpointing (pytorch#179536, SystemError on the H200 run); zerofit keeps it off there too")
+    return None
+
+
 def set_history(on: bool, on_gpu: bool, entries: int) -> None:
     if not on_gpu:
         return
@@ -219,6 +232,9 @@ def main() -> None:
     entries = config.memory.history_max_entries
     timed_steps(ds_engine, batches, NoTimeline(), dist, accum, 2, 1)  # warm-up: optimizer states, caches
     variants = {"off": [], "timeline": [], "timeline+history": []}
+    history_skipped = history_unusable(config, dist.on_gpu)
+    if history_skipped:
+        del variants["timeline+history"]
     step = 3
     timeline = Timeline(run_dir, 0, dist.on_gpu)
     for _ in range(args.blocks):
@@ -237,7 +253,8 @@ def main() -> None:
         "grad_accum": accum, "device": device_name(dist.on_gpu), "gpu_cap_gib": args.gpu_cap_gib,
         "steps_per_variant": len(variants["off"]), "median_step_seconds": {k: round(v, 4) for k, v in medians.items()},
         "ab_overhead_pct": {name: round(100 * (medians[name] / medians["off"] - 1), 2)
-                            for name in ("timeline", "timeline+history")},
+                            for name in variants if name != "off"},
+        "history_skipped": history_skipped,
         "microbench": micro, "timeline_seconds_per_step": round(per_step_s, 6),
         "timeline_overhead_pct": round(100 * per_step_s / medians["off"], 3),
         "target_pct": 2.0, "pinned_accounting": pinned_accounting(dist.on_gpu),

@@ -84,15 +84,17 @@ def test_cost_model_matches_the_readme_stock_steps(model, measured):
     assert hardware.ZERO3_SECONDS_PER_MODULE_VISIT > hardware.ZERO3_SECONDS_PER_IDLE_VISIT
 
 
-def test_planned_1_5b_at_8_gib_is_predicted_twice_as_fast_as_the_tuned_stock():
+def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
     """The bench's case: the planner's own ranking of its choice against the stock config at
-    its best fitting micro batch (the claim bench/speed_bench.py measures on the GPU)."""
+    its best fitting micro batch. Measured on the H200 (bench/results/speed.json): 4.89 s vs
+    4.99 s per step, so the ranking holds; the predicted margin (2.4x) did not: every config
+    there pays ~0.6 s per micro batch that the cost model does not count yet."""
     spec = modelspec.from_name("llama-1.5b")
     hw = cuda_box("8GiB", host="120GiB")
     decision = choice.decide(batch16(), spec, hw, 1)
     stock = replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,
                               gather_16bit_weights_on_save=True), **choice.auto_buckets(spec))
-    fitting = [p for p in (planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m), stock)
-                           for m in (1, 2, 4, 8, 16)) if p.devices["gpu"].fits]
-    best_stock = min(p.step_seconds for p in fitting)
-    assert decision.plan.step_seconds * 2 < best_stock
+    fitting = {m: p for m in (1, 2, 4, 8, 16)
+               if (p := planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m), stock)).devices["gpu"].fits}
+    assert max(fitting) == 2 == decision.plan.shape.micro_batch  # micro 4+ holds too many fp32 logits at 8 GiB
+    assert decision.plan.step_seconds < min(p.step_seconds for p in fitting.values())
