@@ -1,7 +1,8 @@
 """The NVMe path as DeepSpeed's async I/O sees it: its direct-I/O block, and the aio
 settings that move data fastest there, found by a short sweep with DeepSpeed's own handle
 (`AsyncIOBuilder().load().aio_handle`) and cached per path in
-`~/.cache/zerofit/aio-<hash>.json` (XDG_CACHE_HOME respected), which later runs read.
+`~/.cache/zerofit/aio-<hash>.json` (ZEROFIT_CACHE_DIR, else XDG_CACHE_HOME/zerofit), which
+later runs read.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 CACHE_VERSION = 1
+CACHE_VARIABLE = "ZEROFIT_CACHE_DIR"
 DIO_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # The sweep: block size x queue depth x I/O threads, single_submit off and overlap_events on
 # (DeepSpeed's defaults; its own ds_nvme_tune sweeps the same axes). Ordered so that the
@@ -25,7 +27,10 @@ SWEEP_THREADS = (1, 4)
 
 
 def cache_path(nvme_path: str | Path) -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerofit"
+    # ZEROFIT_CACHE_DIR moves only zerofit's cache (XDG_CACHE_HOME also moves torch's
+    # extension builds, so DeepSpeed would rebuild its ops there)
+    root = Path(os.environ.get(CACHE_VARIABLE) or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerofit")
     key = hashlib.sha256(str(Path(nvme_path).resolve()).encode()).hexdigest()[:16]
     return root / f"aio-{key}.json"
 

@@ -13,6 +13,7 @@ after the manifest, before the rename; `kill@latest:N` after the publish, before
 retention; `kill@retention:N` while deleting an old checkpoint; `nospace@save:N` makes the free-space check see a full disk;
 `slow@save:N` makes the writer sleep 2 s (to catch a save in flight).
 
+`nospace@nvme:1` makes the NVMe preflight see a full disk under zero.nvme_path;
 `shortswap@step:N` cuts 4 KiB off the largest NVMe optimizer swap file after step N: what a
 write DeepSpeed's async I/O failed without noticing (disk full, I/O error) leaves behind.
 """

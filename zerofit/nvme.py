@@ -25,7 +25,7 @@ import shutil
 from dataclasses import fields, replace
 from pathlib import Path
 
-from zerofit import aiotune, zerostates
+from zerofit import aiotune, faults, zerostates
 from zerofit.config import Config, ConfigError
 from zerofit.memory import human_bytes
 from zerofit.swaplayout import Aio, aligned_aio, transfer_problems
@@ -34,6 +34,12 @@ LIBAIO_FIX = ("install libaio's headers: `apt-get install libaio-dev` (Debian/Ub
               "libaio-devel` (RHEL/Fedora); in a conda env `conda install -c conda-forge libaio` and "
               "`export CFLAGS=-I$CONDA_PREFIX/include LDFLAGS=-L$CONDA_PREFIX/lib` before the run "
               "(DeepSpeed's build reads them); `ds_report` shows what DeepSpeed sees")
+# Where a compiler finds libaio.h and the linker libaio.so when nothing says otherwise (gcc's
+# default search dirs on Debian/Ubuntu and RHEL); ZEROFIT_AIO_SEARCH_DIRS (colon-separated)
+# replaces them, for a libaio installed elsewhere.
+SEARCH_DIRS_VARIABLE = "ZEROFIT_AIO_SEARCH_DIRS"
+SYSTEM_AIO_DIRS = ("/usr/include", "/usr/local/include", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+                   "/usr/lib64", "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
 FREE_SPACE_FACTOR = 1.10   # filesystem metadata and gradient fragments beyond the planned bytes
 CAP_IPC_LOCK = 14          # linux/capability.h: mlock beyond RLIMIT_MEMLOCK
 
@@ -58,6 +64,15 @@ def clear_swap(config: Config, local_rank: int) -> None:
     removed by each node's first rank before the engine is built."""
     if uses_nvme(config) and local_rank == 0:
         shutil.rmtree(swap_root(config), ignore_errors=True)
+
+
+def remove_rank_swap(config: Config, rank: int) -> None:
+    """At the end of a run: this rank's swap files (optimizer and parameters) are worth
+    nothing once the process ends (the checkpoint holds its own copy, a resume copies it
+    back) and can be most of the disk: removed, each rank its own folders."""
+    if uses_nvme(config):
+        for folder in Path(swap_root(config)).glob(f"zero_stage_*/*/rank{rank}"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # --------------------------------------------------------------------- aio settings
@@ -121,10 +136,11 @@ def preflight(config: Config, plan, on_gpu: bool, problems: list[str] = ()) -> s
         return None
     found = list(problems)
     path = Path(config.zero.nvme_path)
-    found += filter(None, [path_problem(path), async_io_problem(on_gpu)])
+    found += filter(None, [path_problem(path), libaio_problem() or async_io_problem(on_gpu)])
     nvme = plan.devices.get("nvme")
     if nvme is not None and path.is_dir():
-        found += filter(None, [space_problem(path, nvme.total_bytes)])
+        full = 0 if faults.armed("nospace", "nvme", 1) else None  # the drill: a full disk
+        found += filter(None, [space_problem(path, nvme.total_bytes, full)])
     locked = sum(v for k, v in plan.devices["host"].components.items() if k.endswith("_locked"))
     found += filter(None, [memlock_problem(locked)])
     return "\n".join(f"NVMe offload: {p}" for p in found) or None
@@ -171,6 +187,43 @@ def has_ipc_lock() -> bool:
     return False
 
 
+def aio_search_dirs() -> list[Path]:
+    """The dirs DeepSpeed's JIT build of async_io looks in for libaio: the system's (or
+    ZEROFIT_AIO_SEARCH_DIRS), CFLAGS -I / LDFLAGS -L (DeepSpeed passes them on, builder.py
+    has_function), CPATH, LIBRARY_PATH and an active conda env."""
+    override = os.environ.get(SEARCH_DIRS_VARIABLE)
+    dirs = [d for d in override.split(":") if d] if override is not None else list(SYSTEM_AIO_DIRS)
+    for flag, variable in (("-I", "CFLAGS"), ("-L", "LDFLAGS")):
+        dirs += [t[2:] for t in os.environ.get(variable, "").split() if t.startswith(flag) and len(t) > 2]
+    for variable in ("CPATH", "C_INCLUDE_PATH", "LIBRARY_PATH"):
+        dirs += [d for d in os.environ.get(variable, "").split(":") if d]
+    if os.environ.get("CONDA_PREFIX"):
+        dirs += [f"{os.environ['CONDA_PREFIX']}/include", f"{os.environ['CONDA_PREFIX']}/lib"]
+    return [Path(d) for d in dirs]
+
+
+def libaio_problem() -> str | None:
+    """DeepSpeed loads async_io through its JIT builder, which first compiles and links a
+    test program against libaio (op_builder/async_io.py is_compatible: `has_function(
+    'io_submit', ('aio',))`) on every run: libaio.h and libaio.so (libaio-dev) must be there,
+    the runtime libaio.so.1 alone is not enough. Skipped when async_io was prebuilt into
+    the DeepSpeed install (DS_BUILD_AIO=1)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get("async_io", False):
+            return None
+    except ImportError:
+        pass
+    dirs = aio_search_dirs()
+    missing = [name for name in ("libaio.h", "libaio.so") if not any((d / name).is_file() for d in dirs)]
+    if not missing:
+        return None
+    return (f"DeepSpeed's async_io op cannot be built: {' and '.join(missing)} not found in "
+            f"{', '.join(map(str, dirs[:4]))}{', ...' if len(dirs) > 4 else ''} (libaio-dev is missing). "
+            f"Fix: {LIBAIO_FIX}")
+
+
 def async_io_problem(on_gpu: bool) -> str | None:
     """Can DeepSpeed build (or load its cached build of) the async_io op here? Building it
     now turns a build failure into a clear error before the model is loaded."""
@@ -189,17 +242,21 @@ def async_io_problem(on_gpu: bool) -> str | None:
 
 def fix_arch_list() -> str | None:
     """DeepSpeed's CUDA op builder reads TORCH_CUDA_ARCH_LIST as major.minor[+PTX]
-    (op_builder/builder.py compute_capability_args: `int(minor)`), so an arch-specific
-    entry such as 9.0a fails with "invalid literal for int() with base 10: '0a'" (what the
-    GPU machine's async_io build met). Such entries are replaced, for this process, by the
-    visible GPUs' compute capabilities; returns the new value when it changed it."""
+    (op_builder/builder.py compute_capability_args: `int(part)`), so an arch-specific entry
+    such as 9.0a fails with "invalid literal for int() with base 10: '0a'" (what the GPU
+    machine's async_io build met; with TORCH_CUDA_ARCH_LIST=9.0 set it built). Unset or
+    holding such entries, it is set, for this process, to the visible GPUs' compute
+    capabilities (what DeepSpeed's JIT build probes anyway); returns the new value when
+    it changed it."""
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     tokens = arch.replace(" ", ";").split(";")
-    if not arch or all(re.fullmatch(r"\d+\.\d+(\+PTX)?", t) for t in tokens if t):
+    if arch and all(re.fullmatch(r"\d+\.\d+(\+PTX)?", t) for t in tokens if t):
         return None
     import torch
 
     ccs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    if not ccs:
+        return None
     os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(ccs)
     return os.environ["TORCH_CUDA_ARCH_LIST"]
 

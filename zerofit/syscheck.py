@@ -101,12 +101,12 @@ def check_memlock() -> Check:
 
 
 def check_libaio() -> Check:
-    """The runtime library; DeepSpeed's build also needs its header (check_async_io tries it)."""
-    found = ctypes.util.find_library("aio")
-    if found:
-        return Check("libaio", "pass", f"{found}")
-    return Check("libaio", "fail", "libaio is not installed: DeepSpeed cannot build async_io, NVMe offload fails",
-                 nvme.LIBAIO_FIX)
+    """libaio's header and library, which DeepSpeed's JIT build of async_io needs (nvme.libaio_problem)."""
+    problem = nvme.libaio_problem()
+    if problem:
+        what, fix = problem.split(". Fix: ")
+        return Check("libaio", "fail", what + ": NVMe offload fails", fix)
+    return Check("libaio", "pass", ctypes.util.find_library("aio") or "libaio.h and libaio.so found")
 
 
 def check_async_io() -> Check:
@@ -114,11 +114,11 @@ def check_async_io() -> Check:
     offload would: a first build takes about a minute."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")
     changed = nvme.fix_arch_list() if _cuda() else None
-    problem = nvme.async_io_problem(on_gpu=False)
+    problem = nvme.libaio_problem() or nvme.async_io_problem(on_gpu=False)
     if problem:
         return Check("DeepSpeed async_io", "fail", problem.split(". Fix: ")[0],
                      "" if ". Fix: " not in problem else problem.split(". Fix: ")[1])
-    note = f" (TORCH_CUDA_ARCH_LIST set to {changed}: DeepSpeed cannot parse arch-specific entries)" if changed else ""
+    note = f" (TORCH_CUDA_ARCH_LIST set to {changed} for the build: DeepSpeed parses only major.minor)" if changed else ""
     return Check("DeepSpeed async_io", "pass", f"built and loaded: NVMe offload available{note}")
 
 

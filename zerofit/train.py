@@ -112,6 +112,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             break
 
     saver.close(state.step)  # drains the save in flight
+    nvme.remove_rank_swap(config, dist.rank)
     progress.close()
     timeline.close()
     metrics.close()
