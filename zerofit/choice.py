@@ -268,7 +268,8 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
     if "host" in over and cand.stage == 3 and hw.on_gpu:
         if cand.offload_param == "cpu" and fixes("host", c=replace(cand, offload_param="none")):
             advice.append("host: zero.offload_param=none (if the GPU holds the 16-bit parameters)")
-        nvme = replace(cand, offload_optimizer="nvme", offload_param="nvme" if cand.offload_param != "none" else "none")
+        nvme = replace(cand, offload_optimizer="nvme", offload_optimizer_ratio=1.0,
+                       offload_param="nvme" if cand.offload_param != "none" else "none")
         p = fixes("host", c=nvme, h=replace(hw, nvme_free_bytes=10**18))
         if p:
             swap = swap_layout(spec, p.shape, p.candidate)
