@@ -62,6 +62,8 @@ def parse_args():
     parser.add_argument("--preset", default="llama-3.6b")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro batches per step: the swap I/O is once per step, so this amortizes it")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (a checkpoint after the last)")
     parser.add_argument("--nvme-dir", default="/tmp/zerofit-nvme-bench", help="NVMe path (a local disk) and work dir")
     parser.add_argument("--deadline-s", type=float, default=345.0, help="the whole bench, builds and init included")
@@ -81,7 +83,7 @@ def run_config(args, mode: str, run_dir: Path, nvme_path: Path) -> dict:
         "run_dir": str(run_dir),
         "model": {"config": args.preset, "gradient_checkpointing": True},
         "data": {"path": "synthetic", "synthetic_samples": 64, "eval_fraction": 0.0},
-        "train": {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch, "grad_accum_steps": 1,
+        "train": {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch, "grad_accum_steps": args.grad_accum,
                   "max_steps": args.steps, "warmup_steps": 0, "lr": 1e-5,
                   **({} if args.smoke else {"precision": "bf16"})},
         "zero": zero,
@@ -193,7 +195,7 @@ def main() -> int:
     nvme_path = work / "swap"
     env = {"ZEROFIT_CACHE_DIR": str(work / "cache")}  # the sweep this bench runs, not an older one
     result = {"command": "python " + " ".join(sys.argv), "preset": args.preset, "seq_len": args.seq_len,
-              "micro_batch": args.micro_batch, "steps": args.steps, "nvme_path": str(nvme_path),
+              "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "steps": args.steps, "nvme_path": str(nvme_path),
               "deadline_s": args.deadline_s, "complete": False,
               "targets": {"host_rss_vs_cpu_max": 0.5, "tokens_per_s_vs_cpu_min": 0.6}}
 

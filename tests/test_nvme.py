@@ -204,6 +204,8 @@ def test_swap_layout_keeps_direct_io_whole_blocks():
     layout = swaplayout.layout(((200_000,), (1_028_096,)), Aio())
     assert layout.resident == (200_000,) and layout.swapped == (1_028_096,)
     assert layout.state_bytes == 3 * 4 * 1_028_096 and layout.pinned_buffer_bytes == 4 * 4 * 1_028_096
+    # per step: master, moments and gradients in; all of them out once (gradients at the boundary)
+    assert layout.read_bytes_per_step == layout.write_bytes_per_step == 4 * 4 * 1_028_096
 
 
 def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path):

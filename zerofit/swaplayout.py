@@ -78,7 +78,7 @@ class SwapLayout:
     gradient_bytes: int               # fp32 gradient fragment files (at most)
     pinned_buffer_bytes: int          # the swapper's mlock'ed buffer pool
     read_bytes_per_step: int          # master, moments and gradients in, per optimizer step
-    write_bytes_per_step: int         # master and moments out, gradients out (each micro batch)
+    write_bytes_per_step: int         # master and moments out, gradients out (once per step)
 
     @property
     def swapped_numel(self) -> int:
@@ -89,7 +89,7 @@ class SwapLayout:
         return self.state_bytes + self.gradient_bytes
 
 
-def layout(groups: tuple[tuple[int, ...], ...], aio: Aio, grad_accum: int = 1) -> SwapLayout:
+def layout(groups: tuple[tuple[int, ...], ...], aio: Aio) -> SwapLayout:
     """`groups`: each sub group's member partition sizes (zerostates.sub_group_members)."""
     totals = [sum(members) for members in groups]
     swapped = tuple(n for n in totals if is_swapped(n, aio))
@@ -99,10 +99,11 @@ def layout(groups: tuple[tuple[int, ...], ...], aio: Aio, grad_accum: int = 1) -
     states = SWAPPED_TENSORS * sum(file_bytes)
     grads = sum(file_bytes)
     # Each step reads master, moments and gradients and writes master and moments back;
-    # gradients go out once per micro batch (stage3.py partition_grads -> swap_out_gradients).
+    # gradients go out once per step, at the accumulation boundary (stage3.py
+    # _offload_grad_partition_at_boundary -> _swap_out_offload_fp32_gradients): accumulation amortizes it all.
     return SwapLayout(swapped=swapped, resident=resident, state_bytes=states, gradient_bytes=grads,
                       pinned_buffer_bytes=OPTIMIZER_BUFFER_COUNT * FP32_BYTES * largest if swapped else 0,
-                      read_bytes_per_step=states + grads, write_bytes_per_step=states + grads * grad_accum)
+                      read_bytes_per_step=states + grads, write_bytes_per_step=states + grads)
 
 
 # ----------------------------------------------------------------- alignment

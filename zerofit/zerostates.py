@@ -237,7 +237,7 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
 def swap_layout(spec: ModelSpec, shape: Shape, cand: Candidate) -> SwapLayout:
     """What DeepSpeed's NVMe optimizer swapper writes for this candidate (swaplayout.py)."""
     aio = Aio(block_size=cand.aio_block_size, intra_op_parallelism=cand.aio_intra_op_parallelism)
-    return layout(sub_group_members(spec, shape.world_size, cand.sub_group_size), aio, shape.grad_accum)
+    return layout(sub_group_members(spec, shape.world_size, cand.sub_group_size), aio)
 
 
 def _nvme_optimizer_states(spec: ModelSpec, shape: Shape, cand: Candidate, host: dict[str, int]) -> dict[str, int]:
