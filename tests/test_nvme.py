@@ -6,7 +6,6 @@ sub group of 1.3M elements, over the 1 MiB below which DeepSpeed keeps a sub gro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 

@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from zerofit import opbuild
+
 CACHE_VERSION = 1
 CACHE_VARIABLE = "ZEROFIT_CACHE_DIR"
 DIO_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -72,7 +74,8 @@ def load_aio_op():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    return AsyncIOBuilder().load(verbose=False)
+    with opbuild.ops_unblocked():
+        return AsyncIOBuilder().load(verbose=False)
 
 
 def sweep(nvme_path: str | Path, file_mib: int = 64, budget_s: float = 10.0) -> dict:

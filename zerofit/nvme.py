@@ -22,7 +22,7 @@ import os
 import re
 import resource
 import shutil
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 from zerofit import aiotune, faults, zerostates
@@ -234,7 +234,7 @@ def async_io_problem(on_gpu: bool) -> str | None:
 
         if not AsyncIOBuilder().is_compatible(verbose=False):
             return f"DeepSpeed's async_io op cannot be built: libaio was not found. Fix: {LIBAIO_FIX}"
-        AsyncIOBuilder().load(verbose=False)
+        aiotune.load_aio_op()
     except Exception as e:  # noqa: BLE001 - any build failure is reported with its text
         return f"DeepSpeed's async_io op failed to build: {type(e).__name__}: {str(e)[:300]}. Fix: {LIBAIO_FIX}"
     return None

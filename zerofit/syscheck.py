@@ -169,7 +169,7 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return [Check(name, "fail", f"cannot create it: {e.strerror}", f"a writable directory on a local NVMe drive")]
+        return [Check(name, "fail", f"cannot create it: {e.strerror}", "a writable directory on a local NVMe drive")]
     free = shutil.disk_usage(path).free
     file = path / f".zerofit-dio-{os.getpid()}"
     block = 8 * 2**20
