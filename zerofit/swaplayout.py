@@ -27,7 +27,7 @@ free space for the second and the file sizes after every step for anything else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 # deepspeed/runtime/swap_tensor/utils.py and offload_config.py / constants.py defaults
 MIN_AIO_BYTES = 1024**2
@@ -49,9 +49,7 @@ class Aio:
     overlap_events: bool = True
 
     def to_json(self) -> dict:
-        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
-                "intra_op_parallelism": self.intra_op_parallelism, "single_submit": self.single_submit,
-                "overlap_events": self.overlap_events}
+        return asdict(self)
 
 
 def padded_numel(numel: int, aio: Aio) -> int:
