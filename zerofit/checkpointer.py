@@ -19,12 +19,13 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, universal
+from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, nvme, universal
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError
 from zerofit.progress import say, warn
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
+NVME_STATE_DIR = "offloaded_tensors"  # DeepSpeed's copy of the NVMe swap files in a checkpoint (engine.save_checkpoint)
 
 
 @dataclass
@@ -81,7 +82,12 @@ def _pick(root: Path, config: Config, world_size: int) -> ResumePoint:
         checkpoint.write_atomic(root / checkpoint.LATEST, found.name)  # DeepSpeed's tools read it
     point = ResumePoint(str(found), str(found), False, skipped)
     manifest = checkpoint.read_manifest(found)
-    if manifest["world_size"] != world_size and manifest.get("zero_stage", 3) > 0:
+    if manifest["world_size"] != world_size and (found / NVME_STATE_DIR).is_dir():
+        point.error = (f"{found.name} was written by {manifest['world_size']} rank(s) with the optimizer on NVMe; "
+                       f"its optimizer state lives in {NVME_STATE_DIR}/ per rank, which DeepSpeed cannot convert "
+                       f"to {world_size} rank(s) (ds_to_universal reads only the optimizer files): resume with "
+                       f"{manifest['world_size']} rank(s)")
+    elif manifest["world_size"] != world_size and manifest.get("zero_stage", 3) > 0:
         say(f"{found.name} was written by {manifest['world_size']} rank(s), this run has {world_size}: "
             f"converting it to a universal checkpoint")
         try:
@@ -131,6 +137,8 @@ class Checkpointer:
                                                  custom_load_fn=custom_load_fn)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {load_dir}")
+        if self.config.zero.offload_optimizer == "nvme":  # DeepSpeed leaves the optimizer file unread
+            nvme.restore_optimizer_state(self.ds_engine, load_dir)
         state = checkpoint.read_loop_state(directory)
         rng_file = directory / f"rng_state_rank{self.dist.rank % state.world_size}.pt"
         if rng_file.is_file():

@@ -12,13 +12,15 @@ the one using less GPU memory). Pure: a Config, a ModelSpec and a Hardware in, a
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from zerofit.config import Config, ConfigError
 from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import Candidate, Plan, Shape, predict
+from zerofit.swaplayout import bandwidth_to_hide
+from zerofit.zerostates import swap_layout
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
 MAX_MICRO_BATCH = 64
@@ -36,6 +38,7 @@ class Decision:
     considered: list[Plan]
     chosen_fields: dict[str, object]     # what the planner decided (free fields)
     advice: list[str]                    # when nothing fits: what would, with numbers
+    nvme_problems: list[str] = field(default_factory=list)  # NVMe settings that cannot work (nvme.resolve_aio)
 
 
 # ---------------------------------------------------------------- config <-> plan
@@ -65,7 +68,9 @@ def candidate_of(config: Config) -> Candidate:
                      prefetch_bucket_size=zero.prefetch_bucket_size,
                      param_persistence_threshold=zero.param_persistence_threshold,
                      max_live_parameters=zero.max_live_parameters, max_reuse_distance=zero.max_reuse_distance,
-                     sub_group_size=zero.sub_group_size, gather_16bit_weights_on_save=zero.gather_16bit_weights_on_save)
+                     sub_group_size=zero.sub_group_size, gather_16bit_weights_on_save=zero.gather_16bit_weights_on_save,
+                     aio_block_size=zero.aio_block_size or Candidate.aio_block_size,
+                     aio_intra_op_parallelism=zero.aio_intra_op_parallelism or Candidate.aio_intra_op_parallelism)
 
 
 def apply(config: Config, shape: Shape, cand: Candidate) -> Config:
@@ -263,11 +268,18 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
     if "host" in over and cand.stage == 3 and hw.on_gpu:
         if cand.offload_param == "cpu" and fixes("host", c=replace(cand, offload_param="none")):
             advice.append("host: zero.offload_param=none (if the GPU holds the 16-bit parameters)")
-        nvme = replace(cand, offload_optimizer="nvme", offload_param="nvme" if cand.offload_param != "none" else "none")
+        nvme = replace(cand, offload_optimizer="nvme", offload_optimizer_ratio=1.0,
+                       offload_param="nvme" if cand.offload_param != "none" else "none")
         p = fixes("host", c=nvme, h=replace(hw, nvme_free_bytes=10**18))
         if p:
+            swap = swap_layout(spec, p.shape, p.candidate)
+            other = p.step_seconds - p.step_terms.get("nvme", 0)
             advice.append(f"host: zero.offload_optimizer=nvme with zero.nvme_path on a fast local disk with "
-                          f">= {human_bytes(p.devices['nvme'].total_bytes / (1 - headroom))} free")
+                          f">= {human_bytes(p.devices['nvme'].total_bytes / (1 - headroom))} free (host "
+                          f"{human_bytes(p.devices['host'].total_bytes)}); each step reads "
+                          f"{human_bytes(swap.read_bytes_per_step)} and writes {human_bytes(swap.write_bytes_per_step)} "
+                          f"there, >= {bandwidth_to_hide(swap, other) / 1e9:.1f} GB/s keeps that within the rest of "
+                          f"the step ({other:.2f} s)")
     if "disk" in over and shape.checkpoints_on_disk > 1:
         one = replace(shape, checkpoints_on_disk=2)
         if fixes("disk", one):

@@ -169,7 +169,10 @@ class ZeroConfig(Section):
     offload_param: OffloadDevice = "none"
     """Where 16-bit parameters live between uses (ZeRO-3 only)."""
     nvme_path: str | None = None
-    """Directory for NVMe offload swap files (required with nvme)."""
+    """Directory for NVMe offload swap files (required with nvme), on a local disk that takes
+    O_DIRECT; each run keeps its files in its own `zerofit-<hash>` folder there. Setting it
+    also lets the planner choose NVMe when host RAM is short (`zerofit doctor --system
+    --nvme-path DIR` measures the disk and tunes the aio settings below for it)."""
     pin_memory: bool = True
     """Page-locked host buffers for offload: faster transfers, RAM that cannot be swapped."""
     overlap_comm: bool = True
@@ -190,10 +193,22 @@ class ZeroConfig(Section):
     gather_16bit_weights_on_save: bool = False
     """Also write a consolidated 16-bit model at each save (a host-RAM and time spike);
     `zerofit export` does it afterwards instead."""
-    aio_block_size: int = Field(1_048_576, ge=4096)
-    """NVMe offload: async I/O block size in bytes."""
-    aio_queue_depth: int = Field(8, ge=1)
-    """NVMe offload: async I/O queue depth."""
+    aio_block_size: int | None = Field(None, ge=4096)
+    """NVMe offload: bytes per async I/O request (DeepSpeed aio.block_size); optimizer sub
+    groups smaller than max(1 MiB, this) are not swapped but kept in host RAM. Unset: the
+    value `zerofit doctor --system --nvme-path` tuned for the path (cached), else
+    DeepSpeed's 1 MiB, raised if needed so every write is whole direct-I/O blocks."""
+    aio_queue_depth: int | None = Field(None, ge=1)
+    """NVMe offload: requests in flight per I/O thread (aio.queue_depth). Unset: tuned, else 8."""
+    aio_intra_op_parallelism: int | None = Field(None, ge=1)
+    """NVMe offload: I/O threads each transfer is split over (aio.intra_op_parallelism).
+    Unset: tuned, else 1."""
+    aio_single_submit: bool | None = None
+    """NVMe offload: submit requests one by one instead of in batches (aio.single_submit).
+    Unset: tuned, else false."""
+    aio_overlap_events: bool | None = None
+    """NVMe offload: submit new requests while others complete (aio.overlap_events).
+    Unset: tuned, else true."""
 
     @model_validator(mode="after")
     def _offload_needs(self) -> "ZeroConfig":

@@ -6,6 +6,7 @@ deepspeed/runtime/zero/offload_config.py, deepspeed/runtime/config.py).
 """
 from __future__ import annotations
 
+from zerofit import nvme
 from zerofit.config import Config
 
 # DeepSpeed's dynamic loss scaler, as its docs recommend for fp16 (runtime/fp16/loss_scaler.py).
@@ -75,13 +76,13 @@ def zero_section(config: Config) -> dict:
 def offload_section(device: str, config: Config, ratio: float = 1.0) -> dict:
     section = {"device": device, "pin_memory": config.zero.pin_memory}
     if device == "nvme":
-        section["nvme_path"] = config.zero.nvme_path
+        section["nvme_path"] = nvme.swap_root(config)  # the run's own folder under zero.nvme_path
     if ratio < 1.0:
         section["ratio"] = ratio
     return section
 
 
 def aio_section(config: Config) -> dict:
-    """DeepSpeed async I/O settings for NVMe swap (runtime/swap_tensor/aio_config.py)."""
-    return {"block_size": config.zero.aio_block_size, "queue_depth": config.zero.aio_queue_depth,
-            "intra_op_parallelism": 1, "single_submit": False, "overlap_events": True}
+    """DeepSpeed async I/O settings for NVMe swap (runtime/swap_tensor/aio_config.py): the
+    zero.aio_* fields as resolved by nvme.resolve_aio, DeepSpeed's defaults where unset."""
+    return nvme.aio_of(config).to_json()

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from zerofit import opbuild
 from zerofit.config import Config
-from zerofit.progress import warn
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def init_distributed() -> Dist:
     import torch
 
     if not torch.distributed.is_initialized():
-        with _ops_unblocked():  # the CPU accelerator builds its shm comm op here
+        with opbuild.ops_unblocked():  # the CPU accelerator builds its shm comm op here
             deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:
@@ -144,15 +143,7 @@ def build_engine(model, config: Config, ds_config: dict, total_steps: int):
     def scheduler(optimizer):
         return LambdaLR(optimizer, lr_lambda(config, total_steps))
 
-    with _ops_unblocked():  # CPU-Adam and async_io load here
+    with opbuild.ops_unblocked():  # CPU-Adam and async_io load here
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler,
                                           model_parameters=param_groups(model, config.train.weight_decay))
     return engine
-
-
-def _ops_unblocked():
-    """DeepSpeed's op loads, with build locks left by killed builds cleared (opbuild.py)."""
-    def on_clear(lock: opbuild.BuildLock) -> None:
-        warn(f"removed DeepSpeed's op build lock {lock.describe()} (a load would wait on it forever)")
-
-    return opbuild.stale_locks_cleared(on_clear, enabled=int(os.environ.get("LOCAL_RANK", 0)) == 0)

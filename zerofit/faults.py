@@ -12,6 +12,10 @@ Checkpoint faults (n = the n-th save of this process, counted by `tick("save")`)
 after the manifest, before the rename; `kill@latest:N` after the publish, before
 retention; `kill@retention:N` while deleting an old checkpoint; `nospace@save:N` makes the free-space check see a full disk;
 `slow@save:N` makes the writer sleep 2 s (to catch a save in flight).
+
+`nospace@nvme:1` makes the NVMe preflight see a full disk under zero.nvme_path;
+`shortswap@step:N` cuts 4 KiB off the largest NVMe optimizer swap file after step N: what a
+write DeepSpeed's async I/O failed without noticing (disk full, I/O error) leaves behind.
 """
 from __future__ import annotations
 
@@ -102,3 +106,12 @@ def hold_memory_if_armed(step: int, device) -> None:
     if Fault("spike", "step", step) in drills:
         _held.append(torch.ones(SPIKE_BYTES, dtype=torch.uint8, device=device))  # filled: pages touched
         _held.pop()  # and freed: only the high-water mark remembers it
+
+
+def shorten_swap_if_armed(step: int, swapper) -> None:
+    if swapper is None or not armed("shortswap", "step", step):
+        return
+    from pathlib import Path
+
+    files = sorted(Path(swapper.swap_folder).glob("*.tensor.swp"), key=lambda p: p.stat().st_size)
+    os.truncate(files[-1], files[-1].stat().st_size - 4096)

@@ -65,6 +65,8 @@ class Hardware:
     nvme_path: str | None
     nvme_free_bytes: int | None
     overridden: tuple[str, ...] = ()
+    nvme_read_bytes_per_s: float | None = None    # measured by the aio sweep (zerofit.nvme cache)
+    nvme_write_bytes_per_s: float | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -97,6 +99,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     if accelerator == "cpu":
         name, count, total, gpu_budget = "cpu", 0, 0, 0
     disk = _existing_parent(Path(disk_path))
+    measured = _nvme_rates(nvme_path)
     return Hardware(
         accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
@@ -105,7 +108,8 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
         nvme_free_bytes=shutil.disk_usage(_existing_parent(Path(nvme_path))).free if nvme_path else None,
-        overridden=tuple(overridden))
+        overridden=tuple(overridden), nvme_read_bytes_per_s=measured.get("read_bytes_per_s"),
+        nvme_write_bytes_per_s=measured.get("write_bytes_per_s"))
 
 
 def with_overrides(hw: Hardware, **changes) -> Hardware:
@@ -132,6 +136,15 @@ def _gpu_count() -> int:
     except ImportError:
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nvme_rates(nvme_path: str | None) -> dict:
+    """What `zerofit doctor --system --nvme-path` measured there with DeepSpeed's aio (cached)."""
+    if not nvme_path:
+        return {}
+    from zerofit import aiotune
+
+    return aiotune.read_tuning(nvme_path) or {}
 
 
 def _memlock_limit() -> int | None:

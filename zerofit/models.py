@@ -23,6 +23,12 @@ PRESETS: dict[str, dict] = {
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
                  eos_token_id=2, pad_token_id=0),
+    # The smallest model DeepSpeed really swaps to NVMe (tests of NVMe offload): its 2-D
+    # weights form one optimizer sub group of 1.3M elements, over the swapper's 1 MiB minimum.
+    "mini": dict(model_type="llama", vocab_size=4096, hidden_size=128, intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0),
     "llama-0.5b": dict(_LLAMA3, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
                        num_attention_heads=16, num_key_value_heads=8),
     "llama-1.5b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

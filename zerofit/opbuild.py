@@ -107,6 +107,17 @@ def stale_locks_cleared(on_clear: Callable[[BuildLock], None], enabled: bool = T
         sweeper.join()
 
 
+def ops_unblocked():
+    """DeepSpeed's op loads (engine build, NVMe preflight, aio sweep), with build locks left
+    by killed builds cleared and reported."""
+    from zerofit.progress import warn
+
+    def on_clear(lock: BuildLock) -> None:
+        warn(f"removed DeepSpeed's op build lock {lock.describe()} (a load would wait on it forever)")
+
+    return stale_locks_cleared(on_clear, enabled=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+
+
 def _files_open_on_this_machine() -> set[str]:
     """Paths every readable process has open (/proc/PID/fd). Processes we may not read
     (another user's, without root) are skipped: the age rule covers them."""

@@ -19,8 +19,9 @@ from zerofit import hardware as hw_rates
 from zerofit.activations import device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
+from zerofit.swaplayout import nvme_seconds
 from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_groups, optimizer_step_host,
-                                partition_numel, zero3_trace)
+                                partition_numel, swap_layout, zero3_trace)
 
 GIB = 2**30
 # Process RSS before any model state: python, torch, transformers, deepspeed and its
@@ -80,6 +81,8 @@ class Candidate:
     max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 100_000_000
     gather_16bit_weights_on_save: bool = False
+    aio_block_size: int = 1_048_576          # NVMe: sub groups under one block stay in RAM
+    aio_intra_op_parallelism: int = 1
 
 
 @dataclass
@@ -219,7 +222,9 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     - pcie_params / pcie_grads: parameter and gradient bytes over pinned PCIe;
     - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate; a device Adam streams
       ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
-    - nvme: swapped optimizer states (16 bytes per element in and out) and parameters;
+    - nvme: swapped optimizer sub groups (master, moments and gradients in, master, moments
+      and gradients out, swaplayout.SwapLayout) and parameters, at the path's measured rates
+      (the `zerofit doctor --system --nvme-path` sweep, cached) or the GPU machine's disk;
     - zero3_hooks: ZeRO-3's per-module work: fetch, wait and release per fetching visit,
       the hook bookkeeping alone per visit of a module whose parameters are persistent;
     - collectives: all-gather of parameters per pass and reduce-scatter of gradients
@@ -242,13 +247,12 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
         terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM * hw_rates.CPU_ADAM_CORES / cores
     if on_device:
         terms["device_adam"] = on_device * 36 / (hw_rates.GPU_MEMORY_BYTES_PER_S if hw.on_gpu else 5e9 * cores)
-    nvme_bytes = (16 * offloaded if cand.offload_optimizer == "nvme" else 0)
-    if nvme_bytes:
-        terms["nvme"] = nvme_bytes / hw_rates.DISK_READ_BYTES_PER_S + nvme_bytes / hw_rates.DISK_WRITE_BYTES_PER_S
+    if cand.offload_optimizer == "nvme":
+        terms["nvme"] = nvme_seconds(swap_layout(spec, shape, cand), *nvme_rates(hw))
     if cand.offload_param == "nvme" and n_rank > PARAM_MAX_IN_CPU:
         swapped = a * (n_rank - PARAM_MAX_IN_CPU)
-        terms["nvme"] = terms.get("nvme", 0) + accum * passes * swapped / hw_rates.DISK_READ_BYTES_PER_S \
-            + swapped / hw_rates.DISK_WRITE_BYTES_PER_S
+        read_rate, write_rate = nvme_rates(hw)
+        terms["nvme"] = terms.get("nvme", 0) + accum * passes * swapped / read_rate + swapped / write_rate
     if cand.stage == 3:
         terms["zero3_hooks"] = work["fetch_visits"] * hw_rates.ZERO3_SECONDS_PER_MODULE_VISIT \
             + work["idle_visits"] * hw_rates.ZERO3_SECONDS_PER_IDLE_VISIT
@@ -257,6 +261,13 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
         gathers = passes if cand.stage == 3 else 0
         terms["collectives"] = accum * (gathers + 1) * volume / hw_rates.NVLINK_BYTES_PER_S
     return {k: round(v, 4) for k, v in terms.items()}
+
+
+def nvme_rates(hw: Hardware) -> tuple[float, float]:
+    """(read, write) bytes/s of the NVMe path: measured there when known, else the GPU machine's disk."""
+    return (hw.nvme_read_bytes_per_s or hw_rates.DISK_READ_BYTES_PER_S,
+            hw.nvme_write_bytes_per_s or hw_rates.DISK_WRITE_BYTES_PER_S)
+
 
 # ------------------------------------------------------------------------ predict
 def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = 0.1) -> Plan:

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from zerofit import choice, dsconfig, hardware, modelspec
+from zerofit import choice, dsconfig, hardware, modelspec, nvme
 from zerofit.choice import Decision
 from zerofit.config import Config
 from zerofit.hardware import Hardware
@@ -34,7 +34,12 @@ def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None,
     """Plan `config` for `world_size` ranks on `hw` (probed when not given)."""
     spec = spec or modelspec.from_config(config)
     hw = hw or probe_for(config)
-    return choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes)), spec, hw
+    config, notes, problems = nvme.resolve_aio(config, spec, world_size)
+    decision = choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes))
+    if nvme.uses_nvme(decision.config):
+        decision.plan.notes.extend(notes)
+        decision.nvme_problems = problems
+    return decision, spec, hw
 
 
 def data_bytes(config: Config, held: int = 0) -> int:
@@ -51,7 +56,30 @@ def plan_json(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict:
     return {**plan.to_json(), "model": spec.summary(), "hardware": hw.to_json(),
             "chosen": choice.describe(plan), "chosen_fields": decision.chosen_fields,
             "deepspeed_config": dsconfig.build(decision.config, world, hw.on_gpu),
-            "advice": decision.advice, "candidates_considered": len(decision.considered)}
+            "advice": decision.advice, "candidates_considered": len(decision.considered),
+            "nvme": nvme_summary(decision, spec, hw)}
+
+
+def nvme_summary(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict | None:
+    """What an NVMe plan asks of the disk: bytes, per-step traffic, the bandwidth that keeps
+    the swap from dominating the step, and the aio settings DeepSpeed gets."""
+    plan, config = decision.plan, decision.config
+    if plan.candidate.offload_optimizer != "nvme":
+        return None
+    from zerofit.planner import nvme_rates
+    from zerofit.swaplayout import bandwidth_to_hide
+    from zerofit.zerostates import swap_layout
+
+    swap = swap_layout(spec, plan.shape, plan.candidate)
+    other = plan.step_seconds - plan.step_terms.get("nvme", 0)
+    read_rate, write_rate = nvme_rates(hw)
+    return {"path": config.zero.nvme_path, "swap_dir": nvme.swap_root(config), "free_bytes": hw.nvme_free_bytes,
+            "swap_bytes": swap.nvme_bytes, "swapped_sub_groups": len(swap.swapped),
+            "kept_in_ram_sub_groups": len(swap.resident), "locked_buffer_bytes": swap.pinned_buffer_bytes,
+            "read_bytes_per_step": swap.read_bytes_per_step, "write_bytes_per_step": swap.write_bytes_per_step,
+            "read_bytes_per_s": read_rate, "write_bytes_per_s": write_rate,
+            "rates_measured": hw.nvme_read_bytes_per_s is not None,
+            "bandwidth_to_hide_io": bandwidth_to_hide(swap, other), "aio": nvme.aio_of(config).to_json()}
 
 
 def phase_predictions(decision: Decision) -> dict[str, dict[str, int]]:
@@ -103,6 +131,15 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
                   f"{human_bytes(plan.host_rss_peak)}")
     terms = ", ".join(f"{k} {v:.3f}s" for k, v in plan.step_terms.items())
     console.print(f"estimated step: {plan.step_seconds:.3f} s ({terms})")
+    swap = nvme_summary(decision, spec, hw)
+    if swap:
+        rates = "measured" if swap["rates_measured"] else "assumed; `zerofit doctor --system --nvme-path` measures"
+        console.print(f"NVMe: {human_bytes(swap['swap_bytes'])} of swap files under {swap['path']} "
+                      f"({human_bytes(swap['free_bytes'] or 0)} free), {human_bytes(swap['locked_buffer_bytes'])} of "
+                      f"locked RAM for the swap buffers; per step it reads {human_bytes(swap['read_bytes_per_step'])} "
+                      f"and writes {human_bytes(swap['write_bytes_per_step'])} at {swap['read_bytes_per_s'] / 1e9:.1f}/"
+                      f"{swap['write_bytes_per_s'] / 1e9:.1f} GB/s ({rates}); "
+                      f"{swap['bandwidth_to_hide_io'] / 1e9:.1f} GB/s would keep it within the rest of the step")
     for note in plan.notes:
         console.print(f"[dim]note: {note}[/]")
     if not plan.fits:
@@ -142,16 +179,18 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
     nothing fits (plan.enabled) or just record the prediction (plan.enabled false)."""
     import torch.distributed as torch_dist
 
-    box: list = [None]
+    box: list = [None, None]
     if dist.is_main:
         hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
         decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         write_plan(Path(config.run_dir), decision, spec, hw)
-        box = [decision]
+        box = [decision, nvme.preflight(decision.config, decision.plan, dist.on_gpu, decision.nvme_problems)]
     if dist.world_size > 1:
         torch_dist.broadcast_object_list(box, src=0)
-    decision = box[0]
+    decision, nvme_problem = box
+    if nvme_problem:
+        raise nvme.NvmeError(nvme_problem)
     if config.plan.enabled and not decision.plan.fits:
         raise choice.refuse(decision)
     return decision.config, decision

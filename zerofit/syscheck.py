@@ -1,7 +1,8 @@
 """`zerofit doctor --system`: is this machine ready for ZeRO-3 with offload? Each check is
 pass / warn / fail with the fix: GPU, driver and CUDA, host RAM, the pinned-memory
-limit, an NVMe path's direct-I/O bandwidth, libaio and DeepSpeed's async_io op, and op
-build locks left by a killed build (opbuild.py)."""
+limit, libaio and DeepSpeed's async_io op, op build locks left by a killed build
+(opbuild.py); with an NVMe path, its direct-I/O bandwidth and a short sweep of DeepSpeed's
+aio settings there, cached for the runs that use it."""
 from __future__ import annotations
 
 import ctypes.util
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import opbuild
+from zerofit import aiotune, nvme, opbuild
 from zerofit.memory import gib
 
 DIRECT_IO_ALIGN = 4096
+SWEEP_MIB, SWEEP_SECONDS = 64, 10.0  # the aio sweep: file size, time budget (a few seconds on a fast disk)
 GOOD_NVME_GBPS = 1.0  # below this, NVMe offload makes each step I/O-bound (ZeRO-Infinity, Rajbhandari et al. 2021)
 
 
@@ -36,6 +38,8 @@ def check_system(nvme_path: str | None = None, nvme_mib: int = 256) -> list[Chec
               check_op_build_locks()]
     if nvme_path:
         checks += check_direct_io(Path(nvme_path), nvme_mib)
+        if all(c.status != "fail" for c in checks):
+            checks.append(check_aio_sweep(Path(nvme_path), min(nvme_mib, SWEEP_MIB)))
     return checks
 
 
@@ -85,6 +89,9 @@ def check_memlock() -> Check:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         return Check("pinned-memory limit (ulimit -l)", "pass", "unlimited")
+    if nvme.has_ipc_lock():
+        return Check("pinned-memory limit (ulimit -l)", "pass", f"{soft // 1024} KiB, but this process has "
+                     f"CAP_IPC_LOCK: mlock is not limited by it")
     fix = ("raise it: `ulimit -l unlimited` in the launching shell, `* - memlock unlimited` in "
            "/etc/security/limits.conf, or `docker run --ulimit memlock=-1`")
     if soft < 2**30:
@@ -94,29 +101,48 @@ def check_memlock() -> Check:
 
 
 def check_libaio() -> Check:
-    found = ctypes.util.find_library("aio")
-    if found:
-        return Check("libaio", "pass", f"{found}")
-    return Check("libaio", "fail", "libaio is not installed: DeepSpeed cannot build async_io, NVMe offload fails",
-                 "apt-get install libaio-dev (Debian/Ubuntu) or yum install libaio-devel, then let DeepSpeed "
-                 "rebuild (DS_BUILD_AIO=1 pip install deepspeed, or its JIT build on first use)")
+    """libaio's header and library, which DeepSpeed's JIT build of async_io needs (nvme.libaio_problem)."""
+    problem = nvme.libaio_problem()
+    if problem:
+        what, fix = problem.split(". Fix: ")
+        return Check("libaio", "fail", what + ": NVMe offload fails", fix)
+    return Check("libaio", "pass", ctypes.util.find_library("aio") or "libaio.h and libaio.so found")
 
 
 def check_async_io() -> Check:
+    """Builds (or loads the cached build of) DeepSpeed's async_io op, as a run with NVMe
+    offload would: a first build takes about a minute."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+    changed = nvme.fix_arch_list() if _cuda() else None
+    problem = nvme.libaio_problem() or nvme.async_io_problem(on_gpu=False)
+    if problem:
+        return Check("DeepSpeed async_io", "fail", problem.split(". Fix: ")[0],
+                     "" if ". Fix: " not in problem else problem.split(". Fix: ")[1])
+    note = f" (TORCH_CUDA_ARCH_LIST set to {changed} for the build: DeepSpeed parses only major.minor)" if changed else ""
+    return Check("DeepSpeed async_io", "pass", f"built and loaded: NVMe offload available{note}")
 
-        compatible = AsyncIOBuilder().is_compatible(verbose=False)
-    except Exception as e:  # deepspeed missing or broken: say so, don't crash the check list
-        return Check("DeepSpeed async_io", "fail", f"cannot ask DeepSpeed: {type(e).__name__}: {e}",
-                     "pip install deepspeed")
-    if compatible:
-        return Check("DeepSpeed async_io", "pass", "AsyncIOBuilder().is_compatible() is True: NVMe offload available")
-    return Check("DeepSpeed async_io", "fail", "AsyncIOBuilder().is_compatible() is False: NVMe offload "
-                 "(offload_optimizer / offload_param device nvme) will not work",
-                 "install libaio-dev and a compiler; on some GPUs set TORCH_CUDA_ARCH_LIST (e.g. 9.0) before "
-                 "the build; `ds_report` shows the reason")
+
+def check_aio_sweep(path: Path, mib: int) -> Check:
+    """A short sweep of aio settings with DeepSpeed's own handle (aiotune.sweep), cached for
+    the runs that use this path."""
+    name = f"NVMe path {path} aio tuning"
+    locked = nvme.memlock_problem(mib << 20)
+    if locked:
+        return Check(name, "warn", "sweep skipped: " + locked.split(":")[0], locked.split(": ", 1)[1])
+    try:
+        result = aiotune.sweep(path, file_mib=mib, budget_s=SWEEP_SECONDS)
+    except OSError as e:
+        return Check(name, "fail", f"DeepSpeed's aio failed there: {e}",
+                     "use a local ext4/xfs NVMe drive for zero.nvme_path")
+    aio = result["aio"]
+    detail = (f"block {aio['block_size'] // 1024} KiB, queue depth {aio['queue_depth']}, {aio['intra_op_parallelism']} "
+              f"thread(s): read {result['read_bytes_per_s'] / 1e9:.2f} GB/s, write "
+              f"{result['write_bytes_per_s'] / 1e9:.2f} GB/s ({len(result['tried'])} settings in {result['seconds']} s; "
+              f"direct-I/O block {result['dio_alignment']} B); cached in {aiotune.cache_path(path)} for later runs")
+    slow = min(result["read_bytes_per_s"], result["write_bytes_per_s"]) / 1e9 < GOOD_NVME_GBPS
+    return Check(name, "warn" if slow else "pass", detail,
+                 f"below {GOOD_NVME_GBPS} GB/s each step waits on the disk: a local NVMe drive, or several in RAID 0"
+                 if slow else "")
 
 
 def check_op_build_locks() -> Check:
@@ -140,8 +166,10 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
     """Sequential O_DIRECT write (with fsync) and read of `mib` MiB in 8 MiB blocks: what
     DeepSpeed's async I/O sees, the page cache bypassed."""
     name = f"NVMe path {path} direct I/O"
-    if not path.is_dir():
-        return [Check(name, "fail", "not a directory", f"mkdir -p {path} on a local NVMe drive")]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return [Check(name, "fail", f"cannot create it: {e.strerror}", "a writable directory on a local NVMe drive")]
     free = shutil.disk_usage(path).free
     file = path / f".zerofit-dio-{os.getpid()}"
     block = 8 * 2**20

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, lora, memory, models,
-                     planview, postmortem, watchdog)
+                     nvme, planview, postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -52,13 +52,16 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
         report_data(train_set, eval_set)
 
+    nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
     model = engine.build_model(config, ds_config)
     if config.lora.enabled and dist.is_main:
         say(lora.trainable_summary(model))
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
-    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu, nvme_path=config.zero.nvme_path,
+    timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu,
+                               nvme_path=nvme.swap_root(config) if nvme.uses_nvme(config) else None,
                                predictions=planview.phase_predictions(decision))
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
+    swap_guard = nvme.SwapGuard(ds_engine)
     state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
@@ -80,6 +83,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     while state.step < total_steps:
         started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
         train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1)
+        faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
+        swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
         state.step += 1
         state.micro_batches = batches.position
         state.tokens_seen += tokens_per_step
@@ -107,6 +112,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             break
 
     saver.close(state.step)  # drains the save in flight
+    nvme.remove_rank_swap(config, dist.rank)
     progress.close()
     timeline.close()
     metrics.close()

@@ -15,12 +15,12 @@ import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from zerofit.modelspec import ModelSpec
+from zerofit.swaplayout import Aio, SwapLayout, layout
 
 if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape
 
-# DeepSpeed defaults of the NVMe swap buffers (runtime/zero/offload_config.py).
-OPTIMIZER_SWAP_BUFFERS = 4
+# DeepSpeed defaults of the parameter swap buffers (runtime/zero/offload_config.py).
 PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_NUMEL, PARAM_MAX_IN_CPU = 5, 100_000_000, 1_000_000_000
 
 
@@ -40,28 +40,32 @@ def partition_numel(numel: int, world: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def sub_groups(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[int, ...]:
-    """Element counts of the optimizer sub groups of one rank.
+def sub_group_members(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[tuple[int, ...], ...]:
+    """The optimizer sub groups of one rank, each as its members' partition sizes.
 
     zerofit passes two param groups of the trainable parameters (engine.param_groups: >=2-D
     weights decay, the rest do not); stage3.py `_create_fp16_sub_groups` cuts each group, in
     parameter order, into runs that close once they reach sub_group_size elements."""
-    groups: list[int] = []
+    groups: list[tuple[int, ...]] = []
     for decay in (True, False):
-        run = 0
         members = [partition_numel(p.numel, world) for p in spec.params if p.trainable and (p.ndim >= 2) == decay]
-        total = sum(members)
         if not members:
             continue
-        if sub_group_size >= total:
-            groups.append(total)
+        if sub_group_size >= sum(members):
+            groups.append(tuple(members))
             continue
+        run: list[int] = []
         for i, numel in enumerate(members):
-            run += numel
-            if run >= sub_group_size or i == len(members) - 1:
-                groups.append(run)
-                run = 0
+            run.append(numel)
+            if sum(run) >= sub_group_size or i == len(members) - 1:
+                groups.append(tuple(run))
+                run = []
     return tuple(groups)
+
+
+def sub_groups(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[int, ...]:
+    """Element counts of the optimizer sub groups of one rank."""
+    return tuple(sum(members) for members in sub_group_members(spec, world, sub_group_size))
 
 
 class Gathered(NamedTuple):
@@ -207,9 +211,7 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
         gpu["adam_moments_fp32"] = 8 * dev_numel
     if off_numel:
         if cand.offload_optimizer == "nvme":
-            nvme["optimizer_swap"] = 16 * off_numel           # fp32 params, grads, exp_avg, exp_avg_sq
-            largest = max(offloaded_groups)
-            host["optimizer_swap_buffers_pinned"] = OPTIMIZER_SWAP_BUFFERS * pinned(4 * largest, cand, on_gpu)
+            nvme.update(_nvme_optimizer_states(spec, shape, cand, host))
         else:
             host["master_fp32"] = 4 * off_numel              # `.to(cpu, fp32).clone()`: pageable
             host["adam_moments_fp32"] = 8 * off_numel        # cpu_adam.py: zeros_like at the first step
@@ -218,6 +220,9 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
             # block cached on the host.
         if cand.offload_optimizer == "cpu" or dev_numel:
             host["fp32_grads_pinned"] = sum(pinned(4 * g, cand, on_gpu) for g in groups)
+        elif cand.offload_optimizer == "nvme":  # sub groups too small to swap: pinned grads like a CPU offload
+            resident = swap_layout(spec, shape, cand).resident
+            host["fp32_grads_pinned"] = sum(pinned(4 * g, cand, on_gpu) for g in resident)
     if dev_numel and cand.offload_optimizer != "none":
         gpu["fp32_grads"] = 4 * dev_numel
     # The reduce bucket (contiguous_gradients), on the device (`_setup_for_real_optimizer`).
@@ -227,6 +232,29 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
         # largest sub group; it lives until the first optimizer step releases them.
         gpu["fp32_grad_buffer_until_first_step"] = 4 * max(groups)
     return gpu, host, nvme
+
+
+def swap_layout(spec: ModelSpec, shape: Shape, cand: Candidate) -> SwapLayout:
+    """What DeepSpeed's NVMe optimizer swapper writes for this candidate (swaplayout.py)."""
+    aio = Aio(block_size=cand.aio_block_size, intra_op_parallelism=cand.aio_intra_op_parallelism)
+    return layout(sub_group_members(spec, shape.world_size, cand.sub_group_size), aio)
+
+
+def _nvme_optimizer_states(spec: ModelSpec, shape: Shape, cand: Candidate, host: dict[str, int]) -> dict[str, int]:
+    """ZeRO-Infinity optimizer offload (stage3.py `_create_fp32_partitions`,
+    `initialize_optimizer_states`; swap_tensor/): swapped sub groups live in files and pass
+    through the swapper's mlock'ed buffer pool (never rounded up: posix_memalign, not torch's
+    caching allocator) and one pageable fp32 gradient buffer of the largest sub group;
+    sub groups under one aio block stay in host RAM with their master weights and moments."""
+    swap = swap_layout(spec, shape, cand)
+    resident = sum(swap.resident)
+    if resident:
+        host["master_fp32"] = 4 * resident
+        host["adam_moments_fp32"] = 8 * resident
+    if swap.swapped:
+        host["optimizer_swap_buffers_locked"] = swap.pinned_buffer_bytes
+        host["fp32_grad_buffer"] = 4 * max(swap.swapped + swap.resident)
+    return {"optimizer_swap": swap.state_bytes, "gradient_swap": swap.gradient_bytes}
 
 
 def _model_states_stage012(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool):

@@ -1,0 +1,213 @@
+"""NVMe offload (ZeRO-Infinity) with the real DeepSpeed on CPU: DeepSpeed's async_io op
+(libaio) writes the optimizer state of preset `mini` to swap files under a tmp directory.
+`mini` is the `tiny` Llama with vocab 4096 and hidden 128: its 2-D weights form one optimizer
+sub group of 1.3M elements, over the 1 MiB below which DeepSpeed keeps a sub group in RAM
+(with `tiny`, nothing would be swapped). Planner and error-path tests need no libaio."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
+                      write_config)
+
+from zerofit import checkpoint, hardware, nvme, planview, swaplayout
+from zerofit.config import validate
+from zerofit.swaplayout import Aio
+
+LIBAIO_MISSING = nvme.libaio_problem()
+needs_async_io = pytest.mark.skipif(LIBAIO_MISSING is not None, reason=f"libaio-dev is not installed, so "
+                                    f"DeepSpeed cannot build its async_io op ({LIBAIO_MISSING}); .ci/run installs it")
+
+
+def nvme_config(run_dir: Path, nvme_path: Path, **zero) -> dict:
+    return tiny_config(run_dir, model={"config": "mini", "gradient_checkpointing": False},
+                       zero={"offload_optimizer": "nvme", "nvme_path": str(nvme_path), **zero})
+
+
+@pytest.fixture(scope="module")
+def nvme_run(tmp_path_factory):
+    """Optimizer and parameters on NVMe, 6 steps, checkpoints at 3 and 6."""
+    base = tmp_path_factory.mktemp("nvme")
+    run, config_file, done = trained_run(base, nvme_config(base / "run", base / "swap", offload_param="nvme"))
+    return run, config_file, done, base / "swap"
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cpu")
+    config = tiny_config(base / "run", model={"config": "mini", "gradient_checkpointing": False})
+    return trained_run(base, config)[0]
+
+
+# ------------------------------------------------------------------ training on NVMe
+@needs_async_io
+def test_nvme_offload_trains_like_cpu_offload(nvme_run, cpu_run):
+    run, _, _, swap = nvme_run
+    ds_config = json.loads((run / "ds_config.json").read_text())["zero_optimization"]
+    assert ds_config["offload_optimizer"]["device"] == ds_config["offload_param"]["device"] == "nvme"
+    assert Path(ds_config["offload_optimizer"]["nvme_path"]).parent == swap  # the run's own folder there
+    nvme_steps, cpu_steps = read_jsonl(run / "metrics.jsonl"), read_jsonl(cpu_run / "metrics.jsonl")
+    assert [m["step"] for m in nvme_steps] == [m["step"] for m in cpu_steps] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(nvme_steps, cpu_steps):  # the same Adam on the same numbers, fp32 state in files
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["lr"] == b["lr"]
+    assert nvme_steps[-1]["loss"] < nvme_steps[0]["loss"] - 1.0
+    # the swap files really held the state, as the planner predicted, and are gone after the run
+    plan = json.loads((run / "plan.json").read_text())
+    manifest = checkpoint.read_manifest(run / "checkpoints" / "step-000006")
+    swapped = {name: entry["bytes"] for name, entry in manifest["files"].items()
+               if name.startswith("offloaded_tensors/rank00/")}
+    assert sum(swapped.values()) == plan["devices"]["nvme"]["components"]["optimizer_swap"] > 2**20
+    assert not list(Path(plan["nvme"]["swap_dir"]).glob("zero_stage_3/*/rank0/*.swp"))
+
+
+@needs_async_io
+def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
+    """The swapped moments are in the checkpoint's manifest and come back bit for bit:
+    every step after the resume has the uninterrupted run's loss and LR."""
+    run, config_file, _, _ = nvme_run
+    manifest = checkpoint.read_manifest(run / "checkpoints" / "step-000003")
+    names = set(manifest["files"])
+    for prefix in ("", "exp_avg-", "exp_avg_sq-"):
+        assert any(n.startswith(f"offloaded_tensors/rank00/{prefix}") and n.endswith(".tensor.swp")
+                   and "gradient" not in n for n in names), prefix
+    assert checkpoint.verify(run / "checkpoints" / "step-000003", hashes=True) is None
+    assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
+
+
+@needs_async_io
+def test_short_swap_file_stops_the_run_and_keeps_the_checkpoint(tmp_path):
+    """A swap write that failed silently (the drill cuts the largest file after step 4):
+    the run stops with the reason before DeepSpeed reads it back; step 3 stays valid."""
+    config = nvme_config(tmp_path / "run", tmp_path / "swap")
+    config_file = write_config(tmp_path / "c.yaml", config)
+    done = run_zerofit(["train", "--config", str(config_file)], env={"ZEROFIT_FAULT": "shortswap@step:4"},
+                       check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "a write failed" in done.stderr and "resume from the newest checkpoint" in done.stderr
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert checkpoint.verify(tmp_path / "run" / "checkpoints" / "step-000003", hashes=True) is None
+
+
+# ------------------------------------------------------------------ preflight
+def small_disk(tmp_path: Path) -> tuple[Path, dict]:
+    """A 4 MiB tmpfs (O_DIRECT works there on Linux >= 6.6) when this process may mount,
+    else a directory with the `nospace@nvme:1` drill: the preflight sees a full disk."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    return mount, ({} if done.returncode == 0 else {"ZEROFIT_FAULT": "nospace@nvme:1"})
+
+
+@pytest.mark.parametrize("problem", ["not_writable", "free_space", "libaio"])
+def test_preflight_refuses_before_training(problem, tmp_path):
+    nvme_path, env = tmp_path / "swap", {}
+    if problem == "not_writable":
+        (tmp_path / "a_file").write_text("")
+        nvme_path = tmp_path / "a_file" / "swap"
+    elif problem == "free_space":
+        nvme_path, env = small_disk(tmp_path)
+    else:  # libaio missing: the search dirs for libaio.h / libaio.so replaced by an empty one
+        (tmp_path / "empty").mkdir()
+        env = {nvme.SEARCH_DIRS_VARIABLE: str(tmp_path / "empty")}
+    config_file = write_config(tmp_path / "c.yaml", nvme_config(tmp_path / "run", nvme_path))
+    try:
+        done = run_zerofit(["train", "--config", str(config_file)], env=env, check=False)
+    finally:
+        if problem == "free_space" and not env:
+            subprocess.run(["umount", str(nvme_path)], check=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    expected = {"not_writable": ["is not usable", "Not a directory", "writable directory on a local"],
+                "free_space": ["free under", "the swap files need", "pick another zero.nvme_path"],
+                "libaio": ["libaio.h and libaio.so not found", "apt-get install libaio-dev"]}[problem]
+    for text in expected:
+        assert text in done.stderr, (text, done.stderr[-3000:])
+    assert "step 1" not in done.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ doctor --system
+@needs_async_io
+def test_doctor_measures_and_tunes_the_path_and_runs_use_it(tmp_path):
+    env = {"ZEROFIT_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "400"}  # one table row per line
+    path = tmp_path / "disk"
+    done = run_zerofit(["doctor", "--system", "--nvme-path", str(path), "--nvme-mib", "16"], env=env)
+    for text in ("direct I/O write", "direct I/O read", "aio tuning", "cached in"):
+        assert text in done.stdout, text
+    cache = list((tmp_path / "cache").glob("aio-*.json"))
+    assert len(cache) == 1
+    tuned = json.loads(cache[0].read_text())
+    assert tuned["path"] == str(path.resolve()) and tuned["dio_alignment"] in (512, 1024, 2048, 4096)
+    assert len(tuned["tried"]) >= 2 and tuned["read_bytes_per_s"] > 0 and tuned["write_bytes_per_s"] > 0
+    assert tuned["aio"] in [t["aio"] for t in tuned["tried"]]
+    # a later run on that path: DeepSpeed gets the tuned aio settings, the plan the measured rates
+    config_file = write_config(tmp_path / "c.yaml", nvme_config(tmp_path / "run", path))
+    planned = json.loads(run_zerofit(["plan", "--config", str(config_file), "--json"], env=env).stdout)
+    assert planned["deepspeed_config"]["aio"] == tuned["aio"]
+    assert planned["nvme"]["rates_measured"] is True
+    assert planned["nvme"]["read_bytes_per_s"] == tuned["read_bytes_per_s"]
+    assert any("sweep cached" in note for note in planned["notes"])
+
+
+# ------------------------------------------------------------------ the planner
+def planned(host: str, nvme_path: Path | None):
+    config = validate({"model": {"config": "llama-3.6b", "gradient_checkpointing": True},
+                       "train": {"seq_len": 1024, "micro_batch_size": 2, "max_steps": 10},
+                       "zero": {"nvme_path": str(nvme_path) if nvme_path else None}})
+    hw = hardware.probe(gpu_mem="24GiB", host_mem=host, nvme_path=str(nvme_path) if nvme_path else None)
+    hw = hardware.with_overrides(hw, cpu_cores=16, disk_free_bytes=10**13,
+                                 nvme_free_bytes=10**13 if nvme_path else None)
+    return planview.plan_config(config, 1, hw=hw)
+
+
+def test_plan_proposes_nvme_when_host_ram_is_short(tmp_path, capsys):
+    decision, spec, hw = planned("40GiB", tmp_path)
+    plan = decision.plan
+    assert plan.fits and plan.candidate.offload_optimizer == "nvme"
+    summary = planview.nvme_summary(decision, spec, hw)
+    # 3.6B parameters: fp32 master + 2 moments (12 B) and fp32 gradients (4 B) per parameter in files
+    assert 16 * 3.5e9 < summary["swap_bytes"] < 16 * 3.8e9
+    assert summary["read_bytes_per_step"] >= summary["swap_bytes"] and summary["bandwidth_to_hide_io"] > 1e9
+    assert plan.devices["host"].total_bytes < 40 * 2**30 * 0.9
+    planview.render(decision, spec, hw)
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "of swap files under" in out and "GB/s would keep it within the rest of the step" in out
+    # with host RAM to spare the faster CPU offload wins
+    roomy, _, _ = planned("256GiB", tmp_path)
+    assert roomy.plan.fits and roomy.plan.candidate.offload_optimizer == "cpu"
+
+
+def test_plan_without_nvme_path_says_what_disk_would_fit():
+    decision, _, _ = planned("40GiB", None)
+    assert not decision.plan.fits
+    advice = " ".join(decision.advice)
+    assert "zero.offload_optimizer=nvme" in advice and "GB/s keeps that within the rest" in advice
+    assert "free (host" in advice
+
+
+# ------------------------------------------------------------------ swap layout maths
+def test_swap_layout_keeps_direct_io_whole_blocks():
+    """4 I/O threads split a 1,029,120-element sub group into 1,029,120 B shares: whole 512-B
+    blocks, not whole 4 KiB ones. zerofit goes to one thread, where the share is the whole
+    padded transfer (4,116,480 B = 1005 x 4 KiB)."""
+    groups = ((1_029_120,),)
+    four = Aio(intra_op_parallelism=4)
+    assert swaplayout.transfer_problems(groups, four, 512) == []
+    assert swaplayout.transfer_problems(groups, four, 4096)
+    fixed, changes = swaplayout.aligned_aio(groups, four, 4096)
+    assert fixed.intra_op_parallelism == 1 and swaplayout.transfer_problems(groups, fixed, 4096) == []
+    assert "intra_op_parallelism 4 -> 1" in changes[0]
+    # a sub group under one aio block stays in RAM, and only its moments' files are counted
+    layout = swaplayout.layout(((200_000,), (1_028_096,)), Aio())
+    assert layout.resident == (200_000,) and layout.swapped == (1_028_096,)
+    assert layout.state_bytes == 3 * 4 * 1_028_096 and layout.pinned_buffer_bytes == 4 * 4 * 1_028_096
+    # per step: master, moments and gradients in; all of them out once (gradients at the boundary)
+    assert layout.read_bytes_per_step == layout.write_bytes_per_step == 4 * 4 * 1_028_096
+
+
+def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path):
+    problem = nvme.space_problem(tmp_path, 10 * 2**30, free_bytes=2**30)
+    assert "1.0GiB free under" in problem and "10.0GiB" in problem and "Free 10.0GiB" in problem
+    assert nvme.space_problem(tmp_path, 2**30, free_bytes=10 * 2**30) is None
