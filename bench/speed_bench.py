@@ -374,37 +374,54 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
         record["tokens_per_s"][name] = entry.get("tokens_per_s")
         summarise_case(record)
         save()
-    lever_persistence(label, case, runner, rates, record, spec, hw, save)
+    run_levers(label, case, runner, rates, record, spec, hw, save)
 
 
-def lever_persistence(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save) -> None:
-    """One lever alone, when time is left: zerofit's choice with HF's "auto" persistence
-    threshold (10 x hidden) instead of every parameter persistent."""
+# One lever at a time, measured when time is left after the configs: zerofit's choice with
+# one setting changed. "gain" = tokens/s of the lever on / off.
+LEVERS = {
+    "persistence": dict(
+        what="every parameter persistent (one rank, parameters on the GPU) vs HF's auto threshold 10 x hidden",
+        needs="zero.param_persistence_threshold", lever_on_in_choice=True,
+        change=lambda spec: {"zero.param_persistence_threshold": 10 * spec.hidden_size}),
+    "reduce_bucket": dict(
+        what="the plan's larger gradient reduce bucket vs HF's auto hidden^2: fewer bucket flushes per micro "
+             "batch (speed.json of 2026-11-29: every config paid ~0.6 s per micro batch, params on GPU or not)",
+        needs="zero.reduce_bucket_size", lever_on_in_choice=True,
+        change=lambda spec: {"zero.reduce_bucket_size": spec.hidden_size ** 2}),
+}
+
+
+def run_levers(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save) -> None:
+    record["levers"] = {}
+    for name, lever in LEVERS.items():
+        record["levers"][name] = measure_lever(name, lever, label, case, runner, rates, record, spec, hw)
+        save()
+
+
+def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner, rates: dict, record: dict,
+                  spec, hw):
     chosen = record["configs"].get("zerofit", {}).get("chosen_fields") or {}
     budget = case["budgets_s"][0]
     why_not = ("no zerofit plan" if not chosen else
-               "the plan did not make parameters persistent" if "zero.param_persistence_threshold" not in chosen else
+               f"the plan did not choose {lever['needs']}" if lever["needs"] not in chosen else
                f"{runner.left():.0f}s left" if runner.left() < budget + 30 else None)
     if why_not:
-        record["levers"] = {"persistence": f"not measured: {why_not}"}
-        save()
-        return
-    run_dir = runner.work / f"{label}-zerofit-auto-persistence" / "run"
+        return f"not measured: {why_not}"
+    run_name = f"{label}-zerofit-{name}"
+    run_dir = runner.work / run_name / "run"
     config = zerofit_config(case, run_dir, 1 + case["measured_steps"][0], runner.accelerator)
-    for dotted, value in {**chosen, "zero.param_persistence_threshold": 10 * spec.hidden_size}.items():
+    for dotted, value in {**chosen, **lever["change"](spec)}.items():
         section, key = dotted.split(".")
         config.setdefault(section, {})[key] = value
     config["train"].pop("global_batch_size")  # micro batch x accumulation are now given
-    result = runner.run(f"{label}-zerofit-auto-persistence", "zerofit", {"cap_gib": case["cap_gib"], "config": config},
-                        budget)
+    result = runner.run(run_name, "zerofit", {"cap_gib": case["cap_gib"], "config": config}, budget)
     entry = complete(zerofit_entry(run_dir, case["global_batch"] * case["seq_len"]), result, spec, hw, rates, case)
-    record["configs"]["zerofit_auto_persistence"] = entry
-    with_lever, without = record["tokens_per_s"].get("zerofit"), entry.get("tokens_per_s")
-    record["levers"] = {"persistence": {
-        "what": "every parameter persistent (one rank, parameters on the GPU) vs HF's auto threshold 10 x hidden",
-        "tokens_per_s_with": with_lever, "tokens_per_s_without": without,
-        "gain": round(with_lever / without, 2) if with_lever and without else None}}
-    save()
+    record["configs"][f"zerofit_{name}"] = entry
+    choice_tps, changed_tps = record["tokens_per_s"].get("zerofit"), entry.get("tokens_per_s")
+    on, off = (choice_tps, changed_tps) if lever["lever_on_in_choice"] else (changed_tps, choice_tps)
+    return {"what": lever["what"], "tokens_per_s_with": on, "tokens_per_s_without": off,
+            "gain": round(on / off, 2) if on and off else None}
 
 
 def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:

@@ -73,6 +73,22 @@ def test_larger_micro_batches_amortise_the_gradient_round_trips():
     assert len({s["compute"] for s in seconds}) == 1  # the same tokens per optimizer step
 
 
+def test_reduce_bucket_grows_when_it_fits_and_stays_as_set():
+    spec = modelspec.from_name("llama-1.5b")
+    hw = cuda_box("8GiB", host="120GiB")
+    decision = choice.decide(batch16(), spec, hw, 1)
+    assert decision.config.zero.reduce_bucket_size == max(choice.REDUCE_BUCKETS) > spec.hidden_size ** 2
+    assert decision.chosen_fields["zero.reduce_bucket_size"] == max(choice.REDUCE_BUCKETS)
+    hf_auto = planner.predict(spec, hw, decision.plan.shape,
+                              replace(decision.plan.candidate, reduce_bucket_size=spec.hidden_size ** 2))
+    assert hf_auto.step_terms["reduce_flushes"] > 40 * decision.plan.step_terms["reduce_flushes"]
+    assert hf_auto.devices["gpu"].total_bytes < decision.plan.devices["gpu"].total_bytes  # the bucket is counted
+    given = choice.decide(batch16(zero={"reduce_bucket_size": 1234567}), spec, hw, 1)
+    assert given.config.zero.reduce_bucket_size == 1234567 and "zero.reduce_bucket_size" not in given.chosen_fields
+    lora = modelspec.from_config(config(model={"config": "llama-1.5b"}, lora={"enabled": True}))
+    assert max(choice.reduce_buckets(decision.plan.candidate, lora, set())) == lora.trainable_params
+
+
 @pytest.mark.parametrize("model, measured", [("llama-1.5b", 1.43), ("llama-3.6b", 2.34)])
 def test_cost_model_matches_the_readme_stock_steps(model, measured):
     """/work/shared/device/README.md: stock ZeRO-3, optimizer + params on CPU, micro batch 2,

@@ -5,7 +5,8 @@ Fields the user set (pydantic's `model_fields_set` on `config.zero`, `config.tra
 combination of the free choices (offload devices, partial offload ratio, micro batch x
 accumulation for a fixed `train.global_batch_size`, gradient checkpointing); bucket sizes
 left unset take HF Trainer's "auto" formulas, except that one rank keeping its parameters on
-the GPU makes them all persistent (`all_persistent`). Each candidate is predicted by
+the GPU makes them all persistent (`all_persistent`) and the reduce bucket is also tried
+larger (`REDUCE_BUCKETS`: fewer flushes per micro batch, its memory in the prediction). Each candidate is predicted by
 `planner.predict`; among those that fit with `plan.headroom`, the fastest wins (ties go to
 the one using less GPU memory). Pure: a Config, a ModelSpec and a Hardware in, a Decision out.
 """
@@ -23,6 +24,9 @@ from zerofit.swaplayout import bandwidth_to_hide
 from zerofit.zerostates import swap_layout
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
+# Reduce-bucket sizes tried beside HF's hidden^2 when the user set none: zerofit's default
+# and a size near DeepSpeed's own default (5e8), in elements.
+REDUCE_BUCKETS = (50_000_000, 200_000_000)
 MAX_MICRO_BATCH = 64
 WORLD_SIZES_TO_SUGGEST = (2, 4, 8, 16, 32, 64)
 
@@ -137,11 +141,19 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
         persistence = base.param_persistence_threshold
         if par == "none" and world_size == 1 and base.stage == 3 and "param_persistence_threshold" not in zero_set:
             persistence = all_persistent(spec)
-        for ratio in ratios if opt != "none" else [1.0]:
+        for ratio, bucket in itertools.product(ratios if opt != "none" else [1.0], reduce_buckets(base, spec, zero_set)):
             shape = replace(base_shape, micro_batch=micro, grad_accum=accum, gradient_checkpointing=ckpt)
             out.append((shape, replace(base, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=ratio,
-                                       param_persistence_threshold=persistence)))
+                                       param_persistence_threshold=persistence, reduce_bucket_size=bucket)))
     return out
+
+
+def reduce_buckets(base: Candidate, spec: ModelSpec, zero_set: set[str]) -> list[int]:
+    """The user's bucket, else HF's hidden^2 and the larger REDUCE_BUCKETS, none beyond the
+    trainable elements (a bucket that never fills flushes once per micro batch anyway)."""
+    if "reduce_bucket_size" in zero_set:
+        return [base.reduce_bucket_size]
+    return sorted({min(size, spec.trainable_params) for size in (base.reduce_bucket_size, *REDUCE_BUCKETS)})
 
 
 def all_persistent(spec: ModelSpec) -> int:

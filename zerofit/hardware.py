@@ -47,6 +47,14 @@ ZERO3_SECONDS_PER_MODULE_VISIT = 1.0e-3
 # bookkeeping (trace, prefetch queue) is left. Not measured yet; an assumption (a seventh of
 # a fetching visit) that bench/speed_bench.py's per-config step times are there to refine.
 ZERO3_SECONDS_PER_IDLE_VISIT = 0.1e-3
+# Each flush of the gradient reduce bucket (stage3.py __reduce_and_partition_ipg_grads: a
+# stream wait, the reduce, per-parameter partition copies) costs fixed work whatever its
+# size. On the H200 every 1.5B config paid ~0.6 s per micro batch with params on the GPU or
+# not, with ~360 flushes per micro batch at HF's hidden^2 bucket (bench/results/speed.json):
+# the flushes are the suspect. The per-flush seconds are not isolated yet: 0.2 ms is an
+# assumed floor that only ranks bucket sizes; speed_bench's reduce_bucket lever (the plan's
+# bucket vs hidden^2) measures it on the GPU.
+ZERO_SECONDS_PER_REDUCE_FLUSH = 0.2e-3
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,9 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
     - adam_host_params / adam_device_params: optimizer elements stepped on the CPU / GPU;
     - fetch_visits / idle_visits: ZeRO-3 module hook calls that fetch and release
       partitioned parameters, and those whose parameters are all persistent (nothing to fetch:
-      partitioned_param_coordinator.py fetch_sub_module filters on ds_status)."""
+      partitioned_param_coordinator.py fetch_sub_module filters on ds_status);
+    - reduce_flushes: gradient reduce buckets filled and flushed, each micro batch, for the
+      trainable elements of the rank (stage 2 and 3: reduce_bucket_size elements each)."""
     a, W, T = shape.element_bytes, shape.world_size, shape.tokens_per_micro
     accum, ckpt = shape.grad_accum, shape.gradient_checkpointing
     N, trainable = spec.total_params, spec.trainable_params
@@ -207,6 +209,8 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
     if cand.offload_optimizer != "none":
         per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
         work["pcie_grad_bytes"] = accum * per_micro + 4 * work["adam_host_params"] + a * t_rank
+    if cand.stage >= 2:
+        work["reduce_flushes"] = accum * -(-trainable // cand.reduce_bucket_size)
     if cand.stage == 3:
         every = len(zero3_trace(spec, ckpt, -1)[0])
         fetching = len(zero3_trace(spec, ckpt, cand.param_persistence_threshold)[0])
@@ -227,6 +231,7 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
       (the `zerofit doctor --system --nvme-path` sweep, cached) or the GPU machine's disk;
     - zero3_hooks: ZeRO-3's per-module work: fetch, wait and release per fetching visit,
       the hook bookkeeping alone per visit of a module whose parameters are persistent;
+    - reduce_flushes: the fixed work of each gradient reduce-bucket flush;
     - collectives: all-gather of parameters per pass and reduce-scatter of gradients
       across W ranks (ZeRO paper sec. 7: 3 x the data-parallel volume for stage 3)."""
     a, W = shape.element_bytes, shape.world_size
@@ -256,6 +261,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     if cand.stage == 3:
         terms["zero3_hooks"] = work["fetch_visits"] * hw_rates.ZERO3_SECONDS_PER_MODULE_VISIT \
             + work["idle_visits"] * hw_rates.ZERO3_SECONDS_PER_IDLE_VISIT
+    if work.get("reduce_flushes"):
+        terms["reduce_flushes"] = work["reduce_flushes"] * hw_rates.ZERO_SECONDS_PER_REDUCE_FLUSH
     if W > 1:
         volume = a * N * (W - 1) / W
         gathers = passes if cand.stage == 3 else 0
