@@ -48,6 +48,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from zerofit.memory import read_jsonl  # noqa: E402 (after the path above)
 TERM_GRACE_S = 20
 FALLBACK_PRESETS = ("llama-1.5b", "llama-0.5b")
 # A run's time beyond its steps and save: process start, imports, zero.Init and the engine's
@@ -139,12 +141,6 @@ def run_process(cmd: list[str], seconds: float, log: Path, env: dict | None = No
             time.sleep(0.5)
     return {"exit_code": os.waitstatus_to_exitcode(status), "wall_seconds": round(time.perf_counter() - started, 1),
             "cut_by_deadline": termed is not None, "ru_maxrss_bytes": usage.ru_maxrss * 1024}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def measured(run_dir: Path, proc: dict, log: Path) -> dict:

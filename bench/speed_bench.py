@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from zerofit.memory import read_jsonl  # noqa: E402 (after the path above)
+
 GIB = 2**30
 CASES = {
     "1.5b": dict(model="llama-1.5b", cap_gib=8, seq_len=1024, global_batch=16, measured_steps=(5, 3, 3),
@@ -267,12 +269,6 @@ def steady(step_seconds: list[float], tokens_per_step: int) -> dict:
     mean = sum(measured) / len(measured)
     return {"tokens_per_s": round(tokens_per_step / mean, 1), "steady_step_seconds": round(mean, 3),
             "measured_steps": len(measured), "warmup_step_seconds": round(step_seconds[0], 3)}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
 def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> dict:

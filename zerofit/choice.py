@@ -6,9 +6,9 @@ combination of the free choices (offload devices, partial offload ratio, micro b
 accumulation for a fixed `train.global_batch_size`, gradient checkpointing); bucket sizes
 left unset take HF Trainer's "auto" formulas, except that one rank keeping its parameters on
 the GPU makes them all persistent (`all_persistent`) and the reduce bucket is also tried
-larger (`REDUCE_BUCKETS`: fewer flushes per micro batch, its memory in the prediction). Each candidate is predicted by
-`planner.predict`; among those that fit with `plan.headroom`, the fastest wins (ties go to
-the one using less GPU memory). Pure: a Config, a ModelSpec and a Hardware in, a Decision out.
+larger (`REDUCE_BUCKETS`: fewer flushes per micro batch, its memory in the prediction).
+Each candidate is predicted by `planner.predict`; among those that fit with
+`plan.headroom`, the fastest wins (ties go to the one using less GPU memory). Pure: a Config, a ModelSpec and a Hardware in, a Decision out.
 """
 from __future__ import annotations
 

@@ -210,14 +210,18 @@ class Timeline:
 
 # ---------------------------------------------------------------------------- reading back
 def read_timeline(run_dir: Path, rank: int = 0) -> list[dict]:
-    """The records of memory.jsonl (or memory-rankN.jsonl), in order; a torn last line
-    (the process died mid-write) is skipped."""
+    """The records of memory.jsonl (or memory-rankN.jsonl), in order."""
     name = "memory.jsonl" if rank == 0 else f"memory-rank{rank}.jsonl"
-    path = Path(run_dir) / name
-    if not path.exists():
+    return read_jsonl(Path(run_dir) / name)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON lines of a run file (memory.jsonl, metrics.jsonl), in order; none when it is
+    missing, and a torn line (the process died mid-write) skipped."""
+    if not Path(path).exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

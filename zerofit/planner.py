@@ -188,8 +188,9 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
     - fetch_visits / idle_visits: ZeRO-3 module hook calls that fetch and release
       partitioned parameters, and those whose parameters are all persistent (nothing to fetch:
       partitioned_param_coordinator.py fetch_sub_module filters on ds_status);
-    - reduce_flushes: gradient reduce buckets filled and flushed, each micro batch, for the
-      trainable elements of the rank (stage 2 and 3: reduce_bucket_size elements each)."""
+    - reduce_flushes: gradient reduce buckets filled and flushed, each micro batch, for all
+      trainable elements (stage 2 and 3: the bucket gathers whole gradients before the
+      reduce-scatter partitions them; reduce_bucket_size elements each)."""
     a, W, T = shape.element_bytes, shape.world_size, shape.tokens_per_micro
     accum, ckpt = shape.grad_accum, shape.gradient_checkpointing
     N, trainable = spec.total_params, spec.trainable_params

@@ -104,7 +104,7 @@ def check_libaio() -> Check:
     """libaio's header and library, which DeepSpeed's JIT build of async_io needs (nvme.libaio_problem)."""
     problem = nvme.libaio_problem()
     if problem:
-        what, fix = problem.split(". Fix: ")
+        what, fix = _what_and_fix(problem)
         return Check("libaio", "fail", what + ": NVMe offload fails", fix)
     return Check("libaio", "pass", ctypes.util.find_library("aio") or "libaio.h and libaio.so found")
 
@@ -116,10 +116,15 @@ def check_async_io() -> Check:
     changed = nvme.fix_arch_list() if _cuda() else None
     problem = nvme.libaio_problem() or nvme.async_io_problem(on_gpu=False)
     if problem:
-        return Check("DeepSpeed async_io", "fail", problem.split(". Fix: ")[0],
-                     "" if ". Fix: " not in problem else problem.split(". Fix: ")[1])
+        return Check("DeepSpeed async_io", "fail", *_what_and_fix(problem))
     note = f" (TORCH_CUDA_ARCH_LIST set to {changed} for the build: DeepSpeed parses only major.minor)" if changed else ""
     return Check("DeepSpeed async_io", "pass", f"built and loaded: NVMe offload available{note}")
+
+
+def _what_and_fix(problem: str) -> tuple[str, str]:
+    """zerofit.nvme's problems read "WHAT. Fix: HOW" (HOW empty when there is none)."""
+    what, _, fix = problem.partition(". Fix: ")
+    return what, fix
 
 
 def check_aio_sweep(path: Path, mib: int) -> Check:

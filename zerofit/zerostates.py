@@ -55,11 +55,13 @@ def sub_group_members(spec: ModelSpec, world: int, sub_group_size: int) -> tuple
             groups.append(tuple(members))
             continue
         run: list[int] = []
+        run_numel = 0
         for i, numel in enumerate(members):
             run.append(numel)
-            if sum(run) >= sub_group_size or i == len(members) - 1:
+            run_numel += numel
+            if run_numel >= sub_group_size or i == len(members) - 1:
                 groups.append(tuple(run))
-                run = []
+                run, run_numel = [], 0
     return tuple(groups)
 
 
@@ -210,8 +212,9 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
         gpu["master_fp32"] = 4 * dev_numel
         gpu["adam_moments_fp32"] = 8 * dev_numel
     if off_numel:
-        if cand.offload_optimizer == "nvme":
-            nvme.update(_nvme_optimizer_states(spec, shape, cand, host))
+        swap = swap_layout(spec, shape, cand) if cand.offload_optimizer == "nvme" else None
+        if swap:
+            nvme.update(_nvme_optimizer_states(swap, host))
         else:
             host["master_fp32"] = 4 * off_numel              # `.to(cpu, fp32).clone()`: pageable
             host["adam_moments_fp32"] = 8 * off_numel        # cpu_adam.py: zeros_like at the first step
@@ -220,9 +223,8 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
             # block cached on the host.
         if cand.offload_optimizer == "cpu" or dev_numel:
             host["fp32_grads_pinned"] = sum(pinned(4 * g, cand, on_gpu) for g in groups)
-        elif cand.offload_optimizer == "nvme":  # sub groups too small to swap: pinned grads like a CPU offload
-            resident = swap_layout(spec, shape, cand).resident
-            host["fp32_grads_pinned"] = sum(pinned(4 * g, cand, on_gpu) for g in resident)
+        elif swap:  # sub groups too small to swap: pinned grads like a CPU offload
+            host["fp32_grads_pinned"] = sum(pinned(4 * g, cand, on_gpu) for g in swap.resident)
     if dev_numel and cand.offload_optimizer != "none":
         gpu["fp32_grads"] = 4 * dev_numel
     # The reduce bucket (contiguous_gradients), on the device (`_setup_for_real_optimizer`).
@@ -240,13 +242,12 @@ def swap_layout(spec: ModelSpec, shape: Shape, cand: Candidate) -> SwapLayout:
     return layout(sub_group_members(spec, shape.world_size, cand.sub_group_size), aio)
 
 
-def _nvme_optimizer_states(spec: ModelSpec, shape: Shape, cand: Candidate, host: dict[str, int]) -> dict[str, int]:
+def _nvme_optimizer_states(swap: SwapLayout, host: dict[str, int]) -> dict[str, int]:
     """ZeRO-Infinity optimizer offload (stage3.py `_create_fp32_partitions`,
     `initialize_optimizer_states`; swap_tensor/): swapped sub groups live in files and pass
     through the swapper's mlock'ed buffer pool (never rounded up: posix_memalign, not torch's
     caching allocator) and one pageable fp32 gradient buffer of the largest sub group;
     sub groups under one aio block stay in host RAM with their master weights and moments."""
-    swap = swap_layout(spec, shape, cand)
     resident = sum(swap.resident)
     if resident:
         host["master_fp32"] = 4 * resident
