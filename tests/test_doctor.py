@@ -104,6 +104,33 @@ def test_report_html_and_terminal_summary(drilled_run, tmp_path):
     assert "no plan.json" not in html and "No out-of-memory error" in html
 
 
+def test_two_ranks_one_leaking(tmp_path):
+    """A 2-rank run (gloo) where only rank 1 leaks (ZEROFIT_FAULT_RANKS=1): the doctor reads
+    both ranks' timelines, says which rank grows and that it peaks above the other, lists each
+    rank's peaks, and compares the per-rank plan with the highest rank."""
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", tiny_config(run, train={"max_steps": 12}, checkpoint={"every_steps": 6}))
+    run_zerofit(["train", "--config", str(config)], nproc=2,
+                env={"ZEROFIT_FAULT": "leak@step:3", "ZEROFIT_FAULT_RANKS": "1"})
+    done = run_zerofit(["doctor", str(run)], env={"COLUMNS": "300"})
+    diagnosis = diagnose(run)
+    growth = [f for f in diagnosis.findings if f.kind == "growth"]
+    assert len(growth) == 1 and growth[0].evidence["ranks"] == [1], [f.title for f in diagnosis.findings]
+    assert growth[0].title.startswith("rank 1: ") and growth[0].title in done.stdout
+    assert abs(growth[0].evidence["bytes_per_step"] - LEAK_BYTES_PER_STEP) < 8 * MiB
+    uneven = [f for f in diagnosis.findings if f.kind == "rank_imbalance"]
+    assert [(f.device, f.evidence["high_rank"]) for f in uneven] == [("host", 1)]
+    rows = {row["rank"]: row for row in diagnosis.ranks}
+    for rank, name in ((0, "memory.jsonl"), (1, "memory-rank1.jsonl")):
+        records = read_jsonl(run / name)
+        assert rows[rank]["steps"] == 12
+        assert rows[rank]["host_peak"] == max(r.get("host_peak", r["host_rss"]) for r in records)
+    assert rows[1]["host_peak"] - rows[0]["host_peak"] > 8 * LEAK_BYTES_PER_STEP  # 10 steps of 48 MiB
+    host_plan = next(row for row in diagnosis.plan if row["device"] == "host")
+    assert host_plan["measured_bytes"] == rows[1]["host_peak"]  # the plan is per rank: the highest one counts
+    assert "<h2>Ranks</h2>" in (run / "report.html").read_text() and "ranks: 0:" in done.stdout
+
+
 def test_report_with_plan_and_postmortem(tmp_path):
     """Rendered from files alone: a synthetic GPU timeline, a plan.json, a post-mortem."""
     run = tmp_path / "run"

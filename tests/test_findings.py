@@ -140,3 +140,23 @@ def test_resume_drops_rolled_back_records_but_keeps_events():
     steps = [(r["step"], r["phase"]) for r in effective]
     assert (8, "oom") in steps
     assert steps.count((6, "forward")) == 1  # the rolled-back step 6 is gone, the replayed one stays
+
+
+def test_findings_across_ranks_name_the_ranks_that_show_them():
+    from zerofit.findings import across_ranks, rank_imbalance, rank_peaks
+
+    per_rank = {0: synthetic_run(residue_per_save=GiB), 1: synthetic_run(residue_per_save=GiB, leak_per_step=256 * MiB)}
+    facts = facts_from(per_rank[0], ds_config(), {"model": {"gradient_checkpointing": True}})
+    merged = across_ranks({rank: detect(records, facts) for rank, records in per_rank.items()})
+    by_kind = {(f.kind, f.device): f for f in merged}
+    residue, growth = by_kind[("post_save_residue", "gpu")], by_kind[("growth", "gpu")]
+    assert residue.evidence["ranks"] == [0, 1] and not residue.title.startswith("rank")
+    assert growth.evidence["ranks"] == [1] and growth.title.startswith("rank 1: ")
+    assert len(merged) == len(by_kind)  # one finding per kind and device, not one per rank
+
+    peaks = rank_peaks(per_rank)
+    assert [p["rank"] for p in peaks] == [0, 1] and peaks[0]["steps"] == peaks[1]["steps"] == 20
+    uneven = rank_imbalance(peaks, facts)
+    assert [(f.kind, f.device) for f in uneven] == [("rank_imbalance", "gpu")]
+    assert uneven[0].evidence["high_rank"] == 1 and uneven[0].title.startswith("rank 1 peaks")
+    assert rank_imbalance(rank_peaks({0: per_rank[0], 1: per_rank[0]}), facts) == []

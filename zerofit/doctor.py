@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from zerofit.config import ConfigError
-from zerofit.findings import Finding, RunFacts, detect, facts_from
+from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, rank_imbalance, rank_peaks
 from zerofit.memory import EVENT_PHASES, effective_records, read_timeline
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
@@ -24,7 +24,7 @@ HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memor
 class Diagnosis:
     run_dir: Path
     source: str                   # zerofit | hf-trainer
-    records: list[dict]           # the effective timeline (resumes applied)
+    records: list[dict]           # rank 0's effective timeline (resumes applied)
     facts: RunFacts
     findings: list[Finding]
     plan: list[dict]              # plan_vs_measured rows; [] without plan.json
@@ -33,16 +33,17 @@ class Diagnosis:
     postmortem: dict | None = None
     checkpoint_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    ranks: list[dict] = field(default_factory=list)  # per rank: steps, GPU / host peaks (rank_peaks)
 
 
 # ---------------------------------------------------------------------------- reading
 def diagnose(run_dir: str | Path) -> Diagnosis:
     run_dir = Path(run_dir)
-    raw = read_timeline(run_dir)
-    if not raw:
+    per_rank = rank_timelines(run_dir)
+    if 0 not in per_rank:
         raise ConfigError(f"{run_dir} has no memory.jsonl: point `zerofit doctor` at a zerofit run directory, "
                           f"or at an HF Trainer output_dir trained with zerofit.hf.MemoryGuardCallback()")
-    records = effective_records(raw)
+    records = per_rank[0]
     hf_run = read_json(run_dir / HF_RUN_FILE)
     if hf_run:
         source, ds_config = "hf-trainer", hf_run.get("ds_config") or {}
@@ -52,12 +53,24 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
             run_dir / "config.yaml")
     plan = read_json(run_dir / "plan.json")
     facts = facts_from(records, ds_config, config, plan)
+    ranks = rank_peaks(per_rank)
+    findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
+    findings += rank_imbalance(ranks, facts)
+    every_rank = [record for timeline in per_rank.values() for record in timeline]  # the plan is per rank
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
-    return Diagnosis(run_dir, source, records, facts, detect(records, facts),
-                     plan_vs_measured(plan, records, checkpoint_bytes), phase_peaks(records),
+    return Diagnosis(run_dir, source, records, facts, findings,
+                     plan_vs_measured(plan, every_rank, checkpoint_bytes), phase_peaks(records),
                      summarize(records, facts), read_json(run_dir / "postmortem" / "report.json"), checkpoint_bytes,
-                     notes)
+                     notes, ranks)
+
+
+def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
+    """Every rank's effective timeline: memory.jsonl is rank 0's, memory-rankN.jsonl rank N's."""
+    ranks = [0] + sorted(int(p.stem.removeprefix("memory-rank")) for p in run_dir.glob("memory-rank*.jsonl")
+                         if p.stem.removeprefix("memory-rank").isdigit())
+    timelines = {rank: read_timeline(run_dir, rank) for rank in ranks}
+    return {rank: effective_records(raw) for rank, raw in timelines.items() if raw}
 
 
 def read_json(path: Path) -> dict | None:

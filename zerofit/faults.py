@@ -3,6 +3,7 @@
 Examples: `enospc@save:2` (the 2nd save's writes fail with ENOSPC), `oom@step:5`
 (torch.OutOfMemoryError in the forward pass of step 5), `kill@save:1` (SIGKILL mid-save),
 `residue@step:3` / `leak@step:2` (memory kept alive after step 3 / every step from 2).
+ZEROFIT_FAULT_RANKS="1" (comma separated) limits every fault to those ranks: one bad rank.
 Code that can fail asks `armed(kind, where, n)` at the matching moment; nothing is
 injected unless the variable is set.
 
@@ -24,6 +25,7 @@ import signal
 from dataclasses import dataclass
 
 VARIABLE = "ZEROFIT_FAULT"
+RANKS_VARIABLE = "ZEROFIT_FAULT_RANKS"  # e.g. "1": only those ranks (torchrun's RANK) are struck
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,12 @@ def parse(text: str) -> list[Fault]:
 def armed(kind: str, where: str, n: int) -> bool:
     """True when ZEROFIT_FAULT asks for `kind` at the n-th `where` (1-based)."""
     text = os.environ.get(VARIABLE, "")
-    return bool(text) and Fault(kind, where, n) in parse(text)
+    return bool(text) and this_rank_struck() and Fault(kind, where, n) in parse(text)
+
+
+def this_rank_struck() -> bool:
+    ranks = os.environ.get(RANKS_VARIABLE, "").strip()
+    return not ranks or os.environ.get("RANK", "0") in {r.strip() for r in ranks.split(",")}
 
 
 _counts: dict[str, int] = {}
@@ -94,7 +101,7 @@ _held: list = []
 
 def hold_memory_if_armed(step: int, device) -> None:
     text = os.environ.get(VARIABLE, "")
-    if not text:
+    if not text or not this_rank_struck():
         return
     import torch
 

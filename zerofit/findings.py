@@ -10,7 +10,7 @@ few MiB, hence the larger floor.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from zerofit.memory import EVENT_PHASES
 
@@ -22,6 +22,7 @@ SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 @dataclass(frozen=True)
 class Finding:
     kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
+                       # | rank_imbalance
     severity: str      # error | warning | info
     device: str        # gpu | host
     title: str         # what was seen, with the numbers
@@ -88,6 +89,67 @@ def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
         found += fragmentation(records, facts)
     found += events(records, facts)
     return sorted(found, key=lambda f: (SEVERITY_ORDER[f.severity], f.kind != "oom"))
+
+
+# ------------------------------------------------------------------------ ranks
+def across_ranks(per_rank: dict[int, list[Finding]]) -> list[Finding]:
+    """One list from every rank's findings. A finding of the same kind on the same device
+    on several ranks is listed once (the lowest rank's numbers), its evidence naming the
+    ranks; one that only some ranks of several show says which in its title."""
+    ranks = sorted(per_rank)
+    grouped: dict[tuple[str, str], list[tuple[int, Finding]]] = {}
+    for rank in ranks:
+        for finding in per_rank[rank]:
+            grouped.setdefault((finding.kind, finding.device), []).append((rank, finding))
+    merged = []
+    for seen in grouped.values():
+        first = seen[0][1]
+        on = sorted({rank for rank, _ in seen})
+        if len(ranks) == 1:
+            merged.append(first)
+            continue
+        title = first.title if on == ranks else f"rank{'s' * (len(on) > 1)} {', '.join(map(str, on))}: {first.title}"
+        merged.append(replace(first, title=title, evidence={**first.evidence, "ranks": on}))
+    return sorted(merged, key=lambda f: (SEVERITY_ORDER[f.severity], f.kind != "oom"))
+
+
+def rank_peaks(per_rank: dict[int, list[dict]]) -> list[dict]:
+    """Per rank: steps recorded and the GPU / host high-water marks of its timeline."""
+    rows = []
+    for rank, records in sorted(per_rank.items()):
+        steps = [r for r in records if r.get("phase") not in EVENT_PHASES]
+        rows.append({"rank": rank, "steps": max((r["step"] for r in steps), default=0),
+                     "gpu_peak": max((r.get("gpu_peak", 0) for r in records), default=0),
+                     "gpu_peak_reserved": max((r.get("gpu_peak_reserved", 0) for r in records), default=0),
+                     "host_peak": max((r.get("host_peak", r.get("host_rss", 0)) for r in records), default=0)})
+    return rows
+
+
+def rank_imbalance(peaks: list[dict], facts: RunFacts, uneven: float = 0.10) -> list[Finding]:
+    """ZeRO-3 gives every rank an equal share of the model states, so ranks of one run should
+    peak alike; one peaking over `uneven` above the lowest (and by a significant amount) is
+    the one that will run out first, and the planner's per-rank prediction does not cover it."""
+    found = []
+    for device, key in (("gpu", "gpu_peak"), ("host", "host_peak")):
+        readings = [(row["rank"], row[key]) for row in peaks if row[key]]
+        if len(readings) < 2:
+            continue
+        (low_rank, low), (high_rank, high) = min(readings, key=lambda r: r[1]), max(readings, key=lambda r: r[1])
+        if high - low <= significant_bytes(facts, device) or high <= low * (1 + uneven):
+            continue
+        fix = ["pad or pack every micro batch to train.seq_len so that all ranks run the same shapes",
+               f"look for other processes on rank {high_rank}'s {'GPU' if device == 'gpu' else 'node'} "
+               f"({'nvidia-smi' if device == 'gpu' else 'top'})",
+               "plan with the highest rank's peak: leave the difference as extra plan.headroom"]
+        found.append(Finding("rank_imbalance", "warning", device,
+                             f"rank {high_rank} peaks at {gib(high)} of {label(device)} memory, "
+                             f"{high / low - 1:.0%} above rank {low_rank} ({gib(low)})",
+                             "ranks hold equal shares of the ZeRO-3 states, so the difference is per-rank work: "
+                             "longer sequences or larger batches on one rank, or memory held outside the "
+                             "training loop (another process, a rank-0-only task)", fix, None,
+                             {"ranks": [row["rank"] for row in peaks], "peak_bytes": high, "lowest_bytes": low,
+                              "high_rank": high_rank, "low_rank": low_rank}))
+    return found
 
 
 # ------------------------------------------------------------------------ series

@@ -226,6 +226,16 @@ def phases_html(diagnosis) -> str:
     return table(headers, rows, set(range(1, len(headers))))
 
 
+def ranks_html(diagnosis) -> str:
+    """One row per rank; the findings, plan and peaks above them cover every rank's timeline
+    (the plot and the per-phase table are rank 0's)."""
+    on_gpu = diagnosis.summary["on_gpu"]
+    headers = ["rank", "steps"] + (["GPU peak allocated", "GPU peak reserved"] if on_gpu else []) + ["host peak RSS"]
+    rows = [[r["rank"], r["steps"], *([gib(r["gpu_peak"]), gib(r["gpu_peak_reserved"])] if on_gpu else []),
+             gib(r["host_peak"])] for r in diagnosis.ranks]
+    return table(headers, rows, set(range(1, len(headers))))
+
+
 def plan_html(diagnosis) -> str:
     if not diagnosis.plan:
         return f"<p>{esc(' '.join(diagnosis.notes) or 'no plan')}</p>"
@@ -274,6 +284,7 @@ def render_html(diagnosis) -> str:
 <p class=sub>Peaks are per phase (the allocator's and the kernel's high-water marks, reset at every phase).
 Vertical lines: saves, evals, resumes, watchdog actions and the OOM.</p>
 <h2>Peaks per phase</h2>{phases_html(diagnosis)}
+{f"<h2>Ranks</h2>{ranks_html(diagnosis)}" if len(diagnosis.ranks) > 1 else ""}
 <h2>Plan vs measured</h2>{plan_html(diagnosis)}
 <h2>Out-of-memory post-mortem</h2>{postmortem_html(diagnosis.postmortem)}
 <footer>zerofit doctor {esc(diagnosis.run_dir)} &middot; memory.jsonl: {len(diagnosis.records)} records</footer>
@@ -294,6 +305,10 @@ def print_summary(diagnosis, html_path: Path, console=None) -> None:
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
                   f"{s['saves']} saves, {s['evals']} evals, {gpu}host peak {gib(s['host_peak'])}"
                   + (f" of {gib(s['host_budget'])}" if s["host_budget"] else ""))
+    if len(diagnosis.ranks) > 1:
+        console.print("ranks: " + "; ".join(
+            f"{r['rank']}: " + (f"GPU {gib(r['gpu_peak_reserved'])} reserved, " if s["on_gpu"] else "")
+            + f"host {gib(r['host_peak'])}" for r in diagnosis.ranks))
     colour = {"error": "red", "warning": "yellow", "info": "blue"}
     for f in diagnosis.findings:
         console.print(f"[bold {colour[f.severity]}]{f.severity}[/] {escape(f.title)}")
