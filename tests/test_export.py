@@ -161,6 +161,68 @@ def test_the_export_generates(one_rank_export):
     assert "6 new tokens" in done.stderr and "tokens/s" in done.stderr
 
 
+@pytest.fixture(scope="module")
+def converted(two_ranks, tmp_path_factory):
+    """A copy of the 2-rank run with step-000002 converted by DeepSpeed's ds_to_universal, as
+    a resume on 1 rank converts it: (run dir, step-000002, universal-step-000002)."""
+    from zerofit import universal
+
+    run = tmp_path_factory.mktemp("universal") / "run"
+    shutil.copytree(two_ranks, run)
+    step_dir = run / "checkpoints" / "step-000002"
+    return run, step_dir, universal.convert(step_dir)
+
+
+def test_universal_checkpoint_exports_the_same_model(converted, tmp_path):
+    """universal-step-N (per-parameter fp32.pt files, tied embeddings, a padded bias) gives
+    the very model step-N gives: same tensors, same logits, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    run, step_dir, universal_dir = converted
+    assert universal_dir.name == "universal-step-000002" and (universal_dir / "zero").is_dir()
+    assert not list(universal_dir.glob("*optim_states.pt"))
+    from_universal = export(universal_dir, tmp_path / "u", verify=True, progress=False)
+    from_step = export(step_dir, tmp_path / "s", progress=False)
+    assert (from_universal.world_size, from_universal.training_precision) == (2, "fp32")
+    assert from_universal.verify["ok"] and from_universal.verify["max_abs_diff"] == 0.0
+    universal_tensors, step_tensors = exported_tensors(tmp_path / "u"), exported_tensors(tmp_path / "s")
+    assert list(universal_tensors) == list(step_tensors) and "lm_head.weight" not in step_tensors
+    for name, tensor in step_tensors.items():
+        assert universal_tensors[name].dtype == tensor.dtype == torch.bfloat16
+        assert torch.equal(universal_tensors[name], tensor), name
+    ids = torch.tensor([[1, 40, 73, 80, 80, 83, 4, 91, 83, 86, 80, 72, 2]])
+    logits = []
+    for out in (tmp_path / "u", tmp_path / "s"):
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert model.dtype == torch.bfloat16
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert logits[0].dtype == torch.bfloat16 and torch.equal(logits[0], logits[1])
+    assert float(logits[0].abs().max()) > 0.1
+    assert export(run, tmp_path / "r", progress=False).checkpoint == step_dir  # a run still exports step-N
+
+
+def test_a_damaged_universal_checkpoint_is_refused(converted, tmp_path, capsys):
+    from zerofit.zerofiles import ZeroCheckpointError, open_checkpoint
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(converted[0] / "model", tmp_path / "run" / "model")
+    shutil.copytree(converted[1], checkpoints / "step-000002")
+    universal_dir = shutil.copytree(converted[2], checkpoints / "universal-step-000002")
+    fp32 = universal_dir / "zero" / "model.norm.weight" / "fp32.pt"
+    os.truncate(fp32, fp32.stat().st_size // 2)
+    assert main(["export", str(universal_dir), "--out", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert "not a complete checkpoint" in err and "zero/model.norm.weight/fp32.pt has" in err
+    assert not (tmp_path / "a").exists()
+    readable = r"fp32.pt is not a readable torch.save archive.*export .*step-000002"
+    with pytest.raises(ZeroCheckpointError, match=readable):
+        open_checkpoint(universal_dir)  # the reader's own check, without the manifest's help
+    fp32.unlink()
+    with pytest.raises(ZeroCheckpointError, match=r"zero/model.norm.weight/fp32.pt is missing.*step-000002"):
+        open_checkpoint(universal_dir)
+
+
 # ---------------------------------------------------------------------- refusals
 def test_newest_complete_checkpoint_is_taken_and_a_truncated_one_refused(one_rank, tmp_path, capsys):
     run = tmp_path / "run"

@@ -194,3 +194,22 @@ def test_adapter_dir_on_a_random_init_base_chats(random_run, tmp_path):
         (out / basemodel.ADAPTER_BASE_FILE).write_text(json.dumps(record))
         with pytest.raises(ConfigError, match="drawn by the GPU's RNG"):
             load_adapter(out)
+
+
+def test_universal_copy_of_a_lora_checkpoint_is_refused(random_run, tmp_path, capsys):
+    """A resume on another number of ranks converts a LoRA checkpoint too; its universal copy
+    lacks what the merge needs (the adapter settings in loop_state.json): export names step-N."""
+    import shutil
+
+    from zerofit import universal
+
+    shutil.copytree(random_run / "model", tmp_path / "run" / "model")
+    step_dir = tmp_path / "run" / "checkpoints" / "step-000004"
+    shutil.copytree(random_run / "checkpoints" / step_dir.name, step_dir)
+    universal_dir = universal.convert(step_dir)
+    for extra in ([], ["--adapter-only"]):
+        assert main(["export", str(universal_dir), "--out", str(tmp_path / "out"), *extra]) == 1
+        err = capsys.readouterr().err
+        assert "universal-step-000004 is a universal copy of a LoRA checkpoint" in err, err
+        assert f"export {step_dir} instead" in err
+    assert not (tmp_path / "out").exists()

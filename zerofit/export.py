@@ -3,7 +3,8 @@
 `from_pretrained` loads, written tensor by tensor under a host-RAM cap.
 
 How it stays small: the fp32 master partitions are read straight from the per-rank
-optimizer files (zerofiles.py, torchfile.py) in blocks of whole rows, cast to the
+optimizer files (zerofiles.py, torchfile.py; a universal checkpoint's per-parameter
+fp32.pt files, universalfiles.py) in blocks of whole rows, cast to the
 output dtype and appended to the shard file whose safetensors header was written first
 (all names, shapes and dtypes are known before any data is read). Peak RAM is the
 process itself plus two blocks, whatever the model's size.
@@ -28,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from zerofit import checkpoint, merge, zerofiles
+from zerofit import checkpoint, merge, universal, zerofiles
 from zerofit.config import ConfigError
 from zerofit.memory import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
 from zerofit.progress import ByteProgress, say, warn
@@ -114,11 +115,11 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     checkpoint_dir, config_dir = locate(Path(source), Path(model_dir) if model_dir else None, hashes)
     check_destination(out, overwrite)
     model_config = read_model_config(config_dir)
+    zero = zerofiles.open_checkpoint(checkpoint_dir)  # first: it refuses a universal copy of a LoRA checkpoint
     lora = merge.is_lora_checkpoint(checkpoint_dir)
     if (adapter_only or base) and not lora:
         raise ExportError(f"--adapter-only and --base are for LoRA runs; {checkpoint_dir} is a full fine-tuning "
                           f"checkpoint (drop them)")
-    zero = zerofiles.open_checkpoint(checkpoint_dir)
     if adapter_only:
         return export_adapter(zero, config_dir, out, dtype, base, verify, started, max_ram_bytes)
     merging = merge.plan(zero, checkpoint_dir, config_dir, model_config, DTYPES[dtype],
@@ -204,7 +205,9 @@ def summary(result: ExportResult) -> str:
 
 # -------------------------------------------------------------------- what to read
 def locate(source: Path, model_dir: Path | None, hashes: bool) -> tuple[Path, Path]:
-    """(checkpoint directory, directory with config.json and the tokenizer)."""
+    """(checkpoint directory, directory with config.json and the tokenizer). A run directory
+    gives its newest complete step-N; a checkpoint directory may also be its universal
+    conversion (universal-step-N, made for a resume on another number of ranks)."""
     if not source.is_dir():
         raise ExportError(f"{source} is not a directory; give a run directory or a checkpoint directory")
     root = source / "checkpoints" if (source / "checkpoints").is_dir() else \
@@ -218,7 +221,7 @@ def locate(source: Path, model_dir: Path | None, hashes: bool) -> tuple[Path, Pa
             raise ExportError(f"{root} holds no complete checkpoint ({why}); export one whose save finished")
         return found, model_dir or root.parent / "model"
     if (source / checkpoint.MANIFEST).exists() or (source / checkpoint.LOOP_STATE).exists() \
-            or source.name.startswith(("step-", checkpoint.TMP_PREFIX)):
+            or source.name.startswith(("step-", universal.PREFIX, checkpoint.TMP_PREFIX)):
         reason = checkpoint.verify(source, hashes)
         if reason is not None:
             raise ExportError(f"{source} is not a complete checkpoint: {reason}; export the run directory "

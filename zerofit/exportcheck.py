@@ -1,7 +1,8 @@
 """`zerofit export --verify`: prove an export right against an independent reconstruction.
 
 The reference is DeepSpeed's own: deepspeed.utils.zero_to_fp32.
-get_fp32_state_dict_from_zero_checkpoint, loaded into a model built from the same
+get_fp32_state_dict_from_zero_checkpoint (for a universal checkpoint, its fp32.pt files as
+DeepSpeed's universal load reads them), loaded into a model built from the same
 config; for a LoRA run it is peft's own merge_and_unload of the same base (from_pretrained
 of its directory, or the replayed random init) and the checkpoint's fp32 adapters. The
 export is loaded with from_pretrained (every key must load: no missing, unexpected or
@@ -18,6 +19,7 @@ import contextlib
 import io
 from pathlib import Path
 
+from zerofit import universalfiles, zerofiles
 from zerofit.config import ConfigError
 from zerofit.progress import say
 
@@ -36,10 +38,35 @@ def reference_state_dict(checkpoint_dir: Path) -> dict:
     from zerofit.engine import select_accelerator
 
     select_accelerator()  # DeepSpeed picks its accelerator at import time
+    if universalfiles.is_universal(checkpoint_dir):
+        return universal_state_dict(checkpoint_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
+
+
+def universal_state_dict(directory: Path) -> dict:
+    """What DeepSpeed's universal load reads (load_hp_checkpoint_state in
+    runtime/zero/stage3.py): each zero/<name>/fp32.pt through torch.load, a tensor or
+    {"param": tensor}, shaped by param_shapes; with the model states' buffers, frozen
+    fragments (every rank's, end to end, cut to size) and shared parameters."""
+    import torch
+
+    states = [torch.load(path, map_location="cpu", weights_only=False) for path in zerofiles.model_files(directory)]
+    weights = {}
+    for name, shape in ((n, s) for group in states[0]["param_shapes"] for n, s in group.items()):
+        loaded = torch.load(directory / universalfiles.ZERO_DIR / name / universalfiles.FP32_FILE, map_location="cpu",
+                            weights_only=False)
+        weights[name] = (loaded[universalfiles.PARAM] if isinstance(loaded, dict) else loaded).view(shape)
+    for name in states[0].get("buffer_names") or []:
+        weights[name] = states[0]["module"][name]
+    for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
+        flat = torch.cat([state["frozen_param_fragments"][name].flatten() for state in states])
+        weights[name] = flat[:shape.numel()].view(shape)
+    for alias, owner in (states[0].get("shared_params") or {}).items():
+        weights[alias] = weights[owner]
+    return weights
 
 
 def prompt_ids(model_dir: Path, vocab_size: int):

@@ -83,7 +83,12 @@ class ZeroCheckpoint:
 
 # ------------------------------------------------------------------------- reading
 def open_checkpoint(directory: Path) -> ZeroCheckpoint:
+    """A per-rank ZeRO-3 checkpoint, or a universal one (universalfiles.py)."""
     directory = Path(directory)
+    from zerofit import universalfiles  # it builds on this module
+
+    if universalfiles.is_universal(directory):
+        return universalfiles.open_universal(directory)
     model_paths, optim_paths, bf16 = rank_files(directory)
     world_size = len(model_paths)
     files = {path: TorchFile(path) for path in model_paths + optim_paths}
@@ -102,40 +107,60 @@ def open_checkpoint(directory: Path) -> ZeroCheckpoint:
         raise ZeroCheckpointError(f"{directory}: the optimizer was partitioned over {partitions} ranks but "
                                   f"{world_size} ranks' files are present; the checkpoint is incomplete")
 
-    tensors = trainable_tensors(model_states[0], optim_states, world_size, files, directory)
-    tensors += frozen_tensors(model_states, files)
-    tensors += buffer_tensors(model_states[0], files)
-    order = {name: i for i, name in enumerate(model_states[0].get("module", {}))}
-    tensors.sort(key=lambda t: order.get(t.name, len(order)))
+    trainable = trainable_tensors(model_states[0], optim_states, world_size, files, directory)
     ds_config = optim_pickles[0].get("ds_config") or {}
     precision = "bf16" if bf16 else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
-    return ZeroCheckpoint(directory, world_size, precision, str(model_states[0].get("ds_version", "?")),
+    return assemble(directory, model_states, files, trainable, precision)
+
+
+def assemble(directory: Path, model_states: list[dict], files: dict[Path, TorchFile],
+             trainable: list[StoredTensor], precision: str) -> ZeroCheckpoint:
+    """The checkpoint from its trainable tensors and every rank's model states (frozen
+    fragments, buffers, module order, shared parameters, DeepSpeed version)."""
+    tensors = trainable + frozen_tensors(model_states, files) + buffer_tensors(model_states[0], files)
+    order = {name: i for i, name in enumerate(model_states[0].get("module", {}))}
+    tensors.sort(key=lambda t: order.get(t.name, len(order)))
+    return ZeroCheckpoint(directory, len(model_states), precision, str(model_states[0].get("ds_version", "?")),
                           tensors, dict(model_states[0].get("shared_params") or {}))
 
 
 def rank_files(directory: Path) -> tuple[list[Path], list[Path], bool]:
     """Every rank's model-states and optim-states file, in rank order; True for bf16 names."""
-    models, optims, prefixes = {}, {}, set()
+    models = model_files(directory)
+    optims, prefixes = {}, set()
+    for path in directory.iterdir():
+        if m := OPTIM_FILE.match(path.name):
+            _check_mp(m.group(3), path)
+            optims[int(m.group(2))] = path
+            prefixes.add(m.group(1) or "")
+    if not optims:
+        raise ZeroCheckpointError(f"{directory} holds no DeepSpeed ZeRO optimizer files (*_optim_states.pt)")
+    if len(prefixes) > 1:
+        raise ZeroCheckpointError(f"{directory} mixes bf16_ and plain optimizer files from different runs")
+    ranks = set(range(len(models)))
+    if set(optims) != ranks:
+        kind, missing = ("model_states", set(optims) - ranks) if set(optims) - ranks else \
+            ("optim_states", ranks - set(optims))
+        raise ZeroCheckpointError(f"{directory}: {kind} files of rank(s) {sorted(missing)} are missing; "
+                                  f"the checkpoint is incomplete")
+    return models, [optims[r] for r in sorted(optims)], prefixes == {"bf16_"}
+
+
+def model_files(directory: Path) -> list[Path]:
+    """Every rank's model-states file, in rank order."""
+    models = {}
     for path in directory.iterdir():
         if m := MODEL_FILE.match(path.name):
             _check_mp(m.group(2), path)
             models[int(m.group(1))] = path
-        elif m := OPTIM_FILE.match(path.name):
-            _check_mp(m.group(3), path)
-            optims[int(m.group(2))] = path
-            prefixes.add(m.group(1) or "")
-    if not models or not optims:
+    if not models:
         raise ZeroCheckpointError(f"{directory} holds no DeepSpeed ZeRO files "
                                   f"(zero_pp_rank_*_mp_rank_00_model_states.pt / *_optim_states.pt)")
-    if len(prefixes) > 1:
-        raise ZeroCheckpointError(f"{directory} mixes bf16_ and plain optimizer files from different runs")
-    expected = set(range(max(models) + 1))
-    for kind, found in (("model_states", models), ("optim_states", optims)):
-        if set(found) != expected or len(found) != len(models):
-            missing = sorted(expected - set(found)) or sorted(set(models) ^ set(optims))
-            raise ZeroCheckpointError(f"{directory}: {kind} files of rank(s) {missing} are missing; "
-                                      f"the checkpoint is incomplete")
-    return [models[r] for r in sorted(models)], [optims[r] for r in sorted(optims)], prefixes == {"bf16_"}
+    missing = sorted(set(range(max(models) + 1)) - set(models))
+    if missing:
+        raise ZeroCheckpointError(f"{directory}: model_states files of rank(s) {missing} are missing; "
+                                  f"the checkpoint is incomplete")
+    return [models[r] for r in sorted(models)]
 
 
 def _check_mp(mp_rank: str, path: Path) -> None:
