@@ -108,9 +108,13 @@ def main() -> int:
     timeline = memory.Timeline(Path(config.run_dir), dist.rank, dist.on_gpu)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters())
 
+    steps_done = 0
+
     def step() -> float:
+        nonlocal steps_done
+        steps_done += 1
         started = time.perf_counter()
-        train_step(ds_engine, batches, 1, timeline, dist)
+        train_step(ds_engine, batches, 1, timeline, dist, steps_done)
         if dist.on_gpu:
             torch.cuda.synchronize()
         return time.perf_counter() - started

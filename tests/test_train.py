@@ -1,5 +1,6 @@
 """End-to-end runs of `zerofit train` on real DeepSpeed ZeRO-3 (CPU accelerator, gloo)."""
 import json
+import os
 
 import pytest
 
@@ -8,9 +9,10 @@ from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_confi
 
 @pytest.fixture(scope="module")
 def one_rank_run(tmp_path_factory):
-    """6 steps, checkpoints at 3 and 6: shared by the tests that read its files."""
+    """6 steps, checkpoints at 3 and 6, 2 CPU threads asked for (the test environment says
+    OMP_NUM_THREADS=1): shared by the tests that read its files."""
     base = tmp_path_factory.mktemp("one")
-    return trained_run(base, tiny_config(base / "run"))
+    return trained_run(base, tiny_config(base / "run", train={"cpu_threads": 2}))
 
 
 def test_run_writes_the_run_directory(one_rank_run):
@@ -29,8 +31,9 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert all(m["tokens_per_s"] > 0 and m["lr"] > 0 for m in metrics)
     assert metrics[0]["lr"] < metrics[1]["lr"]  # warmup
     assert "eval_loss" in metrics[2] and "eval_loss" in metrics[5]
-    phases = {r["phase"] for r in read_jsonl(run / "memory.jsonl")}
-    assert {"forward", "backward", "optimizer_step", "save", "eval"} <= phases
+    timeline = read_jsonl(run / "memory.jsonl")
+    assert {"forward", "backward", "optimizer_step", "save", "eval"} <= {r["phase"] for r in timeline}
+    assert timeline[0]["phase"] == "start" and timeline[0]["cpu_threads"] == 2  # train.cpu_threads over the env
     assert "done: step 6" in done.stderr
 
 
@@ -97,7 +100,7 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 def test_two_ranks_write_both_ranks_files(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 4},
                                                              checkpoint={"every_steps": 2}))
-    run_zerofit(["train", "--config", str(config)], nproc=2)
+    done = run_zerofit(["train", "--config", str(config)], nproc=2)
     step = tmp_path / "run" / "checkpoints" / "step-000004"
     manifest = json.loads((step / "MANIFEST.json").read_text())
     assert manifest["world_size"] == 2
@@ -109,6 +112,23 @@ def test_two_ranks_write_both_ranks_files(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 8  # 4 per rank x 2 ranks
+    # torchrun's OMP_NUM_THREADS=1 is replaced by the cores shared out over the ranks
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for name in ("memory.jsonl", "memory-rank1.jsonl"):
+        assert read_jsonl(tmp_path / "run" / name)[0]["cpu_threads"] == share
+    assert f"zerofit gives each rank {share} CPU threads" in done.stderr.replace("\n", "")
+
+
+def test_cpu_threads_per_rank():
+    from zerofit.engine import cpu_threads_per_rank
+
+    threads, note = cpu_threads_per_rank(None, 32, 2, "1", True)  # torchrun's default for 2 ranks
+    assert threads == 16 and "torchrun set OMP_NUM_THREADS=1" in note
+    assert cpu_threads_per_rank(None, 32, 2, "4", True) == (4, None)     # the user's own setting is kept
+    assert cpu_threads_per_rank(None, 32, 1, "1", False) == (1, None)    # set by hand, no launcher: kept
+    assert cpu_threads_per_rank(None, 32, 1, None, False) == (32, None)
+    assert cpu_threads_per_rank(None, 3, 4, None, True) == (1, None)     # never zero
+    assert cpu_threads_per_rank(6, 32, 2, "1", True) == (6, None)        # train.cpu_threads wins
 
 
 def test_demo_learns(tmp_path):

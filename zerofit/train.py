@@ -37,8 +37,11 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
     run_dir = Path(config.run_dir)
+    threads_note = engine.apply_cpu_threads(config.train.cpu_threads)
     dist = engine.init_distributed()
     session.begin(dist)
+    if threads_note and dist.is_main:
+        say(threads_note)
     seed_everything(config.train.seed)
     tokenizer = models.load_tokenizer(config.model)
     hf_config = models.hf_config(config.model)

@@ -108,11 +108,13 @@ class Watchdog:
 
 def arm(timeline, step: int, on_gpu: bool, threshold: float, action: str, gpu_mem: str | None = None,
         host_mem: str | None = None, world_size: int = 1) -> Watchdog:
-    """Write the timeline's `start` record (the budgets, the allocator settings: what the
-    doctor measures against) and return the armed watchdog."""
+    """Write the timeline's `start` record (the budgets, the allocator settings, the CPU
+    threads the rank runs with: what the doctor measures against) and return the armed watchdog."""
+    import torch
+
     found = budgets(on_gpu, gpu_mem, host_mem)
     timeline.mark(step, "start", **found, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                  world_size=world_size, threshold=threshold, action=action)
+                  world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads())
     facts = RunFacts(gpu_budget=found["gpu_budget"], host_budget=found["host_budget"], host_total=found["host_total"],
                      host_budget_is_machine=found["host_budget_is_machine"])
     return Watchdog(facts, threshold, action, on_gpu)
