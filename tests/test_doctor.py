@@ -128,6 +128,7 @@ def test_two_ranks_one_leaking(tmp_path):
     assert rows[1]["host_peak"] - rows[0]["host_peak"] > 8 * LEAK_BYTES_PER_STEP  # 10 steps of 48 MiB
     host_plan = next(row for row in diagnosis.plan if row["device"] == "host")
     assert host_plan["measured_bytes"] == rows[1]["host_peak"]  # the plan is per rank: the highest one counts
+    assert diagnosis.summary["host_peak"] == rows[1]["host_peak"] and set(diagnosis.other_ranks) == {1}
     assert "<h2>Ranks</h2>" in (run / "report.html").read_text() and "ranks: 0:" in done.stdout
 
 

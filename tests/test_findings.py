@@ -158,5 +158,5 @@ def test_findings_across_ranks_name_the_ranks_that_show_them():
     assert [p["rank"] for p in peaks] == [0, 1] and peaks[0]["steps"] == peaks[1]["steps"] == 20
     uneven = rank_imbalance(peaks, facts)
     assert [(f.kind, f.device) for f in uneven] == [("rank_imbalance", "gpu")]
-    assert uneven[0].evidence["high_rank"] == 1 and uneven[0].title.startswith("rank 1 peaks")
+    assert uneven[0].evidence["high_rank"] == 1 and uneven[0].title.startswith("rank 1's GPU memory peaks")
     assert rank_imbalance(rank_peaks({0: per_rank[0], 1: per_rank[0]}), facts) == []

@@ -34,6 +34,7 @@ class Diagnosis:
     checkpoint_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     ranks: list[dict] = field(default_factory=list)  # per rank: steps, GPU / host peaks (rank_peaks)
+    other_ranks: dict[int, list[dict]] = field(default_factory=dict)  # ranks > 0: their effective timelines
 
 
 # ---------------------------------------------------------------------------- reading
@@ -61,8 +62,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
     return Diagnosis(run_dir, source, records, facts, findings,
                      plan_vs_measured(plan, every_rank, checkpoint_bytes), phase_peaks(records),
-                     summarize(records, facts), read_json(run_dir / "postmortem" / "report.json"), checkpoint_bytes,
-                     notes, ranks)
+                     summarize(records, facts, every_rank), read_json(run_dir / "postmortem" / "report.json"),
+                     checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank})
 
 
 def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
@@ -170,9 +171,10 @@ def phase_peaks(records: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-def summarize(records: list[dict], facts: RunFacts) -> dict:
+def summarize(records: list[dict], facts: RunFacts, every_rank: list[dict] | None = None) -> dict:
+    """Counts from `records` (rank 0's timeline), peaks from every rank's when given."""
     phases = [r["phase"] for r in records]
-    peaks = measured_peaks(records)
+    peaks = measured_peaks(every_rank or records)
     training = [r for r in records if r["phase"] not in EVENT_PHASES]
     return {"steps": max((r["step"] for r in training), default=0), "saves": phases.count("save"),
             "evals": phases.count("eval"), "ooms": phases.count("oom"), "watchdog": phases.count("watchdog"),

@@ -142,8 +142,8 @@ def rank_imbalance(peaks: list[dict], facts: RunFacts, uneven: float = 0.10) -> 
                f"({'nvidia-smi' if device == 'gpu' else 'top'})",
                "plan with the highest rank's peak: leave the difference as extra plan.headroom"]
         found.append(Finding("rank_imbalance", "warning", device,
-                             f"rank {high_rank} peaks at {gib(high)} of {label(device)} memory, "
-                             f"{high / low - 1:.0%} above rank {low_rank} ({gib(low)})",
+                             f"rank {high_rank}'s {'GPU' if device == 'gpu' else 'host'} memory peaks at {gib(high)}, "
+                             f"{high / low - 1:.0%} above rank {low_rank}'s ({gib(low)})",
                              "ranks hold equal shares of the ZeRO-3 states, so the difference is per-rank work: "
                              "longer sequences or larger batches on one rank, or memory held outside the "
                              "training loop (another process, a rank-0-only task)", fix, None,

@@ -15,6 +15,7 @@ PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward
 MARKERS = {"save": ("#2e7d32", "-", "save"), "eval": ("#1565c0", ":", "eval"), "oom": ("#c62828", "-", "OOM"),
            "watchdog": ("#ef6c00", "--", "watchdog"), "start": ("#757575", "-.", "start / resume")}
 SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
+RANK_COLOURS = ("#00897b", "#f9a825", "#5e35b1", "#6d4c41", "#d81b60", "#546e7a", "#7cb342")
 MAX_POINTS = 3000  # beyond this the timeline is drawn per step (the step's highest reading)
 
 
@@ -83,8 +84,13 @@ def timeline_png(diagnosis) -> str:
         for key, name, colour, style in series:
             values = [reading(r, key, facts) for r in training]
             if any(values):
+                name = f"rank 0: {name}" if diagnosis.other_ranks and key != "machine_used" else name
                 ax.plot(xs, [(v or 0) / 2**30 for v in values], style, color=colour, label=name, linewidth=1.4)
                 top = max(top, max(v or 0 for v in values) / 2**30)
+        for rank, (rank_xs, peaks) in other_rank_peaks(diagnosis, device, keys).items():
+            ax.plot(rank_xs, peaks, "-", color=RANK_COLOURS[rank % len(RANK_COLOURS)], linewidth=1.1,
+                    label=f"rank {rank}, peak")
+            top = max(top, max(peaks, default=0))
         top = top * 1.3 or 1.0
         if budget and budget / 2**30 <= 1.6 * top:
             ax.axhline(budget / 2**30, color="#b71c1c", linestyle="--", linewidth=1, label=f"budget {gib(budget)}")
@@ -100,6 +106,20 @@ def timeline_png(diagnosis) -> str:
     figure.suptitle("Memory timeline", fontsize=12)
     figure.tight_layout()
     return png(figure)
+
+
+def other_rank_peaks(diagnosis, device: str, keys: tuple[str, ...]) -> dict[int, tuple[list[float], list[float]]]:
+    """Per rank > 0: x positions and its peak readings in GiB (GPU allocated, or host RSS), so
+    a rank that behaves differently from rank 0 shows in the same panel."""
+    key = "gpu_peak" if device == "gpu" else "host_peak"
+    drawn = {}
+    for rank, records in diagnosis.other_ranks.items():
+        training = [r for r in records if r["phase"] not in MARKERS]
+        if len(training) > MAX_POINTS:
+            training = per_step(training, keys)
+        training.sort(key=x_of)
+        drawn[rank] = ([x_of(r) for r in training], [r.get(key, 0) / 2**30 for r in training])
+    return drawn
 
 
 def reading(record: dict, key: str, facts) -> int | None:
@@ -130,7 +150,7 @@ def plan_png(diagnosis) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = diagnosis.plan
+    rows = [row for row in diagnosis.plan if row["predicted_bytes"] or row["measured_bytes"]] or diagnosis.plan
     figure, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
     for ax, row in zip(axes[0], rows):
         bottom = 0.0
@@ -283,7 +303,7 @@ def render_html(diagnosis) -> str:
 <img alt='memory timeline' src='data:image/png;base64,{timeline_png(diagnosis)}'>
 <p class=sub>Peaks are per phase (the allocator's and the kernel's high-water marks, reset at every phase).
 Vertical lines: saves, evals, resumes, watchdog actions and the OOM.</p>
-<h2>Peaks per phase</h2>{phases_html(diagnosis)}
+<h2>Peaks per phase{" (rank 0)" if diagnosis.other_ranks else ""}</h2>{phases_html(diagnosis)}
 {f"<h2>Ranks</h2>{ranks_html(diagnosis)}" if len(diagnosis.ranks) > 1 else ""}
 <h2>Plan vs measured</h2>{plan_html(diagnosis)}
 <h2>Out-of-memory post-mortem</h2>{postmortem_html(diagnosis.postmortem)}
