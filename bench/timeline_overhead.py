@@ -197,8 +197,10 @@ def gpu_paths(run_dir: Path, on_gpu: bool, step_records: list[dict]) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     before = getter() if getter else 1.0
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + 2**30) / total))
-    asked = 4 * 2**30
+    torch.cuda.empty_cache()  # cached free blocks would serve the request below (the 2026-11-29 run: no OOM)
+    cap = min(total, torch.cuda.memory_reserved() + 2**30)
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    asked = cap - torch.cuda.memory_allocated() + 2**30  # 1 GiB more than the cap leaves
     try:
         torch.empty(asked, dtype=torch.uint8, device="cuda")
         found["oom"] = "no OOM raised under the tightened cap"
