@@ -94,6 +94,7 @@ def main() -> int:
     from zerofit.train import fresh_state, train_step
 
     config = bench_config(args, work / "run")
+    engine.apply_cpu_threads(config)  # what train() does: the writer's core is kept free of CPU-Adam
     dist = engine.init_distributed()
     import torch
 

@@ -128,9 +128,10 @@ class TrainConfig(Section):
     """Optimizer steps to run. Exclusive with `epochs`; one of the two is required."""
     cpu_threads: int | None = Field(None, ge=1)
     """CPU threads per rank (torch's pool and DeepSpeedCPUAdam's OpenMP loop). Default: the
-    cores this process may use divided by the node's ranks, also when torchrun has set
-    OMP_NUM_THREADS=1 (its default for several ranks, which leaves the CPU optimizer one core);
-    any other OMP_NUM_THREADS is kept."""
+    cores this process may use divided by the node's ranks (one fewer with
+    checkpoint.async_save, for the writer thread, when that leaves at least two), also when
+    torchrun has set OMP_NUM_THREADS=1 (its default for several ranks, which leaves the CPU
+    optimizer one core); any other OMP_NUM_THREADS is kept."""
     epochs: float | None = Field(None, gt=0)
     """Passes over the training data (converted to max_steps)."""
     lr: float = Field(2e-5, gt=0)

@@ -37,7 +37,7 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
     run_dir = Path(config.run_dir)
-    threads_note = engine.apply_cpu_threads(config.train.cpu_threads)
+    threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
     session.begin(dist)
     if threads_note and dist.is_main:
