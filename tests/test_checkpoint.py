@@ -255,12 +255,14 @@ def test_save_failures_with_on_error_continue(tmp_path):
 
 def test_sigterm_drains_the_save_in_flight(tmp_path):
     """SIGTERM while an async save is being written (the writer is slowed by 2 s): the
-    loop stops at the next step boundary, the save is finished and published, exit 143."""
-    config = config_for(tmp_path, "run", max_steps=40, async_save=True)
+    loop stops at the next step boundary, the save is finished and published, exit 143.
+    Saves are 20 steps apart: the signal lands well before another save is due, however
+    late this poll sees the first one start (tiny steps take a few ms)."""
+    config = config_for(tmp_path, "run", max_steps=60, async_save=True, every_steps=20)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", faults.VARIABLE: "slow@save:1"}
     process = subprocess.Popen([sys.executable, "-m", "zerofit", "train", "--config", str(config)], cwd=ROOT,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    in_flight = tmp_path / "run" / "checkpoints" / ".tmp-step-000002"
+    in_flight = tmp_path / "run" / "checkpoints" / ".tmp-step-000020"
     deadline = time.monotonic() + 300
     while not in_flight.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -269,9 +271,9 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
     assert process.returncode == 143, stderr[-3000:]
     assert "stopped by SIGTERM" in stderr
     run = tmp_path / "run"
-    assert valid_steps(run) == [2]
+    assert valid_steps(run) == [20] and not list((run / "checkpoints").glob(".tmp-*"))
     stopped_at = read_jsonl(run / "metrics.jsonl")[-1]["step"]
-    assert 2 <= stopped_at < 40
+    assert 20 <= stopped_at < 40
 
 
 def test_resume_on_fewer_ranks(tmp_path):
