@@ -3,8 +3,8 @@
 DeepSpeed's engine.save_checkpoint hands each file's state dict to
 `engine.checkpoint_engine.save(state_dict, path)` (deepspeed/runtime/checkpoint_engine/).
 ZerofitCheckpointEngine writes it through CheckedFile: bytes counted and xxh3-hashed on the
-way out (so the manifest needs no second read), fsynced on close, faults injected for
-drills. An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
+way out (so the manifest needs no second read), handed to the disk as it goes (writeback
+started every 64 MiB, so the fsync on close finds little left), faults injected for drills. An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
 and a rank that raised out of it would leave the others waiting; the Checkpointer agrees
 on the outcome across ranks afterwards.
 
@@ -37,6 +37,7 @@ SMALL_TENSOR_BYTES = 64 << 10  # copied at once in save(); larger ones go throug
 FAULT_AFTER_BYTES = 64 << 10   # injected ENOSPC / kill strike once a save wrote this much
 ALIGN = 64
 CHUNK_BYTES = 64 << 20         # hash and write a record in pieces of this size
+WRITEBACK_BYTES = 64 << 20     # start the disk on every this many bytes written (CheckedFile)
 
 
 class CheckedFile:
@@ -49,6 +50,7 @@ class CheckedFile:
         self._before = written_before
         self._digest = xxhash.xxh3_128()
         self._file = open(path, "wb", buffering=1 << 20)
+        self._written_back = 0  # bytes handed to the kernel with writeback started
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -59,7 +61,24 @@ class CheckedFile:
             self._digest.update(chunk)
             self._file.write(chunk)
         self.bytes += len(view)
+        if self.bytes - self._written_back >= WRITEBACK_BYTES:
+            self._start_writeback()
         return len(view)
+
+    def _start_writeback(self) -> None:
+        """Start writing what is buffered to disk now, without waiting for it. Linux starts
+        background writeback only once dirty pages pass vm.dirty_background_ratio (10% of
+        RAM: 25 GB on a 251 GB host), so a checkpoint would sit in the page cache until the
+        fsync at close, and serializing and writing would take turns instead of overlapping.
+        POSIX_FADV_DONTNEED on a dirty range starts its writeback and returns (mm/fadvise.c,
+        __filemap_fdatawrite_range with WB_SYNC_NONE). Measured on the 2-core CI-like
+        machine, 2 GiB to durable: 0.40-0.44 GB/s without, 1.54-1.73 GB/s with."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        self._file.flush()
+        os.posix_fadvise(self._file.fileno(), self._written_back, self.bytes - self._written_back,
+                         os.POSIX_FADV_DONTNEED)
+        self._written_back = self.bytes
 
     def _strike(self, view: memoryview) -> None:
         upto = max(0, FAULT_AFTER_BYTES - self._before - self.bytes)
