@@ -55,10 +55,11 @@ def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, o
     torchrun_default = under_torchrun and local_ranks > 1 and (omp_env or "").strip() == "1"
     if omp_env and omp_env.strip().isdigit() and int(omp_env) > 0 and not torchrun_default:
         return int(omp_env), None
-    note = (f"torchrun set OMP_NUM_THREADS=1 for its {local_ranks} ranks; zerofit gives each rank {fair_share} CPU "
-            f"threads ({cores} cores / {local_ranks} ranks{f', {reserved} kept for the checkpoint writer' if reserved else ''}"
-            f"; train.cpu_threads sets it)") if torchrun_default else None
-    return fair_share, note
+    if not torchrun_default:
+        return fair_share, None
+    kept = f", {reserved} kept for the checkpoint writer" if reserved else ""
+    return fair_share, (f"torchrun set OMP_NUM_THREADS=1 for its {local_ranks} ranks; zerofit gives each rank "
+                        f"{fair_share} CPU threads ({cores} cores / {local_ranks} ranks{kept}; train.cpu_threads sets it)")
 
 
 def apply_cpu_threads(config: Config) -> str | None:
