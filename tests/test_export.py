@@ -183,7 +183,8 @@ def test_universal_checkpoint_exports_the_same_model(converted, tmp_path):
     assert not list(universal_dir.glob("*optim_states.pt"))
     from_universal = export(universal_dir, tmp_path / "u", verify=True, progress=False)
     from_step = export(step_dir, tmp_path / "s", progress=False)
-    assert (from_universal.world_size, from_universal.training_precision) == (2, "fp32")
+    assert (from_universal.world_size, from_universal.training_precision) == (2, "fp32") == \
+        (from_step.world_size, from_step.training_precision)
     assert from_universal.verify["ok"] and from_universal.verify["max_abs_diff"] == 0.0
     universal_tensors, step_tensors = exported_tensors(tmp_path / "u"), exported_tensors(tmp_path / "s")
     assert list(universal_tensors) == list(step_tensors) and "lm_head.weight" not in step_tensors

@@ -1,12 +1,11 @@
 """`zerofit generate` / `zerofit chat` on the CPU with a tiny random Llama saved as a
 Hugging Face directory (the GPU placement is measured by bench/generate_bench.py)."""
 import io
-import json
 
 import pytest
 import torch
 
-from conftest import ROOT, run_zerofit
+from conftest import ROOT
 from zerofit.infer import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load
 
 
