@@ -160,3 +160,23 @@ def test_findings_across_ranks_name_the_ranks_that_show_them():
     assert [(f.kind, f.device) for f in uneven] == [("rank_imbalance", "gpu")]
     assert uneven[0].evidence["high_rank"] == 1 and uneven[0].title.startswith("rank 1's GPU memory peaks")
     assert rank_imbalance(rank_peaks({0: per_rank[0], 1: per_rank[0]}), facts) == []
+
+
+def test_a_cpu_optimizer_on_one_thread_is_flagged():
+    """torchrun's OMP_NUM_THREADS=1 with the optimizer on the CPU: flagged with the cores to use;
+    not when the rank had its share of cores, or few cores to begin with."""
+    def with_threads(threads, cores, ranks):
+        records = synthetic_run()
+        records[0].update(cpu_threads=threads, cpu_cores=cores, local_world_size=ranks)
+        return {f.kind: f for f in findings_of(records)}
+
+    starved = with_threads(1, 32, 2)["cpu_threads"]
+    assert starved.evidence["cores_per_rank"] == 16 and "export OMP_NUM_THREADS=16" in starved.fix[0]
+    assert "1 thread per rank with 16 cores per rank" in starved.title
+    assert "cpu_threads" not in with_threads(16, 32, 2) and "cpu_threads" not in with_threads(1, 2, 1)
+    records = synthetic_run()
+    records[0].update(cpu_threads=1, cpu_cores=32, local_world_size=1)
+    facts = facts_from(records, {"zero_optimization": {"stage": 3}}, {})  # optimizer on the GPU: no CPU-Adam
+    assert not [f for f in detect(records, facts) if f.kind == "cpu_threads"]
+    facts = facts_from(records, ds_config(), {"train": {"cpu_threads": 1}})  # chosen in the config: no advice
+    assert not [f for f in detect(records, facts) if f.kind == "cpu_threads"]

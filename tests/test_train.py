@@ -34,6 +34,7 @@ def test_run_writes_the_run_directory(one_rank_run):
     timeline = read_jsonl(run / "memory.jsonl")
     assert {"forward", "backward", "optimizer_step", "save", "eval"} <= {r["phase"] for r in timeline}
     assert timeline[0]["phase"] == "start" and timeline[0]["cpu_threads"] == 2  # train.cpu_threads over the env
+    assert timeline[0]["cpu_cores"] == len(os.sched_getaffinity(0)) and timeline[0]["local_world_size"] == 1
     assert "done: step 6" in done.stderr
 
 

@@ -22,7 +22,7 @@ SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 @dataclass(frozen=True)
 class Finding:
     kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
-                       # | rank_imbalance
+                       # | rank_imbalance | cpu_threads
     severity: str      # error | warning | info
     device: str        # gpu | host
     title: str         # what was seen, with the numbers
@@ -88,7 +88,31 @@ def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
     if on_gpu:
         found += fragmentation(records, facts)
     found += events(records, facts)
+    found += starved_cpu_optimizer(records, facts)
     return sorted(found, key=lambda f: (SEVERITY_ORDER[f.severity], f.kind != "oom"))
+
+
+def starved_cpu_optimizer(records: list[dict], facts: RunFacts, enough_cores: int = 4) -> list[Finding]:
+    """The optimizer steps on the CPU (DeepSpeedCPUAdam, an OpenMP loop; also with NVMe
+    offload) but the rank ran with one thread while it had several cores: what torchrun's
+    default OMP_NUM_THREADS=1 for more than one rank per node does (2 x H200, 3.6B: 2 GPUs
+    slower than 1, bench/results/multigpu.json). A cost, not a memory finding, but the
+    timeline is where it shows."""
+    start = next((r for r in reversed(records) if r.get("phase") == "start"), {})
+    ranks_here = start.get("local_world_size") or 1
+    share = (start.get("cpu_cores") or 0) // ranks_here
+    chosen = facts.config.get("train", {}).get("cpu_threads")  # set on purpose in zerofit's config: no advice
+    if facts.offloaded("optimizer") not in ("cpu", "nvme") or start.get("cpu_threads") != 1 or share < enough_cores \
+            or chosen:
+        return []
+    return [Finding("cpu_threads", "warning", "host",
+                    f"the CPU optimizer ran on 1 thread per rank with {share} cores per rank available "
+                    f"({start['cpu_cores']} cores, {ranks_here} rank(s) on the node)",
+                    "OMP_NUM_THREADS=1 (torchrun sets it whenever it starts more than one rank) limits "
+                    "DeepSpeedCPUAdam's OpenMP loop to one core, so every optimizer step takes several times longer",
+                    [f"export OMP_NUM_THREADS={share} before torchrun (the node's cores divided by its ranks)",
+                     "zerofit train sets it per rank by default (train.cpu_threads)"], start.get("step"),
+                    {"cpu_threads": 1, "cpu_cores": start["cpu_cores"], "cores_per_rank": share})]
 
 
 # ------------------------------------------------------------------------ ranks

@@ -114,7 +114,8 @@ def arm(timeline, step: int, on_gpu: bool, threshold: float, action: str, gpu_me
 
     found = budgets(on_gpu, gpu_mem, host_mem)
     timeline.mark(step, "start", **found, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                  world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads())
+                  world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads(),
+                  cpu_cores=len(os.sched_getaffinity(0)), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     facts = RunFacts(gpu_budget=found["gpu_budget"], host_budget=found["host_budget"], host_total=found["host_total"],
                      host_budget_is_machine=found["host_budget_is_machine"])
     return Watchdog(facts, threshold, action, on_gpu)
