@@ -143,7 +143,8 @@ def test_resume_drops_rolled_back_records_but_keeps_events():
 
 
 def test_findings_across_ranks_name_the_ranks_that_show_them():
-    from zerofit.findings import across_ranks, rank_imbalance, rank_peaks
+    from zerofit.doctor import rank_peaks
+    from zerofit.findings import across_ranks, rank_imbalance
 
     per_rank = {0: synthetic_run(residue_per_save=GiB), 1: synthetic_run(residue_per_save=GiB, leak_per_step=256 * MiB)}
     facts = facts_from(per_rank[0], ds_config(), {"model": {"gradient_checkpointing": True}})
@@ -154,12 +155,12 @@ def test_findings_across_ranks_name_the_ranks_that_show_them():
     assert growth.evidence["ranks"] == [1] and growth.title.startswith("rank 1: ")
     assert len(merged) == len(by_kind)  # one finding per kind and device, not one per rank
 
-    peaks = rank_peaks(per_rank)
+    peaks = rank_peaks(per_rank, facts)
     assert [p["rank"] for p in peaks] == [0, 1] and peaks[0]["steps"] == peaks[1]["steps"] == 20
     uneven = rank_imbalance(peaks, facts)
     assert [(f.kind, f.device) for f in uneven] == [("rank_imbalance", "gpu")]
     assert uneven[0].evidence["high_rank"] == 1 and uneven[0].title.startswith("rank 1's GPU memory peaks")
-    assert rank_imbalance(rank_peaks({0: per_rank[0], 1: per_rank[0]}), facts) == []
+    assert rank_imbalance(rank_peaks({0: per_rank[0], 1: per_rank[0]}, facts), facts) == []
 
 
 def test_a_cpu_optimizer_on_one_thread_is_flagged():

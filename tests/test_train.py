@@ -130,7 +130,7 @@ def test_cpu_threads_per_rank():
     assert cpu_threads_per_rank(None, 32, 1, None, False) == (32, None)
     assert cpu_threads_per_rank(None, 3, 4, None, True) == (1, None)     # never zero
     assert cpu_threads_per_rank(6, 32, 2, "1", True) == (6, None)        # train.cpu_threads wins
-    assert cpu_threads_per_rank(None, 32, 2, None, True, reserved=1) == (15, None)  # a core for the async writer
+    assert cpu_threads_per_rank(None, 32, 2, None, True, writer_core=True) == (15, None)  # a core for the writer
 
 
 def test_demo_learns(tmp_path):

@@ -4,7 +4,8 @@ DeepSpeed's engine.save_checkpoint hands each file's state dict to
 `engine.checkpoint_engine.save(state_dict, path)` (deepspeed/runtime/checkpoint_engine/).
 ZerofitCheckpointEngine writes it through CheckedFile: bytes counted and xxh3-hashed on the
 way out (so the manifest needs no second read), handed to the disk as it goes (writeback
-started every 64 MiB, so the fsync on close finds little left), faults injected for drills. An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
+started every 64 MiB, so the fsync on close finds little left), faults injected for
+drills. An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
 and a rank that raised out of it would leave the others waiting; the Checkpointer agrees
 on the outcome across ranks afterwards.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from zerofit.config import ConfigError
-from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, rank_imbalance, rank_peaks
+from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, read_timeline
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
@@ -54,7 +54,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
             run_dir / "config.yaml")
     plan = read_json(run_dir / "plan.json")
     facts = facts_from(records, ds_config, config, plan)
-    ranks = rank_peaks(per_rank)
+    ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
     findings += rank_imbalance(ranks, facts)
     every_rank = [record for timeline in per_rank.values() for record in timeline]  # the plan is per rank
@@ -169,6 +169,16 @@ def phase_peaks(records: list[dict]) -> list[dict]:
         if host > row["host_peak"]:
             row["host_peak"], row["host_step"] = host, r["step"]
     return list(rows.values())
+
+
+def rank_peaks(per_rank: dict[int, list[dict]], facts: RunFacts) -> list[dict]:
+    """Per rank: the steps it recorded and its GPU / host high-water marks (summarize's)."""
+    rows = []
+    for rank, timeline in sorted(per_rank.items()):
+        summary = summarize(timeline, facts)
+        rows.append({"rank": rank, **{key: summary[key] for key in ("steps", "gpu_peak", "gpu_peak_reserved",
+                                                                      "host_peak")}})
+    return rows
 
 
 def summarize(records: list[dict], facts: RunFacts, every_rank: list[dict] | None = None) -> dict:

@@ -37,8 +37,14 @@ def select_accelerator() -> bool:
     return os.environ["DS_ACCELERATOR"] == "cuda"
 
 
+def node_cores_and_ranks() -> tuple[int, int]:
+    """The cores this process may run on (its affinity: taskset, cgroup cpusets) and the
+    ranks the launcher started on this node."""
+    return len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, omp_env: str | None,
-                         under_torchrun: bool, reserved: int = 0) -> tuple[int, str | None]:
+                         under_torchrun: bool, writer_core: bool = False) -> tuple[int, str | None]:
     """Threads for one rank's CPU work (torch's pool, DeepSpeedCPUAdam's OpenMP loop) and,
     when zerofit overrides the environment, a line saying so. Default: the cores this
     process may run on, shared by the ranks of the node (what planner.step_time_terms
@@ -46,10 +52,12 @@ def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, o
     (torch/distributed/run.py), which leaves the CPU optimizer one core per rank: measured on
     2 x H200, 3.6B with the optimizer on the CPU ran slower on 2 GPUs than on 1
     (bench/results/multigpu.json). An OMP_NUM_THREADS set to anything else is the user's.
-    `reserved` cores per rank are left out of the default for other work (an async checkpoint
-    writer: an OpenMP loop such as CPU-Adam's runs at the pace of its slowest thread, so one
-    thread sharing its core with the writer slows the whole optimizer step)."""
-    fair_share = max(1, cores // max(1, local_ranks) - reserved)
+    `writer_core` (async saves) leaves one core of the default to the checkpoint writer when
+    at least two remain: an OpenMP loop such as CPU-Adam's runs at the pace of its slowest
+    thread, so one thread sharing its core with the writer slows the whole optimizer step."""
+    share = cores // max(1, local_ranks)
+    reserved = 1 if writer_core and share > 2 else 0
+    fair_share = max(1, share - reserved)
     if configured:
         return configured, None
     torchrun_default = under_torchrun and local_ranks > 1 and (omp_env or "").strip() == "1"
@@ -65,14 +73,12 @@ def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, o
 def apply_cpu_threads(config: Config) -> str | None:
     """Set this rank's CPU threads before DeepSpeed loads its ops: OMP_NUM_THREADS is read by
     the OpenMP runtime of DeepSpeed's JIT-built ops (cpu_adam, the CPU accelerator's shm
-    comm) when they load, torch.set_num_threads sets torch's own pool. With async saves one
-    core is kept for the writer thread when there are more than two to share."""
+    comm) when they load, torch.set_num_threads sets torch's own pool."""
     import torch
 
-    cores, local_ranks = len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    reserved = 1 if config.checkpoint.async_save and cores // max(1, local_ranks) > 2 else 0
+    cores, local_ranks = node_cores_and_ranks()
     threads, note = cpu_threads_per_rank(config.train.cpu_threads, cores, local_ranks, os.environ.get("OMP_NUM_THREADS"),
-                                         "TORCHELASTIC_RUN_ID" in os.environ, reserved)
+                                         "TORCHELASTIC_RUN_ID" in os.environ, config.checkpoint.async_save)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return note

@@ -137,20 +137,8 @@ def across_ranks(per_rank: dict[int, list[Finding]]) -> list[Finding]:
     return sorted(merged, key=lambda f: (SEVERITY_ORDER[f.severity], f.kind != "oom"))
 
 
-def rank_peaks(per_rank: dict[int, list[dict]]) -> list[dict]:
-    """Per rank: steps recorded and the GPU / host high-water marks of its timeline."""
-    rows = []
-    for rank, records in sorted(per_rank.items()):
-        steps = [r for r in records if r.get("phase") not in EVENT_PHASES]
-        rows.append({"rank": rank, "steps": max((r["step"] for r in steps), default=0),
-                     "gpu_peak": max((r.get("gpu_peak", 0) for r in records), default=0),
-                     "gpu_peak_reserved": max((r.get("gpu_peak_reserved", 0) for r in records), default=0),
-                     "host_peak": max((r.get("host_peak", r.get("host_rss", 0)) for r in records), default=0)})
-    return rows
-
-
 def rank_imbalance(peaks: list[dict], facts: RunFacts, uneven: float = 0.10) -> list[Finding]:
-    """ZeRO-3 gives every rank an equal share of the model states, so ranks of one run should
+    """`peaks`: one row per rank with gpu_peak and host_peak (doctor.rank_peaks). ZeRO-3 gives every rank an equal share of the model states, so ranks of one run should
     peak alike; one peaking over `uneven` above the lowest (and by a significant amount) is
     the one that will run out first, and the planner's per-rank prediction does not cover it."""
     found = []

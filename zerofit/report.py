@@ -17,6 +17,8 @@ MARKERS = {"save": ("#2e7d32", "-", "save"), "eval": ("#1565c0", ":", "eval"), "
 SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 RANK_COLOURS = ("#00897b", "#f9a825", "#5e35b1", "#6d4c41", "#d81b60", "#546e7a", "#7cb342")
 MAX_POINTS = 3000  # beyond this the timeline is drawn per step (the step's highest reading)
+PLOTTED_KEYS = ("gpu_alloc", "gpu_peak", "gpu_peak_reserved", "host_rss", "host_peak", "pinned", "nvme_swap",
+                "host_avail", "predicted_gpu_peak", "predicted_host_rss")
 
 
 # ---------------------------------------------------------------------------- plots
@@ -56,12 +58,7 @@ def timeline_png(diagnosis) -> str:
     import matplotlib.pyplot as plt
 
     records, facts, on_gpu = diagnosis.records, diagnosis.facts, diagnosis.summary["on_gpu"]
-    training = [r for r in records if r["phase"] not in MARKERS]
-    keys = ("gpu_alloc", "gpu_peak", "gpu_peak_reserved", "host_rss", "host_peak", "pinned", "nvme_swap",
-            "host_avail", "predicted_gpu_peak", "predicted_host_rss")
-    if len(training) > MAX_POINTS:
-        training = per_step(training, keys)
-    training.sort(key=x_of)
+    training = plotted(records)
     panels = [("gpu", "GPU")] if on_gpu else []
     panels.append(("host", "host"))
     figure, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), sharex=True, squeeze=False)
@@ -87,7 +84,7 @@ def timeline_png(diagnosis) -> str:
                 name = f"rank 0: {name}" if diagnosis.other_ranks and key != "machine_used" else name
                 ax.plot(xs, [(v or 0) / 2**30 for v in values], style, color=colour, label=name, linewidth=1.4)
                 top = max(top, max(v or 0 for v in values) / 2**30)
-        for rank, (rank_xs, peaks) in other_rank_peaks(diagnosis, device, keys).items():
+        for rank, (rank_xs, peaks) in other_rank_peaks(diagnosis, device).items():
             ax.plot(rank_xs, peaks, "-", color=RANK_COLOURS[rank % len(RANK_COLOURS)], linewidth=1.1,
                     label=f"rank {rank}, peak")
             top = max(top, max(peaks, default=0))
@@ -108,16 +105,21 @@ def timeline_png(diagnosis) -> str:
     return png(figure)
 
 
-def other_rank_peaks(diagnosis, device: str, keys: tuple[str, ...]) -> dict[int, tuple[list[float], list[float]]]:
+def plotted(records: list[dict]) -> list[dict]:
+    """A timeline's training phases in plot order, one point per step on long runs."""
+    training = [r for r in records if r["phase"] not in MARKERS]
+    if len(training) > MAX_POINTS:
+        training = per_step(training, PLOTTED_KEYS)
+    return sorted(training, key=x_of)
+
+
+def other_rank_peaks(diagnosis, device: str) -> dict[int, tuple[list[float], list[float]]]:
     """Per rank > 0: x positions and its peak readings in GiB (GPU allocated, or host RSS), so
     a rank that behaves differently from rank 0 shows in the same panel."""
     key = "gpu_peak" if device == "gpu" else "host_peak"
     drawn = {}
     for rank, records in diagnosis.other_ranks.items():
-        training = [r for r in records if r["phase"] not in MARKERS]
-        if len(training) > MAX_POINTS:
-            training = per_step(training, keys)
-        training.sort(key=x_of)
+        training = plotted(records)
         drawn[rank] = ([x_of(r) for r in training], [r.get(key, 0) / 2**30 for r in training])
     return drawn
 

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from zerofit.config import ConfigError
+from zerofit.engine import node_cores_and_ranks
 from zerofit.findings import RunFacts, host_in_use
 from zerofit.memory import budgets, gib
 
@@ -113,9 +114,10 @@ def arm(timeline, step: int, on_gpu: bool, threshold: float, action: str, gpu_me
     import torch
 
     found = budgets(on_gpu, gpu_mem, host_mem)
+    cores, local_ranks = node_cores_and_ranks()
     timeline.mark(step, "start", **found, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                   world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads(),
-                  cpu_cores=len(os.sched_getaffinity(0)), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                  cpu_cores=cores, local_world_size=local_ranks)
     facts = RunFacts(gpu_budget=found["gpu_budget"], host_budget=found["host_budget"], host_total=found["host_total"],
                      host_budget_is_machine=found["host_budget_is_machine"])
     return Watchdog(facts, threshold, action, on_gpu)
