@@ -7,6 +7,9 @@ them. This is why zerofit keeps a core for the writer when checkpoint.async_save
 Each case runs in its own process (OMP_NUM_THREADS is read once, when the op loads):
 CPU-Adam on --params fp32 elements with all cores or one fewer, the writer idle or busy
 (zlib.crc32 over 256 MiB in a loop: releases the GIL, like torch.save's CRC and the copies).
+One more case checks the mechanism zerofit relies on: a process launched with
+OMP_NUM_THREADS=1 (torchrun's default) whose threads engine.apply_cpu_threads sets to all
+cores before the op loads (`set_by_zerofit`) should step as fast as one launched with them.
     python bench/omp_straggler.py            # any machine; writes $OUT/omp_straggler.json
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 
-def case(threads: int, busy: bool, params: int, steps: int) -> float:
+def case(threads: int, load: str, params: int, steps: int) -> float:
     """Median seconds of one CPU-Adam step (in this process)."""
     import threading
     import zlib
@@ -30,7 +33,15 @@ def case(threads: int, busy: bool, params: int, steps: int) -> float:
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
 
-    torch.set_num_threads(threads)
+    if load == "set_by_zerofit":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from zerofit import engine
+        from zerofit.config import validate
+
+        engine.apply_cpu_threads(validate({"model": {"config": "tiny"},
+                                           "train": {"max_steps": 1, "cpu_threads": threads}}))
+    else:
+        torch.set_num_threads(threads)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     param = torch.nn.Parameter(torch.zeros(params))
@@ -44,7 +55,7 @@ def case(threads: int, busy: bool, params: int, steps: int) -> float:
         while not stop.is_set():
             zlib.crc32(buffer)
 
-    if busy:
+    if load == "busy":
         threading.Thread(target=writer, daemon=True).start()
         time.sleep(0.5)
     seconds = []
@@ -61,21 +72,23 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=40_000_000)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)  # child: THREADS idle|busy
+    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)  # child: THREADS idle|busy|set_by_zerofit
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(case(int(args.case[0]), args.case[1] == "busy", args.params, args.steps)))
+        print(json.dumps(case(int(args.case[0]), args.case[1], args.params, args.steps)))
         return
     cores = len(os.sched_getaffinity(0))
     results = {}
     for repeat in range(args.repeats):
-        for threads in (cores, max(1, cores - 1)):
-            for load in ("idle", "busy"):
-                done = subprocess.run([sys.executable, __file__, "--case", str(threads), load, "--params",
-                                       str(args.params), "--steps", str(args.steps)], capture_output=True, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=True)
-                results.setdefault(f"{threads}_threads_writer_{load}", []).append(
-                    float(done.stdout.strip().splitlines()[-1]))
+        runs = [(threads, load, str(threads)) for threads in (cores, max(1, cores - 1)) for load in ("idle", "busy")]
+        runs.append((cores, "set_by_zerofit", "1"))  # launched as torchrun launches several ranks
+        for threads, load, launched_with in runs:
+            done = subprocess.run([sys.executable, __file__, "--case", str(threads), load, "--params",
+                                   str(args.params), "--steps", str(args.steps)], capture_output=True, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": launched_with}, check=True)
+            name = f"{threads}_threads_set_by_zerofit_launched_with_1" if load == "set_by_zerofit" else \
+                f"{threads}_threads_writer_{load}"
+            results.setdefault(name, []).append(float(done.stdout.strip().splitlines()[-1]))
     medians = {k: round(statistics.median(v) * 1000, 2) for k, v in results.items()}
     record = {"command": "python bench/omp_straggler.py " + " ".join(sys.argv[1:]), "cores": cores,
               "cpu": platform.processor() or platform.machine(), "params": args.params,
