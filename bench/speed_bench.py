@@ -307,8 +307,8 @@ def stock_micro_batches(case: dict, spec, hw) -> list[tuple[int, dict]]:
 
     out = []
     for micro in sorted((m for m in range(1, case["global_batch"] + 1) if case["global_batch"] % m == 0), reverse=True):
-        plan = predict(spec, hw, Shape(seq_len=case["seq_len"], micro_batch=micro,
-                                       grad_accum=case["global_batch"] // micro), stock_candidate(spec))
+        plan = predict(spec, hw, Shape(seq_len=case["seq_len"], micro_batch=micro, grad_accum=case["global_batch"] // micro,
+                                       chunked_loss=False), stock_candidate(spec))  # HF Trainer's loss
         out.append((micro, plan))
     return out
 
@@ -376,6 +376,11 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
 # one setting changed. "gain" = tokens/s of the lever on / off.
 LEVERS = {
+    "chunked_loss": dict(
+        what="zerofit.loss (16-bit logits and a fixed fp32 chunk) vs HF's loss (fp32 copies of the logits): "
+             "larger micro batches fit, fewer per step; the planner chooses again for HF's loss",
+        needs=None, lever_on_in_choice=True, replan=True,
+        change=lambda spec: {"train.chunked_loss": False}),
     "persistence": dict(
         what="every parameter persistent (one rank, parameters on the GPU) vs HF's auto threshold 10 x hidden",
         needs="zero.param_persistence_threshold", lever_on_in_choice=True,
@@ -400,17 +405,19 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
     chosen = record["configs"].get("zerofit", {}).get("chosen_fields") or {}
     budget = case["budgets_s"][0]
     why_not = ("no zerofit plan" if not chosen else
-               f"the plan did not choose {lever['needs']}" if lever["needs"] not in chosen else
+               f"the plan did not choose {lever['needs']}" if lever["needs"] and lever["needs"] not in chosen else
                f"{runner.left():.0f}s left" if runner.left() < budget + 30 else None)
     if why_not:
         return f"not measured: {why_not}"
     run_name = f"{label}-zerofit-{name}"
     run_dir = runner.work / run_name / "run"
     config = zerofit_config(case, run_dir, 1 + case["measured_steps"][0], runner.accelerator)
-    for dotted, value in {**chosen, **lever["change"](spec)}.items():
+    replan = lever.get("replan", False)  # the planner chooses again with the change, else its choice is kept
+    for dotted, value in {**({} if replan else chosen), **lever["change"](spec)}.items():
         section, key = dotted.split(".")
         config.setdefault(section, {})[key] = value
-    config["train"].pop("global_batch_size")  # micro batch x accumulation are now given
+    if not replan:
+        config["train"].pop("global_batch_size")  # micro batch x accumulation are now given
     result = runner.run(run_name, "zerofit", {"cap_gib": case["cap_gib"], "config": config}, budget)
     entry = complete(zerofit_entry(run_dir, case["global_batch"] * case["seq_len"]), result, spec, hw, rates, case)
     record["configs"][f"zerofit_{name}"] = entry

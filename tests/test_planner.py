@@ -102,9 +102,13 @@ def test_tiny_activations_by_hand():
     2 norms x (4*64 + 2*2*64) + 2*(2*64 + 2*32) + 4*4 + 2*4*128 = 1024 + 384 + 16 + 1024."""
     spec = modelspec.from_name("tiny")
     assert activations.layer_activation_bytes_per_token(spec, 2) == 2448
-    assert activations.loss_bytes_per_token(spec, 2, backward=False) == (2 + 4 + 4) * 128
-    assert activations.loss_bytes_per_token(spec, 2, backward=True) == 12 * 128
-    phases = activations.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=False),
+    # HF's loss: 16-bit logits, their fp32 copy, fp32 log_softmax; backward 3 fp32 tensors
+    assert activations.loss_bytes(spec, 2, 10, chunked=False, backward=False) == 10 * (2 + 4 + 4) * 128
+    assert activations.loss_bytes(spec, 2, 10, chunked=False, backward=True) == 10 * 12 * 128
+    # zerofit.loss: the 16-bit logits, two fp32 chunks (all 10 rows fit one), 4 per-token fp32
+    assert activations.loss_bytes(spec, 2, 10, chunked=True, backward=True) == 10 * 2 * 128 + 2 * 4 * 10 * 128 + 16 * 10
+    phases = activations.device_phases(spec, Shape(seq_len=64, micro_batch=4, gradient_checkpointing=False,
+                                                   chunked_loss=False),
                                    Candidate(offload_optimizer="none"), on_gpu=True)
     tokens = 256
     saved = tokens * (2448 * 2 + 2 * 2 * 16) + tokens * (4 * 64 + 2 * 2 * 64)

@@ -85,6 +85,22 @@ def test_resume_continues_exactly(one_rank_run, tmp_path):
     assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000006", resumed_at=3)
 
 
+def test_hf_loss_trains_the_same_steps(one_rank_run, tmp_path):
+    """train.chunked_loss=false (HF's loss) on the same config: every step's loss and the
+    eval losses equal zerofit.loss's within fp32 rounding (the tiny model trains in bf16
+    on CPU, whose logits the two losses read alike)."""
+    run, _, _ = one_rank_run
+    hf_run, _, _ = trained_run(tmp_path, tiny_config(tmp_path / "run", train={"cpu_threads": 2, "chunked_loss": False}))
+    chunked = read_jsonl(run / "metrics.jsonl")
+    hf = read_jsonl(hf_run / "metrics.jsonl")
+    assert [m["step"] for m in hf] == [m["step"] for m in chunked]
+    for ours, theirs in zip(chunked, hf):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-3), ours["step"]
+        if "eval_loss" in theirs:
+            assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-3)
+    assert chunked[-1]["loss"] < chunked[0]["loss"]
+
+
 def test_finished_run_is_not_retrained(one_rank_run):
     run, config, _ = one_rank_run
     done = run_zerofit(["train", "--config", str(config)])

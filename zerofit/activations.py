@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zerofit import loss
 from zerofit.modelspec import ModelSpec
 from zerofit.zerostates import Gathered, gathered_numel, optimizer_step_device, partition_numel
 
@@ -44,15 +45,20 @@ def layer_backward_working_per_token(spec: ModelSpec, a: int) -> int:
     return a * ((3 if spec.gated_mlp else 2) * i + 2 * spec.hidden_size)
 
 
-def loss_bytes_per_token(spec: ModelSpec, a: int, backward: bool) -> int:
-    """Logits at vocab size and the loss. HF's ForCausalLMLoss upcasts the 16-bit logits to
-    fp32 (logits.float()), and cross_entropy keeps its fp32 log_softmax for backward.
-    Forward peak: 16-bit logits + fp32 copy + log_softmax. Backward of log_softmax holds
-    its saved output, the incoming and the outgoing fp32 gradient (3 x 4 bytes)."""
+def loss_bytes(spec: ModelSpec, a: int, tokens: int, chunked: bool, backward: bool) -> int:
+    """Logits at vocab size and the loss for `tokens` tokens.
+
+    HF's ForCausalLMLoss upcasts the 16-bit logits to fp32 (logits.float()), and
+    cross_entropy keeps its fp32 log_softmax for backward. Forward peak: 16-bit logits + fp32
+    copy + log_softmax; the backward of log_softmax holds its saved output, the incoming and
+    the outgoing fp32 gradient (3 x 4 bytes). zerofit.loss (chunked) holds the 16-bit logits
+    and a fixed fp32 working set in both, writing the gradient over the logits."""
     V = spec.vocab_size
+    if chunked:
+        return tokens * a * V + loss.working_bytes(V, tokens)
     if backward:
-        return 12 * V
-    return a * V + (4 * V if a != 4 else 0) + 4 * V
+        return tokens * 12 * V
+    return tokens * (a * V + (4 * V if a != 4 else 0) + 4 * V)
 
 
 def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: bool) -> int:
@@ -108,11 +114,11 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
 
     forward = {"activations_saved": blocks_saved + final_norm,
-               "logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False),
+               "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
                "gathered_params": gathered.forward}
     backward_options = {
         "loss": {"activations_saved": blocks_saved + final_norm,
-                 "logits_grad": T * loss_bytes_per_token(spec, a, backward=True), "gathered_params": gathered.at_loss},
+                 "logits_grad": loss_bytes(spec, a, T, shape.chunked_loss, backward=True), "gathered_params": gathered.at_loss},
         "lm_head": {"activations_saved": blocks_saved + final_norm, "logits_grad": T * a * V,
                     "param_grad": a * head_numel,
                     "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False),
@@ -129,7 +135,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     }
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))
     # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time.
-    evaluation = {"logits_and_loss": T * loss_bytes_per_token(spec, a, backward=False),
+    evaluation = {"logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
                   "block_working": T * layer_full, "gathered_params": gathered.forward}
     phases = {"forward": forward, "backward": backward,
               "optimizer_step": optimizer_step_device(spec, shape, cand, on_gpu), "eval": evaluation}

@@ -50,7 +50,8 @@ def shape_of(config: Config, world_size: int, dataset_bytes: int = 0) -> Shape:
     train = config.train
     return Shape(seq_len=train.seq_len, micro_batch=train.micro_batch_size, grad_accum=train.grad_accum_steps,
                  world_size=world_size, precision=train.precision,
-                 gradient_checkpointing=config.model.gradient_checkpointing, dataset_bytes=dataset_bytes,
+                 gradient_checkpointing=config.model.gradient_checkpointing, chunked_loss=config.train.chunked_loss,
+                 dataset_bytes=dataset_bytes,
                  checkpoints_on_disk=checkpoints_on_disk(config))
 
 

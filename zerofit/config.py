@@ -126,6 +126,10 @@ class TrainConfig(Section):
     it, the fastest that fits. Unset: micro_batch_size x grad_accum_steps x world size."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run. Exclusive with `epochs`; one of the two is required."""
+    chunked_loss: bool = True
+    """Compute the loss without vocab-sized fp32 tensors (zerofit/loss.py: same value and
+    gradient as HF's, ~5x less logits memory, so larger micro batches fit); false: HF's own
+    loss (model(..., labels=...))."""
     cpu_threads: int | None = Field(None, ge=1)
     """CPU threads per rank (torch's pool and DeepSpeedCPUAdam's OpenMP loop). Default: the
     cores this process may use divided by the node's ranks (one fewer with

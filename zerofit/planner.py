@@ -54,6 +54,7 @@ class Shape:
     world_size: int = 1
     precision: str = "bf16"
     gradient_checkpointing: bool = True
+    chunked_loss: bool = True        # zerofit.loss instead of HF's (logits memory)
     dataset_bytes: int = 0           # tokenized data held in host RAM per rank
     checkpoints_on_disk: int = 3     # most checkpoints on disk at once (keep_last + the one being written)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, lora, memory, models,
+from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, lora, loss, memory, models,
                      nvme, planview, postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
@@ -85,7 +85,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
     while state.step < total_steps:
         started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
-        train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1)
+        train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
+                                config.train.chunked_loss)
         faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
         swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
         state.step += 1
@@ -131,7 +132,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
 # ------------------------------------------------------------------------ one step
 def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist,
-               step: int) -> float:
+               step: int, chunked_loss: bool = True) -> float:
     """One optimizer step of `accum` micro batches; the loss averaged over them and ranks.
     DeepSpeed scales each micro loss by 1/accum and steps the optimizer on the last."""
     import torch
@@ -140,14 +141,21 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
     for _ in range(accum):
         input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
         postmortem.inject_oom_if_armed(step)
-        loss = ds_engine(input_ids=input_ids, labels=labels).loss
+        micro_loss = forward_loss(ds_engine, input_ids, labels, chunked_loss)
         timeline.observe("forward")
-        ds_engine.backward(loss)
+        ds_engine.backward(micro_loss)
         timeline.observe("backward")
         ds_engine.step()
         timeline.observe("optimizer_step")
-        losses.append(loss.detach().float())
+        losses.append(micro_loss.detach().float())
     return mean_over_ranks(torch.stack(losses).mean(), dist)
+
+
+def forward_loss(ds_engine, input_ids, labels, chunked: bool):
+    """The micro batch's mean next-token loss: zerofit.loss on the model's logits, or HF's."""
+    if not chunked:
+        return ds_engine(input_ids=input_ids, labels=labels).loss
+    return loss.causal_lm_loss(ds_engine(input_ids=input_ids).logits, labels)
 
 
 def mean_over_ranks(value, dist: engine.Dist) -> float:
@@ -191,8 +199,8 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
         return None
     ds_engine.eval()
     with torch.no_grad():
-        losses = [ds_engine(input_ids=torch.from_numpy(ids).to(ds_engine.device),
-                            labels=torch.from_numpy(labels).to(ds_engine.device)).loss.float()
+        losses = [forward_loss(ds_engine, torch.from_numpy(ids).to(ds_engine.device),
+                               torch.from_numpy(labels).to(ds_engine.device), config.train.chunked_loss).float()
                   for ids, labels in batches]
     ds_engine.train()
     timeline.mark(step, "eval")
