@@ -3,9 +3,10 @@
 DeepSpeed's engine.save_checkpoint hands each file's state dict to
 `engine.checkpoint_engine.save(state_dict, path)` (deepspeed/runtime/checkpoint_engine/).
 ZerofitCheckpointEngine writes it through CheckedFile: bytes counted and xxh3-hashed on the
-way out (so the manifest needs no second read), handed to the disk as it goes (writeback
-started every 64 MiB, so the fsync on close finds little left), faults injected for
-drills. An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
+way out (so the manifest needs no second read), fsynced on close, faults injected for
+drills. (Starting the kernel's writeback early, posix_fadvise DONTNEED every 64 MiB, was
+measured and removed: 0.65 vs 0.67 GB/s to durable on the GPU host, 0.71 vs 0.69 on the
+development machine; bench/results/writeback*.json.) An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
 and a rank that raised out of it would leave the others waiting; the Checkpointer agrees
 on the outcome across ranks afterwards.
 
@@ -38,7 +39,6 @@ SMALL_TENSOR_BYTES = 64 << 10  # copied at once in save(); larger ones go throug
 FAULT_AFTER_BYTES = 64 << 10   # injected ENOSPC / kill strike once a save wrote this much
 ALIGN = 64
 CHUNK_BYTES = 64 << 20         # hash and write a record in pieces of this size
-WRITEBACK_BYTES = 64 << 20     # start the disk on every this many bytes written (CheckedFile)
 
 
 class CheckedFile:
@@ -51,7 +51,6 @@ class CheckedFile:
         self._before = written_before
         self._digest = xxhash.xxh3_128()
         self._file = open(path, "wb", buffering=1 << 20)
-        self._written_back = 0  # bytes handed to the kernel with writeback started
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -62,25 +61,7 @@ class CheckedFile:
             self._digest.update(chunk)
             self._file.write(chunk)
         self.bytes += len(view)
-        if self.bytes - self._written_back >= WRITEBACK_BYTES:
-            self._start_writeback()
         return len(view)
-
-    def _start_writeback(self) -> None:
-        """Start writing what is buffered to disk now, without waiting for it. Linux starts
-        background writeback only once dirty pages pass vm.dirty_background_ratio (10% of
-        RAM: 25 GB on a 251 GB host), so a checkpoint would sit in the page cache until the
-        fsync at close, and serializing and writing would take turns instead of overlapping.
-        POSIX_FADV_DONTNEED on a dirty range starts its writeback and returns (mm/fadvise.c,
-        __filemap_fdatawrite_range with WB_SYNC_NONE). bench/writeback.py measures it: on
-        the 23 GiB development machine (threshold ~2 GB) no difference, 0.71 vs 0.69 GB/s to
-        durable for 2 GiB; the large-RAM GPU host, where it should matter, is not measured yet."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        self._file.flush()
-        os.posix_fadvise(self._file.fileno(), self._written_back, self.bytes - self._written_back,
-                         os.POSIX_FADV_DONTNEED)
-        self._written_back = self.bytes
 
     def _strike(self, view: memoryview) -> None:
         upto = max(0, FAULT_AFTER_BYTES - self._before - self.bytes)
