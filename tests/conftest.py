@@ -63,11 +63,10 @@ def trained_run(base: Path, config: dict) -> tuple[Path, Path, subprocess.Comple
     return Path(config["run_dir"]), config_file, done
 
 
-def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, resumed_at: int,
-                           eval_rel: float = 0.0) -> None:
-    """Copy `run`, delete its checkpoint `drop`, resume: it starts at step `resumed_at` and
-    every later step has the uninterrupted run's loss and LR, and the last eval loss (equal,
-    or within `eval_rel`)."""
+def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, resumed_at: int) -> None:
+    """Copy `run`, delete its checkpoint `drop`, resume: it starts at step `resumed_at`,
+    every later step has the uninterrupted run's loss and LR, the last eval loss is equal,
+    and the optimizer state it saves again as `drop` is bit-equal to the uninterrupted run's."""
     import shutil
 
     shutil.copytree(run, copy)
@@ -80,8 +79,34 @@ def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, 
     for step in range(resumed_at + 1, max(original) + 1):
         assert resumed[step]["loss"] == original[step]["loss"], step
         assert resumed[step]["lr"] == original[step]["lr"]
-    last = max(original)
-    assert abs(resumed[last]["eval_loss"] - original[last]["eval_loss"]) <= eval_rel * abs(original[last]["eval_loss"])
+    assert resumed[max(original)]["eval_loss"] == original[max(original)]["eval_loss"]
+    assert_same_optimizer_state(run / "checkpoints" / drop, copy / "checkpoints" / drop)
+
+
+def assert_same_optimizer_state(a: Path, b: Path) -> None:
+    """Every tensor of every rank's ZeRO optimizer file is bit-equal in two checkpoints."""
+    import torch
+
+    files = sorted(p.name for p in a.glob("*optim_states.pt"))
+    assert files and files == sorted(p.name for p in b.glob("*optim_states.pt"))
+    for name in files:
+        left, right = (dict(_tensors(torch.load(d / name, weights_only=False))) for d in (a, b))
+        assert left.keys() == right.keys()
+        different = [k for k in left if not torch.equal(left[k], right[k])]
+        assert not different, f"{name}: {different[:5]}"
+
+
+def _tensors(obj, prefix=""):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{prefix}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}[{i}]")
 
 
 def exported_tensors(out_dir) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl, run_zerofit, tiny_config, write_config
-from zerofit import checkpoint, data, faults
+from zerofit import checkpoint, checkpointer, data, faults
 
 # Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
 SHAPE = dict(eval={"every_steps": 0, "at_end": False})
@@ -119,6 +119,43 @@ def test_data_position_on_another_number_of_ranks():
     assert data.position_for_world(3, 1, 4, 2, 4, n_sequences=4035) == 2  # rounded up: nothing twice
     per_epoch = 4035 // 8  # a whole first epoch on 2 ranks is a whole first epoch on one
     assert data.position_for_world(per_epoch, 2, 4, 1, 4, n_sequences=4035) == 4035 // 4
+
+
+def _cpu_adam_after(steps_before: int, steps_after: int, replay: bool):
+    """A parameter after DeepSpeedCPUAdam steps on fixed gradients; with steps_after, the
+    optimizer is rebuilt from its state dict in between (a resume), replayed or not."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    grads = torch.randn(steps_before + steps_after, 4096, generator=torch.Generator().manual_seed(0)) * 0.01
+    param = torch.nn.Parameter(torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 0.1)
+    optimizer = DeepSpeedCPUAdam([param], lr=5e-2, betas=(0.9, 0.95))
+    for grad in grads[:steps_before]:
+        param.grad = grad.clone()
+        optimizer.step()
+    if steps_after:
+        state = optimizer.state_dict()
+        optimizer = DeepSpeedCPUAdam([param], lr=5e-2, betas=(0.9, 0.95))
+        optimizer.load_state_dict(state)
+        if replay:
+            assert checkpointer.replay_cpu_adam_steps(SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer))) \
+                == steps_before
+        for grad in grads[steps_before:]:
+            param.grad = grad.clone()
+            optimizer.step()
+    return param.detach().clone()
+
+
+def test_cpu_adam_resumes_bit_exactly_after_the_step_replay():
+    """DeepSpeedCPUAdam's C++ bias-correction powers: a resumed optimizer drifts from the
+    uninterrupted one unless its step state is replayed (checkpointer.replay_cpu_adam_steps)."""
+    import torch
+
+    straight = _cpu_adam_after(12, 0, replay=False)
+    assert not torch.equal(_cpu_adam_after(6, 6, replay=False), straight)  # DeepSpeed's own resume drifts
+    assert torch.equal(_cpu_adam_after(6, 6, replay=True), straight)
 
 
 def test_injected_enospc_and_the_snapshot_arena(tmp_path, monkeypatch):
