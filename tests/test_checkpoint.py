@@ -185,6 +185,68 @@ def test_injected_enospc_and_the_snapshot_arena(tmp_path, monkeypatch):
     assert not (tmp_path / "t" / "y.pt").exists()  # a failed checkpoint writes nothing more
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_checked_file_writes_every_byte(tmp_path, monkeypatch, direct):
+    """Odd sizes across the staging buffer, a flush mid-stream (a partial O_DIRECT block
+    written padded, then rewritten whole), torch.save through it, an injected ENOSPC: the
+    bytes on disk are the bytes given, the hash is theirs."""
+    import numpy as np
+    import torch
+    import xxhash
+
+    from zerofit import checkpoint_io
+
+    monkeypatch.setattr(checkpoint_io, "STAGE_BYTES", 64 << 10)
+    pieces = [np.random.default_rng(i).integers(0, 255, size=n, dtype=np.uint8).tobytes()
+              for i, n in enumerate([1, 4095, (64 << 10) + 3, 10_000, 5])]
+    checked = checkpoint_io.CheckedFile(tmp_path / "f.bin", None, 0, direct=direct)
+    for i, piece in enumerate(pieces):
+        checked.write(piece)
+        if i == 1:
+            checked.flush()
+    checked.close()
+    content = b"".join(pieces)
+    assert (tmp_path / "f.bin").read_bytes() == content
+    assert checked.bytes == len(content) and checked.hexdigest() == xxhash.xxh3_128(content).hexdigest()
+
+    state = {"w": torch.randn(3000), "step": 7}
+    saved = checkpoint_io.CheckedFile(tmp_path / "s.pt", None, 0, direct=direct)
+    torch.save(state, saved)
+    saved.close()
+    loaded = torch.load(tmp_path / "s.pt", weights_only=False)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
+
+    failing = checkpoint_io.CheckedFile(tmp_path / "e.bin", "enospc", 0, direct=direct)
+    with pytest.raises(OSError, match="No space left"):
+        failing.write(bytes(checkpoint_io.FAULT_AFTER_BYTES + 100))
+    failing.close()
+    assert (tmp_path / "e.bin").stat().st_size == checkpoint_io.FAULT_AFTER_BYTES
+    if direct and not checked.direct:
+        pytest.skip(f"O_DIRECT refused on {tmp_path}: written through the page cache (checked above)")
+    assert checked.direct is direct
+
+
+def test_checked_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (EINVAL at open, as NFS or an older tmpfs do):
+    the file is written through the page cache, whole."""
+    import errno
+
+    from zerofit import checkpoint_io
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    checked = checkpoint_io.CheckedFile(tmp_path / "f.bin", None, 0, direct=True)
+    checked.write(b"x" * 5000)
+    checked.close()
+    assert not checked.direct and (tmp_path / "f.bin").read_bytes() == b"x" * 5000
+
+
 # ------------------------------------------------------------------- real runs
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import mmap
 import os
 import queue
 import signal
@@ -39,18 +40,32 @@ SMALL_TENSOR_BYTES = 64 << 10  # copied at once in save(); larger ones go throug
 FAULT_AFTER_BYTES = 64 << 10   # injected ENOSPC / kill strike once a save wrote this much
 ALIGN = 64
 CHUNK_BYTES = 64 << 20         # hash and write a record in pieces of this size
+STAGE_BYTES = 8 << 20          # O_DIRECT staging buffer (CheckedFile)
+DIRECT_ALIGN = 4096            # O_DIRECT offsets and lengths: the largest common logical block size
 
 
 class CheckedFile:
-    """A file being written: counted, hashed, fsynced on close, failing on an injected fault."""
+    """A file being written: counted, hashed, fsynced on close, failing on an injected fault.
 
-    def __init__(self, path: Path, fault: str | None, written_before: int):
+    direct=True writes with O_DIRECT through an aligned staging buffer: the bytes go from
+    the buffer to the disk by DMA, with no copy into the page cache and no kernel writeback
+    threads competing with the training loop's CPU optimizer for cores (an OpenMP loop is
+    held back by its slowest thread: bench/results/omp_straggler-h200.json). On the
+    development machine's ext4, 2 GiB to durable: 1.74 GB/s direct vs 0.39-0.94 buffered.
+    Where O_DIRECT is refused (tmpfs, some network filesystems) it writes buffered."""
+
+    def __init__(self, path: Path, fault: str | None, written_before: int, direct: bool = False):
         import xxhash
 
         self.path, self.fault, self.bytes, self.error = path, fault, 0, None
         self._before = written_before
         self._digest = xxhash.xxh3_128()
-        self._file = open(path, "wb", buffering=1 << 20)
+        self._fd = _open_direct(path) if direct else None
+        self.direct = self._fd is not None
+        if self.direct:
+            self._stage, self._staged, self._on_disk = mmap.mmap(-1, STAGE_BYTES), 0, 0
+        else:
+            self._file = open(path, "wb", buffering=1 << 20)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -59,32 +74,97 @@ class CheckedFile:
         for start in range(0, len(view), CHUNK_BYTES):  # chunks: the GIL is free between them
             chunk = view[start: start + CHUNK_BYTES]
             self._digest.update(chunk)
-            self._file.write(chunk)
+            self._put(chunk)
         self.bytes += len(view)
         return len(view)
 
+    def _put(self, chunk: memoryview) -> None:
+        if not self.direct:
+            self._file.write(chunk)
+            return
+        while len(chunk):
+            n = min(len(chunk), STAGE_BYTES - self._staged)
+            self._stage[self._staged: self._staged + n] = chunk[:n]
+            self._staged, chunk = self._staged + n, chunk[n:]
+            if self._staged == STAGE_BYTES:
+                self._write_stage()
+
+    def _write_stage(self) -> None:
+        """Write what is staged. O_DIRECT writes whole aligned blocks: a last partial block
+        is written padded with zeros, the file cut back to its length, and the block stays
+        staged (and the file offset on it) so that later bytes rewrite it whole."""
+        length = self._on_disk + self._staged
+        whole = self._staged // DIRECT_ALIGN * DIRECT_ALIGN
+        padded = -(-self._staged // DIRECT_ALIGN) * DIRECT_ALIGN
+        self._stage[self._staged: padded] = bytes(padded - self._staged)
+        view = memoryview(self._stage)[:padded]
+        while len(view):
+            view = view[os.write(self._fd, view):]
+        if padded == whole:
+            self._on_disk, self._staged = length, 0
+            return
+        os.ftruncate(self._fd, length)
+        tail = self._staged - whole
+        self._stage[:tail] = self._stage[whole: self._staged]
+        self._on_disk, self._staged = self._on_disk + whole, tail
+        os.lseek(self._fd, self._on_disk, os.SEEK_SET)
+
     def _strike(self, view: memoryview) -> None:
         upto = max(0, FAULT_AFTER_BYTES - self._before - self.bytes)
-        self._file.write(view[:upto])
-        self._file.flush()
+        self._put(view[:upto])
+        self.flush()
         if self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         raise self.error
 
     def flush(self) -> None:
-        self._file.flush()
+        if self.direct:
+            if self._staged:
+                self._write_stage()  # a partial last block stays staged: flush twice writes it twice
+        else:
+            self._file.flush()
 
     def close(self) -> None:
         try:
             if self.error is None:
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                self.flush()
+                os.fsync(self._fd if self.direct else self._file.fileno())
         finally:
-            self._file.close()
+            if self.direct:
+                os.close(self._fd)
+                self._stage.close()
+            else:
+                self._file.close()
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
+
+
+def _open_direct(path: Path) -> int | None:
+    """A write descriptor with O_DIRECT, or None where the filesystem refuses it (at open,
+    or, on some, at the first write: one aligned block is tried and cut off again)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    probe = mmap.mmap(-1, DIRECT_ALIGN)
+    try:
+        os.write(fd, probe)
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+    except OSError as e:
+        os.close(fd)
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    finally:
+        probe.close()
 
 
 class HostArena:
@@ -197,8 +277,9 @@ def _like(source, tensor):
 class ZerofitCheckpointEngine(CheckpointEngine):
     """Installed as `ds_engine.checkpoint_engine` (see install); sync or async."""
 
-    def __init__(self, zipfile_serialization: bool, async_save: bool, host_max_bytes: int):
+    def __init__(self, zipfile_serialization: bool, async_save: bool, host_max_bytes: int, direct_io: bool = False):
         super().__init__()
+        self.direct_io = direct_io
         self.name = "ZerofitCheckpointEngine"
         self.zipfile_serialization, self.async_save = zipfile_serialization, async_save
         self.arena = HostArena(host_max_bytes)
@@ -374,7 +455,7 @@ class ZerofitCheckpointEngine(CheckpointEngine):
             return
         checked = None
         try:
-            checked = CheckedFile(path, self._fault, sum(e["bytes"] for e in self.written.values()))
+            checked = CheckedFile(path, self._fault, sum(e["bytes"] for e in self.written.values()), self.direct_io)
             # zip CRCs stay on (a global torch switch, and they keep the files valid zips for
             # every reader); the xxh3 hash is what resume verifies
             torch.save(state_dict, checked, _use_new_zipfile_serialization=self.zipfile_serialization)
@@ -387,12 +468,12 @@ class ZerofitCheckpointEngine(CheckpointEngine):
             self.error = f"writing {path.name}: {cause}"
 
 
-def install(ds_engine, async_save: bool, host_max_bytes: int) -> ZerofitCheckpointEngine:
+def install(ds_engine, async_save: bool, host_max_bytes: int, direct_io: bool = False) -> ZerofitCheckpointEngine:
     """Replace the engine's checkpoint engine (built in DeepSpeedEngine._configure_checkpointing)
     with zerofit's, keeping DeepSpeed's configured serialization format."""
     from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_SERIALIZATION
 
     zipfile = ds_engine._config.checkpoint_config.get(CHECKPOINT_SERIALIZATION, True)
-    engine = ZerofitCheckpointEngine(zipfile, async_save, host_max_bytes)
+    engine = ZerofitCheckpointEngine(zipfile, async_save, host_max_bytes, direct_io)
     ds_engine.checkpoint_engine = engine
     return engine

@@ -247,6 +247,10 @@ class CheckpointConfig(Section):
     """Host RAM the async snapshot buffer may hold per rank (it holds one checkpoint's
     share of the rank, reused by every save). Default: half the RAM available at start.
     A save that does not fit is written synchronously, with a warning."""
+    direct_io: bool = True
+    """Write checkpoint files with O_DIRECT (from an aligned buffer straight to the disk: no
+    page-cache copy, no kernel writeback threads taking cores from the CPU optimizer while
+    an async save runs); filesystems that refuse it are written through the page cache."""
     verify: Literal["sizes", "full"] = "full"
     """How resume checks a checkpoint against its manifest: `sizes` of every file, or
     `full`: sizes and xxh3 hashes of every byte (bound by the disk read, which the load
