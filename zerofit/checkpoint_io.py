@@ -40,19 +40,14 @@ SMALL_TENSOR_BYTES = 64 << 10  # copied at once in save(); larger ones go throug
 FAULT_AFTER_BYTES = 64 << 10   # injected ENOSPC / kill strike once a save wrote this much
 ALIGN = 64
 CHUNK_BYTES = 64 << 20         # hash and write a record in pieces of this size
-STAGE_BYTES = 8 << 20          # O_DIRECT staging buffer (CheckedFile)
+STAGE_BYTES = 64 << 20         # each of DirectWriter's two O_DIRECT staging buffers: one write per chunk
 DIRECT_ALIGN = 4096            # O_DIRECT offsets and lengths: the largest common logical block size
 
 
 class CheckedFile:
     """A file being written: counted, hashed, fsynced on close, failing on an injected fault.
-
-    direct=True writes with O_DIRECT through an aligned staging buffer: the bytes go from
-    the buffer to the disk by DMA, with no copy into the page cache and no kernel writeback
-    threads competing with the training loop's CPU optimizer for cores (an OpenMP loop is
-    held back by its slowest thread: bench/results/omp_straggler-h200.json). On the
-    development machine's ext4, 2 GiB to durable: 1.74 GB/s direct vs 0.39-0.94 buffered.
-    Where O_DIRECT is refused (tmpfs, some network filesystems) it writes buffered."""
+    direct=True writes it through a DirectWriter where the filesystem takes O_DIRECT, else
+    through the page cache."""
 
     def __init__(self, path: Path, fault: str | None, written_before: int, direct: bool = False):
         import xxhash
@@ -60,12 +55,9 @@ class CheckedFile:
         self.path, self.fault, self.bytes, self.error = path, fault, 0, None
         self._before = written_before
         self._digest = xxhash.xxh3_128()
-        self._fd = _open_direct(path) if direct else None
-        self.direct = self._fd is not None
-        if self.direct:
-            self._stage, self._staged, self._on_disk = mmap.mmap(-1, STAGE_BYTES), 0, 0
-        else:
-            self._file = open(path, "wb", buffering=1 << 20)
+        fd = _open_direct(path) if direct else None
+        self.direct = fd is not None
+        self._file = DirectWriter(fd) if self.direct else open(path, "wb", buffering=1 << 20)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -74,71 +66,120 @@ class CheckedFile:
         for start in range(0, len(view), CHUNK_BYTES):  # chunks: the GIL is free between them
             chunk = view[start: start + CHUNK_BYTES]
             self._digest.update(chunk)
-            self._put(chunk)
+            self._file.write(chunk)
         self.bytes += len(view)
         return len(view)
 
-    def _put(self, chunk: memoryview) -> None:
-        if not self.direct:
-            self._file.write(chunk)
-            return
-        while len(chunk):
-            n = min(len(chunk), STAGE_BYTES - self._staged)
-            self._stage[self._staged: self._staged + n] = chunk[:n]
-            self._staged, chunk = self._staged + n, chunk[n:]
-            if self._staged == STAGE_BYTES:
-                self._write_stage()
-
-    def _write_stage(self) -> None:
-        """Write what is staged. O_DIRECT writes whole aligned blocks: a last partial block
-        is written padded with zeros, the file cut back to its length, and the block stays
-        staged (and the file offset on it) so that later bytes rewrite it whole."""
-        length = self._on_disk + self._staged
-        whole = self._staged // DIRECT_ALIGN * DIRECT_ALIGN
-        padded = -(-self._staged // DIRECT_ALIGN) * DIRECT_ALIGN
-        self._stage[self._staged: padded] = bytes(padded - self._staged)
-        view = memoryview(self._stage)[:padded]
-        while len(view):
-            view = view[os.write(self._fd, view):]
-        if padded == whole:
-            self._on_disk, self._staged = length, 0
-            return
-        os.ftruncate(self._fd, length)
-        tail = self._staged - whole
-        self._stage[:tail] = self._stage[whole: self._staged]
-        self._on_disk, self._staged = self._on_disk + whole, tail
-        os.lseek(self._fd, self._on_disk, os.SEEK_SET)
-
     def _strike(self, view: memoryview) -> None:
         upto = max(0, FAULT_AFTER_BYTES - self._before - self.bytes)
-        self._put(view[:upto])
-        self.flush()
+        self._file.write(view[:upto])
+        self._file.flush()
         if self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         raise self.error
 
     def flush(self) -> None:
-        if self.direct:
-            if self._staged:
-                self._write_stage()  # a partial last block stays staged: flush twice writes it twice
-        else:
-            self._file.flush()
+        self._file.flush()
 
     def close(self) -> None:
         try:
             if self.error is None:
-                self.flush()
-                os.fsync(self._fd if self.direct else self._file.fileno())
+                self._file.flush()
+                os.fsync(self._file.fileno())
         finally:
-            if self.direct:
-                os.close(self._fd)
-                self._stage.close()
-            else:
-                self._file.close()
+            self._file.close()
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
+
+
+class DirectWriter:
+    """Sequential O_DIRECT writes through two aligned staging buffers: one is filled while an
+    I/O thread writes the other, so copying, hashing and torch's zip CRC overlap the disk.
+
+    The bytes go from the buffer to the disk by DMA: no copy into the page cache and no
+    kernel writeback threads competing with the training loop's CPU optimizer for cores (an
+    OpenMP loop is held back by its slowest thread: bench/results/omp_straggler-h200.json).
+    On the GPU host an async save of 18 GB stalled training 0.64 s per save this way (one
+    8 MiB buffer then) against 4.4 s through the page cache (bench/results/checkpoint.json
+    and its README). bench/direct_writer.py, 2 GiB beside a thread taking the GIL like a
+    training loop, development machine: 0.38 GB/s through the page cache, 1.28 with 8 MiB
+    stages, 1.55 with 64 MiB ones (fewer times this thread must win the GIL back)."""
+
+    def __init__(self, fd: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import numpy as np
+
+        self._fd = fd
+        self._stages = [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]
+        # copies through numpy, which lets go of the GIL while it copies: the training loop's
+        # thread needs it, and every time this thread waits to take it back costs up to
+        # sys.getswitchinterval() (5 ms)
+        self._arrays = [np.frombuffer(stage, dtype=np.uint8) for stage in self._stages]
+        self._filling, self._staged, self._on_disk = 0, 0, 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofit-direct-io")
+        self._in_flight = None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, chunk: memoryview) -> None:
+        import numpy as np
+
+        while len(chunk):
+            stage = self._stages[self._filling]
+            n = min(len(chunk), STAGE_BYTES - self._staged)
+            np.copyto(self._arrays[self._filling][self._staged: self._staged + n], np.frombuffer(chunk[:n], dtype=np.uint8))
+            self._staged, chunk = self._staged + n, chunk[n:]
+            if self._staged == STAGE_BYTES:
+                self._wait()
+                self._in_flight = self._io.submit(_pwrite_all, self._fd, stage, STAGE_BYTES, self._on_disk)
+                self._filling, self._staged, self._on_disk = 1 - self._filling, 0, self._on_disk + STAGE_BYTES
+
+    def flush(self) -> None:
+        """Everything on disk (before fsync). O_DIRECT writes whole aligned blocks: a last
+        partial block is written padded with zeros, the file cut back to its length, and
+        the block stays staged so that later bytes rewrite it whole."""
+        self._wait()
+        if not self._staged:
+            return
+        stage, length = self._stages[self._filling], self._on_disk + self._staged
+        whole = self._staged // DIRECT_ALIGN * DIRECT_ALIGN
+        padded = -(-self._staged // DIRECT_ALIGN) * DIRECT_ALIGN
+        stage[self._staged: padded] = bytes(padded - self._staged)
+        _pwrite_all(self._fd, stage, padded, self._on_disk)
+        if padded == whole:
+            self._staged, self._on_disk = 0, length
+            return
+        os.ftruncate(self._fd, length)
+        tail = self._staged - whole
+        stage[:tail] = stage[whole: self._staged]
+        self._staged, self._on_disk = tail, self._on_disk + whole
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._io.shutdown()
+            os.close(self._fd)
+            self._arrays = []  # numpy's views first: an mmap with views cannot close
+            for stage in self._stages:
+                stage.close()
+
+    def _wait(self) -> None:
+        """Until the stage in flight is written (its error raised here)."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.result()
+
+
+def _pwrite_all(fd: int, buffer, nbytes: int, offset: int) -> None:
+    view = memoryview(buffer)[:nbytes]
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def _open_direct(path: Path) -> int | None:
@@ -154,9 +195,8 @@ def _open_direct(path: Path) -> int | None:
         raise
     probe = mmap.mmap(-1, DIRECT_ALIGN)
     try:
-        os.write(fd, probe)
+        os.pwrite(fd, probe, 0)
         os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
         return fd
     except OSError as e:
         os.close(fd)
