@@ -59,7 +59,7 @@ def test_clean_run_has_no_findings(clean_run):
     assert not diagnosis.summary["on_gpu"]
 
 
-def test_detectors_find_the_drills_on_a_real_run(drilled_run):
+def test_detectors_find_the_drills_on_a_real_run(drilled_run, clean_run):
     run, _, _ = drilled_run
     found = {f.kind: f for f in diagnose(run).findings}
     assert set(found) == {"growth", "post_save_residue", "after_save_spike"}, [f.title for f in found.values()]
@@ -67,10 +67,18 @@ def test_detectors_find_the_drills_on_a_real_run(drilled_run):
     growth = found["growth"].evidence
     assert abs(growth["bytes_per_step"] - LEAK_BYTES_PER_STEP) < 8 * MiB
     residue = found["post_save_residue"].evidence["residue_bytes"]
-    assert list(residue) == [6] and abs(residue[6] - RESIDUE_BYTES) < 16 * MiB  # the leak's drift is taken off
+    # the leak's drift is taken off; what the same run without drills keeps after that save
+    # (~15 MiB on the CPU accelerator, too little to report) is there too
+    assert list(residue) == [6] and abs(residue[6] - RESIDUE_BYTES - rss_kept_after_step(clean_run[0], 6)) < 8 * MiB
     spike = found["after_save_spike"]
     assert spike.step == 10 and spike.evidence["phase"] == "forward"
     assert abs(spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] - SPIKE_BYTES) < 64 * MiB
+
+
+def rss_kept_after_step(run, step: int) -> int:
+    """Host RSS at the end of step+1 minus at the end of `step` (memory.jsonl)."""
+    ends = {r["step"]: r["host_rss"] for r in read_jsonl(run / "memory.jsonl") if r["phase"] == "optimizer_step"}
+    return ends[step + 1] - ends[step]
 
 
 def test_near_budget_and_watchdog_save_on_a_real_run(tmp_path):
