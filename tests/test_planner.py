@@ -119,6 +119,34 @@ def test_tiny_activations_by_hand():
     assert checkpointed["forward"]["activations_saved"] == tokens * (2 * 64 * 2 + 2 * 2 * 16) + tokens * 512
 
 
+def test_async_save_holds_its_snapshot_buffer_on_the_host():
+    """checkpoint.async_save reserves the rank's share of the checkpoint in host RAM for the
+    whole run; over its cap the run saves synchronously and nothing is held."""
+    from dataclasses import replace
+
+    spec = modelspec.from_name("llama-1.5b")
+    hw = hardware.with_overrides(hardware.probe(accelerator="cuda", gpu_mem="24GiB", host_mem="200GiB"),
+                                 disk_free_bytes=10**13)
+    cand = Candidate(offload_optimizer="cpu")
+    sync = planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=1, world_size=2), cand)
+    default_cap = planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=1, world_size=2, async_snapshot_max=None), cand)
+    share = planner.checkpoint_bytes(spec.total_params, 2) / 2 * planner.ASYNC_SNAPSHOT_PER_CHECKPOINT_BYTE
+    assert "async_snapshot" not in sync.devices["host"].components
+    # two ranks on this node: each holds its share
+    assert default_cap.devices["host"].components["async_snapshot"] == 2 * int(share)
+    assert default_cap.host_rss_peak - sync.host_rss_peak == int(share)  # per rank
+    too_small = replace(default_cap.shape, async_snapshot_max=int(share) - 1)
+    assert "async_snapshot" not in planner.predict(spec, hw, too_small, cand).devices["host"].components
+    assert choice.async_snapshot_max(validate_tiny(checkpoint={"async_save": True, "async_host_max_gib": 2})) == 2 * 2**30
+    assert choice.async_snapshot_max(validate_tiny(checkpoint={"async_save": True})) is None
+    assert choice.async_snapshot_max(validate_tiny()) == 0
+
+
+def validate_tiny(**sections):
+    return validate({"run_dir": "/tmp/unused", "model": {"config": "tiny"}, "data": {"path": "demo"},
+                     "train": {"max_steps": 1}, **sections})
+
+
 def test_checkpoint_size_formula():
     """12 bytes per parameter (fp32 master + 2 Adam moments) per rank plus metadata; the
     tiny model's optimizer file measured 1,090,117 bytes."""

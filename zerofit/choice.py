@@ -52,7 +52,15 @@ def shape_of(config: Config, world_size: int, dataset_bytes: int = 0) -> Shape:
                  world_size=world_size, precision=train.precision,
                  gradient_checkpointing=config.model.gradient_checkpointing, chunked_loss=config.train.chunked_loss,
                  dataset_bytes=dataset_bytes,
-                 checkpoints_on_disk=checkpoints_on_disk(config))
+                 checkpoints_on_disk=checkpoints_on_disk(config), async_snapshot_max=async_snapshot_max(config))
+
+
+def async_snapshot_max(config: Config) -> int | None:
+    """The async snapshot's host cap in the planner's terms (planner.Shape)."""
+    ckpt = config.checkpoint
+    if not ckpt.async_save:
+        return 0
+    return None if ckpt.async_host_max_gib is None else int(ckpt.async_host_max_gib * 2**30)
 
 
 def checkpoints_on_disk(config: Config) -> int:
