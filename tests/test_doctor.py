@@ -15,6 +15,7 @@ from timelines import GiB, MiB, ds_config, synthetic_run
 
 from zerofit import nvme, syscheck
 from zerofit.doctor import diagnose, doctor
+from zerofit.findings import end_of_step
 from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
 
 
@@ -76,8 +77,8 @@ def test_detectors_find_the_drills_on_a_real_run(drilled_run, clean_run):
 
 
 def rss_kept_after_step(run, step: int) -> int:
-    """Host RSS at the end of step+1 minus at the end of `step` (memory.jsonl)."""
-    ends = {r["step"]: r["host_rss"] for r in read_jsonl(run / "memory.jsonl") if r["phase"] == "optimizer_step"}
+    """Host RSS at the end of step+1 minus at the end of `step`, as the detector reads it."""
+    ends = end_of_step(read_jsonl(run / "memory.jsonl"), "host")
     return ends[step + 1] - ends[step]
 
 

@@ -6,9 +6,9 @@ ZerofitCheckpointEngine writes it through CheckedFile: bytes counted and xxh3-ha
 way out (so the manifest needs no second read), fsynced on close, faults injected for
 drills. (Starting the kernel's writeback early, posix_fadvise DONTNEED every 64 MiB, was
 measured and removed: 0.65 vs 0.67 GB/s to durable on the GPU host, 0.71 vs 0.69 on the
-development machine; bench/results/writeback*.json.) An error is recorded, not raised: DeepSpeed's save has barriers after the writes,
-and a rank that raised out of it would leave the others waiting; the Checkpointer agrees
-on the outcome across ranks afterwards.
+development machine; bench/results/writeback*.json.) An error is recorded, not raised:
+DeepSpeed's save has barriers after the writes, and a rank that raised out of it would
+leave the others waiting; the Checkpointer agrees on the outcome across ranks afterwards.
 
 Async (checkpoint.async_save) follows the contract of DeepSpeed's DecoupledCheckpointEngine:
 the engine says it is decoupled, save() only queues, and DeepSpeed itself calls commit()
