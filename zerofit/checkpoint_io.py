@@ -20,6 +20,7 @@ never for the disk. The Checkpointer publishes the tag once every rank's writer 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import mmap
@@ -53,6 +54,8 @@ class CheckedFile:
         import xxhash
 
         self.path, self.fault, self.bytes, self.error = path, fault, 0, None
+        # seconds spent here, by part; the rest of a torch.save is its pickling and CRC
+        self.seconds = {"hash": 0.0, "stage": 0.0, "disk_wait": 0.0, "fsync": 0.0}
         self._before = written_before
         self._digest = xxhash.xxh3_128()
         fd = _open_direct(path) if direct else None
@@ -65,8 +68,12 @@ class CheckedFile:
             self._strike(view)
         for start in range(0, len(view), CHUNK_BYTES):  # chunks: the GIL is free between them
             chunk = view[start: start + CHUNK_BYTES]
+            started = time.perf_counter()
             self._digest.update(chunk)
+            hashed = time.perf_counter()
             self._file.write(chunk)
+            self.seconds["hash"] += hashed - started
+            self.seconds["stage"] += time.perf_counter() - hashed
         self.bytes += len(view)
         return len(view)
 
@@ -85,10 +92,14 @@ class CheckedFile:
     def close(self) -> None:
         try:
             if self.error is None:
+                started = time.perf_counter()
                 self._file.flush()
                 os.fsync(self._file.fileno())
+                self.seconds["fsync"] += time.perf_counter() - started
         finally:
             self._file.close()
+            if self.direct:  # time this file's stages waited for the disk, inside "stage"
+                self.seconds["disk_wait"] += self._file.wait_seconds
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
@@ -121,6 +132,7 @@ class DirectWriter:
         self._filling, self._staged, self._on_disk = 0, 0, 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofit-direct-io")
         self._in_flight = None
+        self.wait_seconds = 0.0
 
     def fileno(self) -> int:
         return self._fd
@@ -172,7 +184,11 @@ class DirectWriter:
         """Until the stage in flight is written (its error raised here)."""
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            in_flight.result()
+            started = time.perf_counter()
+            try:
+                in_flight.result()
+            finally:
+                self.wait_seconds += time.perf_counter() - started
 
 
 def _pwrite_all(fd: int, buffer, nbytes: int, offset: int) -> None:
@@ -317,9 +333,10 @@ def _like(source, tensor):
 class ZerofitCheckpointEngine(CheckpointEngine):
     """Installed as `ds_engine.checkpoint_engine` (see install); sync or async."""
 
-    def __init__(self, zipfile_serialization: bool, async_save: bool, host_max_bytes: int, direct_io: bool = False):
+    def __init__(self, zipfile_serialization: bool, async_save: bool, host_max_bytes: int, direct_io: bool = False,
+                 zip_crc32: bool = True):
         super().__init__()
-        self.direct_io = direct_io
+        self.direct_io, self.zip_crc32 = direct_io, zip_crc32
         self.name = "ZerofitCheckpointEngine"
         self.zipfile_serialization, self.async_save = zipfile_serialization, async_save
         self.arena = HostArena(host_max_bytes)
@@ -329,6 +346,7 @@ class ZerofitCheckpointEngine(CheckpointEngine):
         self.error: str | None = None
         self.fallback_reason: str | None = None
         self.snapshot_seconds = self.write_seconds = self.commit_wait_seconds = 0.0
+        self.write_parts: dict[str, float] = {}  # where write_seconds went (CheckedFile.seconds, summed)
         self._queued: list[_File] = []
         self._fault: str | None = None
         self._slow = False
@@ -349,6 +367,7 @@ class ZerofitCheckpointEngine(CheckpointEngine):
         self.commit_info, self.tag_dir = info, Path(info.save_dir) / info.tag
         self.written, self.error, self.fallback_reason = {}, None, None
         self.snapshot_seconds = self.write_seconds = self.commit_wait_seconds = 0.0
+        self.write_parts = {}
 
     def makedirs(self, path, exist_ok=False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
@@ -496,10 +515,11 @@ class ZerofitCheckpointEngine(CheckpointEngine):
         checked = None
         try:
             checked = CheckedFile(path, self._fault, sum(e["bytes"] for e in self.written.values()), self.direct_io)
-            # zip CRCs stay on (a global torch switch, and they keep the files valid zips for
-            # every reader); the xxh3 hash is what resume verifies
-            torch.save(state_dict, checked, _use_new_zipfile_serialization=self.zipfile_serialization)
+            with zip_crc32(self.zip_crc32):
+                torch.save(state_dict, checked, _use_new_zipfile_serialization=self.zipfile_serialization)
             checked.close()
+            for part, seconds in checked.seconds.items():
+                self.write_parts[part] = self.write_parts.get(part, 0.0) + seconds
             self.written[str(path.relative_to(self.tag_dir))] = {"bytes": checked.bytes, HASH: checked.hexdigest()}
         except Exception as e:  # noqa: BLE001 - recorded; the Checkpointer decides across ranks
             if checked is not None:
@@ -508,12 +528,28 @@ class ZerofitCheckpointEngine(CheckpointEngine):
             self.error = f"writing {path.name}: {cause}"
 
 
-def install(ds_engine, async_save: bool, host_max_bytes: int, direct_io: bool = False) -> ZerofitCheckpointEngine:
+@contextlib.contextmanager
+def zip_crc32(compute: bool):
+    """torch.save's zip CRC-32 on or off for the saves inside (a process-wide torch
+    setting, restored after; zerofit has at most one save in flight)."""
+    from torch.serialization import set_crc32_options
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    set_crc32_options(compute)
+    try:
+        yield
+    finally:
+        set_crc32_options(before)
+
+
+def install(ds_engine, async_save: bool, host_max_bytes: int, direct_io: bool = False,
+            zip_crc32: bool = True) -> ZerofitCheckpointEngine:
     """Replace the engine's checkpoint engine (built in DeepSpeedEngine._configure_checkpointing)
     with zerofit's, keeping DeepSpeed's configured serialization format."""
     from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_SERIALIZATION
 
     zipfile = ds_engine._config.checkpoint_config.get(CHECKPOINT_SERIALIZATION, True)
-    engine = ZerofitCheckpointEngine(zipfile, async_save, host_max_bytes, direct_io)
+    engine = ZerofitCheckpointEngine(zipfile, async_save, host_max_bytes, direct_io, zip_crc32)
     ds_engine.checkpoint_engine = engine
     return engine

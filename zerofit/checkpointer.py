@@ -110,7 +110,8 @@ class Checkpointer:
                             if p.requires_grad)
         host_max = int(self.settings.async_host_max_gib * 2**30) if self.settings.async_host_max_gib \
             else psutil.virtual_memory().available // 2
-        self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io)
+        self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
+                                           self.settings.zip_crc32)
         self._pending: dict | None = None
         self.saved_step: int | None = None  # the step of the newest save started (published or in flight)
         self._terminated = False

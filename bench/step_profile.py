@@ -1,0 +1,186 @@
+"""Where an optimizer step of zerofit's planned config spends its time (issue 7: the cost
+model misses zerofit's steps by 36-44%, bench/results/README.md).
+
+Runs `zerofit train` (the Python function) on a speed_bench case with the planner's choice,
+and around its steps:
+- every step: wall seconds of forward, backward and optimizer step, each ended by a
+  torch.cuda.synchronize() (ZeRO-3's hooks run inside forward and backward; DeepSpeed's
+  optimizer step holds the gradient norm, the unscale, CPU-Adam and the copy of the 16-bit
+  parameters back);
+- one step under cProfile: the Python functions with the most cumulative time (DeepSpeed's
+  stage-3 functions by name);
+- one step under torch.profiler (CPU and CUDA): the operators with the most self time.
+Steps before --profile-step are warm-up and go into the phase table only.
+
+GPU machine (~4 min for 3.6b):
+    source .whl/prelude.sh || exit; python bench/step_profile.py --case 3.6b
+Here (CPU):  python bench/step_profile.py --smoke
+Writes $OUT/step_profile-<case>.json and .txt (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import speed_bench  # noqa: E402 (after the path above)
+
+TOP = 40
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PhaseClock:
+    """Wraps the engine's backward and step (instance attributes) so each one's wall time,
+    synchronized at its end, is recorded; forward is the rest of the micro step."""
+
+    def __init__(self, ds_engine):
+        self.seconds = {"backward": 0.0, "optimizer_step": 0.0}
+        for name, key in (("backward", "backward"), ("step", "optimizer_step")):
+            setattr(ds_engine, name, self._timed(getattr(ds_engine, name), key))
+
+    def _timed(self, method, key):
+        def timed(*args, **kwargs):
+            synchronize()
+            started = time.perf_counter()
+            out = method(*args, **kwargs)
+            synchronize()
+            self.seconds[key] += time.perf_counter() - started
+            return out
+        return timed
+
+    def take(self) -> dict:
+        taken, self.seconds = self.seconds, {k: 0.0 for k in self.seconds}
+        return taken
+
+
+def torch_profile_table(run, sort_by: str) -> tuple[list[dict], str]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run()
+    averages = prof.key_averages()
+    rows = []
+    for e in sorted(averages, key=lambda e: getattr(e, sort_by, 0), reverse=True)[:TOP]:
+        rows.append({"name": e.key, "count": e.count, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4),
+                     "cpu_total_s": round(e.cpu_time_total / 1e6, 4),
+                     "self_device_s": round(getattr(e, "self_device_time_total", 0) / 1e6, 4)})
+    return rows, averages.table(sort_by=sort_by, row_limit=TOP)
+
+
+def worker(spec: dict, out: Path) -> None:
+    from zerofit import train as train_module
+    from zerofit.config import validate
+
+    speed_bench.cap_gpu(spec["cap_gib"])
+    original, record = train_module.train_step, {"steps": [], "cprofile": None, "torch_profile": None}
+    clock = None
+
+    def profiled_step(ds_engine, *args, **kwargs):
+        nonlocal clock
+        clock = clock or PhaseClock(ds_engine)
+        n = len(record["steps"]) + 1
+        run = lambda: original(ds_engine, *args, **kwargs)  # noqa: E731
+        synchronize()
+        started = time.perf_counter()
+        if n == spec["profile_step"]:
+            profiler = cProfile.Profile()
+            loss = profiler.runcall(run)
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("cumulative").print_stats(2 * TOP)
+            stats.sort_stats("tottime").print_stats(TOP)
+            record["cprofile"] = text.getvalue()
+        elif n == spec["profile_step"] + 1:
+            holder = {}
+            rows, table = torch_profile_table(lambda: holder.setdefault("loss", run()), spec["sort_by"])
+            loss, record["torch_profile"], record["torch_profile_table"] = holder["loss"], rows, table
+        else:
+            loss = run()
+        synchronize()
+        total = time.perf_counter() - started
+        phases = clock.take()
+        phases["forward_and_rest"] = total - sum(phases.values())
+        record["steps"].append({"step": n, "seconds": round(total, 3),
+                                "profiled": n in (spec["profile_step"], spec["profile_step"] + 1),
+                                **{k: round(v, 3) for k, v in phases.items()}})
+        print(f"step {n}: {record['steps'][-1]}", flush=True)
+        (out / "record.json").write_text(json.dumps(record))
+        return loss
+
+    train_module.train_step = profiled_step
+    train_module.train(validate(spec["config"]), resume=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="3.6b", choices=sorted(speed_bench.CASES))
+    parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU accelerator")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--profile-step", type=int, default=5)
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec_path, out = args.worker
+        worker(json.loads(Path(spec_path).read_text()), Path(out))
+        return
+
+    import torch
+
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    case = dict(speed_bench.CASES[args.case])
+    if args.smoke:
+        case.update(model="tiny", seq_len=64, global_batch=4)
+    work = Path(f"/tmp/zerofit-step-profile-{args.case}")
+    work.mkdir(parents=True, exist_ok=True)
+    config = speed_bench.zerofit_config(case, work / "run", args.steps, accelerator)
+    spec = {"config": config, "cap_gib": case["cap_gib"] if accelerator == "cuda" else None,
+            "profile_step": args.profile_step, "sort_by": "self_cpu_time_total"}
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    started = time.perf_counter()
+    # a process of its own, as speed_bench runs every config: the parent stays clean
+    code = subprocess_run([sys.executable, __file__, "--worker", str(spec_path), str(work)])
+    record = json.loads((work / "record.json").read_text()) if (work / "record.json").exists() else {"steps": []}
+    plan = json.loads((work / "run" / "plan.json").read_text()) if (work / "run" / "plan.json").exists() else {}
+    result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name(), "case": case,
+              "exit_code": code, "wall_s": round(time.perf_counter() - started, 1),
+              "chosen": plan.get("chosen"), "estimated_step_seconds": plan.get("estimated_step_seconds"),
+              "estimated_terms": plan.get("step_terms"),
+              "steps": record["steps"], "torch_profile_sorted_by": spec["sort_by"],
+              "torch_profile": record.get("torch_profile"), "cprofile_top": record.get("cprofile")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"step_profile-{args.case}" + ("-smoke" if args.smoke else "")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.txt").write_text((record.get("cprofile") or "") + "\n" + (record.get("torch_profile_table") or ""))
+    print(json.dumps(result["steps"], indent=1))
+    print(f"-> {out / name}.json and .txt")
+
+
+def subprocess_run(argv: list[str]) -> int:
+    import subprocess
+
+    return subprocess.run(argv, check=False).returncode
+
+
+if __name__ == "__main__":
+    main()
