@@ -328,7 +328,8 @@ def roofline(work: dict, rates: dict) -> dict:
     return {"bound_terms_s": terms, "bound_s": terms.get(binds), "binds": binds}
 
 
-def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, save) -> None:
+def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, save,
+             configs: tuple = CONFIGS, levers: tuple | None = None) -> None:
     accelerator = runner.accelerator
     spec, hw = planning(case, accelerator)
     tokens_per_step = case["global_batch"] * case["seq_len"]
@@ -343,6 +344,9 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
                "whose GPU peak fits the cap less 10% headroom (no probe run)",
         "predicted_gpu_gib": {m: round(p.devices["gpu"].total_bytes / GIB, 2) for m, p in options}}
     for index, name in enumerate(CONFIGS):
+        if name not in configs:
+            record["configs"][name] = {"status": "not run: left out by --configs"}
+            continue
         measured_steps, budget = case["measured_steps"][index], case["budgets_s"][index]
         steps = 1 + measured_steps
         if name == "zerofit":
@@ -370,7 +374,7 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
         record["tokens_per_s"][name] = entry.get("tokens_per_s")
         summarise_case(record)
         save()
-    run_levers(label, case, runner, rates, record, spec, hw, save)
+    run_levers(label, case, runner, rates, record, spec, hw, save, LEVERS_ORDER if levers is None else levers)
 
 
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
@@ -390,12 +394,25 @@ LEVERS = {
              "batch (speed.json of 2026-11-29: every config paid ~0.6 s per micro batch, params on GPU or not)",
         needs="zero.reduce_bucket_size", lever_on_in_choice=True,
         change=lambda spec: {"zero.reduce_bucket_size": spec.hidden_size ** 2}),
+    "heap_step_temporaries": dict(
+        what="the optimizer step's host temporaries reused on glibc's heap (zerofit/hostalloc.py) vs a fresh "
+             "mmap per sub-group and step (glibc's default above 32 MiB)",
+        needs=None, lever_on_in_choice=True,
+        change=lambda spec: {"train.heap_step_temporaries": False}),
+    "params_on_gpu": dict(
+        what="the plan's 16-bit parameters kept on the GPU vs offloaded to pinned host memory with HF's auto "
+             "persistence threshold 10 x hidden (the stock config's choices), everything else as planned",
+        needs=None, lever_on_in_choice=True,
+        change=lambda spec: {"zero.offload_param": "cpu", "zero.param_persistence_threshold": 10 * spec.hidden_size}),
 }
+LEVERS_ORDER = tuple(LEVERS)
 
 
-def run_levers(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save) -> None:
+def run_levers(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save,
+               names: tuple) -> None:
     record["levers"] = {}
-    for name, lever in LEVERS.items():
+    for name in names:
+        lever = LEVERS[name]
         record["levers"][name] = measure_lever(name, lever, label, case, runner, rates, record, spec, hw)
         save()
 
@@ -524,6 +541,8 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=390)
     parser.add_argument("--cases", default=DEFAULT_CASES, help="in order; a later case runs only if time is left "
                         "(another list than the default writes speed-CASES.json)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configs to run")
+    parser.add_argument("--levers", default=",".join(LEVERS_ORDER), help="which levers to measure, in order")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -539,7 +558,9 @@ def main() -> None:
     cases = [("tiny", SMOKE_CASE)] if args.smoke else [(c, CASES[c]) for c in args.cases.split(",")]
     result = {"device": "CPU accelerator (smoke)" if args.smoke else gpu_name(),
               "command": "python bench/speed_bench.py" + (" --smoke" if args.smoke else "")
-              + (f" --cases {args.cases}" if args.cases != DEFAULT_CASES else ""),
+              + (f" --cases {args.cases}" if args.cases != DEFAULT_CASES else "")
+              + (f" --configs {args.configs}" if args.configs != ",".join(CONFIGS) else "")
+              + (f" --levers {args.levers}" if args.levers != ",".join(LEVERS_ORDER) else ""),
               "deadline_s": args.deadline_s, "cases": []}
 
     stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '+')}"
@@ -581,7 +602,8 @@ def main() -> None:
             continue
         record: dict = {}
         result["cases"].append(record)
-        run_case(label, case, runner, result["rates"], record, save)
+        run_case(label, case, runner, result["rates"], record, save, tuple(args.configs.split(",")),
+                 tuple(filter(None, args.levers.split(","))))
     save()
     print(json.dumps({c.get("model"): {"tokens_per_s": c.get("tokens_per_s"), "speedup": c.get("speedup_vs_stock"),
                                        "roofline_fraction": c.get("roofline_fraction")} for c in result["cases"]}),

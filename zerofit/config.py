@@ -130,6 +130,11 @@ class TrainConfig(Section):
     """Compute the loss without vocab-sized fp32 tensors (zerofit/loss.py: same value and
     gradient as HF's, ~5x less logits memory, so larger micro batches fit); false: HF's own
     loss (model(..., labels=...))."""
+    heap_step_temporaries: bool = True
+    """Keep the optimizer step's host temporaries on glibc's heap, reused every step, instead
+    of fresh mmaps page-faulted each time (zerofit/hostalloc.py; with the optimizer offloaded
+    and parameters on the GPU: the 16-bit copy of each sub-group). Costs the largest one's
+    bytes of host RAM for the whole run; the planner counts it."""
     cpu_threads: int | None = Field(None, ge=1)
     """CPU threads per rank (torch's pool and DeepSpeedCPUAdam's OpenMP loop). Default: the
     cores this process may use divided by the node's ranks (one fewer with

@@ -55,6 +55,7 @@ class Shape:
     precision: str = "bf16"
     gradient_checkpointing: bool = True
     chunked_loss: bool = True        # zerofit.loss instead of HF's (logits memory)
+    heap_step_temporaries: bool = True  # the optimizer step's host temporaries stay resident (hostalloc)
     dataset_bytes: int = 0           # tokenized data held in host RAM per rank
     checkpoints_on_disk: int = 3     # most checkpoints on disk at once (keep_last + the one being written)
     async_snapshot_max: int | None = 0  # host bytes an async save's snapshot may hold per rank:
@@ -304,6 +305,9 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     backward_at = phases.pop("backward_peak_at")
     host_step = optimizer_step_host(spec, shape, cand)
     host_base = {"process": HOST_PROCESS_BYTES}
+    if shape.heap_step_temporaries and on_gpu:  # kept on the heap after the first step (zerofit/hostalloc.py)
+        host_base.update({f"{name}_kept": size for name, size in host_step.items()})
+        host_step = {}
     if on_gpu:
         host_base["cuda_host_context"] = CUDA_HOST_CONTEXT_BYTES
     if shape.dataset_bytes:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, lora, loss, memory, models,
-                     nvme, planview, postmortem, watchdog)
+from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, hostalloc, lora, loss, memory,
+                     models, nvme, planview, postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -86,7 +86,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     while state.step < total_steps:
         started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
         train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
-                                config.train.chunked_loss)
+                                config.train.chunked_loss, config.train.heap_step_temporaries)
         faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
         swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
         state.step += 1
@@ -132,7 +132,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
 # ------------------------------------------------------------------------ one step
 def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist,
-               step: int, chunked_loss: bool = True) -> float:
+               step: int, chunked_loss: bool = True, heap_step_temporaries: bool = True) -> float:
     """One optimizer step of `accum` micro batches; the loss averaged over them and ranks.
     DeepSpeed scales each micro loss by 1/accum and steps the optimizer on the last."""
     import torch
@@ -145,7 +145,8 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
         timeline.observe("forward")
         ds_engine.backward(micro_loss)
         timeline.observe("backward")
-        ds_engine.step()
+        with hostalloc.heap_temporaries(heap_step_temporaries):
+            ds_engine.step()
         timeline.observe("optimizer_step")
         losses.append(micro_loss.detach().float())
     return mean_over_ranks(torch.stack(losses).mean(), dist)
