@@ -334,7 +334,7 @@ class ZerofitCheckpointEngine(CheckpointEngine):
     """Installed as `ds_engine.checkpoint_engine` (see install); sync or async."""
 
     def __init__(self, zipfile_serialization: bool, async_save: bool, host_max_bytes: int, direct_io: bool = False,
-                 zip_crc32: bool = True):
+                 zip_crc32: bool = False):
         super().__init__()
         self.direct_io, self.zip_crc32 = direct_io, zip_crc32
         self.name = "ZerofitCheckpointEngine"
@@ -544,7 +544,7 @@ def zip_crc32(compute: bool):
 
 
 def install(ds_engine, async_save: bool, host_max_bytes: int, direct_io: bool = False,
-            zip_crc32: bool = True) -> ZerofitCheckpointEngine:
+            zip_crc32: bool = False) -> ZerofitCheckpointEngine:
     """Replace the engine's checkpoint engine (built in DeepSpeedEngine._configure_checkpointing)
     with zerofit's, keeping DeepSpeed's configured serialization format."""
     from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_SERIALIZATION
