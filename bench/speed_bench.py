@@ -320,7 +320,7 @@ def roofline(work: dict, rates: dict) -> dict:
         terms["compute"] = work["flops"] / rates["matmul_flops_per_s"]
     if rates.get("h2d_bytes_per_s"):
         pcie = min(rates["h2d_bytes_per_s"], rates["d2h_bytes_per_s"])
-        terms["pcie"] = (work["pcie_param_bytes"] + work["pcie_grad_bytes"]) / pcie
+        terms["pcie"] = (work["pcie_param_bytes"] + work["pcie_grad_bytes"] + work["copy_back_bytes"]) / pcie
     if rates.get("cpu_adam_seconds_per_param"):
         terms["cpu_adam"] = work["adam_host_params"] * rates["cpu_adam_seconds_per_param"]
     terms = {k: round(v, 4) for k, v in terms.items()}
@@ -397,8 +397,8 @@ LEVERS = {
     "heap_step_temporaries": dict(
         what="the optimizer step's host temporaries reused on glibc's heap (zerofit/hostalloc.py) vs a fresh "
              "mmap per sub-group and step (glibc's default above 32 MiB)",
-        needs=None, lever_on_in_choice=True,
-        change=lambda spec: {"train.heap_step_temporaries": False}),
+        needs=None, lever_on_in_choice=False,
+        change=lambda spec: {"train.heap_step_temporaries": True}),
     "params_on_gpu": dict(
         what="the plan's 16-bit parameters kept on the GPU vs offloaded to pinned host memory with HF's auto "
              "persistence threshold 10 x hidden (the stock config's choices), everything else as planned",

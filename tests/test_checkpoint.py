@@ -226,6 +226,39 @@ def test_checked_file_writes_every_byte(tmp_path, monkeypatch, direct):
     assert checked.direct is direct
 
 
+@pytest.mark.parametrize("crc", [True, False])
+def test_zip_crc32_on_or_off_the_file_loads_and_its_hash_holds(tmp_path, crc):
+    """checkpoint.zip_crc32: the records carry their CRC-32 or zero; torch.load reads both,
+    the manifest's xxh3 hash is the file's, and the process-wide torch setting is restored."""
+    import zipfile
+    import zlib
+
+    import torch
+    from torch.utils.serialization import config as torch_serialization
+
+    from zerofit import checkpoint_io
+
+    before = torch_serialization.save.compute_crc32
+    engine = checkpoint_io.ZerofitCheckpointEngine(True, async_save=False, host_max_bytes=1 << 20, zip_crc32=crc)
+    engine.create(checkpoint_io.CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False))
+    (tmp_path / "t").mkdir()
+    state = {"w": torch.randn(5000), "step": 3}
+    engine.save(state, str(tmp_path / "t" / "s.pt"))
+    assert engine.error is None and torch_serialization.save.compute_crc32 == before
+    path = tmp_path / "t" / "s.pt"
+    loaded = torch.load(path, weights_only=False)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert engine.written["s.pt"][checkpoint.HASH] == checkpoint.file_hash(path)
+    with zipfile.ZipFile(path) as archive:
+        record = next(i for i in archive.infolist() if i.filename.endswith("data/0"))
+        stored = record.CRC
+        raw = archive.open(record) if crc else None
+        if raw is not None:
+            assert zlib.crc32(raw.read()) == stored
+    assert (stored != 0) is crc
+    assert set(engine.write_parts) >= {"hash", "stage", "fsync"}
+
+
 def test_checked_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
     """A filesystem that refuses O_DIRECT (EINVAL at open, as NFS or an older tmpfs do):
     the file is written through the page cache, whole."""

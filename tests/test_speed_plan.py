@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from test_planner import config, cuda_box
 
-from zerofit import choice, hardware, modelspec, planner
+from zerofit import choice, hardware, modelspec, planner, zerostates
 from zerofit.planner import Candidate, Shape
 
 LLAMA_1_5B_EMBEDDING = 128256 * 2048  # the largest parameter of llama-1.5b (embedding = lm_head)
@@ -19,7 +19,8 @@ def batch16(**sections):
 
 def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
     spec = modelspec.from_name("llama-1.5b")
-    decision = choice.decide(batch16(), spec, cuda_box("8GiB", host="120GiB"), 1)
+    # (the planner itself prefers them offloaded here since the copy back to the GPU is counted)
+    decision = choice.decide(batch16(zero={"offload_param": "none"}), spec, cuda_box("8GiB", host="120GiB"), 1)
     assert decision.plan.fits and decision.config.zero.offload_param == "none"
     assert decision.config.zero.param_persistence_threshold == LLAMA_1_5B_EMBEDDING == choice.all_persistent(spec)
     assert decision.chosen_fields["zero.param_persistence_threshold"] == LLAMA_1_5B_EMBEDDING
@@ -54,12 +55,33 @@ def test_step_work_counts_flops_pcie_bytes_and_adam_elements():
     assert work["flops"] == 8 * (8 * n + attention) * t  # 6N + recompute 2N, per token, 8 micro batches
     assert work["pcie_param_bytes"] == 8 * 3 * 2 * n     # forward, recompute, backward fetches
     # bf16 gradients out each micro batch and back in for the 7 accumulations, fp32 at the
-    # boundary, 16-bit parameters back after the step
-    assert work["pcie_grad_bytes"] == pytest.approx(2 * n * (8 + 2 * 7) + 4 * n + 2 * n)
+    # boundary; the updated 16-bit parameters stay on the host with them
+    assert work["pcie_grad_bytes"] == pytest.approx(2 * n * (8 + 2 * 7) + 4 * n)
+    assert work["copy_back_bytes"] == 0
     assert work["adam_host_params"] == n and work["adam_device_params"] == 0
     on_gpu = planner.step_work(spec, Shape(seq_len=1024, micro_batch=2, grad_accum=8),
                                replace(stock, offload_param="none"))
     assert on_gpu["pcie_param_bytes"] == 0 and on_gpu["pcie_grad_bytes"] == work["pcie_grad_bytes"]
+    assert on_gpu["copy_back_bytes"] == 2 * n  # to the GPU after the step
+
+
+def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident():
+    spec = modelspec.from_name("llama-3.6b")
+    hw = cuda_box("24GiB", host="240GiB")
+    cand = Candidate(offload_optimizer="cpu", offload_param="none", param_persistence_threshold=choice.all_persistent(spec))
+    kept, fresh = (planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=16, heap_step_temporaries=heap), cand)
+                   for heap in (True, False))
+    copy = 2 * spec.total_params
+    assert kept.step_terms["param_copy_back"] == pytest.approx(copy / hardware.COPY_BACK_BYTES_PER_S[True], rel=1e-3)
+    assert fresh.step_terms["param_copy_back"] == pytest.approx(copy / hardware.COPY_BACK_BYTES_PER_S[False], rel=1e-3)
+    # the largest sub-group's 16-bit copy, during the step only; or held for the whole run,
+    # with the freed ones the heap keeps
+    largest = 2 * max(zerostates.optimizer_groups(spec, kept.shape, cand))
+    assert kept.devices["host"].components["step_16bit_copy_kept"] == planner.HEAP_TEMPORARIES_HELD * largest
+    assert "step_16bit_copy_kept" not in fresh.devices["host"].components
+    held = planner.HEAP_TEMPORARIES_HELD * largest
+    assert kept.phases["forward"]["host"] == fresh.phases["forward"]["host"] + held
+    assert kept.phases["optimizer_step"]["host"] == fresh.phases["optimizer_step"]["host"] - largest + held
 
 
 def test_larger_micro_batches_amortise_the_gradient_round_trips():
@@ -76,14 +98,14 @@ def test_larger_micro_batches_amortise_the_gradient_round_trips():
 def test_reduce_bucket_grows_when_it_fits_and_stays_as_set():
     spec = modelspec.from_name("llama-1.5b")
     hw = cuda_box("8GiB", host="120GiB")
-    decision = choice.decide(batch16(), spec, hw, 1)
+    decision = choice.decide(batch16(zero={"offload_param": "none"}), spec, hw, 1)
     assert decision.config.zero.reduce_bucket_size == max(choice.REDUCE_BUCKETS) > spec.hidden_size ** 2
     assert decision.chosen_fields["zero.reduce_bucket_size"] == max(choice.REDUCE_BUCKETS)
     hf_auto = planner.predict(spec, hw, decision.plan.shape,
                               replace(decision.plan.candidate, reduce_bucket_size=spec.hidden_size ** 2))
     assert hf_auto.step_terms["reduce_flushes"] > 40 * decision.plan.step_terms["reduce_flushes"]
     assert hf_auto.devices["gpu"].total_bytes < decision.plan.devices["gpu"].total_bytes  # the bucket is counted
-    given = choice.decide(batch16(zero={"reduce_bucket_size": 1234567}), spec, hw, 1)
+    given = choice.decide(batch16(zero={"offload_param": "none", "reduce_bucket_size": 1234567}), spec, hw, 1)
     assert given.config.zero.reduce_bucket_size == 1234567 and "zero.reduce_bucket_size" not in given.chosen_fields
     lora = modelspec.from_config(config(model={"config": "llama-1.5b"}, lora={"enabled": True}))
     assert max(choice.reduce_buckets(decision.plan.candidate, lora, set())) == lora.trainable_params
@@ -102,8 +124,9 @@ def test_cost_model_matches_the_readme_stock_steps(model, measured):
 
 def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
     """The bench's case: the planner's own ranking of its choice against the stock config
-    (HF Trainer's loss) at its best fitting micro batch. zerofit's chunked loss fits micro 4
-    where HF's fp32 logits stop the stock at 2. Measured on the H200 (bench/results/
+    (HF Trainer's loss) at its best fitting micro batch. zerofit's chunked loss fits larger
+    micro batches (4 with the parameters on the GPU, 8 offloaded, the choice since the copy
+    back to the GPU is counted) where HF's fp32 logits stop the stock at 2. Measured on the H200 (bench/results/
     speed.json): 3.31 s vs 5.03 s per step, so the ranking holds; the predicted margin
     (3.8x) did not: the cost model under-predicts zerofit's step by 44%."""
     spec = modelspec.from_name("llama-1.5b")
@@ -115,5 +138,5 @@ def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
                if (p := planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m, chunked_loss=False),
                                         stock)).devices["gpu"].fits}
     assert max(fitting) == 2  # micro 4+ holds too many fp32 logits at 8 GiB with HF's loss
-    assert decision.plan.shape.micro_batch == 4 and decision.plan.shape.chunked_loss
+    assert decision.plan.shape.micro_batch > max(fitting) and decision.plan.shape.chunked_loss
     assert decision.plan.step_seconds < min(p.step_seconds for p in fitting.values())

@@ -130,11 +130,13 @@ class TrainConfig(Section):
     """Compute the loss without vocab-sized fp32 tensors (zerofit/loss.py: same value and
     gradient as HF's, ~5x less logits memory, so larger micro batches fit); false: HF's own
     loss (model(..., labels=...))."""
-    heap_step_temporaries: bool = True
+    heap_step_temporaries: bool = False
     """Keep the optimizer step's host temporaries on glibc's heap, reused every step, instead
     of fresh mmaps page-faulted each time (zerofit/hostalloc.py; with the optimizer offloaded
-    and parameters on the GPU: the 16-bit copy of each sub-group). Costs the largest one's
-    bytes of host RAM for the whole run; the planner counts it."""
+    and parameters on the GPU: the 16-bit copy of each sub-group). 1.28x the tokens/s of
+    llama-3.6b on the H200 (bench/results/speed-3.6b.json). Off by default: the heap keeps
+    freed temporaries resident and fragments (up to 8 x the largest one in
+    tests/test_hostalloc.py's steady state), which the planner then counts as host RAM."""
     cpu_threads: int | None = Field(None, ge=1)
     """CPU threads per rank (torch's pool and DeepSpeedCPUAdam's OpenMP loop). Default: the
     cores this process may use divided by the node's ranks (one fewer with

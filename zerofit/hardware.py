@@ -24,6 +24,11 @@ GIB = 2**30
 # 2026-11-29). They calibrate the cost model; the choice only needs them to rank candidates.
 BF16_MATMUL_FLOPS = 810e12          # bf16 8192^3 matmul peak
 PCIE_BYTES_PER_S = 55e9             # pinned host<->device, each way
+# The offloaded step's copy of the updated parameters to 16-bit ones on the GPU: converted on
+# the host into a temporary, then a pageable (unpinned) copy. What was left of the llama-3.6b
+# step's time beyond the other terms, bench/results/speed-3.6b.json (2026-11-29, late night):
+# 7.2 GB in 0.50 s with zerofit's heap temporaries, 1.46 s with a fresh mmap per sub-group.
+COPY_BACK_BYTES_PER_S = {True: 14.4e9, False: 4.9e9}  # by train.heap_step_temporaries
 CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
 CPU_ADAM_CORES = 16                        # ... on this many cores (scaled linearly with cores)
 DISK_WRITE_BYTES_PER_S = 1.5e9      # sequential write with fsync (/tmp)

@@ -13,7 +13,10 @@ elements costs 0.72 ns each through fresh mmaps and 0.16 ns through reused memor
 During the optimizer step zerofit turns glibc's mmap off (mallopt M_MMAP_MAX=0), so the
 temporaries come from the heap, and raises the heap's trim threshold, so a freed temporary
 stays there for the next sub-group and the next step. The price is resident host memory:
-the largest temporary stays after the first step (the planner counts it in every phase).
+freed temporaries stay on the heap, fragmented by small allocations made while each was
+live (a request of the same size no longer fits the hole), until enough holes exist: eight
+256 MiB temporaries plus the live one in tests/test_hostalloc.py. The planner counts that
+(planner.HEAP_TEMPORARIES_HELD) in every phase; train.heap_step_temporaries is off by default.
 mallopt is glibc's; elsewhere this does nothing.
 """
 from __future__ import annotations

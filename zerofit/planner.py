@@ -43,6 +43,9 @@ CHECKPOINT_OVERHEAD_BYTES = 64 * 1024
 # (export.DEFAULT_MAX_RAM): its peak RSS is the process plus two read/cast block pairs.
 EXPORT_MAX_RAM_BYTES = 2 * GIB
 PHASES = ("forward", "backward", "optimizer_step", "eval")
+# The heap holds freed step temporaries fragmented: 8 of them plus the live one in the steady
+# state of tests/test_hostalloc.py (one 256 MiB temporary per step, glibc 2.35).
+HEAP_TEMPORARIES_HELD = 9
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Shape:
     precision: str = "bf16"
     gradient_checkpointing: bool = True
     chunked_loss: bool = True        # zerofit.loss instead of HF's (logits memory)
-    heap_step_temporaries: bool = True  # the optimizer step's host temporaries stay resident (hostalloc)
+    heap_step_temporaries: bool = False  # the optimizer step's host temporaries stay resident (hostalloc)
     dataset_bytes: int = 0           # tokenized data held in host RAM per rank
     checkpoints_on_disk: int = 3     # most checkpoints on disk at once (keep_last + the one being written)
     async_snapshot_max: int | None = 0  # host bytes an async save's snapshot may hold per rank:
@@ -201,8 +204,11 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
       and backward (ZeRO-Infinity, arXiv:2104.07857 sec. 5);
     - pcie_grad_bytes: gradient partitions to the host each micro batch, a round trip when
       accumulating (stage3.py partition_grads: a CPU buffer is copied to the GPU, added to,
-      copied back), fp32 at the boundary, updated 16-bit parameters back
-      (_offload_grad_partition_at_boundary, _reassign_or_swap_out_partitioned_parameters);
+      copied back), fp32 at the boundary (_offload_grad_partition_at_boundary);
+    - copy_back_bytes: the updated 16-bit parameters of the host-stepped sub-groups, copied
+      to the GPU when the parameters live there (_reassign_or_swap_out_partitioned_parameters:
+      converted on the host, then an unpinned copy; zerofit/hostalloc.py); with parameters
+      offloaded the copy stays on the host;
     - adam_host_params / adam_device_params: optimizer elements stepped on the CPU / GPU;
     - fetch_visits / idle_visits: ZeRO-3 module hook calls that fetch and release
       partitioned parameters, and those whose parameters are all persistent (nothing to fetch:
@@ -228,7 +234,8 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
     work["pcie_grad_bytes"] = 0
     if cand.offload_optimizer != "none":
         per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
-        work["pcie_grad_bytes"] = accum * per_micro + 4 * work["adam_host_params"] + a * t_rank
+        work["pcie_grad_bytes"] = accum * per_micro + 4 * work["adam_host_params"]
+    work["copy_back_bytes"] = a * work["adam_host_params"] if cand.offload_param == "none" else 0
     if cand.stage >= 2:
         work["reduce_flushes"] = accum * -(-trainable // cand.reduce_bucket_size)
     if cand.stage == 3:
@@ -244,6 +251,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
 
     - compute: the step's FLOPs at the calibrated matmul rate x utilisation;
     - pcie_params / pcie_grads: parameter and gradient bytes over pinned PCIe;
+    - param_copy_back: the updated 16-bit parameters to the GPU at the rate measured for
+      that copy (host conversion and an unpinned copy), with or without heap temporaries;
     - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate; a device Adam streams
       ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
     - nvme: swapped optimizer sub groups (master, moments and gradients in, master, moments
@@ -268,6 +277,9 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
             terms["pcie_params"] = work["pcie_param_bytes"] / hw_rates.PCIE_BYTES_PER_S
         if work["pcie_grad_bytes"]:
             terms["pcie_grads"] = work["pcie_grad_bytes"] / hw_rates.PCIE_BYTES_PER_S
+        if work["copy_back_bytes"]:
+            terms["param_copy_back"] = work["copy_back_bytes"] / hw_rates.COPY_BACK_BYTES_PER_S[
+                shape.heap_step_temporaries]
     if offloaded:
         terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM * hw_rates.CPU_ADAM_CORES / cores
     if on_device:
@@ -306,7 +318,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     host_step = optimizer_step_host(spec, shape, cand)
     host_base = {"process": HOST_PROCESS_BYTES}
     if shape.heap_step_temporaries and on_gpu:  # kept on the heap after the first step (zerofit/hostalloc.py)
-        host_base.update({f"{name}_kept": size for name, size in host_step.items()})
+        host_base.update({f"{name}_kept": HEAP_TEMPORARIES_HELD * size for name, size in host_step.items()})
         host_step = {}
     if on_gpu:
         host_base["cuda_host_context"] = CUDA_HOST_CONTEXT_BYTES

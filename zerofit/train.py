@@ -132,7 +132,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
 # ------------------------------------------------------------------------ one step
 def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist,
-               step: int, chunked_loss: bool = True, heap_step_temporaries: bool = True) -> float:
+               step: int, chunked_loss: bool = True, heap_step_temporaries: bool = False) -> float:
     """One optimizer step of `accum` micro batches; the loss averaged over them and ranks.
     DeepSpeed scales each micro loss by 1/accum and steps the optimizer on the last."""
     import torch
