@@ -60,7 +60,8 @@ class CheckedFile:
         self._digest = xxhash.xxh3_128()
         fd = _open_direct(path) if direct else None
         self.direct = fd is not None
-        self._file = DirectWriter(fd) if self.direct else open(path, "wb", buffering=1 << 20)
+        # O_DIRECT: the writer hashes its staged buffers on a thread of their own
+        self._file = DirectWriter(fd, self._digest) if self.direct else open(path, "wb", buffering=1 << 20)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -69,7 +70,8 @@ class CheckedFile:
         for start in range(0, len(view), CHUNK_BYTES):  # chunks: the GIL is free between them
             chunk = view[start: start + CHUNK_BYTES]
             started = time.perf_counter()
-            self._digest.update(chunk)
+            if not self.direct:
+                self._digest.update(chunk)
             hashed = time.perf_counter()
             self._file.write(chunk)
             self.seconds["hash"] += hashed - started
@@ -98,8 +100,9 @@ class CheckedFile:
                 self.seconds["fsync"] += time.perf_counter() - started
         finally:
             self._file.close()
-            if self.direct:  # time this file's stages waited for the disk, inside "stage"
+            if self.direct:  # its stages' waits for the disk and the hash (inside "stage"), the hash thread's time
                 self.seconds["disk_wait"] += self._file.wait_seconds
+                self.seconds["hash"] += self._file.hash_seconds
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
@@ -107,7 +110,11 @@ class CheckedFile:
 
 class DirectWriter:
     """Sequential O_DIRECT writes through two aligned staging buffers: one is filled while an
-    I/O thread writes the other, so copying, hashing and torch's zip CRC overlap the disk.
+    I/O thread writes the other and a hash thread hashes it (when given a digest), so copying,
+    hashing and the disk overlap. The hash covers the file's bytes once each, in order: a
+    partial last block that flush() writes and keeps staged is not hashed again.
+    On the H200 host, hashing in the copying thread, an async save wrote 18 GB at 1.55-1.62
+    GB/s with 3.8 s of hashing and 4.3 s of copying in that one thread (checkpoint.json).
 
     The bytes go from the buffer to the disk by DMA: no copy into the page cache and no
     kernel writeback threads competing with the training loop's CPU optimizer for cores (an
@@ -118,12 +125,12 @@ class DirectWriter:
     training loop, development machine: 0.38 GB/s through the page cache, 1.28 with 8 MiB
     stages, 1.55 with 64 MiB ones (fewer times this thread must win the GIL back)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, digest=None):
         from concurrent.futures import ThreadPoolExecutor
 
         import numpy as np
 
-        self._fd = fd
+        self._fd, self._digest = fd, digest
         self._stages = [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]
         # copies through numpy, which lets go of the GIL while it copies: the training loop's
         # thread needs it, and every time this thread waits to take it back costs up to
@@ -131,8 +138,10 @@ class DirectWriter:
         self._arrays = [np.frombuffer(stage, dtype=np.uint8) for stage in self._stages]
         self._filling, self._staged, self._on_disk = 0, 0, 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofit-direct-io")
-        self._in_flight = None
-        self.wait_seconds = 0.0
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofit-hash") if digest else None
+        self._in_flight: list = []  # the futures of the stage not being filled: its write and hash
+        self._hashed = 0                # bytes of the file hashed so far
+        self.wait_seconds = self.hash_seconds = 0.0
 
     def fileno(self) -> int:
         return self._fd
@@ -147,7 +156,9 @@ class DirectWriter:
             self._staged, chunk = self._staged + n, chunk[n:]
             if self._staged == STAGE_BYTES:
                 self._wait()
-                self._in_flight = self._io.submit(_pwrite_all, self._fd, stage, STAGE_BYTES, self._on_disk)
+                self._in_flight = [self._io.submit(_pwrite_all, self._fd, stage, STAGE_BYTES, self._on_disk)]
+                if self._hasher:
+                    self._in_flight.append(self._hasher.submit(self._hash_staged, stage, self._on_disk, STAGE_BYTES))
                 self._filling, self._staged, self._on_disk = 1 - self._filling, 0, self._on_disk + STAGE_BYTES
 
     def flush(self) -> None:
@@ -158,6 +169,8 @@ class DirectWriter:
         if not self._staged:
             return
         stage, length = self._stages[self._filling], self._on_disk + self._staged
+        if self._digest is not None:
+            self._hash_staged(stage, self._on_disk, self._staged)
         whole = self._staged // DIRECT_ALIGN * DIRECT_ALIGN
         padded = -(-self._staged // DIRECT_ALIGN) * DIRECT_ALIGN
         stage[self._staged: padded] = bytes(padded - self._staged)
@@ -175,18 +188,32 @@ class DirectWriter:
             self._wait()
         finally:
             self._io.shutdown()
+            if self._hasher:
+                self._hasher.shutdown()
             os.close(self._fd)
             self._arrays = []  # numpy's views first: an mmap with views cannot close
             for stage in self._stages:
                 stage.close()
 
+    def _hash_staged(self, stage, offset: int, end: int) -> None:
+        """Hash stage[:end], which holds the file's bytes from `offset`, less those hashed
+        already (a partial block flush() kept staged). Calls come in file order: one hash
+        thread, and flush() waits for it first."""
+        started = time.perf_counter()
+        skip = max(0, self._hashed - offset)
+        if end > skip:
+            self._digest.update(memoryview(stage)[skip:end])
+        self._hashed = max(self._hashed, offset + end)
+        self.hash_seconds += time.perf_counter() - started
+
     def _wait(self) -> None:
-        """Until the stage in flight is written (its error raised here)."""
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
+        """Until the stage in flight is written and hashed (an error raised here)."""
+        if self._in_flight:
+            in_flight, self._in_flight = self._in_flight, []
             started = time.perf_counter()
             try:
-                in_flight.result()
+                for future in in_flight:
+                    future.result()
             finally:
                 self.wait_seconds += time.perf_counter() - started
 
