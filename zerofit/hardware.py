@@ -27,8 +27,8 @@ PCIE_BYTES_PER_S = 55e9             # pinned host<->device, each way
 # The offloaded step's copy of the updated parameters to 16-bit ones on the GPU: converted on
 # the host into a temporary, then a pageable (unpinned) copy. What was left of the llama-3.6b
 # step's time beyond the other terms, bench/results/speed-3.6b.json (2026-11-29, late night):
-# 7.2 GB in 0.50 s with zerofit's heap temporaries, 1.46 s with a fresh mmap per sub-group.
-COPY_BACK_BYTES_PER_S = {True: 14.4e9, False: 4.9e9}  # by train.heap_step_temporaries
+# 7.2 GB in 0.71 s with zerofit's heap temporaries, 1.68 s with a fresh mmap per sub-group.
+COPY_BACK_BYTES_PER_S = {True: 10.1e9, False: 4.3e9}  # by train.heap_step_temporaries
 CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
 CPU_ADAM_CORES = 16                        # ... on this many cores (scaled linearly with cores)
 DISK_WRITE_BYTES_PER_S = 1.5e9      # sequential write with fsync (/tmp)
@@ -41,13 +41,13 @@ NVLINK_BYTES_PER_S = 0.5 * 450e9
 # 1.5B/3.6B offload runs are dominated by transfers and CPU-Adam, so this is an assumption
 # (typical 35-50% for dense decoder training), to be refined by bench/planner_accuracy.py.
 MODEL_FLOPS_UTILISATION = 0.4
-# ZeRO-3 hook work per visit of a module that fetches and releases parameters. Fitted to the
-# README's single-process stock offload runs (1.5B: 1.43 s/step, 3.6B: 2.34 s/step, micro
-# batch 2, seq 1024): once compute, PCIe and CPU-Adam are taken out they leave 0.63 s over
-# 340 and 0.40 s over 592 fetching visits (planner.step_work). 1.0 ms, near their geometric
-# mean, predicts the two steps within -19% and +9%. (bench/results/planner_accuracy.json's
-# step times are not used: up to six cells shared the 16 cores and the GPU there.)
-ZERO3_SECONDS_PER_MODULE_VISIT = 1.0e-3
+# ZeRO-3 hook work per visit of a module that fetches and releases parameters. With the
+# forward/backward as max(GPU compute, parameter fetches + hooks) (planner.step_seconds),
+# the single-H200 steps leave per fetching visit: README stock runs (micro batch 2, seq 1024)
+# 2.0 ms (1.5B, 1.43 s/step, 340 visits) and 1.07 ms (3.6B, 2.34 s, 592); the stock config at
+# micro 8 x 2 on 3.6B, bench/results/speed-3.6b.json, 1.07 ms (3.85 s, 1184). 1.4 ms predicts
+# these and zerofit's offloaded-parameter step there (2.85 s) within -13% .. +12%.
+ZERO3_SECONDS_PER_MODULE_VISIT = 1.4e-3
 # A visit whose parameters are all persistent fetches and releases nothing: only the hook
 # bookkeeping (trace, prefetch queue) is left. Not measured yet; an assumption (a seventh of
 # a fetching visit) that bench/speed_bench.py's per-config step times are there to refine.
