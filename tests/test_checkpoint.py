@@ -257,6 +257,26 @@ def test_zip_crc32_on_or_off_the_file_loads_and_its_hash_holds(tmp_path, crc):
             assert zlib.crc32(raw.read()) == stored
     assert (stored != 0) is crc
     assert set(engine.write_parts) >= {"hash", "stage", "fsync"}
+    # export's lazy reader (zerofit/torchfile.py) reads the records either way
+    from zerofit import torchfile
+
+    archive = torchfile.TorchFile(path)
+    lazy = archive.load()
+    assert lazy["step"] == 3 and lazy["w"].shape == (5000,)
+    values = torch.empty(5000)
+    with open(path, "rb") as f:
+        torchfile.read_into(f.fileno(), archive.offset(lazy["w"]), values, path)
+    assert torch.equal(values, state["w"])
+    if crc:  # a stored CRC is still checked
+        pickle_record = archive._members[archive.prefix + "data.pkl"]
+        start = archive._data_start(pickle_record)
+        with open(path, "r+b") as f:
+            f.seek(start + 2)
+            byte = f.read(1)
+            f.seek(start + 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(torchfile.TorchFileError, match="CRC-32"):
+            torchfile.TorchFile(path).load()
 
 
 def test_direct_writer_hashes_every_byte_once_across_random_writes_and_flushes(tmp_path, monkeypatch):

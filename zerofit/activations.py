@@ -61,17 +61,27 @@ def loss_bytes(spec: ModelSpec, a: int, tokens: int, chunked: bool, backward: bo
     return tokens * (a * V + (4 * V if a != 4 else 0) + 4 * V)
 
 
-def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: bool) -> int:
+NORM_BUFFER_NUMEL = 250_000_000  # stage3._constant_buffered_norm2's buffer_size
+
+
+def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: bool, fp64_norm: bool = False) -> int:
     """GPU bytes in flight while ZeRO-3 reduces `numel` gradient elements (stage3.py):
     reduce_scatter_coalesced concatenates several tensors into one buffer
     (comm/coalesced_collectives.py); with the optimizer offloaded `partition_grads` copies
     the pinned partition back to the GPU (.to(device)) and, at the accumulation boundary,
-    `_offload_grad_partition_at_boundary` converts it to fp32 before the copy to the host."""
+    `_offload_grad_partition_at_boundary` takes its norm through fp64 copies of up to 250M
+    elements (_constant_buffered_norm2, get_norm_dtype: fp64 where the device has it), then
+    converts it to fp32 before the copy to the host: the larger of the two is the peak.
+    fp64_norm counts the norm's copies: at the end of backward (the embedding, reduced by the
+    epilogue's flush), where bench/results/planner_accuracy.json's one-micro-batch cells
+    peak 0.6-0.8 GiB above the fp32 conversion alone; earlier flushes overlap activations
+    that are gone by then in the measured peaks (llama-1.5b micro 4: 6.37 GiB measured vs
+    6.41 predicted without them, speed.json), so they are left out there."""
     a, W = shape.element_bytes, shape.world_size
     part = partition_numel(numel, W)
     total = a * numel if several else 0
     if cand.offload_optimizer != "none":
-        total += a * part + 4 * part
+        total += a * part + max(8 * min(part, NORM_BUFFER_NUMEL) if fp64_norm else 0, 4 * part)
     return total
 
 
@@ -130,7 +140,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
                        "grad_reduce": reduce_transient_bytes(bucket, cand, shape, several=True),
                        "gathered_params": gathered.backward},
         "embedding": {"param_grad": a * embedding_numel,
-                      "grad_reduce": reduce_transient_bytes(embedding_numel, cand, shape, several=False),
+                      "grad_reduce": reduce_transient_bytes(embedding_numel, cand, shape, several=False, fp64_norm=True),
                       "gathered_params": gathered.at_end},
     }
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))

@@ -27,6 +27,7 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,8 +201,19 @@ class TorchFile:
         return member.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
     def _read_member(self, member: zipfile.ZipInfo) -> bytes:
-        with zipfile.ZipFile(self.path) as archive:
-            return archive.read(member)
+        """A small record's bytes. torch.save stores records uncompressed; with its CRC-32
+        off (zerofit's checkpoint.zip_crc32: false) the CRC field is 0, which zipfile would
+        reject: checked here only when present (the manifest's hash covers the whole file)."""
+        if member.compress_type != zipfile.ZIP_STORED:
+            raise TorchFileError(f"{self.path}: {member.filename} is compressed; torch.save never does that")
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start(member))
+            data = f.read(member.file_size)
+        if len(data) < member.file_size:
+            raise TorchFileError(f"{self.path} ends inside {member.filename} (truncated)")
+        if member.CRC and zlib.crc32(data) != member.CRC:
+            raise TorchFileError(f"{self.path}: {member.filename} fails its CRC-32 (corrupt file)")
+        return data
 
 
 def read_into(fd: int, offset: int, buffer: torch.Tensor, path: Path) -> None:
