@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, nvme, universal
+from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, nvme, planner, universal
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError
 from zerofit.progress import say, warn
@@ -109,7 +109,7 @@ class Checkpointer:
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters()
                             if p.requires_grad)
         host_max = int(self.settings.async_host_max_gib * 2**30) if self.settings.async_host_max_gib \
-            else psutil.virtual_memory().available // 2
+            else int(psutil.virtual_memory().available * planner.ASYNC_HOST_SHARE)
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
                                            self.settings.zip_crc32)
         self._pending: dict | None = None

@@ -153,6 +153,9 @@ class Plan:
 # --------------------------------------------------------------- checkpoint, export
 ASYNC_SNAPSHOT_PER_CHECKPOINT_BYTE = 18_408_603_811 / 17_981_883_695  # measured: see async_snapshot_bytes
 
+ASYNC_HOST_SHARE = 0.5  # checkpoint.async_host_max_gib's default: this share of the host RAM available
+
+
 def checkpoint_bytes(total_params: int, world_size: int = 1, stage: int = 3, element_bytes: int = 2) -> int:
     """Bytes a DeepSpeed checkpoint takes on disk, all ranks together.
 
@@ -173,7 +176,7 @@ def async_snapshot_bytes(ckpt_bytes: int, shape: Shape, hw: Hardware) -> int:
     1.5B model on one rank (bench/results/checkpoint.json, async_host_buffer_bytes)."""
     if shape.async_snapshot_max == 0:
         return 0
-    cap = hw.host_budget_bytes // 2 if shape.async_snapshot_max is None else shape.async_snapshot_max
+    cap = int(hw.host_budget_bytes * ASYNC_HOST_SHARE) if shape.async_snapshot_max is None else shape.async_snapshot_max
     needed = int(ckpt_bytes / shape.world_size * ASYNC_SNAPSHOT_PER_CHECKPOINT_BYTE)
     return needed if needed <= cap else 0
 
