@@ -57,6 +57,9 @@ CASES = {
                  budgets_s=(110, 100, 140)),
     "3.6b": dict(model="llama-3.6b", cap_gib=24, seq_len=1024, global_batch=16, measured_steps=(4, 3, 3),
                  budgets_s=(170, 150, 200)),
+    # issue 7's headline: 16-byte training states >= 10x the GPU budget (58 GB in 5.3 GiB), zerofit alone
+    "3.6b-headline": dict(model="llama-3.6b", cap_gib=5.3, seq_len=1024, global_batch=16, measured_steps=(3, 0, 0),
+                          budgets_s=(330, 0, 0), configs=("zerofit",)),
 }
 # The smoke: the same path, smaller (each process's imports take ~15 s on 2 shared cores).
 SMOKE_CASE = dict(model="tiny", cap_gib=8, seq_len=32, global_batch=4, measured_steps=(2, 2, 2),
@@ -343,9 +346,10 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
         "how": "planner.predict on the stock candidate for every micro batch dividing the global batch; the largest "
                "whose GPU peak fits the cap less 10% headroom (no probe run)",
         "predicted_gpu_gib": {m: round(p.devices["gpu"].total_bytes / GIB, 2) for m, p in options}}
+    record["states_to_gpu_budget"] = round(16 * spec.total_params / (case["cap_gib"] * GIB), 2)
     for index, name in enumerate(CONFIGS):
-        if name not in configs:
-            record["configs"][name] = {"status": "not run: left out by --configs"}
+        if name not in configs or name not in case.get("configs", CONFIGS):
+            record["configs"][name] = {"status": "not run: left out by --configs or by the case"}
             continue
         measured_steps, budget = case["measured_steps"][index], case["budgets_s"][index]
         steps = 1 + measured_steps
@@ -447,7 +451,7 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
 def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:
     """A measured config's record: the run's outcome, the planner's prediction for it, the
     step's work and its roofline at the measured rates."""
-    from zerofit.planner import Shape, step_time_terms, step_work
+    from zerofit.planner import Shape, step_seconds, step_time_terms, step_work
 
     entry.update({k: v for k, v in result.items() if k != "dir"})
     shape = Shape(seq_len=case["seq_len"], micro_batch=entry["micro_batch"],
@@ -456,7 +460,9 @@ def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> di
     cand = entry.pop("candidate", None) or stock_candidate(spec)
     work = step_work(spec, shape, cand)
     terms = step_time_terms(spec, hw, shape, cand)
-    entry.setdefault("predicted_step_seconds", round(sum(terms.values()), 3))
+    entry.setdefault("predicted_step_seconds", step_seconds(terms))
+    if entry.get("predicted_gpu_peak") and entry.get("gpu_peak"):
+        entry["gpu_peak_error_pct"] = round(100 * (entry["predicted_gpu_peak"] / entry["gpu_peak"] - 1), 1)
     entry.setdefault("predicted_terms_s", terms)
     entry["work"] = {k: int(v) for k, v in work.items()}
     entry.update(roofline(work, rates))

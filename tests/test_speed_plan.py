@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from test_planner import config, cuda_box
 
-from zerofit import choice, hardware, modelspec, planner, zerostates
+from zerofit import choice, dsconfig, hardware, modelspec, planner, zerostates
 from zerofit.planner import Candidate, Shape
 
 LLAMA_1_5B_EMBEDDING = 128256 * 2048  # the largest parameter of llama-1.5b (embedding = lm_head)
@@ -140,3 +140,27 @@ def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
     assert max(fitting) == 2  # micro 4+ holds too many fp32 logits at 8 GiB with HF's loss
     assert decision.plan.shape.micro_batch > max(fitting) and decision.plan.shape.chunked_loss
     assert decision.plan.step_seconds < min(p.step_seconds for p in fitting.values())
+
+
+def test_a_short_gpu_narrows_the_live_window_of_offloaded_parameters():
+    """llama-3.6b (16-byte states: 58 GB) under 5.5 GiB: DeepSpeed's window of 1e9 gathered
+    elements keeps 1.9 GiB of parameters from forward to backward and does not fit; one
+    module's worth does. Where DeepSpeed's window fits, it stays."""
+    spec = modelspec.from_name("llama-3.6b")
+    hw = cuda_box("5.5GiB", host="120GiB")
+    decision = choice.decide(batch16(), spec, hw, 1)
+    largest_module = max(m.numel for m in spec.modules)
+    assert decision.plan.fits and decision.config.zero.offload_param == "cpu"
+    assert (decision.config.zero.max_live_parameters, decision.config.zero.max_reuse_distance) == (largest_module, 0)
+    assert decision.chosen_fields["zero.max_live_parameters"] == largest_module
+    assert f"live window {largest_module:,}" in choice.describe(decision.plan)
+    ds_config = dsconfig.build(decision.config, 1, on_gpu=True)["zero_optimization"]
+    assert ds_config["stage3_max_live_parameters"] == largest_module and ds_config["stage3_max_reuse_distance"] == 0
+    default = planner.predict(spec, hw, decision.plan.shape, replace(decision.plan.candidate,
+                              max_live_parameters=10**9, max_reuse_distance=10**9))
+    assert not default.fits
+    assert default.devices["gpu"].total_bytes - decision.plan.devices["gpu"].total_bytes > 2**30
+    roomy = choice.decide(batch16(), spec, cuda_box("24GiB", host="120GiB"), 1)
+    assert (roomy.config.zero.max_live_parameters, roomy.config.zero.max_reuse_distance) == choice.DEEPSPEED_LIVE_WINDOW
+    given = choice.decide(batch16(zero={"max_live_parameters": 5 * 10**8}), spec, hw, 1)
+    assert given.config.zero.max_live_parameters == 5 * 10**8 and "zero.max_live_parameters" not in given.chosen_fields

@@ -29,6 +29,13 @@ PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
 # and a size near DeepSpeed's own default (5e8), in elements.
 REDUCE_BUCKETS = (50_000_000, 200_000_000)
 MAX_MICRO_BATCH = 64
+# DeepSpeed's defaults for stage3_max_live_parameters / stage3_max_reuse_distance: a window of
+# 1e9 gathered elements that keeps what forward fetched until backward reuses it. With the
+# parameters offloaded and the GPU short, the planner may narrow it to the largest module
+# (nothing kept for reuse): on llama-3.6b at micro 1 the gathered set drops from 1.9 to
+# 0.75 GiB. Parameters are then fetched again for recompute and backward, which the cost
+# model counts in any case (planner.step_work: 3 passes with recompute).
+DEEPSPEED_LIVE_WINDOW = (1_000_000_000, 1_000_000_000)
 WORLD_SIZES_TO_SUGGEST = (2, 4, 8, 16, 32, 64)
 
 
@@ -94,7 +101,8 @@ def apply(config: Config, shape: Shape, cand: Candidate) -> Config:
         "stage": cand.stage, "offload_optimizer": cand.offload_optimizer,
         "offload_optimizer_ratio": cand.offload_optimizer_ratio, "offload_param": cand.offload_param,
         "reduce_bucket_size": cand.reduce_bucket_size, "prefetch_bucket_size": cand.prefetch_bucket_size,
-        "param_persistence_threshold": cand.param_persistence_threshold})
+        "param_persistence_threshold": cand.param_persistence_threshold,
+        "max_live_parameters": cand.max_live_parameters, "max_reuse_distance": cand.max_reuse_distance})
     train = config.train.model_copy(update={"micro_batch_size": shape.micro_batch,
                                             "grad_accum_steps": shape.grad_accum})
     model = config.model.model_copy(update={"gradient_checkpointing": shape.gradient_checkpointing})
@@ -152,11 +160,28 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
         persistence = base.param_persistence_threshold
         if par == "none" and world_size == 1 and base.stage == 3 and "param_persistence_threshold" not in zero_set:
             persistence = all_persistent(spec)
-        for ratio, bucket in itertools.product(ratios if opt != "none" else [1.0], reduce_buckets(base, spec, zero_set)):
+        windows = live_windows(base, spec, zero_set) if par != "none" else [(base.max_live_parameters,
+                                                                             base.max_reuse_distance)]
+        for ratio, bucket, (live, reuse) in itertools.product(ratios if opt != "none" else [1.0],
+                                                              reduce_buckets(base, spec, zero_set), windows):
             shape = replace(base_shape, micro_batch=micro, grad_accum=accum, gradient_checkpointing=ckpt)
             out.append((shape, replace(base, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=ratio,
-                                       param_persistence_threshold=persistence, reduce_bucket_size=bucket)))
+                                       param_persistence_threshold=persistence, reduce_bucket_size=bucket,
+                                       max_live_parameters=live, max_reuse_distance=reuse)))
     return out
+
+
+def live_windows(base: Candidate, spec: ModelSpec, zero_set: set[str]) -> list[tuple[int, int]]:
+    """(stage3_max_live_parameters, stage3_max_reuse_distance) to try for offloaded
+    parameters: the user's, else DeepSpeed's default and the narrowest, one module."""
+    if {"max_live_parameters", "max_reuse_distance"} & zero_set:
+        return [(base.max_live_parameters, base.max_reuse_distance)]
+    largest_module = max(m.numel for m in spec.modules)  # what ZeRO-3 fetches for one module
+    return [DEEPSPEED_LIVE_WINDOW, (largest_module, 0)]
+
+
+def narrowed_window(plan: Plan) -> bool:
+    return (plan.candidate.max_live_parameters, plan.candidate.max_reuse_distance) != DEEPSPEED_LIVE_WINDOW
 
 
 def reduce_buckets(base: Candidate, spec: ModelSpec, zero_set: set[str]) -> list[int]:
@@ -186,7 +211,10 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
     plans = [predict(spec, hw, shape, cand, headroom) for shape, cand in options]
     fitting = [p for p in plans if p.fits]
     if fitting:
-        best = min(fitting, key=lambda p: (p.step_seconds, p.devices["gpu"].total_bytes, p.devices["host"].total_bytes))
+        # a narrowed live window only where nothing fits with DeepSpeed's own (what its
+        # re-fetches cost is not priced apart from the passes every offloaded candidate pays)
+        pool = [p for p in fitting if not narrowed_window(p)] or fitting
+        best = min(pool, key=lambda p: (p.step_seconds, p.devices["gpu"].total_bytes, p.devices["host"].total_bytes))
         advice = []
     else:
         best = min(plans, key=overflow)
@@ -203,7 +231,7 @@ def overflow(plan: Plan) -> float:
 
 
 DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "reduce_bucket_size",
-                    "prefetch_bucket_size", "param_persistence_threshold"),
+                    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance"),
            "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
 
 
@@ -243,7 +271,8 @@ def describe(plan: Plan) -> str:
     c, s = plan.candidate, plan.shape
     ratio = f" ratio {c.offload_optimizer_ratio}" if c.offload_optimizer != "none" and c.offload_optimizer_ratio < 1 else ""
     return (f"ZeRO-{c.stage}, optimizer on {c.offload_optimizer if c.offload_optimizer != 'none' else 'device'}{ratio}, "
-            f"params on {c.offload_param if c.offload_param != 'none' else 'device'}, micro batch {s.micro_batch} x "
+            f"params on {c.offload_param if c.offload_param != 'none' else 'device'}"
+            f"{f' (live window {c.max_live_parameters:,})' if narrowed_window(plan) else ''}, micro batch {s.micro_batch} x "
             f"{s.grad_accum}, seq {s.seq_len}, checkpointing {'on' if s.gradient_checkpointing else 'off'}")
 
 
