@@ -44,7 +44,8 @@ def parse_args():
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--saves", type=int, default=2, help="async saves measured in each zip CRC mode")
-    parser.add_argument("--crc-modes", default="true,false", help="torch.save's zip CRC-32 in the async saves, in order")
+    parser.add_argument("--crc-modes", default="true,false",
+                        help="torch.save's zip CRC-32 in the async saves, in order")
     parser.add_argument("--dir", default="/tmp/zerofit-checkpoint-bench", help="where checkpoints go (the disk measured)")
     parser.add_argument("--out", default=None, help="result directory (default $OUT, else bench/results)")
     args = parser.parse_args()

@@ -68,7 +68,8 @@ def test_step_work_counts_flops_pcie_bytes_and_adam_elements():
 def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident():
     spec = modelspec.from_name("llama-3.6b")
     hw = cuda_box("24GiB", host="240GiB")
-    cand = Candidate(offload_optimizer="cpu", offload_param="none", param_persistence_threshold=choice.all_persistent(spec))
+    cand = Candidate(offload_optimizer="cpu", offload_param="none",
+                     param_persistence_threshold=choice.all_persistent(spec))
     kept, fresh = (planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=16, heap_step_temporaries=heap), cand)
                    for heap in (True, False))
     copy = 2 * spec.total_params
