@@ -57,9 +57,11 @@ CASES = {
                  budgets_s=(110, 100, 140)),
     "3.6b": dict(model="llama-3.6b", cap_gib=24, seq_len=1024, global_batch=16, measured_steps=(4, 3, 3),
                  budgets_s=(170, 150, 200)),
-    # issue 7's headline: 16-byte training states >= 10x the GPU budget (58 GB in 5.3 GiB), zerofit alone
+    # issue 7's headline: 16-byte training states >= 10x the GPU budget (57.7 GB in 5.3 GiB), zerofit
+    # alone; 5% headroom: the planner over-predicts this regime (planner_accuracy.json: 3.6B with
+    # parameters offloaded +6% .. +13%) and needs 4.8 GiB of the 5.04
     "3.6b-headline": dict(model="llama-3.6b", cap_gib=5.3, seq_len=1024, global_batch=16, measured_steps=(3, 0, 0),
-                          budgets_s=(330, 0, 0), configs=("zerofit",)),
+                          budgets_s=(330, 0, 0), configs=("zerofit",), headroom=0.05),
 }
 # The smoke: the same path, smaller (each process's imports take ~15 s on 2 shared cores).
 SMOKE_CASE = dict(model="tiny", cap_gib=8, seq_len=32, global_batch=4, measured_steps=(2, 2, 2),
@@ -282,7 +284,8 @@ def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> d
                       "precision": "bf16", "warmup_steps": 0, "lr": LR, "adam_betas": list(BETAS), "adam_eps": EPS,
                       "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP},
             "checkpoint": {"save_final": False}, "eval": {"at_end": False}, "log": {"progress": False},
-            "plan": {"gpu_mem": f"{case['cap_gib']}GiB"} if accelerator == "cuda" else {}}
+            "plan": {"gpu_mem": f"{case['cap_gib']}GiB", "headroom": case.get("headroom", 0.1)}
+            if accelerator == "cuda" else {}}
 
 
 def planning(case: dict, accelerator: str):
