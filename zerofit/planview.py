@@ -151,12 +151,13 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
 
 
 def render_explain(decision: Decision, console: Console) -> None:
-    from zerofit.planner import step_time_terms
+    from zerofit.planner import step_seconds, step_time_terms
 
-    console.print("[bold]step time terms[/] (planner.step_time_terms):")
-    for line in (step_time_terms.__doc__ or "").splitlines()[1:]:
-        if line.strip():
-            console.print(f"  {line.strip()}")
+    for function in (step_time_terms, step_seconds):
+        console.print(f"[bold]{function.__name__}[/] (planner.{function.__name__}):")
+        for line in (function.__doc__ or "").splitlines():
+            if line.strip():
+                console.print(f"  {line.strip()}")
     table = Table(title=f"candidates ({len(decision.considered)}; fastest fitting first)")
     for column in ("configuration", "fits", "step s", "gpu", "host"):
         table.add_column(column)
