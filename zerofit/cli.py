@@ -44,12 +44,14 @@ def load_config(args) -> Config:
 
 # ---------------------------------------------------------------------------- verbs
 def cmd_train(args) -> int:
+    from zerofit import engine
     from zerofit.train import train
 
     config = load_config(args)
     if args.verify:
         config.checkpoint.verify = args.verify
     result = train(config, resume=args.resume)
+    engine.close_distributed()  # every rank finished (an error raised past this)
     return 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
 
 

@@ -104,6 +104,18 @@ def init_distributed() -> Dist:
     return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
 
 
+def close_distributed() -> None:
+    """Destroy the process group at the end of a run that completed on every rank. Without
+    it gloo's worker threads can outlive the interpreter and abort the exiting process
+    ("terminate called without an active exception", pytorch/pytorch#190489; seen on a
+    2-rank CPU run of the test suite after its last step). Not after an error: another rank
+    may still be inside a collective (pytorch/torchtitan#1342)."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
