@@ -381,7 +381,7 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
         record["tokens_per_s"][name] = entry.get("tokens_per_s")
         summarise_case(record)
         save()
-    run_levers(label, case, runner, rates, record, spec, hw, save, LEVERS_ORDER if levers is None else levers)
+    run_levers(label, case, runner, rates, record, spec, hw, save, tuple(LEVERS) if levers is None else levers)
 
 
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
@@ -412,7 +412,6 @@ LEVERS = {
         needs=None, lever_on_in_choice=True,
         change=lambda spec: {"zero.offload_param": "cpu", "zero.param_persistence_threshold": 10 * spec.hidden_size}),
 }
-LEVERS_ORDER = tuple(LEVERS)
 
 
 def run_levers(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save,
@@ -551,7 +550,7 @@ def main() -> None:
     parser.add_argument("--cases", default=DEFAULT_CASES, help="in order; a later case runs only if time is left "
                         "(another list than the default writes speed-CASES.json)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configs to run")
-    parser.add_argument("--levers", default=",".join(LEVERS_ORDER), help="which levers to measure, in order")
+    parser.add_argument("--levers", default=",".join(LEVERS), help="which levers to measure, in order")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -569,7 +568,7 @@ def main() -> None:
               "command": "python bench/speed_bench.py" + (" --smoke" if args.smoke else "")
               + (f" --cases {args.cases}" if args.cases != DEFAULT_CASES else "")
               + (f" --configs {args.configs}" if args.configs != ",".join(CONFIGS) else "")
-              + (f" --levers {args.levers}" if args.levers != ",".join(LEVERS_ORDER) else ""),
+              + (f" --levers {args.levers}" if args.levers != ",".join(LEVERS) else ""),
               "deadline_s": args.deadline_s, "cases": []}
 
     stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '+')}"

@@ -19,7 +19,7 @@ SIZE = 256 << 20  # above glibc's largest mmap threshold (32 MiB): always mmappe
 # until it holds enough holes (planner.HEAP_TEMPORARIES_HELD).
 MEASURE = """
 import json, resource, sys, torch
-from zerofit import hostalloc, planner
+from zerofit import hostalloc
 SIZE = int(sys.argv[1])
 def step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

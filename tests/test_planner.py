@@ -123,8 +123,6 @@ def test_tiny_activations_by_hand():
 def test_async_save_holds_its_snapshot_buffer_on_the_host():
     """checkpoint.async_save reserves the rank's share of the checkpoint in host RAM for the
     whole run; over its cap the run saves synchronously and nothing is held."""
-    from dataclasses import replace
-
     spec = modelspec.from_name("llama-1.5b")
     hw = hardware.with_overrides(hardware.probe(accelerator="cuda", gpu_mem="24GiB", host_mem="200GiB"),
                                  disk_free_bytes=10**13)

@@ -135,8 +135,8 @@ class TrainConfig(Section):
     of fresh mmaps page-faulted each time (zerofit/hostalloc.py; with the optimizer offloaded
     and parameters on the GPU: the 16-bit copy of each sub-group). 1.28x the tokens/s of
     llama-3.6b on the H200 (bench/results/speed-3.6b.json). Off by default: the heap keeps
-    freed temporaries resident and fragments (up to 8 x the largest one in
-    tests/test_hostalloc.py's steady state), which the planner then counts as host RAM."""
+    freed temporaries resident and fragments (about 8 temporaries' worth; the planner counts
+    planner.HEAP_TEMPORARIES_HELD = 9 of the largest as host RAM)."""
     cpu_threads: int | None = Field(None, ge=1)
     """CPU threads per rank (torch's pool and DeepSpeedCPUAdam's OpenMP loop). Default: the
     cores this process may use divided by the node's ranks (one fewer with

@@ -14,9 +14,10 @@ During the optimizer step zerofit turns glibc's mmap off (mallopt M_MMAP_MAX=0),
 temporaries come from the heap, and raises the heap's trim threshold, so a freed temporary
 stays there for the next sub-group and the next step. The price is resident host memory:
 freed temporaries stay on the heap, fragmented by small allocations made while each was
-live (a request of the same size no longer fits the hole), until enough holes exist: eight
-256 MiB temporaries plus the live one in tests/test_hostalloc.py. The planner counts that
-(planner.HEAP_TEMPORARIES_HELD) in every phase; train.heap_step_temporaries is off by default.
+live (a request of the same size no longer fits the hole), until enough holes exist: about
+eight 256 MiB temporaries' worth in a 30-step loop on the CI machine. The
+planner counts that bound (planner.HEAP_TEMPORARIES_HELD) in every phase, and
+tests/test_hostalloc.py checks it; train.heap_step_temporaries is off by default.
 mallopt is glibc's; elsewhere this does nothing.
 """
 from __future__ import annotations
