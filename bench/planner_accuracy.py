@@ -98,7 +98,11 @@ def worker(cell_file: Path) -> None:
         torch.zeros(1, device="cuda")
         baseline["host_rss_after_cuda_init"] = psutil.Process().memory_info().rss
     started = time.time()
+    if spec.get("trace_peak"):
+        import peak_trace
+        peak_trace.start()
     train(validate(spec["config"]), resume=False)
+    traced = peak_trace.live_at_peak() if spec.get("trace_peak") else None
     run_dir = Path(spec["config"]["run_dir"])
     every = [r for r in memory.read_timeline(run_dir) if r["phase"] in ("forward", "backward", "optimizer_step")]
     # The first window (step 1's forward) also spans the model build and deepspeed.initialize.
@@ -123,6 +127,8 @@ def worker(cell_file: Path) -> None:
                                  "host": plan["devices"]["host"]["components"]},
         "chosen": plan["chosen"], "seconds": round(time.time() - started, 1), **baseline,
     }
+    if traced:
+        result["peak_trace"] = traced
     (cell_file.parent / "result.json").write_text(json.dumps(result))
 
 
@@ -183,6 +189,9 @@ def main() -> None:
     parser.add_argument("--host-gib", type=float, default=None, help="host RAM to share (default: 85%% available)")
     parser.add_argument("--models", help="comma-separated subset of the matrix's models (a second run's remainder)")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--seq-lens", help="comma-separated subset of the matrix's sequence lengths")
+    parser.add_argument("--trace-peak", action="store_true",
+                        help="record the allocator's trace and list what is live at the GPU peak (bench/peak_trace.py)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -196,8 +205,14 @@ def main() -> None:
         setup["models"] = args.models.split(",")
     if args.modes:
         setup["modes"] = args.modes.split(",")
-    out = Path(args.out) / ("planner_accuracy.json" if not (args.models or args.modes) else
-                            f"planner_accuracy-{args.models or 'all'}-{args.modes or 'all'}.json".replace(",", "+"))
+    if args.seq_lens:
+        setup["seq_lens"] = [int(s) for s in args.seq_lens.split(",")]
+    setup["trace_peak"] = args.trace_peak
+    subset = args.models or args.modes or args.seq_lens or args.trace_peak
+    out = Path(args.out) / ("planner_accuracy.json" if not subset else
+                            f"planner_accuracy-{args.models or 'all'}-{args.modes or 'all'}"
+                            f"{'-s' + args.seq_lens if args.seq_lens else ''}{'-trace' if args.trace_peak else ''}"
+                            ".json".replace(",", "+"))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"planner-accuracy-{os.getpid()}"
     host_share = int((args.host_gib or 0.85 * psutil.virtual_memory().available / GIB) * GIB)
@@ -282,7 +297,7 @@ def expected_seconds(cell: Cell) -> float:
 def launch(cell: Cell, work: Path, setup: dict, cores: int, host_budget: str) -> subprocess.Popen:
     cell_dir = work / cell.name
     cell_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"cap_gib": cell.cap_gib, "accelerator": setup["accelerator"],
+    spec = {"cap_gib": cell.cap_gib, "accelerator": setup["accelerator"], "trace_peak": setup.get("trace_peak"),
             "config": run_config(cell, cell_dir / "run", setup["steps"], host_budget)}
     (cell_dir / "cell.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(cores), "PYTHONUNBUFFERED": "1",

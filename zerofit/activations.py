@@ -112,7 +112,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
     blocks_saved = T * ((a * h if ckpt else layer_full) * L + 2 * a * spec.head_dim)
     final_norm = T * (4 * h + 2 * a * h)
-    gathered = Gathered(0, 0, 0, 0)
+    gathered = Gathered(0, 0, 0, 0, 0)
     if cand.stage == 3 and (cand.offload_param != "none" or W > 1):
         # Offloaded partitions are copied to the GPU one parameter at a time
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
@@ -129,10 +129,16 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     backward_options = {
         "loss": {"activations_saved": blocks_saved + final_norm,
                  "logits_grad": loss_bytes(spec, a, T, shape.chunked_loss, backward=True), "gathered_params": gathered.at_loss},
+        # lm_head's backward: its weight's gradient is computed from the logits' gradient...
         "lm_head": {"activations_saved": blocks_saved + final_norm, "logits_grad": T * a * V,
-                    "param_grad": a * head_numel,
-                    "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False),
-                    "gathered_params": gathered.at_loss},
+                    "param_grad": a * head_numel, "gathered_params": gathered.at_loss},
+        # ...which is gone when the gradient is reduced, as is the gathered weight
+        # (bench/results/planner_accuracy-trace-llama-3.6b-s2048.json: what the allocator's
+        # trace found live at that peak).
+        "lm_head_reduce": {"activations_saved": blocks_saved + final_norm, "param_grad": a * head_numel,
+                           "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False,
+                                                                 fp64_norm=True),
+                           "gathered_params": gathered.after_head},
         "last_block": {"activations_saved": blocks_saved,
                        "block_recompute": T * layer_full if ckpt else 0,
                        "block_grads": T * layer_backward_working_per_token(spec, a),

@@ -74,6 +74,7 @@ class Gathered(NamedTuple):
     """Gathered (full) parameter elements live on a rank at points of a training step."""
     forward: int       # most during the forward pass
     at_loss: int       # at the last forward module (lm_head): the loss and its backward
+    after_head: int    # once lm_head's backward released it: when its gradient is reduced
     backward: int      # most during the backward pass
     at_end: int        # at the last backward module (the embedding)
 
@@ -121,7 +122,7 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
                 next_use[t][n] = last_seen[n]
             last_seen[n] = t
     available: set[str] = set()
-    live, lives = 0, []
+    live, lives, after_release = 0, [], []
     for t, params in enumerate(trace):
         wanted = [n for n in params if n not in available]
         room, fetched, j = min(prefetch, max_live - live - sum(numel[n] for n in wanted)), 0, t + 1
@@ -137,9 +138,11 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
             if nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance:
                 available.discard(n)
                 live -= numel[n]
+        after_release.append(live)
     if not lives:
-        return Gathered(0, 0, 0, 0)
+        return Gathered(0, 0, 0, 0, 0)
     return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
+                    after_head=after_release[min(n_forward, len(trace) - 1)],
                     backward=max(lives[n_forward:] or [0]), at_end=lives[-1])
 
 
