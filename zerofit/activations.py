@@ -72,11 +72,10 @@ def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: b
     `_offload_grad_partition_at_boundary` takes its norm through fp64 copies of up to 250M
     elements (_constant_buffered_norm2, get_norm_dtype: fp64 where the device has it), then
     converts it to fp32 before the copy to the host: the larger of the two is the peak.
-    fp64_norm counts the norm's copies: at the end of backward (the embedding, reduced by the
-    epilogue's flush), where bench/results/planner_accuracy.json's one-micro-batch cells
-    peak 0.6-0.8 GiB above the fp32 conversion alone; earlier flushes overlap activations
-    that are gone by then in the measured peaks (llama-1.5b micro 4: 6.37 GiB measured vs
-    6.41 predicted without them, speed.json), so they are left out there."""
+    fp64_norm counts the norm's copies, held at the moment of the peak only where the reduced
+    tensor is large on its own: lm_head's gradient (bench/results/planner_accuracy-trace-
+    llama-3.6b-s2048.json: 1.86 GiB of them live at the traced peak) and the embedding's at
+    the end of backward; a block's bucket of several smaller tensors is counted without."""
     a, W = shape.element_bytes, shape.world_size
     part = partition_numel(numel, W)
     total = a * numel if several else 0
