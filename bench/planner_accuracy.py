@@ -212,7 +212,7 @@ def main() -> None:
     out = Path(args.out) / ("planner_accuracy.json" if not subset else
                             f"planner_accuracy-{args.models or 'all'}-{args.modes or 'all'}"
                             f"{'-s' + args.seq_lens if args.seq_lens else ''}{'-trace' if args.trace_peak else ''}"
-                            ".json".replace(",", "+"))
+                            ".json".replace(",", "_"))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"planner-accuracy-{os.getpid()}"
     host_share = int((args.host_gib or 0.85 * psutil.virtual_memory().available / GIB) * GIB)

@@ -571,7 +571,7 @@ def main() -> None:
               + (f" --levers {args.levers}" if args.levers != ",".join(LEVERS) else ""),
               "deadline_s": args.deadline_s, "cases": []}
 
-    stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '+')}"
+    stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '_')}"
 
     def save() -> None:
         result["elapsed_s"] = round(time.time() - started, 1)
