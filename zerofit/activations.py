@@ -99,6 +99,12 @@ def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
     return after, before, inside
 
 
+BACKWARD_MOMENTS = {  # device_phases' backward sub-phases, as a note names them
+    "loss": "the loss's backward", "lm_head": "lm_head's backward",
+    "lm_head_reduce": "the reduce of lm_head's gradient", "last_block": "the last block's backward",
+    "embedding": "the reduce of the embedding's gradient"}
+
+
 def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> dict[str, dict[str, int]]:
     """Transient device bytes per phase as named components, on top of the resident
     states. The backward entry is its largest sub-phase, named in `backward_peak_at`."""

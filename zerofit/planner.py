@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from zerofit import hardware as hw_rates
-from zerofit.activations import device_phases
+from zerofit.activations import BACKWARD_MOMENTS, device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
 from zerofit.swaplayout import nvme_seconds
@@ -362,7 +362,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         else:
             per_phase[name] = {"gpu": 0, "host": resident_host + sum(transient.values()) + host_extra}
     peak_name = max(PHASES, key=lambda p: per_phase[p]["gpu" if on_gpu else "host"])
-    notes = [f"the device peaks in the {peak_name} phase" + (f" (at the {backward_at} backward)"
+    notes = [f"the device peaks in the {peak_name} phase" + (f" (at {BACKWARD_MOMENTS[backward_at]})"
                                                               if peak_name == "backward" else "")]
     transients = sorted((sum(phases[p].values()) for p in ("backward", "optimizer_step")), reverse=True)
     # Fragmentation: blocks cached for one phase's tensors are not reused by another's of
