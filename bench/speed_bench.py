@@ -613,10 +613,10 @@ def main() -> None:
         run_case(label, case, runner, result["rates"], record, save, tuple(args.configs.split(",")),
                  tuple(filter(None, args.levers.split(","))))
     save()
-    print(json.dumps({c.get("model"): {"tokens_per_s": c.get("tokens_per_s"), "speedup": c.get("speedup_vs_stock"),
-                                       "roofline_fraction": c.get("roofline_fraction")} for c in result["cases"]}),
-          flush=True)
-    print(f"wrote {out / 'speed.json'} in {time.time() - started:.0f}s", flush=True)
+    print(json.dumps({f'{c.get("model")} @ {c.get("gpu_cap_gib")} GiB': {
+        "tokens_per_s": c.get("tokens_per_s"), "speedup": c.get("speedup_vs_stock"),
+        "roofline_fraction": c.get("roofline_fraction")} for c in result["cases"]}), flush=True)
+    print(f"wrote {out / stem}.json in {time.time() - started:.0f}s", flush=True)
 
 
 def gpu_name() -> str:
