@@ -75,7 +75,8 @@ def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: b
     fp64_norm counts the norm's copies, held at the moment of the peak only where the reduced
     tensor is large on its own: lm_head's gradient (bench/results/planner_accuracy-trace-
     llama-3.6b-s2048.json: 1.86 GiB of them live at the traced peak) and the embedding's at
-    the end of backward; a block's bucket of several smaller tensors is counted without."""
+    the end of backward. A block's bucket takes its parameters' norms one at a time, each
+    copy a block parameter's size: left out there."""
     a, W = shape.element_bytes, shape.world_size
     part = partition_numel(numel, W)
     total = a * numel if several else 0
