@@ -149,6 +149,23 @@ def test_cpu_threads_per_rank():
     assert cpu_threads_per_rank(None, 32, 2, None, True, writer_core=True) == (15, None)  # a core for the writer
 
 
+def test_a_launched_rank_exits_at_once_with_its_code():
+    """engine.exit_launched_rank: in one of several launched ranks (WORLD_SIZE > 1) the
+    process ends there with the run's code, what it printed flushed, nothing after it runs
+    (no interpreter teardown, where gloo could abort the exit); a lone process goes on."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    program = ("import atexit; from zerofit import engine; atexit.register(print, 'teardown ran'); "
+               "print('trained', end=''); engine.exit_launched_rank(7); print(' went on')")
+    for world_size, code, printed in (("2", 7, "trained"), ("1", 0, "trained went on\nteardown ran\n")):
+        done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)
+        assert (done.returncode, done.stdout) == (code, printed), done.stderr
+
+
 def test_demo_learns(tmp_path):
     """The embedded default, shortened: eval loss clearly falls."""
     run_zerofit(["train", "--run-dir", str(tmp_path / "demo"), "--set", "train.max_steps=60",

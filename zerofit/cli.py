@@ -51,8 +51,10 @@ def cmd_train(args) -> int:
     if args.verify:
         config.checkpoint.verify = args.verify
     result = train(config, resume=args.resume)
+    code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
     engine.close_distributed()  # every rank finished (an error raised past this)
-    return 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
+    engine.exit_launched_rank(code)
+    return code
 
 
 def plan_overrides(args) -> list[str]:
