@@ -121,8 +121,8 @@ def exit_launched_rank(code: int) -> None:
     interpreter's teardown. Even after destroy_process_group a 2-rank CPU run (gloo) can
     abort at exit after its last line ("terminate called without an active exception",
     SIGABRT: a thread of the torch/gloo runtime still joinable when static objects are
-    destroyed, pytorch/pytorch#190489): 1 in 4 runs of the tiny 2-rank run in a stress loop
-    beside other work on 2 cores, and in CI simulations of the test suite. Everything a run
+    destroyed, pytorch/pytorch#190489): 3 of ~21 two-rank runs on a 2-core machine beside other
+    work (tests and a stress loop of the tiny 2-rank run), none of 21 since. Everything a run
     writes is closed before this (the checkpointer drained, metrics and timeline closed);
     only stdout and stderr are left to flush."""
     import sys
