@@ -155,6 +155,7 @@ def test_a_short_gpu_narrows_the_live_window_of_offloaded_parameters():
     assert (decision.config.zero.max_live_parameters, decision.config.zero.max_reuse_distance) == (largest_module, 0)
     assert decision.chosen_fields["zero.max_live_parameters"] == largest_module
     assert f"live window {largest_module:,}" in choice.describe(decision.plan)
+    assert choice.NARROWED_WINDOW_STEP_NOTE in decision.plan.notes
     ds_config = dsconfig.build(decision.config, 1, on_gpu=True)["zero_optimization"]
     assert ds_config["stage3_max_live_parameters"] == largest_module and ds_config["stage3_max_reuse_distance"] == 0
     default = planner.predict(spec, hw, decision.plan.shape, replace(decision.plan.candidate,
