@@ -122,7 +122,7 @@ def exit_launched_rank(code: int) -> None:
     abort at exit after its last line ("terminate called without an active exception",
     SIGABRT: a thread of the torch/gloo runtime still joinable when static objects are
     destroyed, pytorch/pytorch#190489): 3 of ~21 two-rank runs on a 2-core machine beside other
-    work (tests and a stress loop of the tiny 2-rank run), none of 21 since. Everything a run
+    work (tests and a stress loop of the tiny 2-rank run), none of 40 since. Everything a run
     writes is closed before this (the checkpointer drained, metrics and timeline closed);
     only stdout and stderr are left to flush."""
     import sys
