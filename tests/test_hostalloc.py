@@ -13,35 +13,41 @@ from zerofit import hostalloc, planner
 
 SIZE = 256 << 20  # above glibc's largest mmap threshold (32 MiB): always mmapped by default
 
-# Twelve "steps", each allocating, filling and freeing one temporary; the faults of the last
-# three, and the resident bytes at the end. On the heap the first steps still grow it (small
-# allocations land in a freed temporary's space, which then no longer fits the next one),
-# until it holds enough holes (planner.HEAP_TEMPORARIES_HELD).
+# Twenty-four "steps", each allocating, filling and freeing one temporary: the minor page
+# faults of each, and the resident bytes at the end. On the heap the first steps still grow
+# it (small allocations land in a freed temporary's space, which then no longer fits the next
+# one), until it holds enough holes: how many steps that takes varies from run to run (a CI
+# simulation saw one more growth within steps 10-12), the bound on them is what the planner
+# counts (planner.HEAP_TEMPORARIES_HELD).
+STEPS = 24
 MEASURE = """
 import json, resource, sys, torch
 from zerofit import hostalloc
-SIZE = int(sys.argv[1])
+SIZE, STEPS = int(sys.argv[1]), int(sys.argv[3])
 def step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.empty(SIZE, dtype=torch.uint8).fill_(1)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 with hostalloc.heap_temporaries(enabled=sys.argv[2] == "heap"):
-    faults = sum([step() for _ in range(12)][-3:])
+    faults = [step() for _ in range(STEPS)]
 print(json.dumps([faults, int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()]))
 """
 
 
-def faults(mode: str) -> list[int]:
-    """[minor page faults of the last three of twelve steps' temporaries, resident bytes]."""
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(SIZE), mode], cwd=ROOT, check=True,
+def faults(mode: str) -> tuple[list[int], int]:
+    """(minor page faults of each step's temporary, resident bytes at the end)."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(SIZE), mode, str(STEPS)], cwd=ROOT, check=True,
                          capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.skipif(not hostalloc.available(), reason="mallopt is glibc's")
 def test_heap_temporaries_are_reused_without_page_faults():
     (fresh, rss_fresh), (reused, rss_heap) = faults("default"), faults("heap")
-    assert fresh >= 3 * SIZE // (2 << 20)  # 65,536 pages of 4 KiB each (fewer where huge pages back them)
-    assert reused < max(fresh // 20, 16)
+    least = SIZE // (2 << 20)  # a temporary's pages: 65,536 of 4 KiB (fewer where huge pages back them)
+    assert all(f >= least for f in fresh)  # glibc's default: every temporary a fresh mapping
+    growths = [f for f in reused if f >= least]
+    assert len(growths) <= planner.HEAP_TEMPORARIES_HELD, reused
+    assert sum(f < 16 for f in reused) >= STEPS - planner.HEAP_TEMPORARIES_HELD, reused  # the rest come back
     # what the heap holds for it is bounded, and the planner counts as much
     assert SIZE <= rss_heap - rss_fresh <= planner.HEAP_TEMPORARIES_HELD * SIZE
