@@ -58,8 +58,8 @@ CASES = {
     "3.6b": dict(model="llama-3.6b", cap_gib=24, seq_len=1024, global_batch=16, measured_steps=(4, 3, 3),
                  budgets_s=(170, 150, 200)),
     # issue 7's headline: 16-byte training states >= 10x the GPU budget (57.7 GB in 5.3 GiB), zerofit
-    # alone; 5% headroom: the planner over-predicts this regime (planner_accuracy.json: 3.6B with
-    # parameters offloaded +6% .. +13%) and needs 4.8 GiB of the 5.04
+    # alone; 5% headroom: with 10% the plan's 4.79 GiB (context and fragmentation included) misses
+    # the 4.77 usable by a hair
     "3.6b-headline": dict(model="llama-3.6b", cap_gib=5.3, seq_len=1024, global_batch=16, measured_steps=(3, 0, 0),
                           budgets_s=(330, 0, 0), configs=("zerofit",), headroom=0.05),
 }

@@ -150,7 +150,7 @@ def test_cpu_threads_per_rank():
 
 
 def test_a_launched_rank_exits_at_once_with_its_code():
-    """engine.exit_launched_rank: in one of several launched ranks (WORLD_SIZE > 1) the
+    """engine.finish_distributed: in one of several launched ranks (WORLD_SIZE > 1) the
     process ends there with the run's code, what it printed flushed, nothing after it runs
     (no interpreter teardown, where gloo could abort the exit); a lone process goes on."""
     import subprocess
@@ -159,7 +159,7 @@ def test_a_launched_rank_exits_at_once_with_its_code():
     from conftest import ROOT
 
     program = ("import atexit; from zerofit import engine; atexit.register(print, 'teardown ran'); "
-               "print('trained', end=''); engine.exit_launched_rank(7); print(' went on')")
+               "print('trained', end=''); engine.finish_distributed(7); print(' went on')")
     for world_size, code, printed in (("2", 7, "trained"), ("1", 0, "trained went on\nteardown ran\n")):
         done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)

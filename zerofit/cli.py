@@ -52,8 +52,7 @@ def cmd_train(args) -> int:
         config.checkpoint.verify = args.verify
     result = train(config, resume=args.resume)
     code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
-    engine.close_distributed()  # every rank finished (an error raised past this)
-    engine.exit_launched_rank(code)
+    engine.finish_distributed(code)  # every rank finished (an error raised past this)
     return code
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -104,29 +105,21 @@ def init_distributed() -> Dist:
     return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
 
 
-def close_distributed() -> None:
-    """Destroy the process group at the end of a run that completed on every rank. Without
-    it gloo's worker threads can outlive the interpreter and abort the exiting process
-    ("terminate called without an active exception", pytorch/pytorch#190489; seen on a
-    2-rank CPU run of the test suite after its last step). Not after an error: another rank
-    may still be inside a collective (pytorch/torchtitan#1342)."""
+def finish_distributed(code: int) -> None:
+    """End the process of a run that completed on every rank (not after an error: another
+    rank may still be inside a collective, pytorch/torchtitan#1342). The process group is
+    destroyed; then a process that a launcher started as one of several ranks ends here with
+    `code`, skipping the interpreter's teardown: even after destroy_process_group a 2-rank
+    CPU run (gloo) can abort at exit after its last line ("terminate called without an
+    active exception", SIGABRT: a thread of the torch/gloo runtime still joinable when static
+    objects are destroyed, pytorch/pytorch#190489): 3 of ~21 two-rank runs on a 2-core
+    machine beside other work (tests and a stress loop of the tiny 2-rank run), none of 40
+    since. Everything a run writes is closed before this (the checkpointer drained, metrics
+    and timeline closed); only stdout and stderr are left to flush."""
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def exit_launched_rank(code: int) -> None:
-    """End a process that a launcher started as one of several ranks here, skipping the
-    interpreter's teardown. Even after destroy_process_group a 2-rank CPU run (gloo) can
-    abort at exit after its last line ("terminate called without an active exception",
-    SIGABRT: a thread of the torch/gloo runtime still joinable when static objects are
-    destroyed, pytorch/pytorch#190489): 3 of ~21 two-rank runs on a 2-core machine beside other
-    work (tests and a stress loop of the tiny 2-rank run), none of 40 since. Everything a run
-    writes is closed before this (the checkpointer drained, metrics and timeline closed);
-    only stdout and stderr are left to flush."""
-    import sys
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

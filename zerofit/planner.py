@@ -45,7 +45,7 @@ EXPORT_MAX_RAM_BYTES = 2 * GIB
 PHASES = ("forward", "backward", "optimizer_step", "eval")
 # The heap holds freed step temporaries fragmented: a 30-step loop of one 256 MiB temporary
 # per step on the CI machine settled at 2.27 GiB of process RSS, about eight temporaries'
-# worth (glibc 2.35); 9 bounds that, and tests/test_hostalloc.py checks a 12-step loop by it.
+# worth (glibc 2.35); 9 bounds that, and tests/test_hostalloc.py checks a 24-step loop by it.
 HEAP_TEMPORARIES_HELD = 9
 
 
