@@ -9,6 +9,12 @@ CPU smoke test of the same code path with preset `mini` (under a minute):
 
 Order: `zerofit doctor --system --nvme-path DIR` (builds DeepSpeed's async_io op, measures the
 disk, runs and caches the aio sweep the NVMe run then uses), the NVMe run, the CPU-offload run.
+`--stages` picks among them and `nvme_pipelined` (the NVMe run with zero.nvme_pipeline: the
+swap overlapped with the neighbouring sub groups' steps; `nvme` is DeepSpeed's one-at-a-time
+swapper). `--keep-work` continues in the work dir of an earlier invocation on the same
+machine (its doctor cache and result file), so one comparison can span two commands of the
+GPU machine's 10-minute limit:
+    python bench/nvme_bench.py --stages doctor,cpu --keep-work ...; then --stages nvme --keep-work ...
 Per run: host_rss_bytes = the rank's peak RSS (memory.jsonl host_peak, the same figure
 os.wait4's ru_maxrss gives for the process), tokens_per_s = median over the steps after the
 first, save_seconds = the training stall of the final checkpoint (sync save: DeepSpeed's
@@ -56,6 +62,8 @@ FALLBACK_PRESETS = ("llama-1.5b", "llama-0.5b")
 # fp32 partitions (about 15 s per 1e9 parameters on the GPU machine; cpu_adam is built once).
 START_SECONDS, INIT_SECONDS_PER_PARAM, CPU_ADAM_BUILD_SECONDS = 20.0, 15e-9, 45.0
 NVME_SHARE = 0.55  # of the time left after the doctor: the CPU-offload baseline gets the rest
+STAGES = ("doctor", "nvme", "nvme_pipelined", "cpu")
+RUNS = STAGES[1:]
 
 
 def parse_args():
@@ -71,17 +79,30 @@ def parse_args():
     parser.add_argument("--nvme-dir", default="/tmp/zerofit-nvme-bench", help="NVMe path (a local disk) and work dir")
     parser.add_argument("--deadline-s", type=float, default=345.0, help="the whole bench, builds and init included")
     parser.add_argument("--out", default=None, help="result directory (default $OUT, else bench/results)")
+    parser.add_argument("--name", default="nvme.json", help="result file name")
+    parser.add_argument("--stages", default="doctor,nvme,cpu",
+                        help=f"which of {','.join(STAGES)} to run, in that order (an NVMe stage runs the doctor "
+                             f"first when no sweep is cached)")
+    parser.add_argument("--no-fallback", action="store_true",
+                        help="run --preset even when its NVMe run is predicted not to fit the time left "
+                             "(the prediction is recorded; a run cut by the deadline keeps what it measured)")
+    parser.add_argument("--keep-work", action="store_true",
+                        help="continue an earlier invocation's work dir: its cached sweep and its results")
     args = parser.parse_args()
+    unknown = set(args.stages.split(",")) - set(STAGES)
+    if unknown:
+        parser.error(f"unknown stage(s) {', '.join(sorted(unknown))}; choose from {', '.join(STAGES)}")
     if args.smoke:
         args.preset, args.seq_len, args.micro_batch, args.steps, args.grad_accum = "mini", 64, 2, 3, 2
-        args.nvme_dir = tempfile.mkdtemp(prefix="zerofit-nvme-smoke-")
+        if not args.keep_work:
+            args.nvme_dir = tempfile.mkdtemp(prefix="zerofit-nvme-smoke-")
     return args
 
 
 def run_config(args, mode: str, run_dir: Path, nvme_path: Path) -> dict:
-    zero = {"stage": 3, "offload_optimizer": mode, "offload_param": "cpu", "offload_optimizer_ratio": 1.0}
-    if mode == "nvme":
-        zero["nvme_path"] = str(nvme_path)
+    zero = {"stage": 3, "offload_optimizer": mode.split("_")[0], "offload_param": "cpu", "offload_optimizer_ratio": 1.0}
+    if mode.startswith("nvme"):
+        zero.update(nvme_path=str(nvme_path), nvme_pipeline=mode == "nvme_pipelined")
     return {
         "run_dir": str(run_dir),
         "model": {"config": args.preset, "gradient_checkpointing": True},
@@ -169,79 +190,105 @@ def measured(run_dir: Path, proc: dict, log: Path) -> dict:
     return result
 
 
+def ratio(result: dict, key: str, of: str, to: str) -> float | None:
+    a, b = (result.get(of) or {}).get(key), (result.get(to) or {}).get(key)
+    return round(a / b, 3) if a and b else None
+
+
 def judge(result: dict) -> None:
-    cpu, nvme = result.get("cpu") or {}, result.get("nvme") or {}
-    ratios = {}
-    if cpu.get("host_rss_bytes") and nvme.get("host_rss_bytes"):
-        ratios["host_rss_vs_cpu"] = round(nvme["host_rss_bytes"] / cpu["host_rss_bytes"], 3)
-    if cpu.get("tokens_per_s") and nvme.get("tokens_per_s"):
-        ratios["tokens_per_s_vs_cpu"] = round(nvme["tokens_per_s"] / cpu["tokens_per_s"], 3)
-    result.update(ratios)
-    if len(ratios) == 2:
-        result["meets_targets"] = ratios["host_rss_vs_cpu"] <= 0.5 and ratios["tokens_per_s_vs_cpu"] >= 0.6
+    """The targets for `nvme` against `cpu`; `nvme_pipelined`'s figures against both."""
+    for name, value in {"host_rss_vs_cpu": ratio(result, "host_rss_bytes", "nvme", "cpu"),
+                        "tokens_per_s_vs_cpu": ratio(result, "tokens_per_s", "nvme", "cpu"),
+                        "pipelined_host_rss_vs_cpu": ratio(result, "host_rss_bytes", "nvme_pipelined", "cpu"),
+                        "pipelined_tokens_per_s_vs_cpu": ratio(result, "tokens_per_s", "nvme_pipelined", "cpu"),
+                        "pipelined_tokens_per_s_vs_nvme": ratio(result, "tokens_per_s", "nvme_pipelined", "nvme")
+                        }.items():
+        if value is not None:
+            result[name] = value
+    if "host_rss_vs_cpu" in result and "tokens_per_s_vs_cpu" in result:
+        result["meets_targets"] = result["host_rss_vs_cpu"] <= 0.5 and result["tokens_per_s_vs_cpu"] >= 0.6
 
 
 def main() -> int:
     args = parse_args()
     began = time.perf_counter()
+    stages = [s for s in STAGES if s in args.stages.split(",")]
+    runs = [s for s in stages if s in RUNS]
     out_dir = Path(args.out or os.environ.get("OUT") or (tempfile.mkdtemp() if args.smoke else "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.nvme_dir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    earlier = work / args.name
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     nvme_path = work / "swap"
-    env = {"ZEROFIT_CACHE_DIR": str(work / "cache")}  # the sweep this bench runs, not an older one
-    result = {"command": "python " + " ".join(sys.argv), "preset": args.preset, "seq_len": args.seq_len,
-              "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "steps": args.steps, "nvme_path": str(nvme_path),
-              "deadline_s": args.deadline_s, "complete": False,
-              "targets": {"host_rss_vs_cpu_max": 0.5, "tokens_per_s_vs_cpu_min": 0.6}}
+    env = {"ZEROFIT_CACHE_DIR": str(work / "cache"),  # the sweep this bench runs, not an older one
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}  # one GPU on a larger host
+    result = json.loads(earlier.read_text()) if args.keep_work and earlier.is_file() else {}
+    commands = result.get("commands", [result["command"]] if "command" in result else [])
+    result.update({"command": "python " + " ".join(sys.argv), "commands": commands + ["python " + " ".join(sys.argv)],
+                   "preset": args.preset, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+                   "grad_accum": args.grad_accum, "steps": args.steps, "nvme_path": str(nvme_path),
+                   "deadline_s": args.deadline_s, "complete": False,
+                   "targets": {"host_rss_vs_cpu_max": 0.5, "tokens_per_s_vs_cpu_min": 0.6}})
 
     def left() -> float:
         return args.deadline_s - (time.perf_counter() - began)
 
     def write() -> None:
         result["elapsed_s"] = round(time.perf_counter() - began, 1)
-        (out_dir / "nvme.json").write_text(json.dumps(result, indent=1))
+        for folder in (out_dir, work):
+            (folder / args.name).write_text(json.dumps(result, indent=1))
 
     write()
     zerofit = [sys.executable, "-m", "zerofit"]
-    # 1. the disk and DeepSpeed's aio there: builds async_io, measures, caches the sweep
-    log = work / "doctor.log"
-    proc = run_process(zerofit + ["doctor", "--system", "--nvme-path", str(nvme_path), "--nvme-mib",
-                                  "64" if args.smoke else "1024"], min(left() * 0.3, 120), log,
-                       {**env, "COLUMNS": "300"})
-    cache = list((work / "cache").glob("aio-*.json"))
-    tuned = json.loads(cache[0].read_text()) if cache else {}
-    result["disk"] = {"doctor_exit_code": proc["exit_code"], "doctor_seconds": proc["wall_seconds"],
-                      "aio": tuned.get("aio"), "read_bytes_per_s": tuned.get("read_bytes_per_s"),
-                      "write_bytes_per_s": tuned.get("write_bytes_per_s"), "dio_alignment": tuned.get("dio_alignment"),
-                      "sweep_settings_tried": len(tuned.get("tried", [])),
-                      "free_bytes": shutil.disk_usage(work).free}
-    write()
-    print(f"disk: {result['disk']}", flush=True)
+    nvme_runs = [r for r in runs if r.startswith("nvme")]
+    cached = list((work / "cache").glob("aio-*.json"))
+    if "doctor" in stages or (nvme_runs and not cached):
+        # 1. the disk and DeepSpeed's aio there: builds async_io, measures, caches the sweep
+        log = work / "doctor.log"
+        proc = run_process(zerofit + ["doctor", "--system", "--nvme-path", str(nvme_path), "--nvme-mib",
+                                      "64" if args.smoke else "1024"], min(left() * 0.3, 120), log,
+                           {**env, "COLUMNS": "300"})
+        cache = list((work / "cache").glob("aio-*.json"))
+        tuned = json.loads(cache[0].read_text()) if cache else {}
+        result["disk"] = {"doctor_exit_code": proc["exit_code"], "doctor_seconds": proc["wall_seconds"],
+                          "aio": tuned.get("aio"), "read_bytes_per_s": tuned.get("read_bytes_per_s"),
+                          "write_bytes_per_s": tuned.get("write_bytes_per_s"), "dio_alignment": tuned.get("dio_alignment"),
+                          "sweep_settings_tried": len(tuned.get("tried", [])),
+                          "free_bytes": shutil.disk_usage(work).free}
+        write()
+        print(f"disk: {result['disk']}", flush=True)
 
     # 2. the model: the requested one if its NVMe run fits the disk and the time, else smaller
     os.environ.update(env)  # the planner reads the sweep just cached
-    refused = []
-    for preset in [args.preset] + ([] if args.smoke else [p for p in FALLBACK_PRESETS if p != args.preset]):
-        why = refusal(args, preset, nvme_path, left() * NVME_SHARE)
-        if why is None:
-            args.preset = preset
-            break
-        refused.append(why)
-        print(f"not {why}", flush=True)
-    result["preset"] = args.preset
-    if refused:
-        result["requested_preset_refused"] = refused
-    write()
+    share = (NVME_SHARE if "cpu" in runs else 1.0) / max(len(nvme_runs), 1)  # of the time left, per NVMe run
+    weights = {m: (1 - NVME_SHARE if m == "cpu" else share) for m in runs}
+    if nvme_runs:
+        refused = []
+        for preset in [args.preset] + ([] if args.smoke else [p for p in FALLBACK_PRESETS if p != args.preset]):
+            why = refusal(args, preset, nvme_path, left() * share)
+            if why is not None and args.no_fallback and "predicted" in why:
+                result["predicted_over_time"] = why
+                why = None
+            if why is None:
+                args.preset = preset
+                break
+            refused.append(why)
+            print(f"not {why}", flush=True)
+        result["preset"] = args.preset
+        if refused:
+            result["requested_preset_refused"] = refused
+        write()
 
-    # 3. NVMe, then 4. CPU offload (the CPU run keeps the rest of the time: it is the baseline)
-    for mode, reserve in (("nvme", 1 - NVME_SHARE), ("cpu", 0.0)):
+    # 3. the runs, in order; the last keeps the rest of the time (the CPU baseline when it runs)
+    for index, mode in enumerate(runs):
         run_dir = work / mode
+        shutil.rmtree(run_dir, ignore_errors=True)
         config_file = work / f"{mode}.yaml"
         config_file.write_text(yaml.safe_dump(run_config(args, mode, run_dir, nvme_path)))
         log = work / f"{mode}.log"
-        budget = left() * (1 - reserve)
+        budget = left() * weights[mode] / sum(weights[m] for m in runs[index:])
         if budget < 10:
             result[mode] = {"skipped": f"deadline: {budget:.0f} s left"}
             write()
@@ -253,13 +300,13 @@ def main() -> int:
         write()
         print(f"{mode}: {json.dumps(result[mode])}", flush=True)
 
-    result["complete"] = all(result.get(m, {}).get("exit_code") == 0 for m in ("cpu", "nvme"))
+    result["complete"] = all((result.get(m) or {}).get("exit_code") == 0 for m in ("cpu", "nvme"))
     write()
-    print(json.dumps({k: v for k, v in result.items() if k not in ("cpu", "nvme")}, indent=1))
-    print(f"-> {out_dir / 'nvme.json'}")
-    if args.smoke:
+    print(json.dumps({k: v for k, v in result.items() if k not in RUNS}, indent=1))
+    print(f"-> {out_dir / args.name}")
+    if args.smoke and not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
-    return 0 if result["complete"] else 1
+    return 0 if all((result.get(m) or {}).get("exit_code") == 0 for m in runs) else 1
 
 
 if __name__ == "__main__":

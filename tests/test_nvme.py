@@ -48,6 +48,8 @@ def test_nvme_offload_trains_like_cpu_offload(nvme_run, cpu_run):
     run, _, _, swap = nvme_run
     ds_config = json.loads((run / "ds_config.json").read_text())["zero_optimization"]
     assert ds_config["offload_optimizer"]["device"] == ds_config["offload_param"]["device"] == "nvme"
+    # one swapped sub group: nothing for a pipelined swap to overlap, the planner keeps DeepSpeed's swapper
+    assert "pipeline_read" not in ds_config["offload_optimizer"]
     assert Path(ds_config["offload_optimizer"]["nvme_path"]).parent == swap  # the run's own folder there
     nvme_steps, cpu_steps = read_jsonl(run / "metrics.jsonl"), read_jsonl(cpu_run / "metrics.jsonl")
     assert [m["step"] for m in nvme_steps] == [m["step"] for m in cpu_steps] == [1, 2, 3, 4, 5, 6]
@@ -75,6 +77,41 @@ def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
                    and "gradient" not in n for n in names), prefix
     assert checkpoint.verify(run / "checkpoints" / "step-000003", hashes=True) is None
     assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
+
+
+@needs_async_io
+def test_pipelined_swap_trains_what_the_serial_swap_trains(tmp_path):
+    """Hidden 256 in sub groups of 300k elements: seven sub groups swapped, so the pipelined
+    swapper really has one reading, one stepping and one writing (with `mini` only one is
+    swapped). With zerofit's buffer_count 12 it runs, every loss equals the one-at-a-time
+    swapper's bit for bit, and its checkpoint resumes exactly."""
+    from transformers import LlamaConfig
+
+    from zerofit.demo import build_tokenizer
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4).save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    runs = {}
+    for pipelined in (False, True):
+        config = nvme_config(tmp_path / f"run-{pipelined}", tmp_path / "swap", sub_group_size=300_000,
+                             nvme_pipeline=pipelined)
+        config["model"] = {"config": str(model_dir), "tokenizer": str(model_dir), "gradient_checkpointing": False}
+        if not pipelined:
+            config["checkpoint"] = {"every_steps": 0, "save_final": False}
+        base = tmp_path / f"base-{pipelined}"
+        base.mkdir()
+        runs[pipelined], config_file, _ = trained_run(base, config)
+    serial, pipelined = (read_jsonl(runs[p] / "metrics.jsonl") for p in (False, True))
+    assert [m["loss"] for m in pipelined] == [m["loss"] for m in serial] and len(serial) == 6
+    plan = json.loads((runs[True] / "plan.json").read_text())
+    assert plan["nvme"]["swapped_sub_groups"] >= swaplayout.PIPELINED_SUB_GROUPS + 1
+    offload = json.loads((runs[True] / "ds_config.json").read_text())["zero_optimization"]["offload_optimizer"]
+    assert offload["buffer_count"] == swaplayout.PIPELINED_BUFFER_COUNT and offload["pipeline_read"]
+    serial_plan = json.loads((runs[False] / "plan.json").read_text())
+    assert plan["nvme"]["locked_buffer_bytes"] == 3 * serial_plan["nvme"]["locked_buffer_bytes"] > 0
+    assert_resumes_exactly(runs[True], config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
 
 
 @needs_async_io
@@ -205,6 +242,22 @@ def test_swap_layout_keeps_direct_io_whole_blocks():
     assert layout.state_bytes == 3 * 4 * 1_028_096 and layout.pinned_buffer_bytes == 4 * 4 * 1_028_096
     # per step: master, moments and gradients in; all of them out once (gradients at the boundary)
     assert layout.read_bytes_per_step == layout.write_bytes_per_step == 4 * 4 * 1_028_096
+
+
+def test_pipelined_swap_waits_for_the_slower_stream_plus_fill_and_drain():
+    numel = 24 * 2**20  # whole aio-aligned transfers: no padding
+    groups = tuple((numel,) for _ in range(10))  # ten sub groups of 96 MiB fp32
+    serial, pipelined = (swaplayout.layout(groups, Aio(), pipelined=p) for p in (False, True))
+    assert pipelined.pinned_buffer_bytes == 3 * serial.pinned_buffer_bytes
+    read, write = 2e9, 1e9  # bytes/s
+    moved = 10 * 16 * numel  # per step, each way: master, two moments, gradients
+    assert swaplayout.nvme_seconds(serial, read, write) == pytest.approx(moved / read + moved / write)
+    one_group = 16 * numel
+    assert swaplayout.nvme_seconds(pipelined, read, write) == pytest.approx(
+        moved / write + one_group / read + one_group / write)
+    # one sub group: nothing to overlap, never more than the serial swap
+    single = swaplayout.layout(groups[:1], Aio(), pipelined=True)
+    assert swaplayout.nvme_seconds(single, read, write) == pytest.approx(one_group / read + one_group / write)
 
 
 def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path):

@@ -92,7 +92,8 @@ def candidate_of(config: Config) -> Candidate:
                      max_live_parameters=zero.max_live_parameters, max_reuse_distance=zero.max_reuse_distance,
                      sub_group_size=zero.sub_group_size, gather_16bit_weights_on_save=zero.gather_16bit_weights_on_save,
                      aio_block_size=zero.aio_block_size or Candidate.aio_block_size,
-                     aio_intra_op_parallelism=zero.aio_intra_op_parallelism or Candidate.aio_intra_op_parallelism)
+                     aio_intra_op_parallelism=zero.aio_intra_op_parallelism or Candidate.aio_intra_op_parallelism,
+                     nvme_pipeline=zero.nvme_pipeline)
 
 
 def apply(config: Config, shape: Shape, cand: Candidate) -> Config:
@@ -102,7 +103,8 @@ def apply(config: Config, shape: Shape, cand: Candidate) -> Config:
         "offload_optimizer_ratio": cand.offload_optimizer_ratio, "offload_param": cand.offload_param,
         "reduce_bucket_size": cand.reduce_bucket_size, "prefetch_bucket_size": cand.prefetch_bucket_size,
         "param_persistence_threshold": cand.param_persistence_threshold,
-        "max_live_parameters": cand.max_live_parameters, "max_reuse_distance": cand.max_reuse_distance})
+        "max_live_parameters": cand.max_live_parameters, "max_reuse_distance": cand.max_reuse_distance,
+        "nvme_pipeline": cand.nvme_pipeline})
     train = config.train.model_copy(update={"micro_batch_size": shape.micro_batch,
                                             "grad_accum_steps": shape.grad_accum})
     model = config.model.model_copy(update={"gradient_checkpointing": shape.gradient_checkpointing})
@@ -162,12 +164,13 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
             persistence = all_persistent(spec)
         windows = live_windows(base, spec, zero_set) if par != "none" else [(base.max_live_parameters,
                                                                              base.max_reuse_distance)]
-        for ratio, bucket, (live, reuse) in itertools.product(ratios if opt != "none" else [1.0],
-                                                              reduce_buckets(base, spec, zero_set), windows):
+        pipelines = [False, True] if opt == "nvme" and "nvme_pipeline" not in zero_set else [base.nvme_pipeline]
+        for ratio, bucket, (live, reuse), pipelined in itertools.product(
+                ratios if opt != "none" else [1.0], reduce_buckets(base, spec, zero_set), windows, pipelines):
             shape = replace(base_shape, micro_batch=micro, grad_accum=accum, gradient_checkpointing=ckpt)
             out.append((shape, replace(base, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=ratio,
                                        param_persistence_threshold=persistence, reduce_bucket_size=bucket,
-                                       max_live_parameters=live, max_reuse_distance=reuse)))
+                                       max_live_parameters=live, max_reuse_distance=reuse, nvme_pipeline=pipelined)))
     return out
 
 
@@ -238,7 +241,8 @@ def overflow(plan: Plan) -> float:
 
 
 DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "reduce_bucket_size",
-                    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance"),
+                    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                    "nvme_pipeline"),
            "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
 
 
@@ -252,7 +256,8 @@ def free_choices(before: Config, after: Config) -> dict[str, object]:
             continue  # micro batch and accumulation are the planner's only to split a global batch
         old, new = getattr(before, section), getattr(after, section)
         for key in keys:
-            if key == "offload_optimizer_ratio" and new.offload_optimizer == "none":
+            if (key == "offload_optimizer_ratio" and new.offload_optimizer == "none"
+                    or key == "nvme_pipeline" and new.offload_optimizer != "nvme"):
                 continue
             if key not in old.model_fields_set:
                 out[f"{section}.{key}"] = getattr(new, key)
@@ -277,6 +282,7 @@ def refuse(decision: Decision) -> PlanError:
 def describe(plan: Plan) -> str:
     c, s = plan.candidate, plan.shape
     ratio = f" ratio {c.offload_optimizer_ratio}" if c.offload_optimizer != "none" and c.offload_optimizer_ratio < 1 else ""
+    ratio += " (pipelined swap)" if c.offload_optimizer == "nvme" and c.nvme_pipeline else ""
     return (f"ZeRO-{c.stage}, optimizer on {c.offload_optimizer if c.offload_optimizer != 'none' else 'device'}{ratio}, "
             f"params on {c.offload_param if c.offload_param != 'none' else 'device'}"
             f"{f' (live window {c.max_live_parameters:,})' if narrowed_window(plan) else ''}, micro batch {s.micro_batch} x "

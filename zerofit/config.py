@@ -190,6 +190,13 @@ class ZeroConfig(Section):
     O_DIRECT; each run keeps its files in its own `zerofit-<hash>` folder there. Setting it
     also lets the planner choose NVMe when host RAM is short (`zerofit doctor --system
     --nvme-path DIR` measures the disk and tunes the aio settings below for it)."""
+    nvme_pipeline: bool = False
+    """NVMe optimizer offload: read the next sub group's state and write the previous one's
+    while the current one steps (DeepSpeed offload_optimizer pipeline_read/pipeline_write),
+    instead of swap in, step, swap out one after the other. Costs two more sub groups of
+    page-locked swap buffers (buffer_count 12 instead of 4; the largest sub group is the
+    embedding when it exceeds sub_group_size). Same losses bit for bit. Unset: the planner
+    turns it on when host RAM holds the extra buffers and its time model says it is faster."""
     pin_memory: bool = True
     """Page-locked host buffers for offload: faster transfers, RAM that cannot be swapped."""
     overlap_comm: bool = True

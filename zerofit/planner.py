@@ -91,6 +91,7 @@ class Candidate:
     gather_16bit_weights_on_save: bool = False
     aio_block_size: int = 1_048_576          # NVMe: sub groups under one block stay in RAM
     aio_intra_op_parallelism: int = 1
+    nvme_pipeline: bool = False              # NVMe: swap overlapped with the neighbouring sub groups' steps
 
 
 @dataclass

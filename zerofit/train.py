@@ -89,6 +89,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                                 config.train.chunked_loss, config.train.heap_step_temporaries)
         faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
         swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
+        nvme.release_swapped_views(swap_guard.swapper)  # before a checkpoint saves them as state
         state.step += 1
         state.micro_batches = batches.position
         state.tokens_seen += tokens_per_step

@@ -242,7 +242,7 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
 def swap_layout(spec: ModelSpec, shape: Shape, cand: Candidate) -> SwapLayout:
     """What DeepSpeed's NVMe optimizer swapper writes for this candidate (swaplayout.py)."""
     aio = Aio(block_size=cand.aio_block_size, intra_op_parallelism=cand.aio_intra_op_parallelism)
-    return layout(sub_group_members(spec, shape.world_size, cand.sub_group_size), aio)
+    return layout(sub_group_members(spec, shape.world_size, cand.sub_group_size), aio, cand.nvme_pipeline)
 
 
 def _nvme_optimizer_states(swap: SwapLayout, host: dict[str, int]) -> dict[str, int]:
