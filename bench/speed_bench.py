@@ -518,16 +518,43 @@ def summarise_case(record: dict) -> None:
     record["bound_terms_s"], record["binds"] = z.get("bound_terms_s"), z.get("binds")
 
 
+def collected_from(case: dict) -> list[str]:
+    """Where a case of a collected speed.json was measured (`--collect`)."""
+    if "source" not in case:
+        return []
+    return [f"from `{case['source']}` ({case['device']}, {case['host']}): `{case['command']}`; "
+            f"rates {json.dumps(case['rates'])}"]
+
+
+def collect(files: list[str], out: Path) -> None:
+    """speed.json and speed.md from the newest runs of each case: every case keeps the
+    command, device, host and rates of the run it came from (one run per case is the
+    side-by-side comparison; different cases may come from different runs and machines)."""
+    cases = []
+    for name in files:
+        path, _, host = name.partition("@")
+        run = json.loads(Path(path).read_text())
+        for case in run["cases"]:
+            if not case.get("skipped"):
+                cases.append({**case, "source": Path(path).name, "device": run["device"], "command": run["command"],
+                              "host": host or "1 x H200 host: 16 cores 128 GiB", "rates": run["rates"]})
+    result = {"device": ", ".join(sorted({c["device"] for c in cases})),
+              "command": "python bench/speed_bench.py --collect " + ",".join(files), "cases": cases}
+    (out / "speed.json").write_text(json.dumps(result, indent=1, default=str))
+    write_markdown(out / "speed.md", result)
+
+
 def write_markdown(path: Path, result: dict) -> None:
     lines = [f"# Speed: zerofit vs stock ZeRO-3 offload ({result['device']})", "",
-             f"Command: `{result['command']}`", "",
-             f"Rates measured first: {json.dumps(result.get('rates', {}))}", ""]
+             f"Command: `{result['command']}`", ""]
+    if result.get("rates"):
+        lines += [f"Rates measured first: {json.dumps(result['rates'])}", ""]
     for case in result["cases"]:
         if case.get("skipped"):
             lines += [f"## {case['model']} @ {case.get('gpu_cap_gib')} GiB: skipped ({case['skipped']})", ""]
             continue
         lines += [f"## {case['model']} @ {case['gpu_cap_gib']} GiB, seq {case['seq_len']}, "
-                  f"{case['global_batch']} sequences per step",
+                  f"{case['global_batch']} sequences per step", *collected_from(case),
                   f"speedup vs the faster stock ({case.get('faster_stock')}): {case.get('speedup_vs_stock')}; "
                   f"zerofit roofline fraction {case.get('roofline_fraction')} (binds: {case.get('binds')})", "",
                   "| config | chosen | tokens/s | steady step s | steps | predicted s | GPU peak GiB | host RSS GiB "
@@ -551,11 +578,15 @@ def main() -> None:
                         "(another list than the default writes speed-CASES.json)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configs to run")
     parser.add_argument("--levers", default=",".join(LEVERS), help="which levers to measure, in order")
+    parser.add_argument("--collect", help="FILE[@HOST],...: write speed.json and speed.md from these runs' cases "
+                                          "(no measuring); HOST says which machine a file was measured on")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         kind, out = args.worker[0], Path(args.worker[1])
         return WORKERS[kind](json.loads((out / "spec.json").read_text()), out)
+    if args.collect:
+        return collect(args.collect.split(","), Path(args.out))
 
     started = time.time()
     accelerator = "cpu" if args.smoke else "cuda"
