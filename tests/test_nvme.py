@@ -81,7 +81,7 @@ def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
 
 @needs_async_io
 def test_pipelined_swap_trains_what_the_serial_swap_trains(tmp_path):
-    """Hidden 256 in sub groups of 300k elements: seven sub groups swapped, so the pipelined
+    """Hidden 256 in sub groups of 300k elements: five sub groups swapped, so the pipelined
     swapper really has one reading, one stepping and one writing (with `mini` only one is
     swapped). With zerofit's buffer_count 12 it runs, every loss equals the one-at-a-time
     swapper's bit for bit, and its checkpoint resumes exactly."""

@@ -255,7 +255,7 @@ def test_plan_json_has_the_documented_keys():
     cfg = config(train={"micro_batch_size": 1})
     decision, spec, hw = planview.plan_config(cfg, 1, hw=cuda_box("8GiB"))
     out = planview.plan_json(decision, spec, hw)
-    for key in ("fits", "params", "devices", "save_peak", "first_step_after_save_peak", "deepspeed_config",
+    for key in ("fits", "params", "devices", "save_peak", "start_peak", "first_step_after_save_peak", "deepspeed_config",
                 "estimated_step_seconds", "step_terms", "checkpoint_bytes", "export_peak"):
         assert key in out, key
     for device in ("gpu", "host", "disk"):
@@ -375,3 +375,32 @@ def test_backward_peak_is_what_the_allocator_trace_found_live():
     assert "logits_grad" not in predicted
     total = sum(predicted.values()) + decision.plan.devices["gpu"].components["reduce_bucket"]
     assert abs(total - trace["measured_gpu_peak"]) <= 0.05 * trace["measured_gpu_peak"]
+
+
+def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
+    """bench/results/nvme.json: llama-3.6b, parameters on CPU, the optimizer on CPU, on NVMe
+    one sub group at a time and pipelined (16 x 1024 x 64 tokens per step, one GPU of the
+    2 x H200 host). The host peak of each run and of its engine start (the `start` phase of
+    its memory.jsonl) within 10% of the plan's: the start's second copy of the 16-bit
+    parameters is the NVMe run's peak, the pipelined run's first-step moments its own."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    measured = json.loads((results / "nvme.json").read_text())
+    spec = modelspec.from_name("llama-3.6b")
+    hw = cuda_box(gpu="139GiB", host="251GiB", cores=32)
+    shape = Shape(seq_len=1024, micro_batch=16, grad_accum=64, gradient_checkpointing=True)
+    runs = {"cpu": Candidate(offload_optimizer="cpu", offload_param="cpu"),
+            "nvme": Candidate(offload_optimizer="nvme", offload_param="cpu"),
+            "nvme_pipelined": Candidate(offload_optimizer="nvme", offload_param="cpu", nvme_pipeline=True)}
+    for run, cand in runs.items():
+        plan = planner.predict(spec, hw, shape, cand)
+        start = [json.loads(line) for line in (results / f"nvme-{run}-memory.jsonl").read_text().splitlines()
+                 if json.loads(line)["phase"] == "start"][0]["host_peak"]
+        peak = measured[run]["host_rss_bytes"]
+        assert plan.host_rss_peak == pytest.approx(peak, rel=0.1), run
+        assert plan.start_peak["host"].total_bytes == pytest.approx(start, rel=0.1), run
+    nvme_plan = planner.predict(spec, hw, shape, runs["nvme"])
+    assert nvme_plan.host_rss_peak == nvme_plan.start_peak["host"].total_bytes  # the start is its peak
+    assert "engine_init_16bit_params_copy" in nvme_plan.start_peak["host"].components

@@ -236,7 +236,8 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
 
 def overflow(plan: Plan) -> float:
     """How far over their budgets the devices are, summed (0 = everything fits)."""
-    devices = [*plan.devices.values(), *plan.save_peak.values(), *plan.first_step_after_save_peak.values()]
+    devices = [*plan.devices.values(), *plan.save_peak.values(), *plan.start_peak.values(),
+               *plan.first_step_after_save_peak.values()]
     return sum(max(0.0, d.total_bytes / max(d.usable_bytes, 1) - 1) for d in devices)
 
 
@@ -268,8 +269,10 @@ def refuse(decision: Decision) -> PlanError:
     """The error train raises when nothing fits: the breakdown and the fixes."""
     plan = decision.plan
     lines = [f"no configuration fits; the closest ({describe(plan)}) needs:"]
-    for name in plan.binding or [n for n, d in {**plan.save_peak}.items() if not d.fits]:
-        device = plan.devices[name]
+    over = [(name, d) for name, d in plan.devices.items() if not d.fits] or [
+        (f"{name} ({when})", d) for when, peak in (("checkpoint save", plan.save_peak), ("engine start", plan.start_peak))
+        for name, d in peak.items() if not d.fits]
+    for name, device in over:
         top = sorted(device.components.items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"  {name}: {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)} usable "
                      f"({human_bytes(device.budget_bytes)} less {decision.config.plan.headroom:.0%} headroom): "

@@ -195,8 +195,9 @@ class ZeroConfig(Section):
     while the current one steps (DeepSpeed offload_optimizer pipeline_read/pipeline_write),
     instead of swap in, step, swap out one after the other. Costs two more sub groups of
     page-locked swap buffers (buffer_count 12 instead of 4; the largest sub group is the
-    embedding when it exceeds sub_group_size). Same losses bit for bit. Unset: the planner
-    turns it on when host RAM holds the extra buffers and its time model says it is faster."""
+    embedding when it exceeds sub_group_size), and the first step holds Adam's new moments
+    (8 bytes per swapped parameter) until it ends. Same losses bit for bit. Unset: the
+    planner turns it on when host RAM holds both and its time model says it is faster."""
     pin_memory: bool = True
     """Page-locked host buffers for offload: faster transfers, RAM that cannot be swapped."""
     overlap_comm: bool = True

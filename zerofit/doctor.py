@@ -141,6 +141,8 @@ def plan_vs_measured(plan: dict | None, records: list[dict], checkpoint_bytes: i
                 phases.append({"phase": phase, "predicted_bytes": max(r[predicted_key] for r in mine),
                                "measured_bytes": max(r.get(measured_key, 0) for r in mine)})
         predicted = entry.get("total_bytes") or sum(c["predicted_bytes"] for c in components)
+        # the engine's start can be the host's peak (NVMe offload: planner.Plan.start_peak)
+        predicted = max(predicted, ((plan.get("start_peak") or {}).get(device) or {}).get("total_bytes", 0))
         rows.append({"device": device, "predicted_bytes": predicted, "measured_bytes": measured.get(device, 0),
                      "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
                      "components": components, "phases": phases})

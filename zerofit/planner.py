@@ -20,7 +20,7 @@ from zerofit.activations import BACKWARD_MOMENTS, device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
 from zerofit.swaplayout import nvme_seconds
-from zerofit.zerostates import (PARAM_MAX_IN_CPU, model_states, optimizer_groups, optimizer_step_host,
+from zerofit.zerostates import (PARAM_MAX_IN_CPU, engine_start_host, model_states, optimizer_groups, optimizer_step_host,
                                 partition_numel, swap_layout, zero3_trace)
 
 GIB = 2**30
@@ -123,6 +123,7 @@ class Plan:
     host_rss_peak: int                          # what psutil's RSS should show at the peak
     phases: dict[str, dict[str, int]]           # phase -> {"gpu": allocated peak, "host": rss}
     save_peak: dict[str, Device]
+    start_peak: dict[str, Device]               # while deepspeed.initialize builds the engine
     first_step_after_save_peak: dict[str, Device]
     checkpoint_bytes: int
     export_peak: dict[str, Device]
@@ -144,6 +145,7 @@ class Plan:
             "predicted_gpu_peak": self.gpu_allocated_peak, "predicted_host_rss": self.host_rss_peak,
             "phases": self.phases,
             "save_peak": {k: d.to_json() for k, d in self.save_peak.items()},
+            "start_peak": {k: d.to_json() for k, d in self.start_peak.items()},
             "first_step_after_save_peak": {k: d.to_json() for k, d in self.first_step_after_save_peak.items()},
             "checkpoint_bytes": self.checkpoint_bytes,
             "export_peak": {k: d.to_json() for k, d in self.export_peak.items()},
@@ -376,8 +378,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         comps = {**gpu_states, **extra, "fragmentation": frag, "cuda_context": CUDA_DEVICE_CONTEXT_BYTES} if on_gpu else {}
         return _device(comps, hw.gpu_budget_bytes, headroom)
 
-    def host_device(extra: dict[str, int]) -> Device:
-        comps = {**host_base, **host_states, **extra}
+    def host_device(extra: dict[str, int], states: dict[str, int] = host_states) -> Device:
+        comps = {**host_base, **states, **extra}
         return _device({k: v * ranks_here for k, v in comps.items() if v}, hw.host_budget_bytes, headroom)
 
     peak_transient = {f"{peak_name}:{k}": v for k, v in phases[peak_name].items()}
@@ -404,6 +406,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     save_peak = {"gpu": gpu_device(save_gpu, 0), "host": host_device(save_host if on_gpu else {**save_host, **{
         f"device:{k}": v for k, v in save_gpu.items()}}),
         "disk": devices["disk"]}
+    start_peak = {"host": host_device({}, engine_start_host(host_states, spec, shape, cand, on_gpu))}
     # First step after a save: the save's freed blocks stay cached in the allocator
     # (fragmentation), on top of the usual step peak.
     residue = save_gpu.get("gathered_module", 0)
@@ -419,12 +422,11 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         notes.append(f"{pinned_total / GIB:.1f} GiB pinned exceeds ulimit -l ({hw.pinned_limit_bytes / GIB:.2f} GiB); "
                      f"fine with torch's pinning (cudaHostAlloc), fatal with DS_PIN_MEMORY_BACKEND=native")
     terms = step_time_terms(spec, hw, shape, cand)
-    fits = all(d.fits for d in devices.values()) and all(d.fits for d in save_peak.values()) \
-        and all(d.fits for d in first_step.values())
-    host_rss_peak = max(p["host"] for p in per_phase.values())
+    fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step) for d in peak.values())
+    host_rss_peak = max(max(p["host"] for p in per_phase.values()), start_peak["host"].total_bytes // ranks_here)
     return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
                 devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
-                host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak,
+                host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak, start_peak=start_peak,
                 first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes, export_peak=export,
                 step_seconds=step_seconds(terms), step_terms=terms, notes=notes)
 

@@ -86,6 +86,7 @@ def phase_predictions(decision: Decision) -> dict[str, dict[str, int]]:
     """What memory.Timeline writes next to each phase's measurement."""
     plan = decision.plan
     out = {name: {"predicted_gpu_peak": p["gpu"], "predicted_host_rss": p["host"]} for name, p in plan.phases.items()}
+    out["start"] = {"predicted_host_rss": plan.start_peak["host"].total_bytes}
     out["save"] = {"predicted_gpu_peak": plan.save_peak["gpu"].total_bytes - _outside_allocator(plan.save_peak["gpu"]),
                    "predicted_host_rss": plan.save_peak["host"].total_bytes}
     return out
@@ -122,7 +123,8 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     peaks = Table(title="other peaks")
     for column in ("when", "gpu", "host", "disk"):
         peaks.add_column(column)
-    for label, devices in (("checkpoint save", plan.save_peak), ("first step after a save", plan.first_step_after_save_peak),
+    for label, devices in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
+                           ("first step after a save", plan.first_step_after_save_peak),
                            ("export", plan.export_peak)):
         peaks.add_row(label, *(human_bytes(devices[d].total_bytes) if d in devices else "-" for d in ("gpu", "host", "disk")))
     console.print(peaks)
