@@ -332,6 +332,8 @@ def restore_optimizer_state(ds_engine, load_dir: Path) -> None:
     order = [i for group in range(len(optimizer.optimizer.param_groups)) for i in range(len(optimizer.fp16_groups))
              if optimizer.sub_group_to_group_id[i] == group]
     for state_dict in state_dicts:
+        if state_dict is None:
+            continue  # another rank's file: DeepSpeed loads only this rank's, and stage3 reads that one alone
         saved = state_dict[OPTIMIZER_STATE_DICT]["state"]
         for index, sub_group in enumerate(order):
             if index not in saved or not optimizer._swappable_optimizer_subgroup(sub_group):
