@@ -138,6 +138,7 @@ def test_pipelined_swap_trains_what_the_serial_swap_trains(tmp_path):
     assert offload["buffer_count"] == swaplayout.PIPELINED_BUFFER_COUNT and offload["pipeline_read"]
     serial_plan = json.loads((runs[False] / "plan.json").read_text())
     assert plan["nvme"]["locked_buffer_bytes"] == 3 * serial_plan["nvme"]["locked_buffer_bytes"] > 0
+    assert plan["nvme"]["pipelined"] and not serial_plan["nvme"]["pipelined"]
     # the first step's moments, held until the step ends: half the swap files' 16 bytes per element
     host = plan["devices"]["host"]["components"]
     assert host["first_step_moments_pipelined"] == plan["nvme"]["swap_bytes"] // 2

@@ -78,7 +78,7 @@ def nvme_summary(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict | No
             "kept_in_ram_sub_groups": len(swap.resident), "locked_buffer_bytes": swap.pinned_buffer_bytes,
             "read_bytes_per_step": swap.read_bytes_per_step, "write_bytes_per_step": swap.write_bytes_per_step,
             "read_bytes_per_s": read_rate, "write_bytes_per_s": write_rate,
-            "rates_measured": hw.nvme_read_bytes_per_s is not None,
+            "rates_measured": hw.nvme_read_bytes_per_s is not None, "pipelined": swap.pipelined,
             "bandwidth_to_hide_io": bandwidth_to_hide(swap, other), "aio": nvme.aio_of(config).to_json()}
 
 
@@ -141,7 +141,9 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
                       f"locked RAM for the swap buffers; per step it reads {human_bytes(swap['read_bytes_per_step'])} "
                       f"and writes {human_bytes(swap['write_bytes_per_step'])} at {swap['read_bytes_per_s'] / 1e9:.1f}/"
                       f"{swap['write_bytes_per_s'] / 1e9:.1f} GB/s ({rates}); "
-                      f"{swap['bandwidth_to_hide_io'] / 1e9:.1f} GB/s would keep it within the rest of the step")
+                      f"{swap['bandwidth_to_hide_io'] / 1e9:.1f} GB/s would keep it within the rest of the step"
+                      + ("; pipelined (zero.nvme_pipeline): reads overlap writes and the step, three sub groups of "
+                         "buffers, the first step's moments held until it ends" if swap["pipelined"] else ""))
     for note in plan.notes:
         console.print(f"[dim]note: {note}[/]")
     if not plan.fits:
