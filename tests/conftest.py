@@ -63,15 +63,16 @@ def trained_run(base: Path, config: dict) -> tuple[Path, Path, subprocess.Comple
     return Path(config["run_dir"]), config_file, done
 
 
-def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, resumed_at: int) -> None:
-    """Copy `run`, delete its checkpoint `drop`, resume: it starts at step `resumed_at`,
+def assert_resumes_exactly(run: Path, config_file: Path, copy: Path, drop: str, resumed_at: int,
+                           nproc: int = 1) -> None:
+    """Copy `run`, delete its checkpoint `drop`, resume on `nproc` ranks: it starts at step `resumed_at`,
     every later step has the uninterrupted run's loss and LR, the last eval loss is equal,
     and the optimizer state it saves again as `drop` is bit-equal to the uninterrupted run's."""
     import shutil
 
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "checkpoints" / drop)
-    done = run_zerofit(["train", "--config", str(config_file), "--run-dir", str(copy), "--resume"])
+    done = run_zerofit(["train", "--config", str(config_file), "--run-dir", str(copy), "--resume"], nproc=nproc)
     assert "resumed from" in done.stderr and f"step {resumed_at}" in done.stderr
     original = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}
     resumed = {m["step"]: m for m in read_jsonl(copy / "metrics.jsonl")}

@@ -6,7 +6,6 @@ sub group of 1.3M elements, over the 1 MiB below which DeepSpeed keeps a sub gro
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -80,9 +79,10 @@ def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
     assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
 
 
-def wide_model(directory: Path) -> Path:
-    """A 2-layer Llama of hidden 256 (vocab 2048) with the demo tokenizer: enough elements
-    for several swapped sub groups at sub_group_size 300k (`mini` has one)."""
+def wide_model(directory: Path) -> dict:
+    """The model section of a 2-layer Llama of hidden 256 (vocab 2048) with the demo
+    tokenizer, written to `directory`: enough elements for several swapped sub groups at
+    sub_group_size 300k (`mini` has one)."""
     from transformers import LlamaConfig
 
     from zerofit.demo import build_tokenizer
@@ -90,7 +90,7 @@ def wide_model(directory: Path) -> Path:
     LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=4).save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
-    return directory
+    return {"config": str(directory), "tokenizer": str(directory), "gradient_checkpointing": False}
 
 
 @needs_async_io
@@ -98,19 +98,13 @@ def test_two_ranks_resume_their_swapped_state_exactly(tmp_path):
     """Two ranks, each with its own swap files and optimizer file. DeepSpeed hands a rank
     its own optimizer file and None for the others' (`_get_all_zero_checkpoint_state_dicts`);
     the resume restores each rank's state and every later step has the uninterrupted run's loss."""
-    model_dir = wide_model(tmp_path / "model")
     config = nvme_config(tmp_path / "run", tmp_path / "swap", sub_group_size=150_000)
-    config["model"] = {"config": str(model_dir), "tokenizer": str(model_dir), "gradient_checkpointing": False}
+    config["model"] = wide_model(tmp_path / "model")
     config_file = write_config(tmp_path / "c.yaml", config)
     run_zerofit(["train", "--config", str(config_file)], nproc=2)
-    run, copy = tmp_path / "run", tmp_path / "copy"
+    run = tmp_path / "run"
     assert json.loads((run / "plan.json").read_text())["nvme"]["swapped_sub_groups"] >= 2
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step-000006")
-    done = run_zerofit(["train", "--config", str(config_file), "--run-dir", str(copy), "--resume"], nproc=2)
-    assert "resumed from" in done.stderr
-    original, resumed = ({m["step"]: m["loss"] for m in read_jsonl(d / "metrics.jsonl")} for d in (run, copy))
-    assert [resumed[s] for s in (4, 5, 6)] == [original[s] for s in (4, 5, 6)]
+    assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3, nproc=2)
 
 
 @needs_async_io
@@ -119,12 +113,12 @@ def test_pipelined_swap_trains_what_the_serial_swap_trains(tmp_path):
     swapper really has one reading, one stepping and one writing (with `mini` only one is
     swapped). With zerofit's buffer_count 12 it runs, every loss equals the one-at-a-time
     swapper's bit for bit, and its checkpoint resumes exactly."""
-    model_dir = wide_model(tmp_path / "model")
+    model = wide_model(tmp_path / "model")
     runs = {}
     for pipelined in (False, True):
         config = nvme_config(tmp_path / f"run-{pipelined}", tmp_path / "swap", sub_group_size=300_000,
                              nvme_pipeline=pipelined)
-        config["model"] = {"config": str(model_dir), "tokenizer": str(model_dir), "gradient_checkpointing": False}
+        config["model"] = model
         if not pipelined:
             config["checkpoint"] = {"every_steps": 0, "save_final": False}
         base = tmp_path / f"base-{pipelined}"

@@ -60,8 +60,10 @@ def zero_section(config: Config) -> dict:
     section.update(overlap_comm=zero.overlap_comm, contiguous_gradients=True,
                    reduce_bucket_size=zero.reduce_bucket_size, sub_group_size=zero.sub_group_size)
     if zero.offload_optimizer != "none":
-        section["offload_optimizer"] = offload_section(zero.offload_optimizer, config, ratio=zero.offload_optimizer_ratio,
-                                                       optimizer=True)
+        section["offload_optimizer"] = offload_section(zero.offload_optimizer, config, ratio=zero.offload_optimizer_ratio)
+        if zero.offload_optimizer == "nvme" and zero.nvme_pipeline:
+            section["offload_optimizer"].update(pipeline_read=True, pipeline_write=True,
+                                                buffer_count=PIPELINED_BUFFER_COUNT)
     if zero.stage == 3:
         section.update(
             stage3_prefetch_bucket_size=zero.prefetch_bucket_size,
@@ -75,12 +77,10 @@ def zero_section(config: Config) -> dict:
     return section
 
 
-def offload_section(device: str, config: Config, ratio: float = 1.0, optimizer: bool = False) -> dict:
+def offload_section(device: str, config: Config, ratio: float = 1.0) -> dict:
     section = {"device": device, "pin_memory": config.zero.pin_memory}
     if device == "nvme":
         section["nvme_path"] = nvme.swap_root(config)  # the run's own folder under zero.nvme_path
-        if optimizer and config.zero.nvme_pipeline:
-            section.update(pipeline_read=True, pipeline_write=True, buffer_count=PIPELINED_BUFFER_COUNT)
     if ratio < 1.0:
         section["ratio"] = ratio
     return section

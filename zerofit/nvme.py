@@ -324,7 +324,6 @@ def restore_optimizer_state(ds_engine, load_dir: Path) -> None:
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 
     optimizer = ds_engine.optimizer
-    release_swapped_views(optimizer.optimizer_swapper)  # the fresh engine's, left by its first swap out
     state_dicts = ds_engine._get_all_zero_checkpoints(str(load_dir.parent), load_dir.name)
     if state_dicts is None:
         raise NvmeError(f"{load_dir} has no optimizer files; it cannot resume an NVMe-offloaded optimizer")
@@ -350,6 +349,11 @@ def restore_optimizer_state(ds_engine, load_dir: Path) -> None:
     optimizer.checkpoint_event_epilogue()
 
 
+def pipelined(swapper) -> bool:
+    """DeepSpeed's PipelinedOptimizerSwapper with its writes overlapped (zero.nvme_pipeline)."""
+    return swapper is not None and getattr(swapper, "async_swap_out", False)
+
+
 def release_swapped_views(swapper) -> None:
     """Empty the swapped sub groups' fp32 master and moment tensors between steps, as
     DeepSpeed's one-at-a-time swapper does after every swap out (`release_swap_buffers`).
@@ -362,7 +366,7 @@ def release_swapped_views(swapper) -> None:
     loss 7.01 where the uninterrupted one had 6.09 at the first step after it (hidden 256,
     five swapped sub groups). Nothing is in flight between steps: the step's last sub group
     swaps out synchronously after waiting for the one before it."""
-    if swapper is None or not getattr(swapper, "async_swap_out", False):
+    if not pipelined(swapper):
         return
     for info in swapper.swap_params_info.values():
         info.release_memory()
@@ -377,7 +381,7 @@ def views_released_before_the_copy(optimizer):
     size (524,288 vs 0). Released at that `_post_step`, the load is the one-at-a-time
     swapper's, and resumes bit for bit (tests/test_nvme.py)."""
     swapper = optimizer.optimizer_swapper
-    if swapper is None or not getattr(swapper, "async_swap_out", False):
+    if not pipelined(swapper):
         yield
         return
     post_step = optimizer._post_step
