@@ -237,6 +237,9 @@ def test_plan_proposes_nvme_when_host_ram_is_short(tmp_path, capsys):
     planview.render(decision, spec, hw)
     out = capsys.readouterr().out.replace("\n", " ")
     assert "of swap files under" in out and "GB/s would keep it within the rest of the step" in out
+    assert summary["swap_seconds_per_step"] == plan.step_terms["nvme"] > 0
+    assert summary["swap_seconds_per_step"] + summary["other_seconds_per_step"] == pytest.approx(plan.step_seconds)
+    assert f"~{plan.step_terms['nvme']:.1f} s of swap per step beside" in out
     # with host RAM to spare the faster CPU offload wins
     roomy, _, _ = planned("256GiB", tmp_path)
     assert roomy.plan.fits and roomy.plan.candidate.offload_optimizer == "cpu"
@@ -277,12 +280,13 @@ def test_pipelined_swap_costs_buffers_and_saves_its_measured_share():
     assert pipelined.pinned_buffer_bytes == 3 * serial.pinned_buffer_bytes
     read, write = 2e9, 1e9  # bytes/s
     moved = 10 * 16 * numel  # per step, each way: master, two moments, gradients
-    assert swaplayout.nvme_seconds(serial, read, write) == pytest.approx(moved / read + moved / write)
+    at_rates = moved / read + moved / write
+    assert swaplayout.nvme_seconds(serial, read, write) == pytest.approx(swaplayout.SERIAL_SWAP_FRACTION * at_rates)
     assert swaplayout.nvme_seconds(pipelined, read, write) == pytest.approx(
-        swaplayout.PIPELINED_SWAP_FRACTION * (moved / read + moved / write))
+        swaplayout.PIPELINED_SWAP_FRACTION * swaplayout.SERIAL_SWAP_FRACTION * at_rates)
     # one sub group: nothing to overlap
     single = swaplayout.layout(groups[:1], Aio(), pipelined=True)
-    assert swaplayout.nvme_seconds(single, read, write) == pytest.approx((moved / read + moved / write) / 10)
+    assert swaplayout.nvme_seconds(single, read, write) == pytest.approx(swaplayout.nvme_seconds(serial, read, write) / 10)
 
 
 def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path):

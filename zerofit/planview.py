@@ -79,6 +79,7 @@ def nvme_summary(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict | No
             "read_bytes_per_step": swap.read_bytes_per_step, "write_bytes_per_step": swap.write_bytes_per_step,
             "read_bytes_per_s": read_rate, "write_bytes_per_s": write_rate,
             "rates_measured": hw.nvme_read_bytes_per_s is not None, "pipelined": swap.pipelined,
+            "swap_seconds_per_step": plan.step_terms.get("nvme", 0.0), "other_seconds_per_step": other,
             "bandwidth_to_hide_io": bandwidth_to_hide(swap, other), "aio": nvme.aio_of(config).to_json()}
 
 
@@ -140,8 +141,10 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
                       f"({human_bytes(swap['free_bytes'] or 0)} free), {human_bytes(swap['locked_buffer_bytes'])} of "
                       f"locked RAM for the swap buffers; per step it reads {human_bytes(swap['read_bytes_per_step'])} "
                       f"and writes {human_bytes(swap['write_bytes_per_step'])} at {swap['read_bytes_per_s'] / 1e9:.1f}/"
-                      f"{swap['write_bytes_per_s'] / 1e9:.1f} GB/s ({rates}); "
-                      f"{swap['bandwidth_to_hide_io'] / 1e9:.1f} GB/s would keep it within the rest of the step"
+                      f"{swap['write_bytes_per_s'] / 1e9:.1f} GB/s ({rates}): ~{swap['swap_seconds_per_step']:.1f} s "
+                      f"of swap per step beside ~{swap['other_seconds_per_step']:.1f} s of the rest (more micro batches "
+                      f"per step amortise it); {swap['bandwidth_to_hide_io'] / 1e9:.1f} GB/s would keep it within the "
+                      "rest of the step"
                       + ("; pipelined (zero.nvme_pipeline): reads overlap writes and the step, three sub groups of "
                          "buffers, the first step's moments held until it ends" if swap["pipelined"] else ""))
     for note in plan.notes:

@@ -255,7 +255,7 @@ def engine_start_host(host_states: dict[str, int], spec: ModelSpec, shape: Shape
     the first step creates, plus a second copy of the rank's 16-bit parameters when they
     are offloaded. That copy was measured, not traced: llama-3.6b with parameters on CPU,
     VmHWM 7.2 GB (= 2 bytes x 3.6B) above the RSS after start in all three runs of
-    bench/results/nvme.json (CPU, NVMe, pipelined NVMe). With the optimizer on the CPU the
+    bench/results/nvme-3.6b-a64.json (CPU, NVMe, pipelined NVMe). With the optimizer on the CPU the
     moments of the first step hide it; on NVMe it is the run's host peak."""
     start = {k: v for k, v in host_states.items() if k not in FIRST_STEP_HOST}
     if on_gpu and cand.offload_param != "none":
@@ -281,7 +281,7 @@ def _nvme_optimizer_states(swap: SwapLayout, host: dict[str, int]) -> dict[str, 
         # Adam's first step creates every swapped sub group's moments in pageable RAM; the
         # pipelined swapper copies them into its buffers but keeps the tensors until zerofit
         # releases them after the step (nvme.release_swapped_views). Measured, llama-3.6b:
-        # host RSS 77.3 GB at the end of step 1, 48.5 GB from step 2 on (bench/results/nvme.json).
+        # host RSS 77.3 GB at the end of step 1, 48.5 GB from step 2 on (bench/results/nvme-3.6b-a64.json).
         host["first_step_moments_pipelined"] = 8 * swap.swapped_numel
     return {"optimizer_swap": swap.state_bytes, "gradient_swap": swap.gradient_bytes}
 
