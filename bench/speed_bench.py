@@ -326,7 +326,8 @@ def roofline(work: dict, rates: dict) -> dict:
         terms["compute"] = work["flops"] / rates["matmul_flops_per_s"]
     if rates.get("h2d_bytes_per_s"):
         pcie = min(rates["h2d_bytes_per_s"], rates["d2h_bytes_per_s"])
-        terms["pcie"] = (work["pcie_param_bytes"] + work["pcie_grad_bytes"] + work["copy_back_bytes"]) / pcie
+        moved = work["pcie_param_bytes"] + work["pcie_grad_bytes"] + work["boundary_grad_bytes"] + work["copy_back_bytes"]
+        terms["pcie"] = moved / pcie
     if rates.get("cpu_adam_seconds_per_param"):
         terms["cpu_adam"] = work["adam_host_params"] * rates["cpu_adam_seconds_per_param"]
     terms = {k: round(v, 4) for k, v in terms.items()}

@@ -285,7 +285,7 @@ def test_plan_cli_json_and_exit_codes():
     assert over.returncode == 1
     assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of GPU memory per rank" in over.stdout
     assert "candidates" in over.stdout  # --explain
-    assert "max(compute, pcie_params + zero3_hooks)" in " ".join(over.stdout.split())  # how the terms add up
+    assert "max(compute, pcie_params + zero3_hooks, pcie_grads)" in " ".join(over.stdout.split())  # how the terms add up
 
 
 def test_sizes_parse_and_bad_ones_name_the_key():

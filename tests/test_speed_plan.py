@@ -1,7 +1,7 @@
 """The planner's speed levers and cost model: every parameter persistent on one rank that
 keeps them on the GPU, the step's work (FLOPs, PCIe bytes, Adam elements) that the cost model
-and bench/speed_bench.py's roofline share, and the calibration against the device README's
-measured stock steps. Pure functions: the real planner, no engine."""
+and bench/speed_bench.py's roofline share (the calibration against measured steps:
+test_cost_model.py). Pure functions: the real planner, no engine."""
 from dataclasses import replace
 
 import pytest
@@ -29,7 +29,7 @@ def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
     hw = cuda_box("8GiB", host="120GiB")
     before = planner.predict(spec, hw, decision.plan.shape, auto)
     assert before.devices["gpu"].total_bytes == decision.plan.devices["gpu"].total_bytes
-    assert before.step_terms["zero3_hooks"] > 5 * decision.plan.step_terms["zero3_hooks"]
+    assert before.step_terms["zero3_hooks"] > 3 * decision.plan.step_terms["zero3_hooks"]
     assert before.step_seconds > decision.plan.step_seconds
     work = planner.step_work(spec, decision.plan.shape, decision.plan.candidate)
     assert work["fetch_visits"] == 0 and work["idle_visits"] > 0
@@ -56,7 +56,8 @@ def test_step_work_counts_flops_pcie_bytes_and_adam_elements():
     assert work["pcie_param_bytes"] == 8 * 3 * 2 * n     # forward, recompute, backward fetches
     # bf16 gradients out each micro batch and back in for the 7 accumulations, fp32 at the
     # boundary; the updated 16-bit parameters stay on the host with them
-    assert work["pcie_grad_bytes"] == pytest.approx(2 * n * (8 + 2 * 7) + 4 * n)
+    assert work["pcie_grad_bytes"] == 2 * n * (8 + 2 * 7)
+    assert work["boundary_grad_bytes"] == 4 * n
     assert work["copy_back_bytes"] == 0
     assert work["adam_host_params"] == n and work["adam_device_params"] == 0
     on_gpu = planner.step_work(spec, Shape(seq_len=1024, micro_batch=2, grad_accum=8),
@@ -110,17 +111,6 @@ def test_reduce_bucket_grows_when_it_fits_and_stays_as_set():
     assert given.config.zero.reduce_bucket_size == 1234567 and "zero.reduce_bucket_size" not in given.chosen_fields
     lora = modelspec.from_config(config(model={"config": "llama-1.5b"}, lora={"enabled": True}))
     assert max(choice.reduce_buckets(decision.plan.candidate, lora, set())) == lora.trainable_params
-
-
-@pytest.mark.parametrize("model, measured", [("llama-1.5b", 1.43), ("llama-3.6b", 2.34)])
-def test_cost_model_matches_the_readme_stock_steps(model, measured):
-    """/work/shared/device/README.md: stock ZeRO-3, optimizer + params on CPU, micro batch 2,
-    seq 1024, gradient checkpointing, one H200 with 16 cores (single process)."""
-    spec = modelspec.from_name(model)
-    cand = replace(Candidate(offload_optimizer="cpu", offload_param="cpu"), **choice.auto_buckets(spec))
-    plan = planner.predict(spec, cuda_box("24GiB", cores=16), Shape(seq_len=1024, micro_batch=2), cand)
-    assert plan.step_seconds == pytest.approx(measured, rel=0.2)
-    assert hardware.ZERO3_SECONDS_PER_MODULE_VISIT > hardware.ZERO3_SECONDS_PER_IDLE_VISIT
 
 
 def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():

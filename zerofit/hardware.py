@@ -30,36 +30,50 @@ PCIE_BYTES_PER_S = 55e9             # pinned host<->device, each way
 # 7.2 GB in 0.71 s with zerofit's heap temporaries, 1.68 s with a fresh mmap per sub-group.
 COPY_BACK_BYTES_PER_S = {True: 10.1e9, False: 4.3e9}  # by train.heap_step_temporaries
 CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
-CPU_ADAM_CORES = 16                        # ... on this many cores (scaled linearly with cores)
+CPU_ADAM_CORES = 16                        # ... on this many cores; with more or fewer, x (16 / cores)^0.5:
+# Adam streams ~16 bytes per parameter, so memory bandwidth, not cores, runs out: 32 threads on
+# the 2 x H200 host ran 0.159 and 0.177 ns per parameter (3.6B, 1.5B), not 0.115
+# (bench/results/speed-3.6b-x2.json, speed-1.5b.json; rates.cpu_adam_seconds_per_param).
+CPU_ADAM_CORE_EXPONENT = 0.5
 DISK_WRITE_BYTES_PER_S = 1.5e9      # sequential write with fsync (/tmp)
 DISK_READ_BYTES_PER_S = 2.2e9       # sequential read
 # Not measured there; from vendor data sheets (H200: 4.8 TB/s HBM3e, NVLink 900 GB/s
 # bidirectional), discounted to what streaming kernels and NCCL reach in practice.
 GPU_MEMORY_BYTES_PER_S = 0.7 * 4.8e12
 NVLINK_BYTES_PER_S = 0.5 * 450e9
-# Fraction of matmul peak a training step reaches (model FLOPs utilisation). The README's
-# 1.5B/3.6B offload runs are dominated by transfers and CPU-Adam, so this is an assumption
-# (typical 35-50% for dense decoder training), to be refined by bench/planner_accuracy.py.
-MODEL_FLOPS_UTILISATION = 0.4
-# ZeRO-3 hook work per visit of a module that fetches and releases parameters. With the
-# forward/backward as max(GPU compute, parameter fetches + hooks) (planner.step_seconds),
-# the single-H200 steps leave per fetching visit: README stock runs (micro batch 2, seq 1024)
-# 2.0 ms (1.5B, 1.43 s/step, 340 visits) and 1.07 ms (3.6B, 2.34 s, 592); the stock config at
-# micro 8 x 2 on 3.6B, bench/results/speed-3.6b.json, 1.07 ms (3.85 s, 1184). 1.4 ms predicts
-# these and zerofit's offloaded-parameter step there (2.85 s) within -13% .. +12%.
-ZERO3_SECONDS_PER_MODULE_VISIT = 1.4e-3
-# A visit whose parameters are all persistent fetches and releases nothing: only the hook
-# bookkeeping (trace, prefetch queue) is left. Not measured yet; an assumption (a seventh of
-# a fetching visit) that bench/speed_bench.py's per-config step times are there to refine.
-ZERO3_SECONDS_PER_IDLE_VISIT = 0.1e-3
-# Each flush of the gradient reduce bucket (stage3.py __reduce_and_partition_ipg_grads: a
-# stream wait, the reduce, per-parameter partition copies) costs fixed work whatever its
-# size. On the H200 every 1.5B config paid ~0.6 s per micro batch with params on the GPU or
-# not, with ~360 flushes per micro batch at HF's hidden^2 bucket (bench/results/speed.json):
-# the flushes are the suspect. The per-flush seconds are not isolated yet: 0.2 ms is an
-# assumed floor that only ranks bucket sizes; speed_bench's reduce_bucket lever (the plan's
-# bucket vs hidden^2) measures it on the GPU.
-ZERO_SECONDS_PER_REDUCE_FLUSH = 0.2e-3
+
+
+@dataclass(frozen=True)
+class StepRates:
+    """The cost model's fitted constants (planner.step_time_terms, planner.step_seconds).
+
+    Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
+    machine (16 steps: 1.5B and 3.6B, micro batch 1 to 16, 1 to 88 micro batches per step, the
+    stock config and zerofit's choices, CPU and NVMe offload, the 16-core and the 32-core H200
+    hosts; bench/results/cost_fit.txt): worst error 13.2%; each step left out of the fit and
+    predicted from the other 15 within 32% (1.5B stock at micro 2 x 8; the others within 19%).
+    Each is what its mechanism costs on those hosts, not a measurement of it alone."""
+    # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
+    # matmul peak); with the gradient traffic overlapped (planner.step_seconds) the 3.6B
+    # steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per micro batch: ~0.55.
+    model_flops_utilisation: float = 0.5
+    # ZeRO-3 hook work per visit of a module that fetches and releases parameters (the Python
+    # thread: fetch, wait, release), and per visit of one whose parameters are all persistent
+    # (the hook's bookkeeping alone).
+    seconds_per_fetching_visit: float = 0.8e-3
+    seconds_per_idle_visit: float = 0.2e-3
+    # Each flush of the gradient reduce bucket (stage3.py __reduce_and_partition_ipg_grads: a
+    # stream wait, the reduce, per-parameter partition copies), whatever its size.
+    seconds_per_reduce_flush: float = 0.4e-3
+    # The accumulation boundary's fp32 gradients of the host-stepped elements (4 bytes each:
+    # stage3.py partition_grads at the boundary, its copy into the optimizer's fp32 gradient
+    # buffer with the norm and overflow check over it), bytes/s. A third of pinned PCIe: the
+    # copy is the host's, not the link's. Without this term, a one-micro-batch step and a step
+    # of 64 cost the same per micro batch, which the 3.6B runs contradict (2.44 s vs 1.16 s).
+    boundary_grad_bytes_per_s: float = 20e9
+
+
+STEP_RATES = StepRates()
 
 
 @dataclass(frozen=True)

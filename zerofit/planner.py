@@ -209,9 +209,11 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
       per token (PaLM, arXiv:2204.02311 app. B), plus a forward with recompute;
     - pcie_param_bytes: offloaded 16-bit parameters copied to the GPU for forward, recompute
       and backward (ZeRO-Infinity, arXiv:2104.07857 sec. 5);
-    - pcie_grad_bytes: gradient partitions to the host each micro batch, a round trip when
-      accumulating (stage3.py partition_grads: a CPU buffer is copied to the GPU, added to,
-      copied back), fp32 at the boundary (_offload_grad_partition_at_boundary);
+    - pcie_grad_bytes: 16-bit gradient partitions to the host each micro batch, a round trip
+      when accumulating (stage3.py partition_grads: a CPU buffer is copied to the GPU, added
+      to, copied back);
+    - boundary_grad_bytes: fp32 gradients of the host-stepped elements at the accumulation
+      boundary (_offload_grad_partition_at_boundary), once per step;
     - copy_back_bytes: the updated 16-bit parameters of the host-stepped sub-groups, copied
       to the GPU when the parameters live there (_reassign_or_swap_out_partitioned_parameters:
       converted on the host, then an unpinned copy; zerofit/hostalloc.py); with parameters
@@ -240,8 +242,8 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
     work["pcie_param_bytes"] = accum * passes * a * n_rank if cand.offload_param != "none" else 0
     work["pcie_grad_bytes"] = 0
     if cand.offload_optimizer != "none":
-        per_micro = a * t_rank * (1 + 2 * (accum - 1) / accum)
-        work["pcie_grad_bytes"] = accum * per_micro + 4 * work["adam_host_params"]
+        work["pcie_grad_bytes"] = a * t_rank * (accum + 2 * (accum - 1))
+    work["boundary_grad_bytes"] = 4 * work["adam_host_params"]
     work["copy_back_bytes"] = a * work["adam_host_params"] if cand.offload_param == "none" else 0
     if cand.stage >= 2:
         work["reduce_flushes"] = accum * -(-trainable // cand.reduce_bucket_size)
@@ -252,15 +254,18 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
     return work
 
 
-def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate) -> dict[str, float]:
+def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate,
+                    rates: hw_rates.StepRates = hw_rates.STEP_RATES) -> dict[str, float]:
     """Seconds one optimizer step spends per term (step_seconds says which overlap), from
-    step_work's quantities at the rates in zerofit/hardware.py.
+    step_work's quantities at the rates in zerofit/hardware.py (`rates`: the fitted ones).
 
     - compute: the step's FLOPs at the calibrated matmul rate x utilisation;
-    - pcie_params / pcie_grads: parameter and gradient bytes over pinned PCIe;
+    - pcie_params / pcie_grads: parameter and 16-bit gradient bytes over pinned PCIe;
+    - grad_boundary: the boundary's fp32 gradients into the host optimizer's buffer;
     - param_copy_back: the updated 16-bit parameters to the GPU at the rate measured for
       that copy (host conversion and an unpinned copy), with or without heap temporaries;
-    - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate; a device Adam streams
+    - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate (x (16 / cores)^0.5,
+      hardware.CPU_ADAM_CORE_EXPONENT); a device Adam streams
       ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
     - nvme: swapped optimizer sub groups (master, moments and gradients in, master, moments
       and gradients out, swaplayout.SwapLayout) and parameters, at the path's measured rates
@@ -276,7 +281,7 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     n_rank = -(-N // W) if cand.stage == 3 else N
     cores = max(1, hw.cpu_cores // ranks_on_this_node(hw, W))
     work = step_work(spec, shape, cand)
-    rate = hw_rates.BF16_MATMUL_FLOPS * hw_rates.MODEL_FLOPS_UTILISATION if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
+    rate = hw_rates.BF16_MATMUL_FLOPS * rates.model_flops_utilisation if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
     terms = {"compute": work["flops"] / rate}
     offloaded, on_device = work["adam_host_params"], work["adam_device_params"]
     if hw.on_gpu:
@@ -284,11 +289,14 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
             terms["pcie_params"] = work["pcie_param_bytes"] / hw_rates.PCIE_BYTES_PER_S
         if work["pcie_grad_bytes"]:
             terms["pcie_grads"] = work["pcie_grad_bytes"] / hw_rates.PCIE_BYTES_PER_S
+        if work["boundary_grad_bytes"]:
+            terms["grad_boundary"] = work["boundary_grad_bytes"] / rates.boundary_grad_bytes_per_s
         if work["copy_back_bytes"]:
             terms["param_copy_back"] = work["copy_back_bytes"] / hw_rates.COPY_BACK_BYTES_PER_S[
                 shape.heap_step_temporaries]
     if offloaded:
-        terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM * hw_rates.CPU_ADAM_CORES / cores
+        terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM \
+            * (hw_rates.CPU_ADAM_CORES / cores) ** hw_rates.CPU_ADAM_CORE_EXPONENT
     if on_device:
         terms["device_adam"] = on_device * 36 / (hw_rates.GPU_MEMORY_BYTES_PER_S if hw.on_gpu else 5e9 * cores)
     if cand.offload_optimizer == "nvme":
@@ -298,10 +306,10 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
         read_rate, write_rate = nvme_rates(hw)
         terms["nvme"] = terms.get("nvme", 0) + accum * passes * swapped / read_rate + swapped / write_rate
     if cand.stage == 3:
-        terms["zero3_hooks"] = work["fetch_visits"] * hw_rates.ZERO3_SECONDS_PER_MODULE_VISIT \
-            + work["idle_visits"] * hw_rates.ZERO3_SECONDS_PER_IDLE_VISIT
+        terms["zero3_hooks"] = work["fetch_visits"] * rates.seconds_per_fetching_visit \
+            + work["idle_visits"] * rates.seconds_per_idle_visit
     if work.get("reduce_flushes"):
-        terms["reduce_flushes"] = work["reduce_flushes"] * hw_rates.ZERO_SECONDS_PER_REDUCE_FLUSH
+        terms["reduce_flushes"] = work["reduce_flushes"] * rates.seconds_per_reduce_flush
     if W > 1:
         volume = a * N * (W - 1) / W
         gathers = passes if cand.stage == 3 else 0
@@ -309,17 +317,21 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     return {k: round(v, 4) for k, v in terms.items()}
 
 
-OVERLAPPED_TERMS = ("compute", "pcie_params", "zero3_hooks")
+OVERLAPPED_TERMS = ("compute", "pcie_params", "zero3_hooks", "pcie_grads")
 
 
 def step_seconds(terms: dict[str, float]) -> float:
-    """One step's seconds from its terms. The GPU computes while the Python thread runs
-    ZeRO-3's hooks and waits for the parameters they fetch (DeepSpeed prefetches on its own
-    stream), so forward and backward take max(compute, pcie_params + zero3_hooks); the rest
-    (gradients out, the CPU optimizer step, the copy back, NVMe, collectives) adds up. On the
-    H200, 3.6B: the stock config at micro 2 ran 2.34 s/step and at 16 sequences 3.85 s, where
-    a sum would add 1.3 s of compute (bench/results/speed-3.6b.json, device README)."""
-    overlapped = max(terms.get("compute", 0.0), terms.get("pcie_params", 0.0) + terms.get("zero3_hooks", 0.0))
+    """One step's seconds from its terms. Three lanes run side by side through forward and
+    backward: the GPU computing; the Python thread running ZeRO-3's hooks and waiting for the
+    parameters they fetch (DeepSpeed prefetches on its own stream); the 16-bit gradients
+    leaving for the host on the reduction stream. So they take max(compute, pcie_params +
+    zero3_hooks, pcie_grads); the rest (the boundary's fp32 gradients, the CPU optimizer step,
+    the copy back, NVMe, collectives) adds up. Why the gradients are a lane of their own: the
+    3.6B steps of 64 and 88 micro batches ran 1.10 s per micro batch where compute and the
+    gradient round trip in a row would take 1.6 (bench/results/nvme.json, nvme-3.6b-a64.json;
+    bench/cost_fit.py compares the alternatives)."""
+    overlapped = max(terms.get("compute", 0.0), terms.get("pcie_params", 0.0) + terms.get("zero3_hooks", 0.0),
+                     terms.get("pcie_grads", 0.0))
     return round(overlapped + sum(v for k, v in terms.items() if k not in OVERLAPPED_TERMS), 4)
 
 
