@@ -55,8 +55,8 @@ class StepRates:
     config at micro 2 x 8 on 1.5B the worst): a new kind of step can miss by a third. Each is
     what its mechanism costs on those hosts, not a measurement of it alone."""
     # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
-    # matmul peak); with the gradient traffic overlapped (planner.step_seconds) the 3.6B
-    # steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per micro batch: ~0.55.
+    # matmul peak). The 3.6B steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per
+    # micro batch, 0.55 of the peak were it compute alone; the fit across all steps: 0.5.
     model_flops_utilisation: float = 0.5
     # ZeRO-3 hook work per visit of a module that fetches and releases parameters (the Python
     # thread: fetch, wait, release), and per visit of one whose parameters are all persistent
