@@ -18,7 +18,7 @@ import argparse
 import itertools
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,11 +47,15 @@ CANDIDATE_FIELDS = ("offload_optimizer", "offload_optimizer_ratio", "offload_par
 @dataclass(frozen=True)
 class MeasuredStep:
     name: str
-    model: str
+    spec: modelspec.ModelSpec
     shape: Shape
     candidate: Candidate
     hw: hardware.Hardware
     seconds: float
+    work: dict = field(init=False, compare=False)  # planner.step_work's, whatever the rates
+
+    def __post_init__(self):
+        object.__setattr__(self, "work", planner.step_work(self.spec, self.shape, self.candidate))
 
 
 def h200_host(cores: int, nvme_rates: tuple[float, float] | None = None) -> hardware.Hardware:
@@ -77,7 +81,7 @@ def speed_steps(name: str, cores: int) -> list[MeasuredStep]:
             shape = Shape(seq_len=case["seq_len"], micro_batch=micro, grad_accum=case["global_batch"] // micro,
                           gradient_checkpointing=entry.get("gradient_checkpointing") is not False,
                           heap_step_temporaries=config == "zerofit" and name in HEAP_TEMPORARIES_ON)
-            steps.append(MeasuredStep(f"{name} {case['model']}@{case['gpu_cap_gib']} {config}", case["model"], shape,
+            steps.append(MeasuredStep(f"{name} {case['model']}@{case['gpu_cap_gib']} {config}", spec, shape,
                                       cand, h200_host(cores), entry["steady_step_seconds"]))
     return steps
 
@@ -89,20 +93,22 @@ def nvme_steps(name: str, cores: int) -> list[MeasuredStep]:
                   gradient_checkpointing=True)
     rates = (result["disk"]["read_bytes_per_s"], result["disk"]["write_bytes_per_s"])
     aio = result["disk"]["aio"]
+    spec = modelspec.from_name(result["preset"])
     steps = []
     for run in ("cpu", "nvme", "nvme_pipelined"):
         if len(result.get(run, {}).get("step_seconds", [])) < 2:
             continue
         cand = Candidate(offload_optimizer=run.split("_")[0], offload_param="cpu", nvme_pipeline=run == "nvme_pipelined",
                          aio_block_size=aio["block_size"], aio_intra_op_parallelism=aio["intra_op_parallelism"])
-        steps.append(MeasuredStep(f"{name} {result['preset']} {run} x{result['grad_accum']}", result["preset"], shape,
+        steps.append(MeasuredStep(f"{name} {result['preset']} {run} x{result['grad_accum']}", spec, shape,
                                   cand, h200_host(cores, rates), result[run]["step_seconds"][1]))
     return steps
 
 
 def readme_steps() -> list[MeasuredStep]:
-    return [MeasuredStep(f"device README {model} stock micro 2", model, Shape(seq_len=1024, micro_batch=2),
-                         stock_candidate(modelspec.from_name(model)), h200_host(16), seconds)
+    specs = {model: modelspec.from_name(model) for model in README_STOCK_STEPS}
+    return [MeasuredStep(f"device README {model} stock micro 2", specs[model], Shape(seq_len=1024, micro_batch=2),
+                         stock_candidate(specs[model]), h200_host(16), seconds)
             for model, seconds in README_STOCK_STEPS.items()]
 
 
@@ -115,13 +121,13 @@ def measured_steps() -> list[MeasuredStep]:
     return steps
 
 
-def predicted(step: MeasuredStep, rates: hardware.StepRates = hardware.STEP_RATES, specs: dict | None = None) -> float:
-    spec = (specs or {}).get(step.model) or modelspec.from_name(step.model)
-    return planner.step_seconds(planner.step_time_terms(spec, step.hw, step.shape, step.candidate, rates))
+def predicted(step: MeasuredStep, rates: hardware.StepRates = hardware.STEP_RATES) -> float:
+    return planner.step_seconds(planner.step_time_terms(step.spec, step.hw, step.shape, step.candidate, rates,
+                                                        work=step.work))
 
 
-def errors(steps: list[MeasuredStep], rates: hardware.StepRates, specs: dict) -> list[float]:
-    return [predicted(s, rates, specs) / s.seconds - 1 for s in steps]
+def errors(steps: list[MeasuredStep], rates: hardware.StepRates) -> list[float]:
+    return [predicted(s, rates) / s.seconds - 1 for s in steps]
 
 
 GRID = {"model_flops_utilisation": [0.4, 0.45, 0.5, 0.55, 0.6, 0.65],
@@ -131,12 +137,12 @@ GRID = {"model_flops_utilisation": [0.4, 0.45, 0.5, 0.55, 0.6, 0.65],
         "boundary_grad_bytes_per_s": [10e9, 15e9, 20e9, 30e9, 55e9]}
 
 
-def fit(steps: list[MeasuredStep], specs: dict) -> tuple[float, hardware.StepRates]:
+def fit(steps: list[MeasuredStep]) -> tuple[float, hardware.StepRates]:
     """The grid point with the smallest worst relative error over `steps`."""
     best = None
     for values in itertools.product(*GRID.values()):
         rates = hardware.StepRates(**dict(zip(GRID, values)))
-        worst = max(abs(e) for e in errors(steps, rates, specs))
+        worst = max(abs(e) for e in errors(steps, rates))
         if best is None or worst < best[0]:
             best = (worst, rates)
     return best
@@ -147,17 +153,17 @@ def main() -> int:
     parser.add_argument("--fit", action="store_true", help="grid-search StepRates, then leave each step out once")
     args = parser.parse_args()
     steps = measured_steps()
-    specs = {s.model: modelspec.from_name(s.model) for s in steps}
-    for step, error in zip(steps, errors(steps, hardware.STEP_RATES, specs)):
-        print(f"{step.name:60s} measured {step.seconds:8.3f} s  predicted {predicted(step, specs=specs):8.3f} s  "
+    committed = errors(steps, hardware.STEP_RATES)
+    for step, error in zip(steps, committed):
+        print(f"{step.name:60s} measured {step.seconds:8.3f} s  predicted {predicted(step):8.3f} s  "
               f"{100 * error:+6.1f}%")
-    print(f"worst at the committed rates: {100 * max(abs(e) for e in errors(steps, hardware.STEP_RATES, specs)):.1f}%")
+    print(f"worst at the committed rates: {100 * max(abs(e) for e in committed):.1f}%")
     if args.fit:
-        worst, rates = fit(steps, specs)
+        worst, rates = fit(steps)
         print(f"best fit: worst {100 * worst:.1f}% at {rates}")
         for i, step in enumerate(steps):
-            _, held_out = fit(steps[:i] + steps[i + 1:], specs)
-            print(f"  left out {step.name}: predicted from the others {100 * errors([step], held_out, specs)[0]:+.1f}%")
+            _, held_out = fit(steps[:i] + steps[i + 1:])
+            print(f"  left out {step.name}: predicted from the others {100 * errors([step], held_out)[0]:+.1f}%")
     return 0
 
 

@@ -18,8 +18,8 @@ GPU machine's 10-minute limit:
 Per run: host_rss_bytes = the rank's peak RSS (the largest memory.jsonl host_peak; the
 ru_maxrss that os.wait4 reports is kept too but can be lower: zerofit resets VmHWM per phase
 through clear_refs, which resets the kernel's high-water mark ru_maxrss reads; the pipelined
-3.6B run: 77.3 GB in memory.jsonl, 48.6 GB by ru_maxrss), tokens_per_s = median over the steps after the
-first, save_seconds = the training stall of the final checkpoint (sync save: DeepSpeed's
+3.6B run: 77.3 GB in memory.jsonl, 48.6 GB by ru_maxrss), tokens_per_s = median over the
+steps after the first, save_seconds = the training stall of the final checkpoint (sync save: DeepSpeed's
 files, for NVMe its copy of the swap files, fsync, manifest, publish). Targets (issue 8):
 NVMe host RSS <= 50% of CPU offload's, tokens/s >= 60% of it.
 

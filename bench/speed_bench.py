@@ -468,7 +468,7 @@ def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> di
                   gradient_checkpointing=entry.get("gradient_checkpointing", True))
     cand = entry.pop("candidate", None) or stock_candidate(spec)
     work = step_work(spec, shape, cand)
-    terms = step_time_terms(spec, hw, shape, cand)
+    terms = step_time_terms(spec, hw, shape, cand, work=work)
     entry.setdefault("predicted_step_seconds", step_seconds(terms))
     if entry.get("predicted_gpu_peak") and entry.get("gpu_peak"):
         entry["gpu_peak_error_pct"] = round(100 * (entry["predicted_gpu_peak"] / entry["gpu_peak"] - 1), 1)

@@ -33,7 +33,7 @@ def test_predicted_step_seconds_within_20_percent_of_measured(step):
 
 def test_the_plan_estimates_with_the_same_model():
     step = next(s for s in MEASURED if s.name.startswith("speed-1.5b.json") and s.name.endswith("zerofit"))
-    plan = planner.predict(modelspec.from_name(step.model), step.hw, step.shape, step.candidate)
+    plan = planner.predict(step.spec, step.hw, step.shape, step.candidate)
     assert plan.step_seconds == pytest.approx(cost_fit.predicted(step), rel=1e-9)
 
 

@@ -387,6 +387,8 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
     import json
     from pathlib import Path
 
+    from zerofit.memory import read_jsonl
+
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
     measured = json.loads((results / "nvme-3.6b-a64.json").read_text())
     spec = modelspec.from_name("llama-3.6b")
@@ -397,8 +399,8 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
             "nvme_pipelined": Candidate(offload_optimizer="nvme", offload_param="cpu", nvme_pipeline=True)}
     for run, cand in runs.items():
         plan = planner.predict(spec, hw, shape, cand)
-        start = [json.loads(line) for line in (results / f"nvme-3.6b-a64-{run}-memory.jsonl").read_text().splitlines()
-                 if json.loads(line)["phase"] == "start"][0]["host_peak"]
+        start = next(r for r in read_jsonl(results / f"nvme-3.6b-a64-{run}-memory.jsonl") if r["phase"] == "start")
+        start = start["host_peak"]
         peak = measured[run]["host_rss_bytes"]
         assert plan.host_rss_peak == pytest.approx(peak, rel=0.1), run
         assert plan.start_peak["host"].total_bytes == pytest.approx(start, rel=0.1), run

@@ -255,9 +255,11 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
 
 
 def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate,
-                    rates: hw_rates.StepRates = hw_rates.STEP_RATES) -> dict[str, float]:
+                    rates: hw_rates.StepRates = hw_rates.STEP_RATES, work: dict | None = None) -> dict[str, float]:
     """Seconds one optimizer step spends per term (step_seconds says which overlap), from
-    step_work's quantities at the rates in zerofit/hardware.py (`rates`: the fitted ones).
+    step_work's quantities at the rates in zerofit/hardware.py (`rates`: the fitted ones;
+    `work`: step_work's result when the caller has it, as bench/cost_fit.py does for the
+    thousands of rates it tries).
 
     - compute: the step's FLOPs at the calibrated matmul rate x utilisation;
     - pcie_params / pcie_grads: parameter and 16-bit gradient bytes over pinned PCIe;
@@ -280,7 +282,7 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     N = spec.total_params
     n_rank = -(-N // W) if cand.stage == 3 else N
     cores = max(1, hw.cpu_cores // ranks_on_this_node(hw, W))
-    work = step_work(spec, shape, cand)
+    work = step_work(spec, shape, cand) if work is None else work
     rate = hw_rates.BF16_MATMUL_FLOPS * rates.model_flops_utilisation if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
     terms = {"compute": work["flops"] / rate}
     offloaded, on_device = work["adam_host_params"], work["adam_device_params"]

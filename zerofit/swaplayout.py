@@ -195,9 +195,10 @@ def aligned_aio(groups: tuple[tuple[int, ...], ...], aio: Aio, dio_align: int) -
 def nvme_seconds(swap: SwapLayout, read_bytes_per_s: float, write_bytes_per_s: float) -> float:
     """Time one step spends waiting on the swap files. DeepSpeed's default swapper does one
     thing at a time, sub group by sub group: swap in, step, swap out, at the rates the doctor
-    measured less the overlap measured on the GPU machine (SERIAL_SWAP_FRACTION). The pipelined one reads the next sub group on one aio handle while the other
-    writes the previous one, but both streams share the disk: what it saved once is its
-    measured fraction, not the max(read, write) two independent disks would give."""
+    measured less the overlap measured on the GPU machine (SERIAL_SWAP_FRACTION). The
+    pipelined one reads the next sub group on one aio handle while the other writes the
+    previous one, but both streams share the disk: what it saved once is its measured
+    fraction, not the max(read, write) two independent disks would give."""
     serial = SERIAL_SWAP_FRACTION * (swap.read_bytes_per_step / read_bytes_per_s
                                      + swap.write_bytes_per_step / write_bytes_per_s)
     if swap.pipelined and len(swap.swapped) > 1:
