@@ -32,7 +32,7 @@ recorded as skipped with the reason.
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/speed_bench.py
 Here (CPU):   python bench/speed_bench.py --smoke
-Writes $OUT/speed.json and $OUT/speed.md (or --out); `--cases 3.6b` alone writes speed-3.6b.*.
+Writes $OUT/speed.json and $OUT/speed.md (or --out; --smoke without either: a temporary directory); `--cases 3.6b` alone writes speed-3.6b.*.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -579,7 +580,8 @@ def write_markdown(path: Path, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU accelerator")
-    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--out", default=None,
+                        help="result directory (default $OUT, else bench/results; a temporary one for --smoke)")
     parser.add_argument("--deadline-s", type=float, default=390)
     parser.add_argument("--cases", default=DEFAULT_CASES, help="in order; a later case runs only if time is left "
                         "(another list than the default writes speed-CASES.json)")
@@ -592,6 +594,9 @@ def main() -> None:
     if args.worker:
         kind, out = args.worker[0], Path(args.worker[1])
         return WORKERS[kind](json.loads((out / "spec.json").read_text()), out)
+    # as nvme_bench: a smoke run never writes over the GPU machine's committed results
+    args.out = args.out or os.environ.get("OUT") or (tempfile.mkdtemp(prefix="speed-smoke-") if args.smoke
+                                                     else str(ROOT / "bench" / "results"))
     if args.collect:
         return collect(args.collect.split(","), Path(args.out))
 
