@@ -37,6 +37,7 @@ Writes $OUT/speed.json and $OUT/speed.md (or --out; --smoke without either: a te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -161,7 +162,32 @@ def worker_zerofit(spec: dict, out: Path) -> None:
     from zerofit.train import train
 
     cap_gpu(spec["cap_gib"])
-    train(validate(spec["config"]), resume=False)
+    with deepspeed_changes(spec.get("deepspeed_changes")):
+        train(validate(spec["config"]), resume=False)
+
+
+@contextlib.contextmanager
+def deepspeed_changes(changes: dict | None):
+    """Bench only: DeepSpeed settings that zerofit does not offer (SuperOffload), merged into
+    the DeepSpeed config zerofit builds, to measure what they would buy. zerofit's own
+    plan.json and ds_config.json still show the config without them."""
+    from zerofit import dsconfig
+
+    build = dsconfig.build
+    if changes:
+        dsconfig.build = lambda *args, **kwargs: merged(build(*args, **kwargs), changes)
+    try:
+        yield
+    finally:
+        dsconfig.build = build
+
+
+def merged(base: dict, changes: dict) -> dict:
+    """base with changes laid over it, nested dicts merged key by key."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
 
 
 def worker_hf(spec: dict, out: Path) -> None:
@@ -419,6 +445,46 @@ LEVERS = {
              "persistence threshold 10 x hidden (the stock config's choices), everything else as planned",
         needs=None, lever_on_in_choice=True,
         change=lambda spec: {"zero.offload_param": "cpu", "zero.param_persistence_threshold": 10 * spec.hidden_size}),
+    "partial_offload": dict(
+        what="offload_optimizer ratio 0.95 (DeepSpeed's partial offload: the first 5% of the optimizer sub groups, "
+             "the embedding's among them, keep their fp32 states on the GPU and step there) vs the whole optimizer "
+             "on the CPU; the planner chooses the rest again for it",
+        needs=None, lever_on_in_choice=False, replan=True,
+        change=lambda spec: {"zero.offload_optimizer_ratio": 0.95}),
+    "grad_clip_off": dict(
+        what="no gradient clipping (train.grad_clip 0) vs zerofit's 1.0, everything else as planned: what the "
+             "clip costs, and the baseline SuperOffload is measured against",
+        needs=None, lever_on_in_choice=False,
+        change=lambda spec: {"train.grad_clip": 0.0}),
+    # DeepSpeed's SuperOffload (runtime/superoffload/superoffload_stage3.py) steps each
+    # optimizer sub group with DeepSpeedCPUAdam in a worker process as soon as the backward
+    # has its gradients, but only when clipping is off (`not self.clip_grad`); with clipping
+    # it steps the sub groups one by one after the backward. Not a zerofit option (see the
+    # README): measured here through deepspeed_changes.
+    "superoffload": dict(
+        what="DeepSpeed SuperOffload (offload_optimizer.super_offload) without clipping, so that CPU-Adam runs "
+             "during the backward; 'without' is grad_clip_off (the same step, no clipping, no SuperOffload)",
+        needs=None, lever_on_in_choice=False, off_config="zerofit_grad_clip_off",
+        change=lambda spec: {"train.grad_clip": 0.0},
+        deepspeed_changes={"zero_optimization": {"offload_optimizer": {"super_offload": True}}}),
+    "superoffload_clipped": dict(
+        what="DeepSpeed SuperOffload with zerofit's clipping (1.0): its sub groups then step after the backward",
+        needs=None, lever_on_in_choice=False,
+        change=lambda spec: {},
+        deepspeed_changes={"zero_optimization": {"offload_optimizer": {"super_offload": True}}}),
+    # DeepSpeed's ZenFlow (runtime/zenflow/): each step Adam updates on the GPU only the top-k
+    # gradient columns of every 2-D weight; the rest accumulate and the CPU steps them every
+    # update_interval steps in its own process, overlapping the next steps. A different
+    # optimizer (bench/overlap_loss.py shows its loss curve). Values of DeepSpeed's ZenFlow
+    # tutorial (docs/_tutorials/zenflow.md).
+    "zenflow": dict(
+        what="DeepSpeed ZenFlow (zero_optimization.zenflow: top 5% of gradient columns updated on the GPU every "
+             "step, the rest by the CPU every 4 steps, overlapped): not the same optimizer",
+        needs=None, lever_on_in_choice=False,
+        change=lambda spec: {},
+        deepspeed_changes={"zero_optimization": {"zenflow": {
+            "topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
+            "full_warm_up_rounds": 0, "overlap_step": True}}}),
 }
 
 
@@ -449,13 +515,21 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
         config.setdefault(section, {})[key] = value
     if not replan:
         config["train"].pop("global_batch_size")  # micro batch x accumulation are now given
-    result = runner.run(run_name, "zerofit", {"cap_gib": case["cap_gib"], "config": config}, budget)
+    changes = lever.get("deepspeed_changes")
+    result = runner.run(run_name, "zerofit", {"cap_gib": case["cap_gib"], "config": config,
+                                              "deepspeed_changes": changes}, budget)
     entry = complete(zerofit_entry(run_dir, case["global_batch"] * case["seq_len"]), result, spec, hw, rates, case)
+    if changes:
+        entry["deepspeed_changes"] = changes
     record["configs"][f"zerofit_{name}"] = entry
-    choice_tps, changed_tps = record["tokens_per_s"].get("zerofit"), entry.get("tokens_per_s")
+    # "without": zerofit's choice, or the lever's own baseline run when it has one
+    choice_tps = record["configs"].get(lever.get("off_config", "zerofit"), {}).get("tokens_per_s")
+    changed_tps = entry.get("tokens_per_s")
     on, off = (choice_tps, changed_tps) if lever["lever_on_in_choice"] else (changed_tps, choice_tps)
     return {"what": lever["what"], "tokens_per_s_with": on, "tokens_per_s_without": off,
-            "gain": round(on / off, 2) if on and off else None}
+            "gain": round(on / off, 2) if on and off else None,
+            "gain_vs_choice": round(changed_tps / record["tokens_per_s"]["zerofit"], 2)
+            if changed_tps and record["tokens_per_s"].get("zerofit") else None}
 
 
 def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:
