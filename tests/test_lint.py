@@ -115,3 +115,26 @@ def test_cli_exit_codes(tmp_path):
     assert "0 error(s)" in done.stdout and "plan: fits" in done.stdout
     missing = run_zerofit(["lint", str(tmp_path / "nope.json")], check=False)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize("clip, measured", [(1.0, "0.48x"), (0.0, "0.69x"), ("auto", "0.48x")])
+def test_superoffload_warns_of_its_checkpoints_and_measured_speed(clip, measured):
+    offload = {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": clip, "bf16": {"enabled": True},
+                        "zero_optimization": offload})
+    warning = findings(result, "warning")["zero_optimization.offload_optimizer.super_offload"]
+    assert "worker process" in warning.message and "restarts Adam from zero" in warning.message
+    assert measured in warning.message
+    plain = lint.lint({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": clip, "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    assert "zero_optimization.offload_optimizer.super_offload" not in findings(plain)
+
+
+def test_zenflow_under_zero3_is_flagged():
+    zenflow = {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}})
+    assert "zero.Init" in findings(result, "warning")["zero_optimization.zenflow"].message
+    stage2 = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}})
+    assert "zero_optimization.zenflow" not in findings(stage2)

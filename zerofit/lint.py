@@ -87,6 +87,7 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
     check_precision(ds, result)
     if zero is not None:
         check_risky(ds, zero, spec, hw, result, autos)
+        check_step_overlap(ds, zero, result, autos)
         if spec is not None and hw is not None and not result.errors:
             result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
     return result
@@ -278,6 +279,33 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
     if zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
         result.findings.append(Finding("warning", "zero_optimization.offload_param",
                                        f"parameter offload needs stage 3; stage {zero.stage} ignores it", "use stage 3"))
+
+
+def check_step_overlap(ds: dict, zero, result: LintResult, autos: list[str] = ()) -> None:
+    """DeepSpeed 0.19.8's two ways to overlap the CPU optimizer step with the GPU, as measured
+    on an H200 with PCIe (bench/results/README.md, 2026-11-30 fourth session)."""
+    clipping = "gradient_clipping" in autos or float(ds.get("gradient_clipping") or 0) > 0  # HF's auto: 1.0
+    offload = zero.offload_optimizer
+    if zero.stage == 3 and offload is not None and getattr(offload, "super_offload", False):
+        speed = ("with gradient_clipping > 0 (here) it steps every sub group after the backward, one by one: 0.48x"
+                 if clipping else "without clipping its Adam overlapped the backward but ran 0.69x")
+        result.findings.append(Finding(
+            "warning", "zero_optimization.offload_optimizer.super_offload",
+            "SuperOffload keeps Adam's moments in a worker process (superoffload_utils.py) that DeepSpeed's "
+            "checkpoints do not read: its checkpoint held no exp_avg / exp_avg_sq where the same run without it "
+            "held 16 tensors (bench/results/overlap_loss.json), so a resume restarts Adam from zero; and "
+            f"{speed} the tokens/s of the same config without it (llama-3.6b under 24 GiB, "
+            "bench/results/speed-3.6b-levers-run2.json)",
+            "leave super_offload off unless you have measured it on your machine and never resume its checkpoints"))
+    if zero.stage == 3 and getattr(zero, "zenflow", None) is not None:
+        result.findings.append(Finding(
+            "warning", "zero_optimization.zenflow",
+            "ZenFlow with ZeRO-3 transposes the 2-D weights at engine start only if they are not partitioned yet; "
+            "a model built under deepspeed.zero.Init (as HF Trainer builds it with ZeRO-3, and zerofit) fails in "
+            "its first forward: 'mat1 and mat2 shapes cannot be multiplied (2048x128 and 384x128)' "
+            "(bench/results/overlap_loss-clip_zenflow_clip.json). It is also another optimizer: each step "
+            "updates only the top-k gradient columns on the GPU, the rest every update_interval steps",
+            "remove zenflow under ZeRO-3 with zero.Init-built models"))
 
 
 def _has_cuda() -> bool:
