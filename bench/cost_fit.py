@@ -31,7 +31,11 @@ from speed_bench import stock_candidate  # noqa: E402 (LLaMA-Factory's config in
 RESULTS = ROOT / "bench" / "results"
 # file -> CPU cores of the host it ran on: the 1 x H200 machine (16), the 2 x H200 one (32)
 SPEED_FILES = {"speed-3.6b.json": 16, "speed-3.6b-headline.json": 16, "speed-1.5b.json": 32,
-               "speed-3.6b-x2.json": 32, "speed-8b.json": 32}
+               "speed-3.6b-x2.json": 32, "speed-8b.json": 32, "speed-3.6b-levers-run1.json": 16,
+               "speed-3.6b-levers-run2.json": 16, "speed-3.6b-levers-run3.json": 16}
+# the configs as measured; the lever rows (zerofit_<lever>) change one field or a DeepSpeed
+# setting the planner does not model
+MEASURED_CONFIGS = ("zerofit", "stock_tuned", "stock_lf")
 NVME_FILES = {"nvme-3.6b-a64.json": 32, "nvme.json": 32}
 # runs whose zerofit config kept the optimizer step's temporaries on the heap: the default then
 # (2026-11-29, late night; bench/results/README.md), not recorded among the chosen fields
@@ -72,7 +76,8 @@ def speed_steps(name: str, cores: int) -> list[MeasuredStep]:
     for case in json.loads((RESULTS / name).read_text())["cases"]:
         spec = modelspec.from_name(case["model"])
         for config, entry in case["configs"].items():
-            if not entry.get("steady_step_seconds") or (config.startswith("zerofit") and not entry.get("chosen_fields")):
+            if config not in MEASURED_CONFIGS or not entry.get("steady_step_seconds") or \
+                    (config == "zerofit" and not entry.get("chosen_fields")):
                 continue
             chosen = {k.split(".", 1)[1]: v for k, v in entry.get("chosen_fields", {}).items() if k.startswith("zero.")}
             cand = Candidate(**{k: chosen[k] for k in CANDIDATE_FIELDS if k in chosen}) if config == "zerofit" \
