@@ -156,3 +156,29 @@ def test_a_short_gpu_narrows_the_live_window_of_offloaded_parameters():
     assert (roomy.config.zero.max_live_parameters, roomy.config.zero.max_reuse_distance) == choice.DEEPSPEED_LIVE_WINDOW
     given = choice.decide(batch16(zero={"max_live_parameters": 5 * 10**8}), spec, hw, 1)
     assert given.config.zero.max_live_parameters == 5 * 10**8 and "zero.max_live_parameters" not in given.chosen_fields
+
+
+def test_bench_deepspeed_changes_reach_the_engine_config_and_go_away():
+    """speed_bench's DeepSpeed-only levers (SuperOffload, ZenFlow) measure what they say: laid
+    over the config zerofit builds, nested keys merged, zerofit's own build restored after."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from zerofit.config import load
+
+    path = Path(__file__).parents[1] / "bench" / "speed_bench.py"
+    spec = importlib.util.spec_from_file_location("speed_bench_under_test", path)
+    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = load()  # the demo: optimizer offloaded to the CPU
+    before = dsconfig.build(config, world_size=1, on_gpu=True)
+    with bench.deepspeed_changes(bench.LEVERS["superoffload"]["deepspeed_changes"]):
+        changed = dsconfig.build(config, world_size=1, on_gpu=True)
+    assert changed["zero_optimization"]["offload_optimizer"] == {**before["zero_optimization"]["offload_optimizer"],
+                                                                 "super_offload": True}
+    assert {k: v for k, v in changed.items() if k != "zero_optimization"} == \
+        {k: v for k, v in before.items() if k != "zero_optimization"}
+    assert dsconfig.build(config, world_size=1, on_gpu=True) == before
+    with bench.deepspeed_changes(None):
+        assert dsconfig.build(config, world_size=1, on_gpu=True) == before
