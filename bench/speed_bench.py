@@ -420,6 +420,7 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
 
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
 # one setting changed. "gain" = tokens/s of the lever on / off.
+LEVER_WALL_FACTOR = 1.5
 LEVERS = {
     "chunked_loss": dict(
         what="zerofit.loss (16-bit logits and a fixed fp32 chunk) vs HF's loss (fp32 copies of the logits): "
@@ -499,11 +500,15 @@ def run_levers(label: str, case: dict, runner: Runner, rates: dict, record: dict
 
 def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner, rates: dict, record: dict,
                   spec, hw):
-    chosen = record["configs"].get("zerofit", {}).get("chosen_fields") or {}
+    choice = record["configs"].get("zerofit", {})
+    chosen = choice.get("chosen_fields") or {}
     budget = case["budgets_s"][0]
+    # a lever runs about as long as the choice did (3.6B: 82-120 s against the choice's 85-102 on
+    # 2026-11-30), well inside the budget: the choice's wall time x 1.5 is enough to start one
+    need = min(budget, LEVER_WALL_FACTOR * choice["wall_s"]) if choice.get("wall_s") else budget
     why_not = ("no zerofit plan" if not chosen else
                f"the plan did not choose {lever['needs']}" if lever["needs"] and lever["needs"] not in chosen else
-               f"{runner.left():.0f}s left" if runner.left() < budget + 30 else None)
+               f"{runner.left():.0f}s left, {need:.0f}s needed" if runner.left() < need else None)
     if why_not:
         return f"not measured: {why_not}"
     run_name = f"{label}-zerofit-{name}"
