@@ -1,4 +1,4 @@
-"""SuperOffload's effect on the loss curve and on the checkpoint (issue 7, item 4).
+"""DeepSpeed's SuperOffload and ZenFlow: their loss curves and their checkpoints (issue 7, item 4).
 
 DeepSpeed's SuperOffload (offload_optimizer.super_offload, runtime/superoffload/) overlaps
 the CPU optimizer step with the backward only when gradient clipping is off. This trains the
@@ -13,7 +13,9 @@ and reports each run's losses, how far the SuperOffload runs are from their twin
 it, and what the final checkpoint holds of Adam's moments (DeepSpeed's optimizer state
 files: every `exp_avg` / `exp_avg_sq` tensor, counted and summed). SuperOffload's CPU-Adam
 lives in a worker process with its own moments (superoffload_utils.py), so a checkpoint
-written from the main process may not hold them.
+written from the main process may not hold them. `--runs clip,zenflow_clip` trains with
+ZenFlow (speed_bench's `zenflow` lever) instead: on 0.19.8 it fails in the first forward
+(bench/results/README.md).
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/overlap_loss.py
 Here (CPU):   python bench/overlap_loss.py --smoke   (SuperOffload asserts CUDA: the two

@@ -420,7 +420,6 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
 
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
 # one setting changed. "gain" = tokens/s of the lever on / off.
-LEVER_WALL_FACTOR = 1.5
 LEVERS = {
     "chunked_loss": dict(
         what="zerofit.loss (16-bit logits and a fixed fp32 chunk) vs HF's loss (fp32 copies of the logits): "
@@ -475,9 +474,10 @@ LEVERS = {
         deepspeed_changes={"zero_optimization": {"offload_optimizer": {"super_offload": True}}}),
     # DeepSpeed's ZenFlow (runtime/zenflow/): each step Adam updates on the GPU only the top-k
     # gradient columns of every 2-D weight; the rest accumulate and the CPU steps them every
-    # update_interval steps in its own process, overlapping the next steps. A different
-    # optimizer (bench/overlap_loss.py shows its loss curve). Values of DeepSpeed's ZenFlow
-    # tutorial (docs/_tutorials/zenflow.md).
+    # update_interval steps in its own process, overlapping the next steps: another optimizer.
+    # Values of DeepSpeed's ZenFlow tutorial (docs/_tutorials/zenflow.md). On zerofit's
+    # zero.Init-built models it fails in the first forward (`bench/overlap_loss.py --runs
+    # clip,zenflow_clip`, bench/results/README.md).
     "zenflow": dict(
         what="DeepSpeed ZenFlow (zero_optimization.zenflow: top 5% of gradient columns updated on the GPU every "
              "step, the rest by the CPU every 4 steps, overlapped): not the same optimizer",
@@ -487,6 +487,11 @@ LEVERS = {
             "topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
             "full_warm_up_rounds": 0, "overlap_step": True}}}),
 }
+
+
+# a lever runs about as long as the choice did (3.6B on 2026-11-30: 82-120 s against the
+# choice's 85-102), well inside its budget: this much of the choice's wall time lets one start
+LEVER_WALL_FACTOR = 1.5
 
 
 def run_levers(label: str, case: dict, runner: Runner, rates: dict, record: dict, spec, hw, save,
@@ -503,8 +508,6 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
     choice = record["configs"].get("zerofit", {})
     chosen = choice.get("chosen_fields") or {}
     budget = case["budgets_s"][0]
-    # a lever runs about as long as the choice did (3.6B: 82-120 s against the choice's 85-102 on
-    # 2026-11-30), well inside the budget: the choice's wall time x 1.5 is enough to start one
     need = min(budget, LEVER_WALL_FACTOR * choice["wall_s"]) if choice.get("wall_s") else budget
     why_not = ("no zerofit plan" if not chosen else
                f"the plan did not choose {lever['needs']}" if lever["needs"] and lever["needs"] not in chosen else
