@@ -5,7 +5,7 @@ test_cost_model.py). Pure functions: the real planner, no engine."""
 from dataclasses import replace
 
 import pytest
-from test_planner import config, cuda_box
+from test_planner import config, cpu_box, cuda_box
 
 from zerofit import choice, dsconfig, hardware, modelspec, planner, zerostates
 from zerofit.planner import Candidate, Shape
@@ -182,3 +182,21 @@ def test_bench_deepspeed_changes_reach_the_engine_config_and_go_away():
     assert dsconfig.build(config, world_size=1, on_gpu=True) == before
     with bench.deepspeed_changes(None):
         assert dsconfig.build(config, world_size=1, on_gpu=True) == before
+
+
+def test_a_step_the_cpu_optimizer_dominates_says_so_and_what_amortises_it():
+    spec = modelspec.from_name("llama-3.6b")
+    hw = cuda_box("24GiB", host="120GiB")
+    small = choice.decide(batch16(), spec, hw, 1).plan
+    optimizer_step = sum(small.step_terms.get(k, 0) for k in planner.OPTIMIZER_STEP_TERMS)
+    assert optimizer_step > small.step_seconds / 3  # grad_boundary + cpu_adam: 1.8 of 3.0 s
+    note = next(n for n in small.notes if "the optimizer's" in n)
+    assert f"{optimizer_step:.1f} s of the {small.step_seconds:.1f} s step" in note
+    assert "grad_boundary" in note and "cpu_adam" in note and "train.global_batch_size" in note
+    # 16x the sequences per step: the same optimizer step, a sixteenth of the share, no note
+    large = choice.decide(config(train={"global_batch_size": 256, "seq_len": 1024}), spec, hw, 1).plan
+    assert large.step_terms["cpu_adam"] == small.step_terms["cpu_adam"]
+    assert not any("the optimizer's" in n for n in large.notes)
+    # nor on a CPU-only machine, where there is no GPU to wait
+    on_cpu = planner.predict(spec, cpu_box("512GiB"), small.shape, small.candidate)
+    assert not any("the optimizer's" in n for n in on_cpu.notes)

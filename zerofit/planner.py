@@ -320,6 +320,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
 
 
 OVERLAPPED_TERMS = ("compute", "pcie_params", "zero3_hooks", "pcie_grads")
+# paid once per optimizer step, after the backward, whatever its micro batches
+OPTIMIZER_STEP_TERMS = ("grad_boundary", "param_copy_back", "cpu_adam", "device_adam")
 
 
 def step_seconds(terms: dict[str, float]) -> float:
@@ -436,6 +438,13 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         notes.append(f"{pinned_total / GIB:.1f} GiB pinned exceeds ulimit -l ({hw.pinned_limit_bytes / GIB:.2f} GiB); "
                      f"fine with torch's pinning (cudaHostAlloc), fatal with DS_PIN_MEMORY_BACKEND=native")
     terms = step_time_terms(spec, hw, shape, cand)
+    optimizer_step = sum(terms.get(k, 0.0) for k in OPTIMIZER_STEP_TERMS)
+    if on_gpu and optimizer_step > step_seconds(terms) / 3:
+        # DeepSpeed 0.19.8 overlaps none of it here (README: Speed; bench/results/README.md)
+        notes.append(f"{optimizer_step:.1f} s of the {step_seconds(terms):.1f} s step is the optimizer's ("
+                     + ", ".join(k for k in OPTIMIZER_STEP_TERMS if k in terms) + "), paid once per optimizer step "
+                     "after the backward while the GPU waits: more sequences per step (train.global_batch_size) "
+                     "amortise it")
     fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step) for d in peak.values())
     host_rss_peak = max(max(p["host"] for p in per_phase.values()), start_peak["host"].total_bytes // ranks_here)
     return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
