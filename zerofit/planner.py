@@ -438,10 +438,11 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         notes.append(f"{pinned_total / GIB:.1f} GiB pinned exceeds ulimit -l ({hw.pinned_limit_bytes / GIB:.2f} GiB); "
                      f"fine with torch's pinning (cudaHostAlloc), fatal with DS_PIN_MEMORY_BACKEND=native")
     terms = step_time_terms(spec, hw, shape, cand)
+    seconds = step_seconds(terms)
     optimizer_step = sum(terms.get(k, 0.0) for k in OPTIMIZER_STEP_TERMS)
-    if on_gpu and optimizer_step > step_seconds(terms) / 3:
+    if on_gpu and optimizer_step > seconds / 3:
         # DeepSpeed 0.19.8 overlaps none of it here (README: Speed; bench/results/README.md)
-        notes.append(f"{optimizer_step:.1f} s of the {step_seconds(terms):.1f} s step is the optimizer's ("
+        notes.append(f"{optimizer_step:.1f} s of the {seconds:.1f} s step is the optimizer's ("
                      + ", ".join(k for k in OPTIMIZER_STEP_TERMS if k in terms) + "), paid once per optimizer step "
                      "after the backward while the GPU waits: more sequences per step (train.global_batch_size) "
                      "amortise it")
@@ -451,7 +452,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
                 devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
                 host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak, start_peak=start_peak,
                 first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes, export_peak=export,
-                step_seconds=step_seconds(terms), step_terms=terms, notes=notes)
+                step_seconds=seconds, step_terms=terms, notes=notes)
 
 
 def _device(components: dict[str, int], budget: int, headroom: float) -> Device:
