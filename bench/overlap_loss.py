@@ -37,10 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_bench import LEVERS, Runner, gpu_name  # noqa: E402 (after the path above)
+from speed_bench import LEVERS, SUPER_OFFLOAD, Runner, gpu_name  # noqa: E402 (after the path above)
 from zerofit.memory import read_jsonl  # noqa: E402
 
-SUPER_OFFLOAD = LEVERS["superoffload"]["deepspeed_changes"]
 ZENFLOW = LEVERS["zenflow"]["deepspeed_changes"]
 RUNS = {  # name: (grad_clip, DeepSpeed changes)
     "clip": (1.0, None),

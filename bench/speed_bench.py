@@ -169,8 +169,9 @@ def worker_zerofit(spec: dict, out: Path) -> None:
 @contextlib.contextmanager
 def deepspeed_changes(changes: dict | None):
     """Bench only: DeepSpeed settings that zerofit does not offer (SuperOffload), merged into
-    the DeepSpeed config zerofit builds, to measure what they would buy. zerofit's own
-    plan.json and ds_config.json still show the config without them."""
+    the DeepSpeed config zerofit builds, to measure what they would buy. The run's
+    ds_config.json and plan.json's deepspeed_config show them (both come from dsconfig.build);
+    the plan's predictions do not model them."""
     from zerofit import dsconfig
 
     build = dsconfig.build
@@ -418,6 +419,13 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
     run_levers(label, case, runner, rates, record, spec, hw, save, tuple(LEVERS) if levers is None else levers)
 
 
+# DeepSpeed's SuperOffload (runtime/superoffload/superoffload_stage3.py) steps each optimizer
+# sub group with DeepSpeedCPUAdam in a worker process as soon as the backward has its
+# gradients, but only when clipping is off (`not self.clip_grad`); with clipping it steps the
+# sub groups one by one after the backward. Not a zerofit option (see the README): measured
+# through deepspeed_changes, here and in bench/overlap_loss.py.
+SUPER_OFFLOAD = {"zero_optimization": {"offload_optimizer": {"super_offload": True}}}
+
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
 # one setting changed. "gain" = tokens/s of the lever on / off.
 LEVERS = {
@@ -456,22 +464,17 @@ LEVERS = {
              "clip costs, and the baseline SuperOffload is measured against",
         needs=None, lever_on_in_choice=False,
         change=lambda spec: {"train.grad_clip": 0.0}),
-    # DeepSpeed's SuperOffload (runtime/superoffload/superoffload_stage3.py) steps each
-    # optimizer sub group with DeepSpeedCPUAdam in a worker process as soon as the backward
-    # has its gradients, but only when clipping is off (`not self.clip_grad`); with clipping
-    # it steps the sub groups one by one after the backward. Not a zerofit option (see the
-    # README): measured here through deepspeed_changes.
     "superoffload": dict(
         what="DeepSpeed SuperOffload (offload_optimizer.super_offload) without clipping, so that CPU-Adam runs "
              "during the backward; 'without' is grad_clip_off (the same step, no clipping, no SuperOffload)",
         needs=None, lever_on_in_choice=False, off_config="zerofit_grad_clip_off",
         change=lambda spec: {"train.grad_clip": 0.0},
-        deepspeed_changes={"zero_optimization": {"offload_optimizer": {"super_offload": True}}}),
+        deepspeed_changes=SUPER_OFFLOAD),
     "superoffload_clipped": dict(
         what="DeepSpeed SuperOffload with zerofit's clipping (1.0): its sub groups then step after the backward",
         needs=None, lever_on_in_choice=False,
         change=lambda spec: {},
-        deepspeed_changes={"zero_optimization": {"offload_optimizer": {"super_offload": True}}}),
+        deepspeed_changes=SUPER_OFFLOAD),
     # DeepSpeed's ZenFlow (runtime/zenflow/): each step Adam updates on the GPU only the top-k
     # gradient columns of every 2-D weight; the rest accumulate and the CPU steps them every
     # update_interval steps in its own process, overlapping the next steps: another optimizer.
@@ -531,13 +534,12 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
         entry["deepspeed_changes"] = changes
     record["configs"][f"zerofit_{name}"] = entry
     # "without": zerofit's choice, or the lever's own baseline run when it has one
-    choice_tps = record["configs"].get(lever.get("off_config", "zerofit"), {}).get("tokens_per_s")
-    changed_tps = entry.get("tokens_per_s")
-    on, off = (choice_tps, changed_tps) if lever["lever_on_in_choice"] else (changed_tps, choice_tps)
+    baseline_tps = record["configs"].get(lever.get("off_config", "zerofit"), {}).get("tokens_per_s")
+    changed_tps, choice_tps = entry.get("tokens_per_s"), choice.get("tokens_per_s")
+    on, off = (baseline_tps, changed_tps) if lever["lever_on_in_choice"] else (changed_tps, baseline_tps)
     return {"what": lever["what"], "tokens_per_s_with": on, "tokens_per_s_without": off,
             "gain": round(on / off, 2) if on and off else None,
-            "gain_vs_choice": round(changed_tps / record["tokens_per_s"]["zerofit"], 2)
-            if changed_tps and record["tokens_per_s"].get("zerofit") else None}
+            "gain_vs_choice": round(changed_tps / choice_tps, 2) if changed_tps and choice_tps else None}
 
 
 def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:

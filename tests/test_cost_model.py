@@ -1,19 +1,14 @@
 """The planner's step-time model against the steps the GPU machine measured (issue 7, item 5:
 `estimated_step_seconds` within 20% of measured for every case). The measured steps are the
 committed bench results, read by bench/cost_fit.py, which also refits the rates."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import bench_module
 from test_planner import cuda_box
 
 from zerofit import hardware, modelspec, planner
 from zerofit.planner import Candidate, Shape
 
-spec = importlib.util.spec_from_file_location("cost_fit", Path(__file__).parents[1] / "bench" / "cost_fit.py")
-cost_fit = sys.modules["cost_fit"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
-spec.loader.exec_module(cost_fit)
+cost_fit = bench_module("cost_fit")
 
 MEASURED = cost_fit.measured_steps()
 

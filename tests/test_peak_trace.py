@@ -1,11 +1,8 @@
 """bench/peak_trace.py's replay of an allocator trace (the events PyTorch's
 torch.cuda.memory._snapshot() records): the peak and what is live at it."""
-import importlib.util
-from pathlib import Path
+from conftest import bench_module
 
-spec = importlib.util.spec_from_file_location("peak_trace", Path(__file__).parents[1] / "bench" / "peak_trace.py")
-peak_trace = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peak_trace)
+peak_trace = bench_module("peak_trace")
 
 
 def frame(filename, line, name):

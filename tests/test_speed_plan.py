@@ -161,19 +161,14 @@ def test_a_short_gpu_narrows_the_live_window_of_offloaded_parameters():
 def test_bench_deepspeed_changes_reach_the_engine_config_and_go_away():
     """speed_bench's DeepSpeed-only levers (SuperOffload, ZenFlow) measure what they say: laid
     over the config zerofit builds, nested keys merged, zerofit's own build restored after."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from conftest import bench_module
 
     from zerofit.config import load
 
-    path = Path(__file__).parents[1] / "bench" / "speed_bench.py"
-    spec = importlib.util.spec_from_file_location("speed_bench_under_test", path)
-    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("speed_bench")
     config = load()  # the demo: optimizer offloaded to the CPU
     before = dsconfig.build(config, world_size=1, on_gpu=True)
-    with bench.deepspeed_changes(bench.LEVERS["superoffload"]["deepspeed_changes"]):
+    with bench.deepspeed_changes(bench.SUPER_OFFLOAD):
         changed = dsconfig.build(config, world_size=1, on_gpu=True)
     assert changed["zero_optimization"]["offload_optimizer"] == {**before["zero_optimization"]["offload_optimizer"],
                                                                  "super_offload": True}
