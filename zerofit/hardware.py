@@ -48,10 +48,10 @@ class StepRates:
     """The cost model's fitted constants (planner.step_time_terms, planner.step_seconds).
 
     Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
-    machine (18 steps: 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per step,
+    machine (22 steps: 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per step,
     the stock config and zerofit's choices, CPU and NVMe offload, the 16-core and the 32-core
     H200 hosts; bench/results/cost_fit.txt): worst error 17.6%. Each step left out of the fit
-    and predicted from the other 17: 14 within 16%, the others -21.5% .. +35.9% (the stock
+    and predicted from the other 21: 18 within 16%, the others -23.5% .. +35.9% (the stock
     config at micro 2 x 8 on 1.5B the worst): a new kind of step can miss by a third. Each is
     what its mechanism costs on those hosts, not a measurement of it alone."""
     # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
