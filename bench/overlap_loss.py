@@ -137,7 +137,7 @@ def main() -> None:
         run_dir = work / name / "run"
         outcome = runner.run(name, "zerofit", {"cap_gib": 1000, "config": demo_config(run_dir, grad_clip, steps),
                                                "deepspeed_changes": changes}, args.deadline_s)
-        metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        metrics = read_jsonl(run_dir / "metrics.jsonl")  # none when the run died before its first step
         run = {"grad_clip": grad_clip, "deepspeed_changes": changes, "status": outcome["status"],
                "loss": [m["loss"] for m in metrics],
                "step_seconds": [round(m["step_seconds"], 4) for m in metrics],
