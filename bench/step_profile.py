@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--profile-step", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--tag", default="", help="appended to the result's name (step_profile-<case>-<tag>)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -169,7 +170,7 @@ def main() -> None:
               "torch_profile": record.get("torch_profile"), "cprofile_top": record.get("cprofile")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"step_profile-{args.case}" + ("-smoke" if args.smoke else "")
+    name = f"step_profile-{args.case}" + ("-smoke" if args.smoke else "") + (f"-{args.tag}" if args.tag else "")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     (out / f"{name}.txt").write_text((record.get("cprofile") or "") + "\n" + (record.get("torch_profile_table") or ""))
     print(json.dumps(result["steps"], indent=1))
