@@ -29,6 +29,14 @@ PCIE_BYTES_PER_S = 55e9             # pinned host<->device, each way
 # step's time beyond the other terms, bench/results/speed-3.6b.json (2026-11-29, late night):
 # 7.2 GB in 0.71 s with zerofit's heap temporaries, 1.68 s with a fresh mmap per sub-group.
 COPY_BACK_BYTES_PER_S = {True: 10.1e9, False: 4.3e9}  # by train.heap_step_temporaries
+# The other way, with a partial optimizer offload and the parameters offloaded: the sub-groups
+# stepped on the GPU copy their fp32 masters into the host's 16-bit parameters, and torch moves
+# the fp32 to a pageable host temporary first (the conversion runs on the CPU), a blocking
+# cudaMemcpy (2.47 s of the step's CPU time in bench/results/step_profile-3.6b-40.json). Fp32
+# bytes/s beyond the rest of the cost model, 2026-11-30 (fifth session): 1.13e9 (3.6B, ratio
+# 0.75), 1.08e9 (3.6B, 0.95), 1.16e9 (1.5B, 0.75); speed-3.6b-40.json, speed-3.6b-levers-run4.json,
+# speed-1.5b-24.json.
+COPY_OUT_BYTES_PER_S = 1.1e9
 CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
 CPU_ADAM_CORES = 16                        # ... on this many cores; with more or fewer, x (16 / cores)^0.5:
 # Adam streams ~16 bytes per parameter, so memory bandwidth, not cores, runs out: 32 threads on

@@ -218,6 +218,9 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
       to the GPU when the parameters live there (_reassign_or_swap_out_partitioned_parameters:
       converted on the host, then an unpinned copy; zerofit/hostalloc.py); with parameters
       offloaded the copy stays on the host;
+    - copy_out_bytes: with parameters offloaded, the fp32 masters of the sub-groups stepped on
+      the GPU (a partial offload), copied into the host's 16-bit parameters (the same
+      function; torch converts on the host, after a pageable copy of the fp32);
     - adam_host_params / adam_device_params: optimizer elements stepped on the CPU / GPU;
     - fetch_visits / idle_visits: ZeRO-3 module hook calls that fetch and release
       partitioned parameters, and those whose parameters are all persistent (nothing to fetch:
@@ -245,6 +248,7 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
         work["pcie_grad_bytes"] = a * t_rank * (accum + 2 * (accum - 1))
     work["boundary_grad_bytes"] = 4 * work["adam_host_params"]
     work["copy_back_bytes"] = a * work["adam_host_params"] if cand.offload_param == "none" else 0
+    work["copy_out_bytes"] = 4 * work["adam_device_params"] if cand.offload_param != "none" else 0
     if cand.stage >= 2:
         work["reduce_flushes"] = accum * -(-trainable // cand.reduce_bucket_size)
     if cand.stage == 3:
@@ -266,6 +270,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     - grad_boundary: the boundary's fp32 gradients into the host optimizer's buffer;
     - param_copy_back: the updated 16-bit parameters to the GPU at the rate measured for
       that copy (host conversion and an unpinned copy), with or without heap temporaries;
+    - param_copy_out: the GPU-stepped fp32 masters to the host's 16-bit parameters, at the
+      rate measured for that blocking pageable copy;
     - cpu_adam / device_adam: DeepSpeedCPUAdam at its measured rate (x (16 / cores)^0.5,
       hardware.CPU_ADAM_CORE_EXPONENT); a device Adam streams
       ~36 bytes per parameter (fp32 param, grad, moments read and written, 16-bit copy);
@@ -296,6 +302,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
         if work["copy_back_bytes"]:
             terms["param_copy_back"] = work["copy_back_bytes"] / hw_rates.COPY_BACK_BYTES_PER_S[
                 shape.heap_step_temporaries]
+        if work["copy_out_bytes"]:
+            terms["param_copy_out"] = work["copy_out_bytes"] / hw_rates.COPY_OUT_BYTES_PER_S
     if offloaded:
         terms["cpu_adam"] = offloaded * hw_rates.CPU_ADAM_SECONDS_PER_PARAM \
             * (hw_rates.CPU_ADAM_CORES / cores) ** hw_rates.CPU_ADAM_CORE_EXPONENT
@@ -321,7 +329,7 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
 
 OVERLAPPED_TERMS = ("compute", "pcie_params", "zero3_hooks", "pcie_grads")
 # paid once per optimizer step, after the backward, whatever its micro batches
-OPTIMIZER_STEP_TERMS = ("grad_boundary", "param_copy_back", "cpu_adam", "device_adam")
+OPTIMIZER_STEP_TERMS = ("grad_boundary", "param_copy_back", "param_copy_out", "cpu_adam", "device_adam")
 
 
 def step_seconds(terms: dict[str, float]) -> float:
