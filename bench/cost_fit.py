@@ -32,7 +32,9 @@ RESULTS = ROOT / "bench" / "results"
 # file -> CPU cores of the host it ran on: the 1 x H200 machine (16), the 2 x H200 one (32)
 SPEED_FILES = {"speed-3.6b.json": 16, "speed-3.6b-headline.json": 16, "speed-1.5b.json": 32,
                "speed-3.6b-x2.json": 32, "speed-8b.json": 32, "speed-3.6b-levers-run1.json": 16,
-               "speed-3.6b-levers-run2.json": 16, "speed-3.6b-levers-run3.json": 16}
+               "speed-3.6b-levers-run2.json": 16, "speed-3.6b-levers-run3.json": 16,
+               "speed-3.6b-levers-run4.json": 16, "speed-3.6b-40-run1.json": 16, "speed-3.6b-40-run2.json": 16,
+               "speed-1.5b-24-run1.json": 16, "speed-1.5b-24-run2.json": 16}
 # the configs as measured; the lever rows (zerofit_<lever>) change one field or a DeepSpeed
 # setting the planner does not model
 MEASURED_CONFIGS = ("zerofit", "stock_tuned", "stock_lf")

@@ -74,6 +74,9 @@ CASES = {
                     budgets_s=(170, 0, 0), configs=("zerofit",)),
     "1.5b-24": dict(model="llama-1.5b", cap_gib=24, seq_len=1024, global_batch=16, measured_steps=(5, 0, 0),
                     budgets_s=(110, 0, 0), configs=("zerofit",)),
+    # where it still chooses one: ratio 0.75 with the parameters on the GPU (no copy out)
+    "0.5b-8": dict(model="llama-0.5b", cap_gib=8, seq_len=1024, global_batch=16, measured_steps=(5, 0, 0),
+                   budgets_s=(90, 0, 0), configs=("zerofit",)),
 }
 # The smoke: the same path, smaller (each process's imports take ~15 s on 2 shared cores).
 SMOKE_CASE = dict(model="tiny", cap_gib=8, seq_len=32, global_batch=4, measured_steps=(2, 2, 2),

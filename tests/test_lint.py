@@ -138,3 +138,13 @@ def test_zenflow_under_zero3_is_flagged():
     stage2 = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}})
     assert "zero_optimization.zenflow" not in findings(stage2)
+
+
+@pytest.mark.parametrize("param_device, ratio, warned", [("cpu", 0.75, True), ("none", 0.75, False), ("cpu", 1.0, False)])
+def test_partial_offload_beside_offloaded_parameters_is_flagged(param_device, ratio, warned):
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}, "offload_param": {"device": param_device}}
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero})
+    warning = findings(result, "warning").get("zero_optimization.offload_optimizer.ratio")
+    assert (warning is not None) == warned
+    if warned:
+        assert "6.07 s" in warning.message and "offload_param none" in warning.fix

@@ -56,12 +56,13 @@ class StepRates:
     """The cost model's fitted constants (planner.step_time_terms, planner.step_seconds).
 
     Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
-    machine (22 steps: 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per step,
-    the stock config and zerofit's choices, CPU and NVMe offload, the 16-core and the 32-core
-    H200 hosts; bench/results/cost_fit.txt): worst error 17.6%. Each step left out of the fit
-    and predicted from the other 21: 18 within 16%, the others -23.5% .. +35.9% (the stock
-    config at micro 2 x 8 on 1.5B the worst): a new kind of step can miss by a third. Each is
-    what its mechanism costs on those hosts, not a measurement of it alone."""
+    machine (27 steps: 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per step,
+    the stock config and zerofit's choices, CPU, partial and NVMe offload, the 16-core and the
+    32-core H200 hosts; bench/results/cost_fit.txt): worst error 17.6%. Each step left out of
+    the fit and predicted from the other 26: 23 within 16%, the others -23.5% .. +27.2% (the
+    stock config at micro 2 x 8 on 1.5B the worst): a new kind of step can miss by a quarter.
+    Each is what its mechanism costs on those hosts, not a measurement of it alone. (The two
+    partial-offload steps are within 3.4% because COPY_OUT_BYTES_PER_S was measured on them.)"""
     # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
     # matmul peak). The 3.6B steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per
     # micro batch, 0.55 of the peak were it compute alone; the fit across all steps: 0.5.
