@@ -34,7 +34,7 @@ SPEED_FILES = {"speed-3.6b.json": 16, "speed-3.6b-headline.json": 16, "speed-1.5
                "speed-3.6b-x2.json": 32, "speed-8b.json": 32, "speed-3.6b-levers-run1.json": 16,
                "speed-3.6b-levers-run2.json": 16, "speed-3.6b-levers-run3.json": 16,
                "speed-3.6b-levers-run4.json": 16, "speed-3.6b-40-run1.json": 16, "speed-3.6b-40-run2.json": 16,
-               "speed-1.5b-24-run1.json": 16, "speed-1.5b-24-run2.json": 16}
+               "speed-1.5b-24-run1.json": 16, "speed-1.5b-24-run2.json": 16, "speed-0.5b-8.json": 16}
 # the configs as measured; the lever rows (zerofit_<lever>) change one field or a DeepSpeed
 # setting the planner does not model
 MEASURED_CONFIGS = ("zerofit", "stock_tuned", "stock_lf")
@@ -139,7 +139,7 @@ def errors(steps: list[MeasuredStep], rates: hardware.StepRates) -> list[float]:
 
 GRID = {"model_flops_utilisation": [0.4, 0.45, 0.5, 0.55, 0.6, 0.65],
         "seconds_per_fetching_visit": [x * 1e-4 for x in range(4, 15)],
-        "seconds_per_idle_visit": [0.0, 0.1e-3, 0.2e-3],
+        "seconds_per_idle_visit": [0.0, 0.1e-3, 0.2e-3, 0.4e-3, 0.8e-3],
         "seconds_per_reduce_flush": [0.1e-3, 0.2e-3, 0.4e-3, 0.8e-3],
         "boundary_grad_bytes_per_s": [10e9, 15e9, 20e9, 30e9, 55e9]}
 

@@ -70,8 +70,8 @@ class StepRates:
     # ZeRO-3 hook work per visit of a module that fetches and releases parameters (the Python
     # thread: fetch, wait, release), and per visit of one whose parameters are all persistent
     # (the hook's bookkeeping alone).
-    seconds_per_fetching_visit: float = 0.8e-3
-    seconds_per_idle_visit: float = 0.1e-3
+    seconds_per_fetching_visit: float = 0.6e-3
+    seconds_per_idle_visit: float = 0.8e-3
     # Each flush of the gradient reduce bucket (stage3.py __reduce_and_partition_ipg_grads: a
     # stream wait, the reduce, per-parameter partition copies), whatever its size.
     seconds_per_reduce_flush: float = 0.2e-3
