@@ -24,12 +24,14 @@ def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
     assert decision.plan.fits and decision.config.zero.offload_param == "none"
     assert decision.config.zero.param_persistence_threshold == LLAMA_1_5B_EMBEDDING == choice.all_persistent(spec)
     assert decision.chosen_fields["zero.param_persistence_threshold"] == LLAMA_1_5B_EMBEDDING
-    # the same configuration with HF's "auto" threshold: same memory, more hook time
+    # the same configuration with HF's "auto" threshold: same memory, more hook time (a visit
+    # that fetches costs more than one that finds its parameters; measured: 1.02x, the
+    # persistence lever in bench/results/speed-2026-11-29.json)
     auto = replace(decision.plan.candidate, param_persistence_threshold=10 * spec.hidden_size)
     hw = cuda_box("8GiB", host="120GiB")
     before = planner.predict(spec, hw, decision.plan.shape, auto)
     assert before.devices["gpu"].total_bytes == decision.plan.devices["gpu"].total_bytes
-    assert before.step_terms["zero3_hooks"] > 3 * decision.plan.step_terms["zero3_hooks"]
+    assert before.step_terms["zero3_hooks"] > decision.plan.step_terms["zero3_hooks"]
     assert before.step_seconds > decision.plan.step_seconds
     work = planner.step_work(spec, decision.plan.shape, decision.plan.candidate)
     assert work["fetch_visits"] == 0 and work["idle_visits"] > 0
@@ -107,8 +109,8 @@ def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():
 
 @pytest.mark.parametrize("model, gpu", [("llama-3.6b", "40GiB"), ("llama-1.5b", "24GiB")])
 def test_the_planner_no_longer_offloads_part_of_the_optimizer_beside_offloaded_parameters(model, gpu):
-    # it chose ratio 0.75 here, measured 2.3x (3.6B) and 1.9x (1.5B) slower than its next choice
-    # (speed-3.6b-40-run1/2.json, speed-1.5b-24-run1/2.json)
+    # it chose ratio 0.75 here: 6.07 s (3.6B) and 2.65 s (1.5B) a step; its choices now ran 3.18 s
+    # and 1.41 s (bench/results/speed-3.6b-40-run1/2.json, speed-1.5b-24-run1/2.json)
     decision = choice.decide(batch16(), modelspec.from_name(model), cuda_box(gpu, host="123GiB"), 1)
     zero = decision.config.zero
     assert decision.plan.fits and zero.offload_optimizer == "cpu"

@@ -34,8 +34,8 @@ COPY_BACK_BYTES_PER_S = {True: 10.1e9, False: 4.3e9}  # by train.heap_step_tempo
 # the fp32 to a pageable host temporary first (the conversion runs on the CPU), a blocking
 # cudaMemcpy (2.47 s of the step's CPU time in bench/results/step_profile-3.6b-40.json). Fp32
 # bytes/s beyond the rest of the cost model, 2026-11-30 (fifth session): 1.13e9 (3.6B, ratio
-# 0.75), 1.08e9 (3.6B, 0.95), 1.16e9 (1.5B, 0.75); speed-3.6b-40.json, speed-3.6b-levers-run4.json,
-# speed-1.5b-24.json.
+# 0.75), 1.08e9 (3.6B, 0.95), 1.16e9 (1.5B, 0.75); bench/results/speed-3.6b-40-run1.json,
+# speed-3.6b-levers-run4.json, speed-1.5b-24-run1.json.
 COPY_OUT_BYTES_PER_S = 1.1e9
 CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
 CPU_ADAM_CORES = 16                        # ... on this many cores; with more or fewer, x (16 / cores)^0.5:
@@ -56,12 +56,13 @@ class StepRates:
     """The cost model's fitted constants (planner.step_time_terms, planner.step_seconds).
 
     Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
-    machine (27 steps: 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per step,
-    the stock config and zerofit's choices, CPU, partial and NVMe offload, the 16-core and the
-    32-core H200 hosts; bench/results/cost_fit.txt): worst error 17.6%. Each step left out of
-    the fit and predicted from the other 26: 23 within 16%, the others -23.5% .. +27.2% (the
-    stock config at micro 2 x 8 on 1.5B the worst): a new kind of step can miss by a quarter.
-    Each is what its mechanism costs on those hosts, not a measurement of it alone. (The two
+    machine (28 steps: 0.5B, 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per
+    step, the stock config and zerofit's choices, CPU, partial and NVMe offload, the 16-core and
+    the 32-core H200 hosts; bench/results/cost_fit.txt): within -18.8% .. +17.1%. Each step
+    left out of the fit and predicted from the other 27: 22 within 16%, five within -20.5% ..
+    +22.7%, and llama-0.5b -68.1% (the one step whose hook lane outlasts its compute: without
+    it nothing prices a persistent module's visit): a new kind of step can miss by that much. Each is
+    what its mechanism costs on those hosts, not a measurement of it alone. (The two
     partial-offload steps are within 3.4% because COPY_OUT_BYTES_PER_S was measured on them.)"""
     # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
     # matmul peak). The 3.6B steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per
@@ -69,18 +70,23 @@ class StepRates:
     model_flops_utilisation: float = 0.5
     # ZeRO-3 hook work per visit of a module that fetches and releases parameters (the Python
     # thread: fetch, wait, release), and per visit of one whose parameters are all persistent
-    # (the hook's bookkeeping alone).
-    seconds_per_fetching_visit: float = 0.6e-3
+    # (the hooks, ZeRO-3's autograd wrappers and the launches around the module, with nothing
+    # to fetch). llama-0.5b at 4 x 4 with every parameter persistent ran 1.47 s of CPU against
+    # 0.48 s of GPU a step, 1,752 such visits (bench/results/step_profile-0.5b-8.*): 0.8 ms.
+    # The fit keeps a fetching visit no cheaper than an idle one (it does all the idle one does);
+    # the two are close, as llama-1.5b's every-parameter-persistent lever found: 1.02x
+    # (bench/results/speed-2026-11-29.json).
+    seconds_per_fetching_visit: float = 1.0e-3
     seconds_per_idle_visit: float = 0.8e-3
     # Each flush of the gradient reduce bucket (stage3.py __reduce_and_partition_ipg_grads: a
     # stream wait, the reduce, per-parameter partition copies), whatever its size.
-    seconds_per_reduce_flush: float = 0.2e-3
+    seconds_per_reduce_flush: float = 0.1e-3
     # The accumulation boundary's fp32 gradients of the host-stepped elements (4 bytes each:
     # stage3.py partition_grads at the boundary, its copy into the optimizer's fp32 gradient
-    # buffer with the norm and overflow check over it), bytes/s. A quarter of pinned PCIe: the
+    # buffer with the norm and overflow check over it), bytes/s. A third of pinned PCIe: the
     # copy is the host's, not the link's. Without this term, a one-micro-batch step and a step
     # of 64 cost the same per micro batch, which the 3.6B runs contradict (2.44 s vs 1.16 s).
-    boundary_grad_bytes_per_s: float = 15e9
+    boundary_grad_bytes_per_s: float = 20e9
 
 
 STEP_RATES = StepRates()
