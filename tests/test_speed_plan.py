@@ -103,6 +103,10 @@ def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():
     whole = planner.step_time_terms(spec, cuda_box("40GiB"), shape, replace(partial, offload_optimizer_ratio=1.0))
     # measured 6.07 s against 2.66 s for the whole optimizer on the CPU (speed-3.6b-40-run1.json)
     assert planner.step_seconds(terms) > 1.5 * planner.step_seconds(whole)
+    plan = planner.predict(spec, cuda_box("40GiB"), shape, partial)
+    assert any("zero.offload_optimizer_ratio unset" in note for note in plan.notes)
+    assert not any("ratio unset" in n for n in planner.predict(spec, cuda_box("40GiB"), shape,
+                                                                replace(partial, offload_optimizer_ratio=1.0)).notes)
     on_gpu = planner.step_work(spec, shape, replace(partial, offload_param="none"))
     assert on_gpu["copy_out_bytes"] == 0 and on_gpu["copy_back_bytes"] == 2 * on_gpu["adam_host_params"]
 

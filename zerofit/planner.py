@@ -454,6 +454,11 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
                      + ", ".join(k for k in OPTIMIZER_STEP_TERMS if k in terms) + "), paid once per optimizer step "
                      "after the backward while the GPU waits: more sequences per step (train.global_batch_size) "
                      "amortise it")
+    if terms.get("param_copy_out", 0.0) > seconds / 4:
+        notes.append(f"{terms['param_copy_out']:.1f} s of the step copies the GPU-stepped optimizer sub-groups' fp32 "
+                     "masters into the offloaded 16-bit parameters (a blocking pageable copy, "
+                     "hardware.COPY_OUT_BYTES_PER_S): leave zero.offload_optimizer_ratio unset, or keep the "
+                     "parameters on the GPU (zero.offload_param: none)")
     fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step) for d in peak.values())
     host_rss_peak = max(max(p["host"] for p in per_phase.values()), start_peak["host"].total_bytes // ranks_here)
     return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
