@@ -86,6 +86,25 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     assert (run / "postmortem" / "report.md").is_file()
 
 
+def test_would_fit_starts_from_the_planned_config(tmp_path):
+    """The planner chose the micro batch (train.global_batch_size set, micro batch unset):
+    the post-mortem halves the micro batch that ran, not the config file's default of 1,
+    and its retry config keeps the rest of what the planner chose."""
+    train = {"seq_len": 64, "global_batch_size": 8, "max_steps": 4, "lr": 3e-3, "warmup_steps": 2, "seed": 7}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train=train,
+                                                             checkpoint={"every_steps": 3}))
+    done = run_zerofit(["train", "--config", str(config)], env={"ZEROFIT_FAULT": "oom@step:2", **WIDE}, check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    chosen = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    micro = chosen["train_micro_batch_size_per_gpu"]
+    assert micro > 1  # else this test cannot tell the planned config from the file's
+    assert f"would fit: train.micro_batch_size={micro // 2} train.grad_accum_steps={2 * 8 // micro}" in done.stderr
+    retry = load(tmp_path / "run" / "postmortem" / "retry-config.yaml")
+    assert (retry.train.micro_batch_size, retry.train.grad_accum_steps) == (micro // 2, 2 * 8 // micro)
+    offload_param = chosen["zero_optimization"].get("offload_param", {}).get("device", "none")
+    assert retry.zero.offload_param == offload_param
+
+
 def test_requested_bytes_are_parsed():
     assert parse_requested_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has") == 2 * 2**30
     assert parse_requested_bytes("Tried to allocate 512.00 MiB (GPU 0; 23.69 GiB total)") == 512 * 2**20

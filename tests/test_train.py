@@ -149,6 +149,18 @@ def test_cpu_threads_per_rank():
     assert cpu_threads_per_rank(None, 32, 2, None, True, writer_core=True) == (15, None)  # a core for the writer
 
 
+def test_allocator_setting_leaves_the_users_choice():
+    """engine.allocator_setting: expandable segments by default; the config or the user's
+    allocator variables (either name, either value) turn zerofit's setting off."""
+    from zerofit.engine import allocator_setting
+
+    assert allocator_setting(True, {}) == "expandable_segments:True"
+    assert allocator_setting(True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == "expandable_segments:True"
+    assert allocator_setting(False, {}) is None
+    assert allocator_setting(True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
+    assert allocator_setting(True, {"PYTORCH_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"}) is None
+
+
 def test_a_launched_rank_exits_at_once_with_its_code():
     """engine.finish_distributed: in one of several launched ranks (WORLD_SIZE > 1) the
     process ends there with the run's code, what it printed flushed, nothing after it runs

@@ -309,6 +309,10 @@ class MemoryConfig(Section):
     history_max_entries: int = Field(100_000, ge=0)
     """CUDA allocator events kept for the OOM snapshot (torch.cuda.memory._record_memory_history
     with Python stacks, the newest N); 0 turns the recording off."""
+    expandable_segments: bool = True
+    """Let the CUDA allocator's segments grow in place (PyTorch's expandable_segments) so that
+    freed pieces between activations do not strand a large late request; a setting of
+    expandable_segments in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF wins over this."""
 
 
 class PlanConfig(Section):

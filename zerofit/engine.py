@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zerofit import opbuild
@@ -83,6 +84,38 @@ def apply_cpu_threads(config: Config) -> str | None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return note
+
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def allocator_setting(wanted: bool, environ: Mapping[str, str]) -> str | None:
+    """The CUDA allocator setting zerofit applies: expandable segments, unless the config
+    turns them off or the user's allocator variables already say either way."""
+    if not wanted or any("expandable_segments" in environ.get(name, "") for name in ALLOC_CONF_VARIABLES):
+        return None
+    return EXPANDABLE_SEGMENTS
+
+
+def use_expandable_segments(config: Config, on_gpu: bool) -> None:
+    """Expandable segments for the run (memory.expandable_segments). Why: a large request late
+    in the backward (DeepSpeed's fp64 copy of an offloaded gradient partition for its norm,
+    stage3.py _constant_buffered_norm2: 1.86 GiB per 250M elements) fails when the cached
+    segments are split among activations; llama-3.6b at micro 4 under a 5.3 GiB cap stopped
+    with 2.36 GiB allocated, 3.68 reserved, 1.32 in free split pieces (bench/results/README.md,
+    2026-11-30 sixth session). Segments that grow in place leave no such pieces."""
+    setting = allocator_setting(config.memory.expandable_segments, os.environ)
+    if not on_gpu or setting is None:
+        return
+    import torch
+
+    # PyTorch parsed its variables when CUDA started (a GPU cap may already have allocated);
+    # the setting applies to every segment the allocator maps from now on
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(setting)
+    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{user},{setting}" if user else setting  # the timeline records it
 
 
 def init_distributed() -> Dist:

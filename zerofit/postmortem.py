@@ -299,9 +299,9 @@ def emergency_checkpoint(event: OomEvent, session: Session) -> tuple[str | None,
 
 
 def would_fit(config: Config, event: OomEvent, facts: RunFacts) -> tuple[Config | None, list[str]]:
-    """The configuration that should fit. Until zerofit.planner lands these are rules,
-    one step safer along the fix the phase calls for; the planner's search replaces
-    this function (same inputs, same outputs)."""
+    """The configuration that should fit: one step safer along the fix the failed phase
+    calls for, from the config that ran (the planner's choices in it). The result sets
+    every field, so on a retry the planner only checks that it fits (and refuses if not)."""
     changes: dict[str, object] = {}
     zero, train_section, model = config.zero, config.train, config.model
     if event.device == "host":

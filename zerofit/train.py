@@ -39,6 +39,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     run_dir = Path(config.run_dir)
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
+    engine.use_expandable_segments(config, dist.on_gpu)
     session.begin(dist)
     if threads_note and dist.is_main:
         say(threads_note)
@@ -48,6 +49,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size)
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
+    session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
     resume_point = checkpointer.choose_resume(config, dist, resume)
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
