@@ -205,6 +205,34 @@ def build_model(config: Config, ds_config: dict):
     return model
 
 
+def release(ds_engine) -> None:
+    """Let go of an engine so that another one in this process (an OOM retry) finds its
+    memory free. DeepSpeed's destroy() removes the engine's hooks; but ZeRO-3 also puts the
+    model on a module-level stack (parameter_offload.FWD_MODULE_STACK: appended once per
+    engine, never popped, and left with the half-run forward's modules after an OOM), which
+    keeps the model, the engine and every buffer they hold alive: on the H200, the retry after
+    an OOM of llama-3.6b saw 65.6 GiB of RAM available where the first attempt planned with
+    ~120 and refused to start (bench/results/README.md, 2026-11-30 sixth session). Once a step
+    has run, a class-level lru_cache holds the engine's parameter coordinator and modules too."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    try:
+        ds_engine.destroy()
+    except Exception as error:  # after an OOM mid-step its state may be half-built; the rest still goes
+        from zerofit.progress import warn
+
+        warn(f"DeepSpeed's engine.destroy() failed ({type(error).__name__}: {error}); releasing what zerofit can")
+    ours = {id(module) for module in ds_engine.module.modules()}
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+    # __params_to_release: @instrument_w_nvtx over @functools.lru_cache, keyed by (coordinator,
+    # module, step); only a cache, so clearing it for every engine of the process is safe
+    method = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(method, "__closure__", None) or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+
+
 def param_groups(model, weight_decay: float) -> list[dict]:
     """AdamW groups: no decay on biases and norm weights (1-D tensors; under ZeRO-3 a
     partitioned parameter is flat, so its original shape is read from ds_shape)."""

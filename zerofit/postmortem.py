@@ -23,12 +23,14 @@ import json
 import re
 import time
 import traceback
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zerofit import faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
 from zerofit.doctor import plan_vs_measured, read_json
+from zerofit.engine import release as release_engine
 from zerofit.findings import RunFacts, detect, facts_from, gib, label
 from zerofit.memory import gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.progress import say, warn
@@ -77,10 +79,17 @@ class Session:
         for name, value in parts.items():
             setattr(self, name, value)
 
-    def release(self) -> None:
+    def release(self) -> weakref.ref | None:
+        """Drop the attempt's parts; the weak reference to its engine says afterwards whether
+        anything still holds it (and the memory it holds)."""
         if self.saver is not None:
             self.saver.close(self.state.step if self.state else 0)  # publish a save in flight, restore SIGTERM
+        gone = None
+        if self.engine is not None:
+            gone = weakref.ref(self.engine)
+            release_engine(self.engine)
         self.engine = self.saver = self.state = self.timeline = self.progress = None
+        return gone
 
 
 # ---------------------------------------------------------------------- the policy
@@ -100,11 +109,14 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
         # step's tensors) is gone, so the emergency save finds the memory free again.
         free_memory()
         report = conclude(event, session)
-        session.release()
+        engine_left = session.release()
         del session
         free_memory()
         safer = report.get("safer_config")
         if retries_left and safer and event.world_size == 1:
+            if engine_left is not None and engine_left() is not None:
+                warn("the failed attempt's DeepSpeed engine is still referenced after its release: the memory it "
+                     "holds stays in use, and the retry plans with less")
             retries_left -= 1
             faults.disarm("oom", "step", event.step)  # an injected OOM stands for the old settings
             say(f"[bold]memory.on_oom=retry[/]: restarting from the newest checkpoint with "
@@ -129,6 +141,11 @@ def free_memory() -> None:
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+            # freed pinned buffers go back to torch's caching host allocator, which keeps them
+            empty_host_cache = getattr(torch._C, "_accelerator_emptyHostCache", None) or \
+                getattr(torch._C, "_host_emptyCache", None)
+            if empty_host_cache:
+                empty_host_cache()
     except RuntimeError:
         pass
 
