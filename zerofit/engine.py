@@ -211,8 +211,8 @@ def release(ds_engine) -> None:
     model on a module-level stack (parameter_offload.FWD_MODULE_STACK: appended once per
     engine, never popped, and left with the half-run forward's modules after an OOM), which
     keeps the model, the engine and every buffer they hold alive: on the H200, the retry after
-    an OOM of llama-3.6b saw 65.6 GiB of RAM available where the first attempt planned with
-    ~120 and refused to start (bench/results/README.md, 2026-11-30 sixth session). Once a step
+    an OOM of llama-3.6b found 65.6 GiB of the machine's 125.9 GiB available, the first attempt holding
+    59 GiB, and refused to start (bench/results/README.md, 2026-11-30 sixth session). Once a step
     has run, a class-level lru_cache holds the engine's parameter coordinator and modules too."""
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
