@@ -141,7 +141,9 @@ def free_memory() -> None:
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-            # freed pinned buffers go back to torch's caching host allocator, which keeps them
+            # freed pinned buffers go back to torch's caching host allocator, which keeps them;
+            # it frees a block only once the copies recorded on it are done
+            torch.cuda.synchronize()
             empty_host_cache = getattr(torch._C, "_accelerator_emptyHostCache", None) or \
                 getattr(torch._C, "_host_emptyCache", None)
             if empty_host_cache:
