@@ -56,14 +56,14 @@ class StepRates:
     """The cost model's fitted constants (planner.step_time_terms, planner.step_seconds).
 
     Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
-    machine (28 steps: 0.5B, 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per
+    machine (36 steps: 0.5B, 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per
     step, the stock config and zerofit's choices, CPU, partial and NVMe offload, the 16-core and
-    the 32-core H200 hosts; bench/results/cost_fit.txt): within -18.8% .. +17.1%. Each step
-    left out of the fit and predicted from the other 27: 22 within 16%, five within -20.5% ..
-    +22.7%, and llama-0.5b -68.1% (the one step whose hook lane outlasts its compute: without
-    it nothing prices a persistent module's visit): a new kind of step can miss by that much. Each is
+    the 32-core H200 hosts; bench/results/cost_fit.txt): within -18.8% .. +18.5%. Each step
+    left out of the fit and predicted from the other 35: 29 within 16%, 35 within 23%, and the
+    first llama-0.5b step -68.3% (the one step whose hook lane outlasts its compute: without it
+    nothing prices a persistent module's visit): a new kind of step can miss by that much. Each is
     what its mechanism costs on those hosts, not a measurement of it alone. (The two
-    partial-offload steps are within 3.4% because COPY_OUT_BYTES_PER_S was measured on them.)"""
+    partial-offload steps are within 3.8% because COPY_OUT_BYTES_PER_S was measured on them.)"""
     # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
     # matmul peak). The 3.6B steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per
     # micro batch, 0.55 of the peak were it compute alone; the fit across all steps: 0.5.
