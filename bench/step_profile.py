@@ -7,13 +7,19 @@ and around its steps:
   torch.cuda.synchronize() (ZeRO-3's hooks run inside forward and backward; DeepSpeed's
   optimizer step holds the gradient norm, the unscale, CPU-Adam and the copy of the 16-bit
   parameters back);
-- one step under cProfile: the Python functions with the most cumulative time (DeepSpeed's
-  stage-3 functions by name);
-- one step under torch.profiler (CPU and CUDA): the operators with the most self time.
-Steps before --profile-step are warm-up and go into the phase table only.
+- every step: what the allocators and the host did during it (`StepCounters`): CUDA
+  segments and device allocations, reserved bytes, torch's pinned host allocations and their
+  time, the process's page faults and CPU seconds, the time in Python's garbage collector;
+- the steps of --cprofile-steps (default: --profile-step) under cProfile: the Python functions
+  with the most cumulative time (DeepSpeed's stage-3 functions by name);
+- the steps of --torch-profile-steps (default: the one after --profile-step) under
+  torch.profiler (CPU and CUDA): the operators with the most self time.
+Two steps of each kind side by side (e.g. `--cprofile-steps 2,4`) show what one has that the
+other lacks: zerofit's second step is slow at one micro batch per step (bench/results/README.md).
 
 GPU machine (~4 min for 3.6b):
     source .whl/prelude.sh || exit; python bench/step_profile.py --case 3.6b
+    python bench/step_profile.py --case 0.5b-8 --steps 6 --cprofile-steps 2,4 --torch-profile-steps "" --tag step2
 Here (CPU):  python bench/step_profile.py --smoke
 Writes $OUT/step_profile-<case>.json and .txt (or --out).
 """
@@ -85,13 +91,66 @@ def torch_profile_table(run, sort_by: str) -> tuple[list[dict], str]:
     return rows, averages.table(sort_by=sort_by, row_limit=TOP)
 
 
+class StepCounters:
+    """What the allocators and the host did during one step: the differences of cumulative
+    counters between `start` and `stop`, and the reserved bytes at the end. Page faults count
+    first touches of host memory; pinned allocations (cudaHostAlloc) are torch's caching
+    host allocator's; a device allocation is a cudaMalloc (or, with expandable segments, a
+    mapping grown)."""
+
+    def __init__(self):
+        import gc
+
+        self.gc_seconds, self._gc_started = 0.0, None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self.gc_seconds += time.perf_counter() - self._gc_started
+
+    @staticmethod
+    def _cumulative() -> dict:
+        import resource
+
+        import torch
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        now = {"minor_page_faults": usage.ru_minflt, "major_page_faults": usage.ru_majflt,
+               "cpu_seconds": usage.ru_utime + usage.ru_stime}
+        if torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            now.update(cuda_segments_allocated=stats.get("segment.all.allocated", 0),
+                       cuda_device_allocs=stats.get("num_device_alloc", 0),
+                       cuda_alloc_retries=stats.get("num_alloc_retries", 0))
+            host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+            now.update(pinned_host_allocs=host.get("num_host_alloc", 0),
+                       pinned_host_alloc_seconds=host.get("host_alloc_time.total", 0) / 1e6)  # microseconds
+        return now
+
+    def start(self) -> None:
+        self._before, self._gc_before = self._cumulative(), self.gc_seconds
+
+    def stop(self) -> dict:
+        import torch
+
+        after = self._cumulative()
+        delta = {k: round(after[k] - self._before.get(k, 0), 3) for k in after}
+        delta["gc_seconds"] = round(self.gc_seconds - self._gc_before, 3)
+        if torch.cuda.is_available():
+            delta["cuda_reserved_gib_at_end"] = round(torch.cuda.memory_reserved() / 2**30, 3)
+        return delta
+
+
 def worker(spec: dict, out: Path) -> None:
     from zerofit import train as train_module
     from zerofit.config import validate
 
     speed_bench.cap_gpu(spec["cap_gib"])
-    original, record = train_module.train_step, {"steps": [], "cprofile": None, "torch_profile": None}
-    clock = None
+    original = train_module.train_step
+    record = {"steps": [], "cprofile": {}, "torch_profile": {}, "torch_profile_table": {}}
+    clock, counters = None, StepCounters()
 
     def profiled_step(ds_engine, *args, **kwargs):
         nonlocal clock
@@ -99,19 +158,20 @@ def worker(spec: dict, out: Path) -> None:
         n = len(record["steps"]) + 1
         run = lambda: original(ds_engine, *args, **kwargs)  # noqa: E731
         synchronize()
+        counters.start()
         started = time.perf_counter()
-        if n == spec["profile_step"]:
+        if n in spec["cprofile_steps"]:
             profiler = cProfile.Profile()
             loss = profiler.runcall(run)
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text)
             stats.sort_stats("cumulative").print_stats(2 * TOP)
             stats.sort_stats("tottime").print_stats(TOP)
-            record["cprofile"] = text.getvalue()
-        elif n == spec["profile_step"] + 1:
+            record["cprofile"][str(n)] = text.getvalue()
+        elif n in spec["torch_profile_steps"]:
             holder = {}
             rows, table = torch_profile_table(lambda: holder.setdefault("loss", run()), spec["sort_by"])
-            loss, record["torch_profile"], record["torch_profile_table"] = holder["loss"], rows, table
+            loss, record["torch_profile"][str(n)], record["torch_profile_table"][str(n)] = holder["loss"], rows, table
         else:
             loss = run()
         synchronize()
@@ -119,8 +179,8 @@ def worker(spec: dict, out: Path) -> None:
         phases = clock.take()
         phases["forward_and_rest"] = total - sum(phases.values())
         record["steps"].append({"step": n, "seconds": round(total, 3),
-                                "profiled": n in (spec["profile_step"], spec["profile_step"] + 1),
-                                **{k: round(v, 3) for k, v in phases.items()}})
+                                "profiled": n in spec["cprofile_steps"] or n in spec["torch_profile_steps"],
+                                **{k: round(v, 3) for k, v in phases.items()}, "counters": counters.stop()})
         print(f"step {n}: {record['steps'][-1]}", flush=True)
         (out / "record.json").write_text(json.dumps(record))
         return loss
@@ -129,12 +189,19 @@ def worker(spec: dict, out: Path) -> None:
     train_module.train(validate(spec["config"]), resume=False)
 
 
+def step_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="3.6b", choices=sorted(speed_bench.CASES))
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU accelerator")
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--profile-step", type=int, default=5)
+    parser.add_argument("--profile-step", type=int, default=5,
+                        help="cProfile this step, torch.profiler the next (unless the two below say otherwise)")
+    parser.add_argument("--cprofile-steps", help="steps under cProfile, comma separated (\"\": none)")
+    parser.add_argument("--torch-profile-steps", help="steps under torch.profiler, comma separated (\"\": none)")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     parser.add_argument("--tag", default="", help="appended to the result's name (step_profile-<case>-<tag>)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -154,7 +221,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     config = speed_bench.zerofit_config(case, work / "run", args.steps, accelerator)
     spec = {"config": config, "cap_gib": case["cap_gib"] if accelerator == "cuda" else None,
-            "profile_step": args.profile_step, "sort_by": "self_cpu_time_total"}
+            "cprofile_steps": step_list(str(args.profile_step) if args.cprofile_steps is None else args.cprofile_steps),
+            "torch_profile_steps": step_list(str(args.profile_step + 1) if args.torch_profile_steps is None
+                                             else args.torch_profile_steps),
+            "sort_by": "self_cpu_time_total"}
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     started = time.perf_counter()
@@ -172,9 +242,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = f"step_profile-{args.case}" + ("-smoke" if args.smoke else "") + (f"-{args.tag}" if args.tag else "")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{name}.txt").write_text((record.get("cprofile") or "") + "\n" + (record.get("torch_profile_table") or ""))
+    profiles = [f"==== step {n}: cProfile\n{text}" for n, text in record.get("cprofile", {}).items()] + \
+        [f"==== step {n}: torch.profiler\n{text}" for n, text in record.get("torch_profile_table", {}).items()]
+    if profiles:
+        (out / f"{name}.txt").write_text("\n".join(profiles))
     print(json.dumps(result["steps"], indent=1))
-    print(f"-> {out / name}.json and .txt")
+    print(f"-> {out / name}.json" + (" and .txt" if profiles else ""))
 
 
 def subprocess_run(argv: list[str]) -> int:
