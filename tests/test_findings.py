@@ -63,7 +63,7 @@ def test_spike_after_save_with_large_sub_group_names_sub_group_size():
     assert spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] == 3 * GiB
     assert "sub_group_size=1e+09" in spike.cause
     assert spike.fix[0].startswith("zero_optimization.sub_group_size 1e9 -> 1e8")
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in spike.fix
+    assert "memory.expandable_segments: true" in spike.fix
 
 
 def test_spike_after_save_with_small_sub_group_blames_the_cache():
@@ -76,7 +76,10 @@ def test_fragmentation_suggests_expandable_segments_unless_set():
     found = findings_of(synthetic_run(frag=4 * GiB, inactive_split=2 * GiB))
     frag = next(f for f in found if f.kind == "fragmentation")
     assert frag.evidence == {"reserved_beyond_peak_bytes": 4 * GiB, "inactive_split_bytes": 2 * GiB}
-    assert frag.fix[0].startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert frag.fix[0].startswith("memory.expandable_segments: true")  # a zerofit run: its own key
+    hf_run = synthetic_run(frag=4 * GiB, inactive_split=2 * GiB)
+    frag_hf = next(f for f in detect(hf_run, facts_from(hf_run, ds_config())) if f.kind == "fragmentation")
+    assert frag_hf.fix[0].startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")  # HF Trainer's: the variable
     already = findings_of(synthetic_run(frag=4 * GiB, inactive_split=2 * GiB,
                                         alloc_conf="expandable_segments:True"))
     frag = next(f for f in already if f.kind == "fragmentation")
@@ -181,3 +184,19 @@ def test_a_cpu_optimizer_on_one_thread_is_flagged():
     assert not [f for f in detect(records, facts) if f.kind == "cpu_threads"]
     facts = facts_from(records, ds_config(), {"train": {"cpu_threads": 1}})  # chosen in the config: no advice
     assert not [f for f in detect(records, facts) if f.kind == "cpu_threads"]
+
+
+def test_oom_with_the_space_in_pieces_is_called_fragmentation():
+    """The H200's headline without expandable segments (bench/results/oom_retry-3.6b-headline.json):
+    1.86 GiB asked with 2.36 allocated and 3.68 reserved under 5.3 GiB."""
+    from zerofit.findings import events
+
+    oom = {"step": 1, "phase": "oom", "device": "gpu", "failed_phase": "backward", "requested_bytes": int(1.86 * GiB),
+           "gpu_alloc": int(2.36 * GiB), "gpu_reserved": int(3.68 * GiB)}
+    zerofit_run = {"model": {"gradient_checkpointing": True}}
+    found = events([oom], facts_from([], ds_config(), zerofit_run, {"devices": {"gpu": {"budget_bytes": int(5.3 * GiB)}}}))
+    assert found[0].cause.startswith("fragmentation: 1.86 GiB asked beside 2.36 GiB allocated fits the 5.30 GiB budget")
+    assert found[0].fix[0].startswith("memory.expandable_segments: true")
+    # a budget the request could not fit beside what was allocated: the phase's own advice
+    tight = events([oom], facts_from([], ds_config(), zerofit_run, {"devices": {"gpu": {"budget_bytes": int(4 * GiB)}}}))
+    assert not tight[0].cause.startswith("fragmentation") and "expandable" not in tight[0].fix[0]

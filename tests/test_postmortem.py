@@ -172,6 +172,30 @@ def test_would_fit_steps_along_the_phase():
     assert config is None and changes == []
 
 
+def test_fragmentation_oom_turns_expandable_segments_on(monkeypatch):
+    """The H200's headline without expandable segments (bench/results/oom_retry-*.json): 1.86 GiB
+    asked with 1.87 GiB allocated, 3.72 reserved, under a 5.03 GiB budget. The memory was there
+    in pieces: expandable segments alone, not a smaller micro batch (three attempts at 4, 2 and 1
+    all failed on the same request)."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    config = load(None, ["train.micro_batch_size=4", "memory.expandable_segments=false"])
+    held = {"gpu_alloc": int(1.87 * 2**30), "gpu_reserved": int(3.72 * 2**30)}
+    event = OomEvent(1, "backward", "gpu", "", int(1.86 * 2**30), gpu=held)
+    budget = RunFacts(gpu_budget=int(5.03 * 2**30))
+    assert would_fit(config, event, budget)[1] == ["memory.expandable_segments=True"]
+    # the request larger than the budget beside what is held: no fragmentation, the micro batch halves
+    assert would_fit(config, event, RunFacts(gpu_budget=int(3.5 * 2**30)))[1][0] == "train.micro_batch_size=2"
+    # nothing cached beyond what is allocated: the memory was not there either
+    bare = OomEvent(1, "backward", "gpu", "", int(1.86 * 2**30), gpu={**held, "gpu_reserved": held["gpu_alloc"]})
+    assert would_fit(config, bare, budget)[1][0] == "train.micro_batch_size=2"
+    # already on, or the user's allocator variable says otherwise: the next fix along the phase
+    on = load(None, ["train.micro_batch_size=4", "memory.expandable_segments=true"])
+    assert would_fit(on, event, budget)[1][0] == "train.micro_batch_size=2"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert would_fit(config, event, budget)[1][0] == "train.micro_batch_size=2"
+
+
 def raised_in(function):
     try:
         function()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import time
 import traceback
@@ -30,9 +31,9 @@ from pathlib import Path
 from zerofit import faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
 from zerofit.doctor import plan_vs_measured, read_json
-from zerofit.engine import release as release_engine
-from zerofit.findings import RunFacts, detect, facts_from, gib, label
-from zerofit.memory import gpu_bytes, host_rss_bytes, read_timeline
+from zerofit.engine import allocator_setting, release as release_engine
+from zerofit.findings import RunFacts, detect, facts_from, fragmented_request, gib, label
+from zerofit.memory import effective_records, gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.progress import say, warn
 
 MAX_RETRIES = 2
@@ -140,6 +141,14 @@ def free_memory() -> None:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator, which
+            # empty_cache does not free; 64 MiB still allocated after a failed attempt kept
+            # 1.47 GiB of segments reserved for the retry on the H200
+            # (bench/results/oom_retry-3.6b-headline-first.json)
+            clear_workspaces = getattr(torch.cuda, "clear_cublas_workspaces", None) or \
+                getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces:
+                clear_workspaces()
             torch.cuda.empty_cache()
             # freed pinned buffers go back to torch's caching host allocator, which keeps them;
             # it frees a block only once the copies recorded on it are done
@@ -265,7 +274,8 @@ def conclude(event: OomEvent, session: Session) -> dict:
     if session.timeline:
         session.timeline.close()
     config, run_dir = session.config, Path(session.config.run_dir)
-    records = read_timeline(run_dir, event.rank)
+    # as the doctor reads it: a retry's `start` rolls back the failed attempt's step records
+    records = effective_records(read_timeline(run_dir, event.rank))
     facts = facts_from(records, read_json(run_dir / "ds_config.json"), config.model_dump(mode="json"),
                        read_json(run_dir / "plan.json"))
     safer, changes = would_fit(config, event, facts)
@@ -328,6 +338,9 @@ def would_fit(config: Config, event: OomEvent, facts: RunFacts) -> tuple[Config 
             changes["zero.pin_memory"] = False
         if zero.gather_16bit_weights_on_save:
             changes["zero.gather_16bit_weights_on_save"] = False
+    elif fragmented(event, facts) and not config.memory.expandable_segments and \
+            allocator_setting(True, os.environ) is not None:
+        changes["memory.expandable_segments"] = True  # the space was there, in pieces: nothing else need give
     elif event.phase in ("forward", "backward", "eval"):
         if train_section.micro_batch_size > 1:
             changes["train.micro_batch_size"] = train_section.micro_batch_size // 2
@@ -354,6 +367,11 @@ def would_fit(config: Config, event: OomEvent, facts: RunFacts) -> tuple[Config 
     for key, value in changes.items():
         set_dotted(raw, key, value)
     return validate(raw), [f"{key}={value}" for key, value in changes.items()]
+
+
+def fragmented(event: OomEvent, facts: RunFacts) -> bool:
+    return fragmented_request(event.requested_bytes, event.gpu.get("gpu_alloc", 0), event.gpu.get("gpu_reserved", 0),
+                              facts.gpu_budget)
 
 
 # ---------------------------------------------------------------------- words
