@@ -141,12 +141,14 @@ def measured(run_dir: Path, world_size: int) -> dict:
     plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").is_file() else {}
     ranks = []
     for rank in range(world_size):
-        rows = [r for r in read_timeline(run_dir, rank) if r["phase"] in ("forward", "backward", "optimizer_step")
+        timeline = read_timeline(run_dir, rank)
+        rows = [r for r in timeline if r["phase"] in ("forward", "backward", "optimizer_step")
                 and (r["step"], r["phase"]) != (1, "forward")]
+        start = next((r for r in timeline if r["phase"] == "start"), {})
         gpu = max((r.get("gpu_peak") or 0 for r in rows), default=0)
         host = max((max(r.get("host_peak", 0), r.get("host_rss", 0)) for r in rows), default=0)
         predicted_gpu, predicted_host = plan.get("predicted_gpu_peak"), plan.get("predicted_host_rss")
-        ranks.append({"rank": rank, "gpu_peak_bytes": gpu, "host_rss_peak_bytes": host,
+        ranks.append({"rank": rank, "alloc_conf": start.get("alloc_conf"), "gpu_peak_bytes": gpu, "host_rss_peak_bytes": host,
                       "predicted_gpu_peak_bytes": predicted_gpu, "gpu_error_pct": error_pct(predicted_gpu, gpu),
                       "predicted_host_rss_bytes": predicted_host, "host_error_pct": error_pct(predicted_host, host)})
     return {"world_size": world_size, "steps_done": len(steps),
