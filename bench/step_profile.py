@@ -101,7 +101,7 @@ class StepCounters:
     def __init__(self):
         import gc
 
-        self.gc_seconds, self._gc_started = 0.0, None
+        self.gc_seconds, self._gc_started, self.oldest_collections = 0.0, None, 0
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -109,6 +109,8 @@ class StepCounters:
             self._gc_started = time.perf_counter()
         elif self._gc_started is not None:
             self.gc_seconds += time.perf_counter() - self._gc_started
+            if info.get("generation") == 2:
+                self.oldest_collections += 1
 
     @staticmethod
     def _cumulative() -> dict:
@@ -130,7 +132,7 @@ class StepCounters:
         return now
 
     def start(self) -> None:
-        self._before, self._gc_before = self._cumulative(), self.gc_seconds
+        self._before, self._gc_before, self._oldest_before = self._cumulative(), self.gc_seconds, self.oldest_collections
 
     def stop(self) -> dict:
         import torch
@@ -138,6 +140,7 @@ class StepCounters:
         after = self._cumulative()
         delta = {k: round(after[k] - self._before.get(k, 0), 3) for k in after}
         delta["gc_seconds"] = round(self.gc_seconds - self._gc_before, 3)
+        delta["gc_oldest_generation_collections"] = self.oldest_collections - self._oldest_before
         if torch.cuda.is_available():
             delta["cuda_reserved_gib_at_end"] = round(torch.cuda.memory_reserved() / 2**30, 3)
         return delta
@@ -157,6 +160,14 @@ def worker(spec: dict, out: Path) -> None:
         clock = clock or PhaseClock(ds_engine)
         n = len(record["steps"]) + 1
         run = lambda: original(ds_engine, *args, **kwargs)  # noqa: E731
+        if n == 1:
+            import gc
+
+            record["gc_tracked_objects_at_start"] = len(gc.get_objects())
+            if spec.get("gc_freeze"):  # what the run has built so far leaves the collector's generations
+                gc.collect()
+                gc.freeze()
+                record["gc_frozen_objects"] = gc.get_freeze_count()
         synchronize()
         counters.start()
         started = time.perf_counter()
@@ -203,6 +214,8 @@ def main() -> None:
     parser.add_argument("--cprofile-steps", help="steps under cProfile, comma separated (\"\": none)")
     parser.add_argument("--torch-profile-steps", help="steps under torch.profiler, comma separated (\"\": none)")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.collect() and gc.freeze() before step 1: the objects built so far are never traversed again")
     parser.add_argument("--tag", default="", help="appended to the result's name (step_profile-<case>-<tag>)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,7 +237,7 @@ def main() -> None:
             "cprofile_steps": step_list(str(args.profile_step) if args.cprofile_steps is None else args.cprofile_steps),
             "torch_profile_steps": step_list(str(args.profile_step + 1) if args.torch_profile_steps is None
                                              else args.torch_profile_steps),
-            "sort_by": "self_cpu_time_total"}
+            "sort_by": "self_cpu_time_total", "gc_freeze": args.gc_freeze}
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     started = time.perf_counter()
@@ -236,7 +249,9 @@ def main() -> None:
               "exit_code": code, "wall_s": round(time.perf_counter() - started, 1),
               "chosen": plan.get("chosen"), "estimated_step_seconds": plan.get("estimated_step_seconds"),
               "estimated_terms": plan.get("step_terms"),
-              "steps": record["steps"], "torch_profile_sorted_by": spec["sort_by"],
+              "steps": record["steps"], "gc_freeze": args.gc_freeze,
+              "gc_tracked_objects_at_start": record.get("gc_tracked_objects_at_start"),
+              "gc_frozen_objects": record.get("gc_frozen_objects"), "torch_profile_sorted_by": spec["sort_by"],
               "torch_profile": record.get("torch_profile"), "cprofile_top": record.get("cprofile")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
