@@ -360,8 +360,16 @@ def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
     if not steady:
         return []
     budget = facts.gpu_budget or max(r.get("gpu_peak_reserved", 0) for r in steady)
-    worst_gap = max(steady, key=lambda r: r.get("gpu_peak_reserved", 0) - r.get("gpu_peak", 0))
-    gap = worst_gap.get("gpu_peak_reserved", 0) - worst_gap.get("gpu_peak", 0)
+    # per step, not per phase: a phase that allocates little (a micro batch's no-op optimizer
+    # step) still holds what the step's other phases reserved, which is cache, not waste
+    steps: dict[int, dict] = {}
+    for record in steady:
+        step = steps.setdefault(record["step"], {"step": record["step"], "reserved": 0, "peak": 0, "phase": ""})
+        step["peak"] = max(step["peak"], record.get("gpu_peak", 0))
+        if record.get("gpu_peak_reserved", 0) >= step["reserved"]:
+            step.update(reserved=record.get("gpu_peak_reserved", 0), phase=record["phase"])
+    worst_gap = max(steps.values(), key=lambda s: s["reserved"] - s["peak"])
+    gap = worst_gap["reserved"] - worst_gap["peak"]
     worst_split = max(steady, key=lambda r: r.get("gpu_inactive_split", 0))
     split = worst_split.get("gpu_inactive_split", 0)
     floor = significant_bytes(facts, "gpu")
@@ -373,8 +381,8 @@ def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
     fix += ["keep request sizes uniform: zero.reduce_bucket_size / prefetch_bucket_size equal, "
             "sub_group_size 1e8", "torch.cuda.empty_cache() after saves and evals"]
     return [Finding("fragmentation", "warning", "gpu",
-                    f"GPU fragmentation: {gib(gap)} reserved beyond the allocated peak "
-                    f"({worst_gap['phase']} of step {worst_gap['step']}), up to {gib(split)} in free pieces of "
+                    f"GPU fragmentation: {gib(gap)} reserved beyond the allocated peak of step {worst_gap['step']} "
+                    f"(reserved peaks in its {worst_gap['phase']}), up to {gib(split)} in free pieces of "
                     f"split blocks", "the caching allocator splits large blocks; freed pieces of odd sizes stay "
                     "reserved but too small for the next large request" +
                     (" (even with expandable segments on)" if expandable else ""), fix, worst_gap["step"],
