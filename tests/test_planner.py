@@ -411,3 +411,23 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
     nvme_plan = planner.predict(spec, hw, shape, runs["nvme"])
     assert nvme_plan.host_rss_peak == nvme_plan.start_peak["host"].total_bytes  # the start is its peak
     assert "engine_init_16bit_params_copy" in nvme_plan.start_peak["host"].components
+
+
+def test_fixed_segments_are_noted_where_the_norms_block_has_no_room():
+    """With memory.expandable_segments off, a plan that leaves less under the GPU budget than
+    DeepSpeed's fp64 norm copy (1.86 GiB for llama-3.6b's 394M-element embedding, capped at
+    250M elements) says so; with room to spare, or expandable segments on, it says nothing."""
+    spec = modelspec.from_name("llama-3.6b")
+
+    def notes(gpu_mem, expandable):
+        hw = hardware.with_overrides(hardware.probe(accelerator="cuda", gpu_mem=gpu_mem, host_mem="200GiB"),
+                                     disk_free_bytes=10**13, cpu_cores=16)
+        config = validate({"run_dir": "/tmp/unused", "model": {"config": "llama-3.6b"}, "data": {"path": "synthetic"},
+                           "train": {"max_steps": 1, "seq_len": 1024, "global_batch_size": 16},
+                           "plan": {"headroom": 0.05}, "memory": {"expandable_segments": expandable}})
+        return [n for n in choice.decide(config, spec, hw, 1).plan.notes if n.startswith("fixed GPU segments")]
+
+    tight = notes("5.3GiB", False)
+    assert len(tight) == 1 and "asks 1.9GiB in one block" in tight[0]
+    assert notes("5.3GiB", True) == []
+    assert notes("24GiB", False) == []

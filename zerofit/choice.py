@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from zerofit import hostalloc
+from zerofit.activations import NORM_BUFFER_NUMEL
 from zerofit.config import Config, ConfigError
 from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes
@@ -229,9 +230,31 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
     else:
         best = min(plans, key=overflow)
         advice = what_would_fit(best, spec, hw)
+    if hw.on_gpu and not config.memory.expandable_segments:
+        best.notes += [note for note in [fixed_segments_note(best, spec)] if note]
     chosen = apply(config, best.shape, best.candidate)
     return Decision(config=chosen, plan=best, considered=plans, chosen_fields=free_choices(config, chosen),
                     advice=advice)
+
+
+def fixed_segments_note(plan: Plan, spec: ModelSpec) -> str | None:
+    """With fixed segments (memory.expandable_segments false) one large request needs one free
+    block: DeepSpeed's fp64 copy of an offloaded gradient partition for its norm (up to 250M
+    elements, activations.NORM_BUFFER_NUMEL). When the plan leaves less than that under the
+    budget, it must come from cached memory, which activations may have split: llama-3.6b
+    under 5.3 GiB failed so at micro 4, 2 and 1 on the H200, 1.86 GiB asked with 1.3-1.9 GiB
+    reserved and free (bench/results/oom_retry-3.6b-headline-first.json)."""
+    if plan.candidate.offload_optimizer == "none":
+        return None
+    request = 8 * min(max(p.numel for p in spec.params), NORM_BUFFER_NUMEL)
+    gpu = plan.devices["gpu"]
+    margin = gpu.budget_bytes - gpu.total_bytes
+    if margin >= request:
+        return None
+    return (f"fixed GPU segments (memory.expandable_segments: false): the gradient norm's fp64 copy asks "
+            f"{human_bytes(request)} in one block with {human_bytes(max(margin, 0))} left under the budget, so it must "
+            f"fit in cached pieces the activations may have split (llama-3.6b under 5.3 GiB failed so on the H200); "
+            f"expandable segments, zerofit's default, avoid it")
 
 
 def overflow(plan: Plan) -> float:
