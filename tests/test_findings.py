@@ -205,7 +205,7 @@ def test_oom_with_the_space_in_pieces_is_called_fragmentation():
 def test_fragmentation_is_measured_per_step_not_per_phase():
     """A micro batch's no-op optimizer step allocates little while the step's other phases
     keep their reservation: that is cache. The retry's timeline on the H200
-    (bench/results/oom_retry-3.6b-headline-memory.jsonl) read "4.72 GiB reserved beyond the
+    (bench/results/oom_retry-3.6b-headline-run2-report.md) read "4.72 GiB reserved beyond the
     allocated peak (optimizer_step of step 1)" per phase; per step it is reserved 5.28 - 4.28."""
     def phase(step, name, peak, reserved):
         return {"step": step, "phase": name, "gpu_alloc": int(0.16 * GiB), "gpu_peak": int(peak * GiB),
