@@ -8,8 +8,9 @@ worker: the GPU cap, then train) with `memory.on_oom: retry` and
 under 5.3 GiB, micro 4 x 4) meets fragmentation in step 1's backward
 (speed-3.6b-headline-expandable.json). Each planning call (`planview.plan_run`, one per
 attempt) records the host's available memory, this process's RSS and the GPU allocator's
-bytes when it starts; the result adds the post-mortem's event and changes, the steps the run
-trained and how it ended.
+bytes when it starts, the micro batch and accumulation its config gave the planner (1 x 1 where
+the planner chooses: the first attempt) and what the planner chose; the result adds the
+post-mortem's event and changes, the steps the run trained and how it ended.
 
 GPU machine (~3 min for 3.6b-headline):
     source .whl/prelude.sh || exit; python bench/oom_retry.py --case 3.6b-headline
