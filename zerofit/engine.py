@@ -212,8 +212,10 @@ def release(ds_engine) -> None:
     engine, never popped, and left with the half-run forward's modules after an OOM), which
     keeps the model, the engine and every buffer they hold alive: on the H200, the retry after
     an OOM of llama-3.6b found 65.6 GiB of the machine's 125.9 GiB available, the first attempt holding
-    59 GiB, and refused to start (bench/results/README.md, 2026-11-30 sixth session). Once a step
-    has run, a class-level lru_cache holds the engine's parameter coordinator and modules too."""
+    59 GiB, and refused to start (bench/results/README.md, 2026-11-30 sixth session); released,
+    122.8 GiB (bench/results/oom_retry-3.6b-headline.json). Once a step has run, a class-level
+    lru_cache holds the engine's parameter coordinator and modules too. Both are DeepSpeed's
+    internals (0.19.8): where a version lacks one, there is nothing of it to clear."""
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
@@ -224,7 +226,9 @@ def release(ds_engine) -> None:
 
         warn(f"DeepSpeed's engine.destroy() failed ({type(error).__name__}: {error}); releasing what zerofit can")
     ours = {id(module) for module in ds_engine.module.modules()}
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if stack is not None:
+        stack[:] = [m for m in stack if id(m) not in ours]
     # __params_to_release: @instrument_w_nvtx over @functools.lru_cache, keyed by (coordinator,
     # module, step); only a cache, so clearing it for every engine of the process is safe
     method = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
