@@ -217,3 +217,15 @@ def test_fragmentation_is_measured_per_step_not_per_phase():
     frag = fragmentation(records, RunFacts(gpu_budget=int(5.3 * GiB)))[0]
     assert frag.evidence["reserved_beyond_peak_bytes"] == int(5.28 * GiB) - int(4.28 * GiB)
     assert "allocated peak of step" in frag.title and "reserved peaks in its backward" in frag.title
+
+
+def test_optimizer_step_advice_names_expandable_segments_only_when_off():
+    from zerofit.findings import phase_advice
+
+    zerofit_run = {"model": {"gradient_checkpointing": True}}
+    off = phase_advice("optimizer_step", "gpu", facts_from([], ds_config(), zerofit_run))[1]
+    assert "memory.expandable_segments: true" in off
+    on = phase_advice("optimizer_step", "gpu", facts_from([{"step": 0, "phase": "start",
+                                                            "alloc_conf": "expandable_segments:True"}],
+                                                          ds_config(), zerofit_run))[1]
+    assert not any("expandable" in fix for fix in on)

@@ -59,6 +59,11 @@ class RunFacts:
     def offloaded(self, what: str) -> str:
         return (self.zero.get(f"offload_{what}") or {}).get("device", "none")
 
+    @property
+    def expandable_segments_on(self) -> bool:
+        """The allocator setting the run started with (its `start` record's PYTORCH_CUDA_ALLOC_CONF)."""
+        return "expandable_segments:True" in self.alloc_conf
+
     def gradient_checkpointing(self) -> bool | None:
         return self.config.get("model", {}).get("gradient_checkpointing")
 
@@ -313,7 +318,7 @@ def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[
                  "pinned staging buffers) on top of what the step needs")
         fix = ["find what the first step after a save allocates on the host (tracemalloc or memray)"]
     if device == "gpu":
-        fix.append(expandable_segments_setting(facts) if "expandable_segments:True" not in facts.alloc_conf
+        fix.append(expandable_segments_setting(facts) if not facts.expandable_segments_on
                    else "torch.cuda.empty_cache() right after each save")
     if facts.gathers_on_save():
         fix.append("turn off stage3_gather_16bit_weights_on_model_save and export at the end (`zerofit export`)")
@@ -375,7 +380,7 @@ def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
     floor = significant_bytes(facts, "gpu")
     if not (gap > max(floor, 0.1 * budget) or split > max(floor, 0.05 * budget)):
         return []
-    expandable = "expandable_segments:True" in facts.alloc_conf
+    expandable = facts.expandable_segments_on
     fix = [f"{expandable_segments_setting(facts)} (segments grow in place instead of splitting)"] \
         if not expandable else []
     fix += ["keep request sizes uniform: zero.reduce_bucket_size / prefetch_bucket_size equal, "
@@ -401,7 +406,7 @@ def fragmented_oom_advice(record: dict, facts: RunFacts, phase_fixes: list[str])
     cause = (f"fragmentation: {gib(record['requested_bytes'])} asked beside {gib(record['gpu_alloc'])} allocated fits "
              f"the {gib(facts.gpu_budget)} budget, but the allocator's {gib(record['gpu_reserved'])} reserved were "
              f"split into pieces too small for it, and the budget left no room for a new segment")
-    if "expandable_segments:True" in facts.alloc_conf:
+    if facts.expandable_segments_on:
         return cause + " (even with expandable segments on)", phase_fixes
     return cause, [f"{expandable_segments_setting(facts)} (segments grow in place instead of splitting; "
                    f"nothing else need give)"] + phase_fixes
@@ -476,7 +481,8 @@ def phase_advice(phase: str, device: str, facts: RunFacts) -> tuple[str, list[st
                        f"(zero.sub_group_size: 100000000)")
         if facts.offloaded("optimizer") == "none":
             fix.append("zero.offload_optimizer: cpu (fp32 master weights and Adam moments in host RAM)")
-        fix.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        if not facts.expandable_segments_on:
+            fix.append(expandable_segments_setting(facts))
         return "the optimizer step's fp32 temporaries (per sub group) on top of the held gradients", fix
     if phase == "save":
         fix = ["turn off stage3_gather_16bit_weights_on_model_save and export at the end (`zerofit export`)"] \

@@ -406,7 +406,7 @@ def explanation(report: dict) -> str:
         lines.append(f"  would fit: {' '.join(report['changes'])}")
         lines.append(f"  retry: zerofit train --config {report['retry_config']}   "
                      f"(or memory.on_oom: retry / --on-oom retry)")
-    elif oom:
+    elif oom and oom["fix"]:
         lines.append(f"  fix: {'; '.join(oom['fix'][:2])}")
     directory = Path(report["run_dir"]) / "postmortem"
     lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {report['run_dir']}` renders the timeline")
