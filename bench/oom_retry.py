@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_bench  # noqa: E402 (after the path above)
+from zerofit.doctor import read_json  # noqa: E402
+from zerofit.memory import read_jsonl  # noqa: E402
 
 GIB = 2**30
 
@@ -100,7 +103,7 @@ def main() -> None:
         env.update(ZEROFIT_FAULT="oom@step:2", DS_ACCELERATOR="cpu")
     name = f"oom_retry-{'smoke' if args.smoke else args.case}"
     work = Path(f"/tmp/zerofit-{name}")
-    subprocess.run(["rm", "-rf", str(work)], check=False)
+    shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     config = speed_bench.zerofit_config(case, work / "run", args.steps, accelerator)
     config["memory"] = {"on_oom": "retry", "expandable_segments": False}
@@ -116,17 +119,14 @@ def main() -> None:
                                   timeout=args.timeout_s).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
-    report = work / "run" / "postmortem" / "report.json"
-    report = json.loads(report.read_text()) if report.exists() else {}
-    read = lambda path: json.loads(path.read_text()) if path.exists() else None  # noqa: E731
-    steps = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()
-             if line.strip()] if (work / "run" / "metrics.jsonl").exists() else []
+    report = read_json(work / "run" / "postmortem" / "report.json") or {}
+    steps = read_jsonl(work / "run" / "metrics.jsonl")
     log_lines = (work / "log.txt").read_text().splitlines()
     result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name() if accelerator == "cuda"
               else "cpu", "case": case, "memory": config["memory"], "exit_code": code,
-              "wall_s": round(time.perf_counter() - started, 1), "attempts": read(work / "attempts.json") or [],
+              "wall_s": round(time.perf_counter() - started, 1), "attempts": read_json(work / "attempts.json") or [],
               "oom_event": {k: report.get("event", {}).get(k) for k in ("step", "phase", "device", "requested_bytes")},
-              "retry_changes": report.get("changes"), "run_result": read(work / "result.json"),
+              "retry_changes": report.get("changes"), "run_result": read_json(work / "result.json"),
               "steps_trained": [{k: s.get(k) for k in ("step", "loss", "step_seconds")} for s in steps
                                 if "loss" in s],
               "log_tail": [line for line in log_lines if "warning" not in line.lower()][-25:]}
