@@ -52,12 +52,13 @@ def write_config(path: Path, config: dict) -> Path:
 
 
 def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600,
-                check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU); `input_text`
-    goes to its stdin."""
+                check: bool = True, input_text: str | None = None,
+                torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU) and
+    `torchrun_args`; `input_text` goes to its stdin."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_port", str(_free_port()), "-m", "zerofit", *args]
+               "--master_port", str(_free_port()), *torchrun_args, "-m", "zerofit", *args]
     else:
         cmd = [sys.executable, "-m", "zerofit", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}

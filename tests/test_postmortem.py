@@ -1,13 +1,15 @@
 """The OOM post-mortem on an injected OOM (ZEROFIT_FAULT=oom@step:K, a torch.OutOfMemoryError
 with PyTorch's CUDA message, raised in the forward pass) in a real tiny run."""
+import dataclasses
 import json
 
 import pytest
 from conftest import read_jsonl, run_zerofit, tiny_config, write_config
 
-from zerofit.config import load
+from zerofit import elastic
+from zerofit.config import load, validate
 from zerofit.findings import RunFacts
-from zerofit.postmortem import OomEvent, parse_requested_bytes, would_fit
+from zerofit.postmortem import OomEvent, parse_requested_bytes, retry_line, would_fit
 
 WIDE = {"COLUMNS": "400"}  # rich wraps at 80 columns off a terminal; these tests read whole lines
 OOM_AT_5 = {"ZEROFIT_FAULT": "oom@step:5", **WIDE}
@@ -85,6 +87,51 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     phases = [(r["step"], r["phase"]) for r in read_jsonl(run / "memory.jsonl")]
     assert (5, "oom") in phases and phases.count((4, "start")) == 1
     assert (run / "postmortem" / "report.md").is_file()
+
+
+def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
+    """Rank 1 of 2 runs out of memory in step 5 (checkpoints every 3 steps): no rank can retry
+    alone, so it hands its safer settings over and exits; torchrun (--max-restarts 1) restarts
+    both ranks, which take the hand-over from rank 0, resume from step 3 with it and finish."""
+    config = oom_config(tmp_path)
+    done = run_zerofit(["train", "--config", str(config), "--on-oom", "retry"], nproc=2,
+                       env={**OOM_AT_5, "ZEROFIT_FAULT_RANKS": "1"}, torchrun_args=("--max-restarts", "1"))
+    out = done.stdout + done.stderr
+    assert "retry: torchrun restarts every rank (1 restart left)" in out
+    assert ("memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward); torchrun restarted every rank "
+            "(restart 1 of 1); resuming from the newest checkpoint with train.micro_batch_size=2, "
+            "train.grad_accum_steps=2") in out
+    run = tmp_path / "run"
+    assert f"resumed from {run / 'checkpoints' / 'step-000003'} at step 3" in out and "done: step 8" in out
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+    assert json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())["micro_batch_size"] == 2
+    assert json.loads((run / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"] == 2
+    handover = json.loads((run / "postmortem" / "rank1" / elastic.HANDOVER).read_text())
+    assert (handover["rank"], handover["restart"], handover["step"]) == (1, 0, 5)
+    assert not (run / "postmortem" / elastic.HANDOVER).exists()  # rank 0 did not run out of memory
+
+
+def test_handover_needs_a_restart_left_and_belongs_to_one_agent(tmp_path, monkeypatch):
+    """A hand-over is written only while torchrun has a restart left, and taken only by the
+    next attempt of the same agent: never by a later torchrun of the same run directory."""
+    safer_config = validate(tiny_config(tmp_path / "run"))
+    event = OomEvent(step=5, phase="forward", device="gpu", message="", requested_bytes=None, rank=1, world_size=2)
+    directory = tmp_path / "run" / "postmortem" / "rank1"
+    directory.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert elastic.hand_over(directory, event, safer_config, ["x=1"]) is None
+    assert not (directory / elastic.HANDOVER).exists()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert "2 restarts left" in elastic.hand_over(directory, event, safer_config, ["x=1"])
+    first = elastic.current()
+    assert first.restart == 0 and elastic.take_over(tmp_path / "run", first) is None  # its own: not the one before
+    restarted = dataclasses.replace(first, restart=1)
+    assert elastic.take_over(tmp_path / "run", restarted)["changes"] == ["x=1"]
+    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, restart=2)) is None
+    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, agent_pid=first.agent_pid + 1)) is None
+    report = {"event": {"world_size": 2}, "retry_config": "r.yaml"}
+    assert "under torchrun --max-restarts 1 or more" in retry_line(report)
 
 
 def test_would_fit_starts_from_the_planned_config(tmp_path):

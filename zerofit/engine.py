@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from zerofit import opbuild
+from zerofit import elastic, opbuild
 from zerofit.config import Config
 
 
@@ -129,12 +129,17 @@ def init_distributed() -> Dist:
     import deepspeed
     import torch
 
-    if not torch.distributed.is_initialized():
-        with opbuild.ops_unblocked():  # the CPU accelerator builds its shm comm op here
-            deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:
         torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if on_gpu else "gloo"
+        store = elastic.process_group_store()
+        if store is not None:  # a torchrun restart: DeepSpeed adopts a group that exists
+            torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                                 world_size=int(os.environ["WORLD_SIZE"]))
+        with opbuild.ops_unblocked():  # the CPU accelerator builds its shm comm op here
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
 
 

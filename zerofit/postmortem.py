@@ -11,7 +11,8 @@ Into RUN_DIR/postmortem/ (rank r > 0: postmortem/rank{r}/) go:
 An emergency checkpoint of the last completed step is published when the state is
 consistent; the process then exits 1 with a one-screen explanation, or, with
 memory.on_oom=retry (`zerofit train --on-oom retry`), restarts from the newest
-checkpoint with the safer settings.
+checkpoint with the safer settings: in this process with one rank, through torchrun's
+restarts with several (elastic.py).
 
 A host OOM the kernel answers with SIGKILL cannot be caught by anyone: the watchdog is
 the defence there. Python's MemoryError and torch's CPU allocator failures are caught.
@@ -28,7 +29,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from zerofit import faults
+from zerofit import elastic, faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
 from zerofit.doctor import plan_vs_measured, read_json
 from zerofit.engine import allocator_setting, release as release_engine
@@ -124,6 +125,9 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
                 f"{', '.join(report['changes'])}")
             config, resume = validate(safer), None
             continue
+        if config.memory.on_oom == "retry" and safer and event.world_size > 1:
+            report["handed_over"] = elastic.hand_over(directory_for(Path(config.run_dir), event.rank), event,
+                                                      validate(safer), report["changes"])
         raise OutOfMemoryStop(explanation(report))
 
 
@@ -404,8 +408,7 @@ def explanation(report: dict) -> str:
     lines.append(f"  emergency checkpoint: {report['emergency_checkpoint'] or '-'} ({report['emergency_note']})")
     if report["changes"]:
         lines.append(f"  would fit: {' '.join(report['changes'])}")
-        lines.append(f"  retry: zerofit train --config {report['retry_config']}   "
-                     f"(or memory.on_oom: retry / --on-oom retry)")
+        lines.append(retry_line(report))
     elif oom and oom["fix"]:
         lines.append(f"  fix: {'; '.join(oom['fix'][:2])}")
     directory = Path(report["run_dir"]) / "postmortem"
@@ -413,6 +416,14 @@ def explanation(report: dict) -> str:
     if event.get("snapshot"):
         lines.append(f"  allocator snapshot: {event['snapshot']} ({event['snapshot_note']})")
     return "\n".join(lines)
+
+
+def retry_line(report: dict) -> str:
+    if report.get("handed_over"):
+        return f"  retry: {report['handed_over']}"
+    how = "memory.on_oom: retry / --on-oom retry" if report["event"]["world_size"] == 1 else \
+        "with several ranks: memory.on_oom: retry under torchrun --max-restarts 1 or more"
+    return f"  retry: zerofit train --config {report['retry_config']}   (or {how})"
 
 
 def render_markdown(report: dict) -> str:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, engine, faults, hostalloc, lora, loss, memory,
-                     models, nvme, planview, postmortem, watchdog)
+from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, elastic, engine, faults, hostalloc, lora, loss,
+                     memory, models, nvme, planview, postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -39,6 +39,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     run_dir = Path(config.run_dir)
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
+    config, resume = elastic.resume_after_oom(config, resume, dist)  # torchrun restarted the ranks after an OOM
+    session.attach(config=config)
     engine.use_expandable_segments(config, dist.on_gpu)
     session.begin(dist)
     if threads_note and dist.is_main:

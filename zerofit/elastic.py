@@ -1,0 +1,144 @@
+"""The OOM retry with several ranks, carried by torchrun's restarts.
+
+One process retries in place (postmortem.run_with_oom_policy). Several ranks cannot: the others
+wait inside a collective the failed rank will never join, and no rank can leave one alone.
+torchrun can restart them all: with `--max-restarts N` its agent stops every worker when one
+exits non-zero and starts the group again, counting in TORCHELASTIC_RESTART_COUNT. So the rank
+that ran out of memory leaves a hand-over beside its post-mortem (the safer config, and which
+attempt it belongs to) and exits 1; in the next attempt rank 0 reads the hand-overs of the
+attempt before, every rank receives the chosen one from rank 0, and the run resumes from the
+newest checkpoint with it.
+
+torchrun's agent keeps one TCP store for all attempts (torch 2.13:
+elastic/rendezvous/static_tcp_rendezvous.py and dynamic_rendezvous.py create it once), and a
+worker joining the default group through env:// reads the keys the attempt before left there:
+gloo's connectFullMesh dialled the killed rank's old address and failed ("timed out connecting",
+seen with `torchrun --max-restarts 1` and with `--standalone`). `process_group_store` gives each
+restarted attempt keys of its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerofit import faults
+from zerofit.checkpoint import write_atomic
+from zerofit.config import Config, ConfigError, validate
+from zerofit.progress import say
+
+HANDOVER = "retry-handover.json"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of the worker group by a torchrun agent."""
+    agent_pid: int      # the agent is every worker's parent, the same across its restarts
+    run_id: str         # TORCHELASTIC_RUN_ID ("none" unless --rdzv-id or --standalone)
+    restart: int        # TORCHELASTIC_RESTART_COUNT: 0 on the first start
+    max_restarts: int   # torchrun --max-restarts
+
+    @property
+    def restarts_left(self) -> int:
+        return self.max_restarts - self.restart
+
+    def follows(self, record: dict) -> bool:
+        """`record` was handed over by the attempt just before this one, under this agent."""
+        return (record.get("agent_pid"), record.get("run_id"), record.get("restart")) == \
+            (self.agent_pid, self.run_id, self.restart - 1)
+
+
+def current(environ=os.environ) -> Attempt | None:
+    """The torchrun attempt this process belongs to; None without a torchrun agent."""
+    if "TORCHELASTIC_RESTART_COUNT" not in environ:
+        return None
+    return Attempt(os.getppid(), environ.get("TORCHELASTIC_RUN_ID", ""), int(environ["TORCHELASTIC_RESTART_COUNT"]),
+                   int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+
+
+def process_group_store():
+    """The store for the default process group of a restarted attempt: the agent's, under a
+    prefix of this attempt. None (the default env:// rendezvous) on a first start, or where
+    the workers do not share the agent's store."""
+    attempt = current()
+    if attempt is None or attempt.restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as td
+
+    agent_store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False)
+    return td.PrefixStore(f"zerofit/restart-{attempt.restart}", agent_store)
+
+
+# ------------------------------------------------------------------ the failed attempt
+def hand_over(directory: Path, event, safer: Config, changes: list[str]) -> str | None:
+    """After an OOM with several ranks and memory.on_oom=retry: leave `safer` for the next
+    attempt. The explanation's retry line, or None when torchrun will not restart."""
+    attempt = current()
+    if attempt is None or attempt.restarts_left <= 0:
+        return None
+    record = {"agent_pid": attempt.agent_pid, "run_id": attempt.run_id, "restart": attempt.restart,
+              "rank": event.rank, "step": event.step, "phase": event.phase, "device": event.device,
+              "changes": changes, "config": safer.model_dump(mode="json")}
+    write_atomic(directory / HANDOVER, json.dumps(record, indent=1))
+    left = attempt.restarts_left
+    return (f"torchrun restarts every rank ({left} restart{'s' if left > 1 else ''} left); they resume from "
+            f"the newest checkpoint with these settings")
+
+
+def handovers(run_dir: Path) -> list[Path]:
+    """Every rank's hand-over file, rank 0's first, then by rank."""
+    root = Path(run_dir) / "postmortem"
+    ranked = sorted(root.glob(f"rank*/{HANDOVER}"), key=lambda p: int(p.parent.name.removeprefix("rank") or 0))
+    return [p for p in [root / HANDOVER, *ranked] if p.is_file()]
+
+
+def take_over(run_dir: Path, attempt: Attempt) -> dict | None:
+    """The hand-over the attempt before this one left: the lowest failed rank's."""
+    for path in handovers(run_dir):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge: a later rank's may be whole
+        if attempt.follows(record):
+            return record
+    return None
+
+
+# ------------------------------------------------------------------ the next attempt
+def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config, bool | None]:
+    """In an attempt torchrun restarted after an OOM: the safer config the failed rank handed
+    over, on every rank (rank 0 reads it, then broadcasts: all ranks must run the same one),
+    and resume from the newest checkpoint. Anything else: `config` and `resume` unchanged."""
+    attempt = current()
+    if attempt is None or attempt.restart == 0 or dist.world_size == 1:
+        return config, resume
+    record, problem = None, None
+    if dist.is_main:
+        record = take_over(Path(config.run_dir), attempt)
+        if record is not None:
+            try:
+                validate(record["config"])
+            except ConfigError as e:
+                record, problem = None, f"the OOM retry's hand-over from rank {record['rank']} is not a valid config: {e}"
+    record, problem = broadcast_from_main((record, problem))
+    if problem:
+        raise ConfigError(problem)
+    if record is None:
+        return config, resume
+    faults.disarm("oom", "step", record["step"])  # an injected OOM stands for the old settings
+    if dist.is_main:
+        where = {"gpu": "GPU", "host": "host"}
+        say(f"[bold]memory.on_oom=retry[/]: rank {record['rank']} ran out of {where[record['device']]} memory in step "
+            f"{record['step']} ({record['phase']}); torchrun restarted every rank (restart {attempt.restart} of "
+            f"{attempt.max_restarts}); resuming from the newest checkpoint with {', '.join(record['changes'])}")
+    return validate(record["config"]), None
+
+
+def broadcast_from_main(value):
+    import torch.distributed as td
+
+    box = [value]
+    td.broadcast_object_list(box, src=0)
+    return box[0]
