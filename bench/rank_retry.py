@@ -1,0 +1,160 @@
+"""The OOM retry with several ranks (`memory.on_oom: retry` under `torchrun --max-restarts 1`):
+does torchrun's restart bring every rank back with the failed rank's safer settings, and how
+long does the way back take? Then the same with torch's default keys for the restarted
+process group (elastic.process_group_store off): what a restart meets without zerofit's.
+
+Two ranks train a speed_bench case (zerofit's plan, synthetic data) with a checkpoint every
+`--save-every` steps; rank 1 runs out of memory in the forward of step `--oom-step` (the drill
+ZEROFIT_FAULT=oom@step:N with ZEROFIT_FAULT_RANKS=1: the error a CUDA OOM raises, so the
+post-mortem, the hand-over, torchrun's restart, the NCCL re-initialisation and the resume are
+all real). Recorded per variant: exit code, wall time, the steps trained and their micro batch,
+the hand-over, and from the timelines the seconds from the OOM to the restarted ranks' start
+and from there to the end of the first resumed step.
+
+GPU machine (2 GPUs, NCCL, ~2 min a run):  python bench/rank_retry.py --case 0.5b-8 --timeout-s 200
+Here (CPU, gloo, ~2 min):            python bench/rank_retry.py --smoke
+Writes $OUT/rank_retry-<case>[-<variants>].json (or --out); each run's log stays in
+/tmp/zerofit-rank_retry-*-<variant>-<repeat>/log.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import speed_bench  # noqa: E402 (after the path above)
+from zerofit.doctor import read_json  # noqa: E402
+from zerofit.memory import read_jsonl  # noqa: E402
+
+VARIANTS = ("zerofit", "default_store")
+LOG_MARKS = ("memory.on_oom=retry", "retry:", "resumed from", "done:", "connectFullMesh", "NCCL error", "Timeout",
+             "zerofit: error")
+
+
+def entry_with_default_store(argv: list[str]) -> int:
+    """`zerofit ARGV` with the restarted attempt's process group on torch's default keys."""
+    from zerofit import elastic
+    from zerofit.cli import main
+
+    elastic.process_group_store = lambda: None
+    return main(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(variant: str, config: dict, work: Path, env: dict, timeout_s: int) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    config = {**config, "run_dir": str(work / "run")}
+    (work / "c.yaml").write_text(yaml.safe_dump(config))
+    entry = ["-m", "zerofit"] if variant == "zerofit" else [__file__, "--entry-default-store"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+               "--master_port", str(free_port()), *entry, "train", "--config", str(work / "c.yaml")]
+    started = time.perf_counter()
+    with open(work / "log.txt", "w") as log:
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = launcher.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # the workers too (each in a session of its own): else they hang on
+            for process in [*psutil.Process(launcher.pid).children(recursive=True), launcher]:
+                process.kill()
+            launcher.wait()
+            code = "timeout"
+    run = work / "run"
+    steps = [{k: s.get(k) for k in ("step", "loss", "step_seconds")} for s in read_jsonl(run / "metrics.jsonl")]
+    handover = read_json(run / "postmortem" / "rank1" / "retry-handover.json") or {}
+    handover.pop("config", None)
+    final = sorted((run / "checkpoints").glob("step-*/loop_state.json"))
+    micro_batch_at_end = (read_json(final[-1]) or {}).get("micro_batch_size") if final else None
+    log_lines = (work / "log.txt").read_text(errors="replace").splitlines()
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)  # a 0.5B run's are 12 GB; its log stays
+    return {"variant": variant, "exit_code": code, "wall_s": round(time.perf_counter() - started, 1),
+            "steps_trained": steps, "handover": handover, "micro_batch_at_end": micro_batch_at_end,
+            "ds_config_micro_batch": (read_json(run / "ds_config.json") or {}).get("train_micro_batch_size_per_gpu"),
+            "way_back_s": way_back(run),
+            "log_marks": [line[:300] for line in log_lines if any(mark in line for mark in LOG_MARKS)][:20]}
+
+
+def way_back(run: Path) -> dict:
+    """Seconds from rank 1's OOM to rank 0's restarted start, and from there to the end of the
+    first step it trained again (the times of the timelines' records)."""
+    oom = next((r for r in read_jsonl(run / "memory-rank1.jsonl") if r["phase"] == "oom"), None)
+    rank0 = read_jsonl(run / "memory.jsonl")
+    if oom is None:
+        return {}
+    start = next((r for r in rank0 if r["phase"] == "start" and r["time"] > oom["time"]), None)
+    if start is None:
+        return {"oom_step": oom["step"]}
+    first = [r for r in rank0 if r["time"] > start["time"] and r["step"] == start["step"] + 1]
+    return {"oom_step": oom["step"], "resumed_at_step": start["step"],
+            "oom_to_restarted_start_s": round(start["time"] - oom["time"], 1),
+            "start_to_first_step_end_s": round(first[-1]["time"] - start["time"], 1) if first else None}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--entry-default-store"]:
+        raise SystemExit(entry_with_default_store(sys.argv[2:]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="0.5b-8", choices=sorted(speed_bench.CASES))
+    parser.add_argument("--smoke", action="store_true", help="preset tiny on the CPU (gloo)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--oom-step", type=int, default=5)
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each variant, interleaved (the default "
+                        "keys' failure is a race)")
+    parser.add_argument("--timeout-s", type=int, default=240, help="per variant; a hung one is killed after it")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = parser.parse_args()
+
+    import torch
+
+    accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    case = dict(speed_bench.CASES[args.case])
+    env = {**os.environ, "ZEROFIT_FAULT": f"oom@step:{args.oom_step}", "ZEROFIT_FAULT_RANKS": "1",
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
+    if args.smoke:
+        case.update(model="tiny", seq_len=64, global_batch=8)
+        env.update(DS_ACCELERATOR="cpu")
+    config = speed_bench.zerofit_config(case, Path("unset"), args.steps, accelerator)
+    config["checkpoint"] = {"every_steps": args.save_every, "keep_last": 2, "save_final": False}
+    config["memory"] = {"on_oom": "retry"}
+    config["train"]["micro_batch_size"] = case["global_batch"] // 2  # per rank, so the retry has one to halve
+    stem = f"rank_retry-{'smoke' if args.smoke else args.case}"
+    name = stem if args.variants == ",".join(VARIANTS) else f"{stem}-{args.variants.replace(',', '_')}"
+    results = [dict(run_variant(variant, config, Path(f"/tmp/zerofit-{stem}-{variant}-{n + 1}"), env, args.timeout_s),
+                    repeat=n + 1)
+               for n in range(args.repeat) for variant in args.variants.split(",")]
+    result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name() if accelerator == "cuda"
+              else "cpu", "gpus": torch.cuda.device_count() if accelerator == "cuda" else 0,
+              "torch": torch.__version__, "case": case, "oom_step": args.oom_step, "save_every": args.save_every,
+              "finished": {v: f"{sum(r['exit_code'] == 0 for r in results if r['variant'] == v)} of "
+                           f"{sum(r['variant'] == v for r in results)}" for v in args.variants.split(",")},
+              "variants": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    for entry in results:
+        print(json.dumps({k: entry[k] for k in ("variant", "repeat", "exit_code", "wall_s", "micro_batch_at_end", "way_back_s")}))
+    print(f"finished: {result['finished']}\n-> {out / name}.json")
+
+
+if __name__ == "__main__":
+    main()
