@@ -112,8 +112,9 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
 
 
 def test_handover_needs_a_restart_left_and_belongs_to_one_agent(tmp_path, monkeypatch):
-    """A hand-over is written only while torchrun has a restart left, and taken only by the
-    next attempt of the same agent: never by a later torchrun of the same run directory."""
+    """A hand-over is written only while torchrun has a restart left, and taken only by later
+    attempts of the same agent (the newest hand-over: a restart after another failure keeps the
+    safer config), never by a later torchrun of the same run directory."""
     safer_config = validate(tiny_config(tmp_path / "run"))
     event = OomEvent(step=5, phase="forward", device="gpu", message="", requested_bytes=None, rank=1, world_size=2)
     directory = tmp_path / "run" / "postmortem" / "rank1"
@@ -128,8 +129,12 @@ def test_handover_needs_a_restart_left_and_belongs_to_one_agent(tmp_path, monkey
     assert first.restart == 0 and elastic.take_over(tmp_path / "run", first) is None  # its own: not the one before
     restarted = dataclasses.replace(first, restart=1)
     assert elastic.take_over(tmp_path / "run", restarted)["changes"] == ["x=1"]
-    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, restart=2)) is None
     assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, agent_pid=first.agent_pid + 1)) is None
+    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, restart=2))["changes"] == ["x=1"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # attempt 1 ran out of memory too, on rank 0
+    rank0 = tmp_path / "run" / "postmortem"
+    elastic.hand_over(rank0, dataclasses.replace(event, rank=0), safer_config, ["y=2"])
+    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, restart=2))["changes"] == ["y=2"]
     report = {"event": {"world_size": 2}, "retry_config": "r.yaml"}
     assert "under torchrun --max-restarts 1 or more" in retry_line(report)
 

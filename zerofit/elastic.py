@@ -5,9 +5,9 @@ wait inside a collective the failed rank will never join, and no rank can leave 
 torchrun can restart them all: with `--max-restarts N` its agent stops every worker when one
 exits non-zero and starts the group again, counting in TORCHELASTIC_RESTART_COUNT. So the rank
 that ran out of memory leaves a hand-over beside its post-mortem (the safer config, and which
-attempt it belongs to) and exits 1; in the next attempt rank 0 reads the hand-overs of the
-attempt before, every rank receives the chosen one from rank 0, and the run resumes from the
-newest checkpoint with it.
+attempt it belongs to) and exits 1; in the next attempt rank 0 reads the newest hand-over of
+this torchrun, every rank receives it from rank 0, and the run resumes from the newest
+checkpoint with it.
 
 torchrun's agent keeps one TCP store for all attempts (torch 2.13:
 elastic/rendezvous/static_tcp_rendezvous.py and dynamic_rendezvous.py create it once), and a
@@ -44,9 +44,10 @@ class Attempt:
         return self.max_restarts - self.restart
 
     def follows(self, record: dict) -> bool:
-        """`record` was handed over by the attempt just before this one, under this agent."""
-        return (record.get("agent_pid"), record.get("run_id"), record.get("restart")) == \
-            (self.agent_pid, self.run_id, self.restart - 1)
+        """`record` was handed over by an earlier attempt of this agent: not by another torchrun
+        that used the run directory before."""
+        return (record.get("agent_pid"), record.get("run_id")) == (self.agent_pid, self.run_id) and \
+            isinstance(record.get("restart"), int) and record["restart"] < self.restart
 
 
 def current(environ=os.environ) -> Attempt | None:
@@ -95,22 +96,27 @@ def handovers(run_dir: Path) -> list[Path]:
 
 
 def take_over(run_dir: Path, attempt: Attempt) -> dict | None:
-    """The hand-over the attempt before this one left: the lowest failed rank's."""
-    for path in handovers(run_dir):
+    """The newest hand-over of an earlier attempt (the lowest failed rank's of that attempt).
+    The newest, not only the last attempt's: each is the config that ran made safer, so after
+    an OOM retry that then failed for another reason the next restart keeps the safer config
+    rather than going back to the command line's."""
+    newest = None
+    for path in handovers(run_dir):  # rank order: the first of an attempt wins
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # not ours to judge: a later rank's may be whole
-        if attempt.follows(record):
-            return record
-    return None
+        if attempt.follows(record) and (newest is None or record["restart"] > newest["restart"]):
+            newest = record
+    return newest
 
 
 # ------------------------------------------------------------------ the next attempt
 def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config, bool | None]:
-    """In an attempt torchrun restarted after an OOM: the safer config the failed rank handed
-    over, on every rank (rank 0 reads it, then broadcasts: all ranks must run the same one),
-    and resume from the newest checkpoint. Anything else: `config` and `resume` unchanged."""
+    """In an attempt torchrun restarted after an OOM (in this attempt's predecessor or an
+    earlier one): the safer config a failed rank handed over, on every rank (rank 0 reads it,
+    then broadcasts: all ranks must run the same one), and resume from the newest checkpoint.
+    Anything else: `config` and `resume` unchanged."""
     attempt = current()
     if attempt is None or attempt.restart == 0 or dist.world_size == 1:
         return config, resume
