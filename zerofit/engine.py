@@ -136,8 +136,9 @@ def init_distributed() -> Dist:
         backend = "nccl" if on_gpu else "gloo"
         store = elastic.process_group_store()
         if store is not None:  # a torchrun restart: DeepSpeed adopts a group that exists
+            device = {"device_id": torch.device("cuda", local_rank)} if on_gpu else {}  # as DeepSpeed's own init
             torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                                 world_size=int(os.environ["WORLD_SIZE"]))
+                                                 world_size=int(os.environ["WORLD_SIZE"]), **device)
         with opbuild.ops_unblocked():  # the CPU accelerator builds its shm comm op here
             deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
