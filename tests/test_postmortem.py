@@ -98,8 +98,8 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
                        env={**OOM_AT_5, "ZEROFIT_FAULT_RANKS": "1"}, torchrun_args=("--max-restarts", "1"))
     out = done.stdout + done.stderr
     assert "retry: torchrun restarts every rank (1 restart left)" in out
-    assert ("memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward); torchrun restarted every rank "
-            "(restart 1 of 1); resuming from the newest checkpoint with train.micro_batch_size=2, "
+    assert ("memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward) of attempt 1; torchrun restarted "
+            "every rank (restart 1 of 1); resuming from the newest checkpoint with train.micro_batch_size=2, "
             "train.grad_accum_steps=2") in out
     run = tmp_path / "run"
     assert f"resumed from {run / 'checkpoints' / 'step-000003'} at step 3" in out and "done: step 8" in out
@@ -109,6 +109,22 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     handover = json.loads((run / "postmortem" / "rank1" / elastic.HANDOVER).read_text())
     assert (handover["rank"], handover["restart"], handover["step"]) == (1, 0, 5)
     assert not (run / "postmortem" / elastic.HANDOVER).exists()  # rank 0 did not run out of memory
+
+
+def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):
+    """memory.on_oom=stop under torchrun --max-restarts 1: the restart would repeat steps 4-5 and
+    run out of memory again with the same settings; the restarted ranks stop before training."""
+    config = oom_config(tmp_path)
+    done = run_zerofit(["train", "--config", str(config)], nproc=2, check=False,
+                       env={**OOM_AT_5, "ZEROFIT_FAULT_RANKS": "1"}, torchrun_args=("--max-restarts", "1"))
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert ("zerofit: error: rank 1 ran out of GPU memory in step 5 (forward) of attempt 1, and memory.on_oom is "
+            "stop (--on-oom retry") in out
+    assert "so this attempt stops before training" in out and "resumed from" not in out
+    run = tmp_path / "run"
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert json.loads((run / "postmortem" / "rank1" / elastic.HANDOVER).read_text())["config"] is None
 
 
 def test_handover_needs_a_restart_left_and_belongs_to_one_agent(tmp_path, monkeypatch):

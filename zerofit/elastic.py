@@ -73,16 +73,20 @@ def process_group_store():
 
 
 # ------------------------------------------------------------------ the failed attempt
-def hand_over(directory: Path, event, safer: Config, changes: list[str]) -> str | None:
-    """After an OOM with several ranks and memory.on_oom=retry: leave `safer` for the next
-    attempt. The explanation's retry line, or None when torchrun will not restart."""
+def hand_over(directory: Path, event, safer: Config | None, changes: list[str], why_not: str = "") -> str | None:
+    """After an OOM with several ranks: leave `safer` for the next attempt (memory.on_oom=retry),
+    or, with `safer` None, word that it must not train (`why_not`: memory.on_oom is stop, or
+    nothing safer is known): a restart with the settings that ran out of memory would run out again, after
+    repeating every step since the newest checkpoint. The explanation's retry line, or None."""
     attempt = current()
     if attempt is None or attempt.restarts_left <= 0:
         return None
     record = {"agent_pid": attempt.agent_pid, "run_id": attempt.run_id, "restart": attempt.restart,
               "rank": event.rank, "step": event.step, "phase": event.phase, "device": event.device,
-              "changes": changes, "config": safer.model_dump(mode="json")}
+              "changes": changes, "config": safer.model_dump(mode="json") if safer else None, "why_not": why_not}
     write_atomic(directory / HANDOVER, json.dumps(record, indent=1))
+    if safer is None:
+        return None
     left = attempt.restarts_left
     return (f"torchrun restarts every rank ({left} restart{'s' if left > 1 else ''} left); they resume from "
             f"the newest checkpoint with these settings")
@@ -115,7 +119,8 @@ def take_over(run_dir: Path, attempt: Attempt) -> dict | None:
 def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config, bool | None]:
     """In an attempt torchrun restarted after an OOM (in this attempt's predecessor or an
     earlier one): the safer config a failed rank handed over, on every rank (rank 0 reads it,
-    then broadcasts: all ranks must run the same one), and resume from the newest checkpoint.
+    then broadcasts: all ranks must run the same one), and resume from the newest checkpoint;
+    a ConfigError on every rank when the hand-over says not to train (memory.on_oom=stop).
     Anything else: `config` and `resume` unchanged."""
     attempt = current()
     if attempt is None or attempt.restart == 0 or dist.world_size == 1:
@@ -123,7 +128,7 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
     record, problem = None, None
     if dist.is_main:
         record = take_over(Path(config.run_dir), attempt)
-        if record is not None:
+        if record is not None and record["config"] is not None:
             try:
                 validate(record["config"])
             except ConfigError as e:
@@ -133,11 +138,15 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
         raise ConfigError(problem)
     if record is None:
         return config, resume
+    oom = (f"rank {record['rank']} ran out of {'GPU' if record['device'] == 'gpu' else 'host'} memory in step "
+           f"{record['step']} ({record['phase']}) of attempt {record['restart'] + 1}")
+    if record["config"] is None:
+        raise ConfigError(f"{oom}, and {record['why_not']}: torchrun restarted the ranks, but the settings that ran "
+                          f"out of memory would run out again, so this attempt stops before training. Post-mortem: "
+                          f"{Path(config.run_dir) / 'postmortem'}")
     faults.disarm("oom", "step", record["step"])  # an injected OOM stands for the old settings
     if dist.is_main:
-        where = {"gpu": "GPU", "host": "host"}
-        say(f"[bold]memory.on_oom=retry[/]: rank {record['rank']} ran out of {where[record['device']]} memory in step "
-            f"{record['step']} ({record['phase']}); torchrun restarted every rank (restart {attempt.restart} of "
+        say(f"[bold]memory.on_oom=retry[/]: {oom}; torchrun restarted every rank (restart {attempt.restart} of "
             f"{attempt.max_restarts}); resuming from the newest checkpoint with {', '.join(record['changes'])}")
     return validate(record["config"]), None
 

@@ -125,10 +125,21 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
                 f"{', '.join(report['changes'])}")
             config, resume = validate(safer), None
             continue
-        if config.memory.on_oom == "retry" and safer and event.world_size > 1:
+        if event.world_size > 1:  # no rank retries alone: torchrun's next attempt, if any, learns what to do
+            retry = config.memory.on_oom == "retry" and safer
             report["handed_over"] = elastic.hand_over(directory_for(Path(config.run_dir), event.rank), event,
-                                                      validate(safer), report["changes"])
+                                                      validate(safer) if retry else None,
+                                                      report["changes"] if retry else [],
+                                                      "" if retry else why_not_retried(config, safer))
         raise OutOfMemoryStop(explanation(report))
+
+
+def why_not_retried(config: Config, safer: dict | None) -> str:
+    if config.memory.on_oom == "retry":
+        return "no safer settings are known (see the post-mortem's findings)"
+    if safer:
+        return "memory.on_oom is stop (--on-oom retry, or the retry-config.yaml there, trains on with safer settings)"
+    return "memory.on_oom is stop"
 
 
 def is_oom(error: BaseException) -> bool:
