@@ -109,6 +109,9 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     handover = json.loads((run / "postmortem" / "rank1" / elastic.HANDOVER).read_text())
     assert (handover["rank"], handover["restart"], handover["step"]) == (1, 0, 5)
     assert not (run / "postmortem" / elastic.HANDOVER).exists()  # rank 0 did not run out of memory
+    assert f"details: {run / 'postmortem' / 'rank1' / 'report.md'}" in out
+    doctor = run_zerofit(["doctor", str(run)], env=WIDE).stdout  # rank 1's post-mortem, not none
+    assert "out-of-memory post-mortem" in doctor and "GPU out of memory in the forward pass of step 5" in doctor
 
 
 def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):

@@ -62,8 +62,16 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
     return Diagnosis(run_dir, source, records, facts, findings,
                      plan_vs_measured(plan, every_rank, checkpoint_bytes), phase_peaks(records),
-                     summarize(records, facts, every_rank), read_json(run_dir / "postmortem" / "report.json"),
+                     summarize(records, facts, every_rank), newest_postmortem(run_dir),
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank})
+
+
+def newest_postmortem(run_dir: Path) -> dict | None:
+    """The newest post-mortem report of any rank (postmortem/report.json is rank 0's,
+    postmortem/rankN/ rank N's): with several ranks the one that ran out of memory may be any."""
+    found = [p for p in [run_dir / "postmortem" / "report.json", *run_dir.glob("postmortem/rank*/report.json")]
+             if p.is_file()]
+    return read_json(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
 def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:

@@ -242,8 +242,13 @@ def failed_phase(error: BaseException, last_phase: str | None) -> str:
     return NEXT_PHASE.get(last_phase, "forward")
 
 
+def directory_of(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "postmortem" / ("" if rank == 0 else f"rank{rank}")
+
+
 def directory_for(run_dir: Path, rank: int) -> Path:
-    path = Path(run_dir) / "postmortem" / ("" if rank == 0 else f"rank{rank}")
+    """The rank's post-mortem directory, made."""
+    path = directory_of(run_dir, rank)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -422,7 +427,7 @@ def explanation(report: dict) -> str:
         lines.append(retry_line(report))
     elif oom and oom["fix"]:
         lines.append(f"  fix: {'; '.join(oom['fix'][:2])}")
-    directory = Path(report["run_dir"]) / "postmortem"
+    directory = directory_of(Path(report["run_dir"]), event.get("rank", 0))
     lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {report['run_dir']}` renders the timeline")
     if event.get("snapshot"):
         lines.append(f"  allocator snapshot: {event['snapshot']} ({event['snapshot_note']})")

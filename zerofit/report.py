@@ -279,7 +279,7 @@ def plan_html(diagnosis) -> str:
 def postmortem_html(report: dict | None) -> str:
     if not report:
         return "<p>No out-of-memory error in this run.</p>"
-    from zerofit.postmortem import explanation
+    from zerofit.postmortem import directory_of, explanation
 
     event = report["event"]
     snapshot = event.get("snapshot") or "none:"
@@ -288,7 +288,8 @@ def postmortem_html(report: dict | None) -> str:
             f"<p><b>Emergency checkpoint:</b> {esc(report['emergency_checkpoint'] or '-')} "
             f"({esc(report['emergency_note'])})</p><p><b>Would fit:</b></p><ul>{changes}</ul>"
             f"<p><b>Allocator snapshot:</b> {esc(snapshot)} {esc(event.get('snapshot_note', ''))}</p>"
-            f"<p>Full report: <code>{esc(Path(report['run_dir']) / 'postmortem' / 'report.md')}</code></p>")
+            f"<p>Full report: <code>{esc(directory_of(Path(report['run_dir']), event.get('rank', 0)) / 'report.md')}"
+            f"</code></p>")
 
 
 def render_html(diagnosis) -> str:
