@@ -152,7 +152,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     for entry in results:
-        print(json.dumps({k: entry[k] for k in ("variant", "repeat", "exit_code", "wall_s", "micro_batch_at_end", "way_back_s")}))
+        shown = ("variant", "repeat", "exit_code", "wall_s", "micro_batch_at_end", "way_back_s")
+        print(json.dumps({k: entry[k] for k in shown}))
     print(f"finished: {result['finished']}\n-> {out / name}.json")
 
 

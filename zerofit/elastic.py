@@ -76,8 +76,9 @@ def process_group_store():
 def hand_over(directory: Path, event, safer: Config | None, changes: list[str], why_not: str = "") -> str | None:
     """After an OOM with several ranks: leave `safer` for the next attempt (memory.on_oom=retry),
     or, with `safer` None, word that it must not train (`why_not`: memory.on_oom is stop, or
-    nothing safer is known): a restart with the settings that ran out of memory would run out again, after
-    repeating every step since the newest checkpoint. The explanation's retry line, or None."""
+    nothing safer is known): with the settings that ran out of memory a restart would run out
+    again, after repeating every step since the newest checkpoint. The explanation's retry
+    line, or None."""
     attempt = current()
     if attempt is None or attempt.restarts_left <= 0:
         return None
@@ -132,7 +133,8 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
             try:
                 validate(record["config"])
             except ConfigError as e:
-                record, problem = None, f"the OOM retry's hand-over from rank {record['rank']} is not a valid config: {e}"
+                problem = f"the OOM retry's hand-over from rank {record['rank']} is not a valid config: {e}"
+                record = None
     record, problem = broadcast_from_main((record, problem))
     if problem:
         raise ConfigError(problem)
