@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "xxh3 hash of every byte; default: checkpoint.verify)")
     train.add_argument("--on-oom", choices=["stop", "retry"],
                        help="after an OOM post-mortem: stop (exit 1), or restart from the newest checkpoint "
-                            "with safer settings (sets memory.on_oom)")
+                            "with safer settings (sets memory.on_oom; several ranks: under torchrun --max-restarts N)")
     train.set_defaults(run=cmd_train)
 
     doctor = verbs.add_parser("doctor", help="explain a run's memory (report.html), check the machine (--system), "

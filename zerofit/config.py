@@ -305,7 +305,8 @@ class MemoryConfig(Section):
     watchdog_action: Literal["warn", "save", "stop"] = "warn"
     """What the watchdog does: warn, save a checkpoint pre-emptively, or save and stop."""
     on_oom: Literal["stop", "retry"] = "stop"
-    """After an OOM post-mortem: stop, or restart from the newest checkpoint with a safer plan."""
+    """After an OOM post-mortem: stop, or restart from the newest checkpoint with a safer plan
+    (in the process with one rank; with several, through `torchrun --max-restarts N`)."""
     history_max_entries: int = Field(100_000, ge=0)
     """CUDA allocator events kept for the OOM snapshot (torch.cuda.memory._record_memory_history
     with Python stacks, the newest N); 0 turns the recording off."""
