@@ -131,7 +131,7 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
         record = take_over(Path(config.run_dir), attempt)
         if record is not None and record["config"] is not None:
             try:
-                validate(record["config"])
+                record["config"] = validate(record["config"])  # once, here: the other ranks receive the Config
             except ConfigError as e:
                 problem = f"the OOM retry's hand-over from rank {record['rank']} is not a valid config: {e}"
                 record = None
@@ -150,7 +150,7 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
     if dist.is_main:
         say(f"[bold]memory.on_oom=retry[/]: {oom}; torchrun restarted every rank (restart {attempt.restart} of "
             f"{attempt.max_restarts}); resuming from the newest checkpoint with {', '.join(record['changes'])}")
-    return validate(record["config"]), None
+    return record["config"], None
 
 
 def broadcast_from_main(value):
