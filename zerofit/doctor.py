@@ -69,8 +69,9 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
 def newest_postmortem(run_dir: Path) -> dict | None:
     """The newest post-mortem report of any rank (postmortem/report.json is rank 0's,
     postmortem/rankN/ rank N's): with several ranks the one that ran out of memory may be any."""
-    found = [p for p in [run_dir / "postmortem" / "report.json", *run_dir.glob("postmortem/rank*/report.json")]
-             if p.is_file()]
+    from zerofit.postmortem import rank_files  # postmortem imports this module
+
+    found = rank_files(run_dir, "report.json")
     return read_json(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 

@@ -93,20 +93,15 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
             f"the newest checkpoint with these settings")
 
 
-def handovers(run_dir: Path) -> list[Path]:
-    """Every rank's hand-over file, rank 0's first, then by rank."""
-    root = Path(run_dir) / "postmortem"
-    ranked = sorted(root.glob(f"rank*/{HANDOVER}"), key=lambda p: int(p.parent.name.removeprefix("rank") or 0))
-    return [p for p in [root / HANDOVER, *ranked] if p.is_file()]
-
-
 def take_over(run_dir: Path, attempt: Attempt) -> dict | None:
     """The newest hand-over of an earlier attempt (the lowest failed rank's of that attempt).
     The newest, not only the last attempt's: each is the config that ran made safer, so after
     an OOM retry that then failed for another reason the next restart keeps the safer config
     rather than going back to the command line's."""
+    from zerofit.postmortem import rank_files  # postmortem imports this module
+
     newest = None
-    for path in handovers(run_dir):  # rank order: the first of an attempt wins
+    for path in rank_files(run_dir, HANDOVER):  # rank order: the first of an attempt wins
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):

@@ -246,6 +246,13 @@ def directory_of(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "postmortem" / ("" if rank == 0 else f"rank{rank}")
 
 
+def rank_files(run_dir: Path, name: str) -> list[Path]:
+    """`name` in every rank's post-mortem directory that holds one: rank 0's first, then by rank."""
+    root = Path(run_dir) / "postmortem"
+    ranked = sorted(root.glob(f"rank*/{name}"), key=lambda p: int(p.parent.name.removeprefix("rank") or 0))
+    return [p for p in [root / name, *ranked] if p.is_file()]
+
+
 def directory_for(run_dir: Path, rank: int) -> Path:
     """The rank's post-mortem directory, made."""
     path = directory_of(run_dir, rank)
