@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_bench  # noqa: E402 (after the path above)
 from zerofit.doctor import read_json  # noqa: E402
+from zerofit.engine import free_port  # noqa: E402
 from zerofit.memory import read_jsonl  # noqa: E402
 
 VARIANTS = ("zerofit", "default_store")
@@ -51,12 +51,6 @@ def entry_with_default_store(argv: list[str]) -> int:
 
     elastic.process_group_store = lambda: None
     return main(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_variant(variant: str, config: dict, work: Path, env: dict, timeout_s: int) -> dict:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from zerofit.engine import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,7 +60,7 @@ def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeou
     `torchrun_args`; `input_text` goes to its stdin."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_port", str(_free_port()), *torchrun_args, "-m", "zerofit", *args]
+               "--master_port", str(free_port()), *torchrun_args, "-m", "zerofit", *args]
     else:
         cmd = [sys.executable, "-m", "zerofit", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -144,12 +146,6 @@ def peak_rss_of(cmd: list[str], tmp_path) -> tuple[int, int, str]:
     return child.returncode, usage.ru_maxrss * 1024, err.read_text()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_jsonl(path: Path) -> list[dict]:

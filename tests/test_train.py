@@ -197,10 +197,11 @@ def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     assert launcher, "the deepspeed launcher is installed with the deepspeed package"
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 2},
                                                              checkpoint={"every_steps": 0}, eval={"every_steps": 0}))
-    from conftest import ROOT, _free_port
+    from conftest import ROOT
+    from zerofit.engine import free_port
 
     # `-m zerofit` through the launcher's --module, run from this checkout
-    done = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "zerofit",
+    done = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "zerofit",
                            "train", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / "MANIFEST.json").read_text())

@@ -125,7 +125,7 @@ def init_distributed() -> Dist:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     import deepspeed
     import torch
 
@@ -165,7 +165,8 @@ def finish_distributed(code: int) -> None:
         os._exit(code)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's or a launcher's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
