@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl, run_zerofit, tiny_config, write_config
-from zerofit import checkpoint, checkpointer, data, faults
+from zerofit import checkpoint, checkpointer, data, engine, faults
 
 # Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
 SHAPE = dict(eval={"every_steps": 0, "at_end": False})
@@ -453,6 +453,29 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
     assert valid_steps(run) == [20] and not list((run / "checkpoints").glob(".tmp-*"))
     stopped_at = read_jsonl(run / "metrics.jsonl")[-1]["step"]
     assert 20 <= stopped_at < 40
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
+    """Preemption under torchrun: the agent passes SIGTERM on to both ranks, both alive, so
+    neither leaves early (that is for a rank whose peer has exited): they stop together at a
+    step boundary and the newest checkpoint is whole."""
+    config = config_for(tmp_path, "run", max_steps=400, every_steps=5)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                                str(engine.free_port()), "-m", "zerofit", "train", "--config", str(config)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first_save = tmp_path / "run" / "checkpoints" / "step-000005"
+    deadline = time.monotonic() + 300
+    while not first_save.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    out = stdout + stderr
+    assert "stopped by SIGTERM at step" in out, out[-3000:]
+    assert "leaving now" not in out and "forcefully exiting" not in out
+    stopped_at = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
+    assert 5 <= stopped_at < 400
+    assert valid_steps(tmp_path / "run")[-1] == stopped_at // 5 * 5
 
 
 def test_resume_on_fewer_ranks(tmp_path):

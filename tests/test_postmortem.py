@@ -130,6 +130,23 @@ def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(t
     assert json.loads((run / "postmortem" / "rank1" / elastic.HANDOVER).read_text())["config"] is None
 
 
+def test_a_rank_waiting_on_a_dead_peer_leaves_at_once_when_torchrun_signals(tmp_path):
+    """Rank 1 runs out of memory in step 5 and exits; rank 0 stalls in that step, as a rank
+    waiting in a collective for it does. torchrun's SIGTERM reaches rank 0's watcher thread,
+    which sees the node's other worker gone and ends rank 0 at once: torchrun does not wait its
+    30 s to SIGKILL it (it logs "forcefully exiting" when it does: checked with the watcher off)."""
+    config = oom_config(tmp_path)
+    done = run_zerofit(["train", "--config", str(config)], nproc=2, check=False,
+                       env={"ZEROFIT_FAULT": "oom@step:5/1,stall@step:5/0", **WIDE},
+                       torchrun_args=("--max-restarts", "1"))
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert ("rank 0: SIGTERM after 1 of this node's 2 workers exited: no collective can finish, leaving now" in out)
+    assert "forcefully exiting" not in out
+    assert "so this attempt stops before training" in out  # the restart read rank 1's hand-over
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
 def test_handover_needs_a_restart_left_and_belongs_to_one_agent(tmp_path, monkeypatch):
     """A hand-over is written only while torchrun has a restart left, and taken only by later
     attempts of the same agent (the newest hand-over: a restart after another failure keeps the

@@ -15,11 +15,21 @@ worker joining the default group through env:// reads the keys the attempt befor
 gloo's connectFullMesh dialled the killed rank's old address and failed ("timed out connecting",
 seen with `torchrun --max-restarts 1` and with `--standalone`). `process_group_store` gives each
 restarted attempt keys of its own.
+
+When a worker exits, the agent sends SIGTERM to the others and waits 30 s before SIGKILL
+(torch 2.13: elastic/multiprocessing/api.py, `close(death_sig, timeout=30)`). A rank waiting in
+a collective for the one that died does not run zerofit's SIGTERM handler (Python runs handlers
+between bytecodes, on the main thread), so every restart waited out those 30 s.
+`leave_at_once_when_a_peer_is_gone` watches for SIGTERM on a thread of its own.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,3 +164,71 @@ def broadcast_from_main(value):
     box = [value]
     td.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# ------------------------------------------------------------------ a peer gone
+@contextmanager
+def leave_at_once_when_a_peer_is_gone():
+    """Around the training loop, under torchrun with several workers on this node: SIGTERM
+    while a worker of this node has already exited ends this process at once. The agent sends
+    SIGTERM to the workers left after one exits; they cannot finish a collective (or a
+    checkpoint: a save needs every rank), and waiting for the step boundary is waiting for
+    SIGKILL. A SIGTERM with every worker alive (preemption) is left to the loop: it saves at
+    the step boundary and stops. Several nodes: only a peer of this node is seen."""
+    attempt, local_workers = current(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if attempt is None or local_workers < 2 or threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        yield  # SIGTERM without a Python handler ends the process already
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    # Python's C-level handler writes each signal's number here at once, whatever the main thread does
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=_watch, args=(read_end, attempt.agent_pid, local_workers),
+                               name="zerofit-peer-gone", daemon=True)
+    if previous == -1:
+        watcher.start()
+    else:
+        signal.set_wakeup_fd(previous)  # someone else listens there: theirs stays
+    try:
+        yield
+    finally:
+        if watcher.is_alive():
+            signal.set_wakeup_fd(-1)
+            os.write(write_end, bytes([STOP_WATCHING]))
+            watcher.join()
+        os.close(read_end)
+        os.close(write_end)
+
+
+STOP_WATCHING = 0  # no signal has number 0
+
+
+def _watch(read_end: int, agent_pid: int, local_workers: int) -> None:
+    while (signal_number := os.read(read_end, 1)[0]) != STOP_WATCHING:
+        alive = workers_alive(agent_pid) if signal_number == signal.SIGTERM else None
+        if alive is not None and alive < local_workers:
+            say(f"rank {os.environ.get('RANK', '?')}: SIGTERM after {local_workers - alive} of this node's "
+                f"{local_workers} workers exited: no collective can finish, leaving now; torchrun restarts or "
+                f"stops every rank")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGTERM)  # as killed by it; no exit handlers: they would wait on the dead peer
+
+
+def workers_alive(agent_pid: int) -> int | None:
+    """The agent's children still running: the node's workers (torchrun starts them as its
+    children and reaps one that exits before it signals the others). None: not known."""
+    import psutil
+
+    try:
+        children = psutil.Process(agent_pid).children()
+    except psutil.Error:
+        return None
+    alive = 0
+    for child in children:
+        try:
+            alive += child.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            pass  # gone meanwhile
+    return alive

@@ -3,7 +3,8 @@
 Examples: `enospc@save:2` (the 2nd save's writes fail with ENOSPC), `oom@step:5`
 (torch.OutOfMemoryError in the forward pass of step 5), `kill@save:1` (SIGKILL mid-save),
 `residue@step:3` / `leak@step:2` (memory kept alive after step 3 / every step from 2).
-ZEROFIT_FAULT_RANKS="1" (comma separated) limits every fault to those ranks: one bad rank.
+ZEROFIT_FAULT_RANKS="1" (comma separated) limits every fault to those ranks: one bad rank;
+`kind@where:N/R` limits one fault to rank R (`oom@step:5/1,stall@step:5/0`: two ranks, two faults).
 Code that can fail asks `armed(kind, where, n)` at the matching moment; nothing is
 injected unless the variable is set.
 
@@ -14,6 +15,9 @@ after the manifest, before the rename; `kill@latest:N` after the publish, before
 retention; `kill@retention:N` while deleting an old checkpoint; `nospace@save:N` makes the free-space check see a full disk;
 `slow@save:N` makes the writer sleep 2 s (to catch a save in flight).
 
+`stall@step:N` stops the rank at the start of step N for good, as a rank waiting in a collective
+for a peer that died never comes back (SIGTERM's Python handler runs, the wait goes on).
+
 `nospace@nvme:1` makes the NVMe preflight see a full disk under zero.nvme_path;
 `shortswap@step:N` cuts 4 KiB off the largest NVMe optimizer swap file after step N: what a
 write DeepSpeed's async I/O failed without noticing (disk full, I/O error) leaves behind.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 VARIABLE = "ZEROFIT_FAULT"
@@ -33,23 +38,36 @@ class Fault:
     kind: str
     where: str
     n: int
+    rank: int | None = None  # kind@where:N/R: only rank R
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.where}:{self.n}" + ("" if self.rank is None else f"/{self.rank}")
 
 
 def parse(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         kind, at, rest = item.partition("@")
-        where, colon, number = rest.partition(":")
-        if not (at and colon and kind and where and number.isdigit()):
-            raise ValueError(f"{VARIABLE}={text!r}: expected kind@where:N, e.g. enospc@save:2")
-        faults.append(Fault(kind, where, int(number)))
+        where, colon, count_and_rank = rest.partition(":")
+        number, slash, rank = count_and_rank.partition("/")
+        if not (at and colon and kind and where and number.isdigit()) or (slash and not rank.isdigit()):
+            raise ValueError(f"{VARIABLE}={text!r}: expected kind@where:N or kind@where:N/RANK, e.g. enospc@save:2")
+        faults.append(Fault(kind, where, int(number), int(rank) if slash else None))
     return faults
 
 
 def armed(kind: str, where: str, n: int) -> bool:
-    """True when ZEROFIT_FAULT asks for `kind` at the n-th `where` (1-based)."""
+    """True when ZEROFIT_FAULT asks for `kind` at the n-th `where` (1-based) of this rank."""
+    return Fault(kind, where, n) in here()
+
+
+def here() -> list[Fault]:
+    """The faults ZEROFIT_FAULT sets for this rank, their rank dropped."""
     text = os.environ.get(VARIABLE, "")
-    return bool(text) and this_rank_struck() and Fault(kind, where, n) in parse(text)
+    if not text or not this_rank_struck():
+        return []
+    rank = int(os.environ.get("RANK", "0"))
+    return [Fault(f.kind, f.where, f.n) for f in parse(text) if f.rank in (None, rank)]
 
 
 def this_rank_struck() -> bool:
@@ -83,7 +101,7 @@ def disarm(kind: str, where: str, n: int) -> None:
     text = os.environ.get(VARIABLE, "")
     if not text:
         return
-    kept = [f"{f.kind}@{f.where}:{f.n}" for f in parse(text) if f != Fault(kind, where, n)]
+    kept = [str(f) for f in parse(text) if (f.kind, f.where, f.n) != (kind, where, n)]
     if kept:
         os.environ[VARIABLE] = ",".join(kept)
     else:
@@ -100,12 +118,11 @@ _held: list = []
 
 
 def hold_memory_if_armed(step: int, device) -> None:
-    text = os.environ.get(VARIABLE, "")
-    if not text or not this_rank_struck():
+    drills = here()
+    if not drills:
         return
     import torch
 
-    drills = parse(text)
     if Fault("residue", "step", step) in drills:
         _held.append(torch.ones(RESIDUE_BYTES, dtype=torch.uint8, device=device))
     if any(f.kind == "leak" and f.where == "step" and step >= f.n for f in drills):
@@ -113,6 +130,11 @@ def hold_memory_if_armed(step: int, device) -> None:
     if Fault("spike", "step", step) in drills:
         _held.append(torch.ones(SPIKE_BYTES, dtype=torch.uint8, device=device))  # filled: pages touched
         _held.pop()  # and freed: only the high-water mark remembers it
+
+
+def stall_if_armed(step: int) -> None:
+    if armed("stall", "step", step):
+        threading.Event().wait()  # never set: signal handlers run, the wait goes on
 
 
 def shorten_swap_if_armed(step: int, swapper) -> None:

@@ -87,38 +87,39 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if state.step >= total_steps and dist.is_main:
         say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
-    while state.step < total_steps:
-        started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
-        train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
-                                config.train.chunked_loss, config.train.heap_step_temporaries)
-        faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
-        swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
-        nvme.release_swapped_views(swap_guard.swapper)  # before a checkpoint saves them as state
-        state.step += 1
-        state.micro_batches = batches.position
-        state.tokens_seen += tokens_per_step
-        seconds = time.perf_counter() - started
-        record = {"step": state.step, "loss": train_loss, "lr": lr,
-                  "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "epoch": batches.epoch}
-        step_records = timeline.flush(state.step)
-        last = state.step == total_steps
+    with elastic.leave_at_once_when_a_peer_is_gone():  # SIGTERM after a peer died: no step can finish
+        while state.step < total_steps:
+            started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
+            train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
+                                    config.train.chunked_loss, config.train.heap_step_temporaries)
+            faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
+            swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
+            nvme.release_swapped_views(swap_guard.swapper)  # before a checkpoint saves them as state
+            state.step += 1
+            state.micro_batches = batches.position
+            state.tokens_seen += tokens_per_step
+            seconds = time.perf_counter() - started
+            record = {"step": state.step, "loss": train_loss, "lr": lr,
+                      "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "epoch": batches.epoch}
+            step_records = timeline.flush(state.step)
+            last = state.step == total_steps
 
-        if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
-            record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step)
+            if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
+                record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step)
 
-        saver.poll(state.step)  # an async save whose writers all finished gets published
-        if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
-            saver.save(state)
-        faults.hold_memory_if_armed(state.step, ds_engine.device)
+            saver.poll(state.step)  # an async save whose writers all finished gets published
+            if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
+                saver.save(state)
+            faults.hold_memory_if_armed(state.step, ds_engine.device)
 
-        metrics.write(record)
-        if state.step % config.log.every_steps == 0 or last:
-            progress.update(state.step, progress_info(record, dist.on_gpu))
+            metrics.write(record)
+            if state.step % config.log.every_steps == 0 or last:
+                progress.update(state.step, progress_info(record, dist.on_gpu))
 
-        stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
-        signalled = saver.stop_requested()  # SIGTERM: stop at this step boundary
-        if stop_reason or signalled:
-            break
+            stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
+            signalled = saver.stop_requested()  # SIGTERM: stop at this step boundary
+            if stop_reason or signalled:
+                break
 
     saver.close(state.step)  # drains the save in flight
     nvme.remove_rank_swap(config, dist.rank)
@@ -146,6 +147,7 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
     for _ in range(accum):
         input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
         postmortem.inject_oom_if_armed(step)
+        faults.stall_if_armed(step)
         micro_loss = forward_loss(ds_engine, input_ids, labels, chunked_loss)
         timeline.observe("forward")
         ds_engine.backward(micro_loss)
