@@ -1,7 +1,9 @@
 """The OOM retry with several ranks (`memory.on_oom: retry` under `torchrun --max-restarts 1`):
 does torchrun's restart bring every rank back with the failed rank's safer settings, and how
 long does the way back take? Then the same with torch's default keys for the restarted
-process group (elastic.process_group_store off): what a restart meets without zerofit's.
+process group (elastic.process_group_store off): what a restart meets without zerofit's; and
+without the watcher that ends the surviving rank on torchrun's SIGTERM
+(elastic.leave_at_once_when_a_peer_is_gone off: torchrun SIGKILLs it after 30 s).
 
 Two ranks train a speed_bench case (zerofit's plan, synthetic data) with a checkpoint every
 `--save-every` steps; rank 1 runs out of memory in the forward of step `--oom-step` (the drill
@@ -39,17 +41,25 @@ from zerofit.doctor import read_json  # noqa: E402
 from zerofit.engine import free_port  # noqa: E402
 from zerofit.memory import read_jsonl  # noqa: E402
 
-VARIANTS = ("zerofit", "default_store")
+VARIANTS = ("zerofit", "default_store")  # the default --variants; also: no_peer_watch
 LOG_MARKS = ("memory.on_oom=retry", "retry:", "resumed from", "done:", "connectFullMesh", "NCCL error", "Timeout",
-             "zerofit: error")
+             "zerofit: error", "leaving now", "forcefully exiting")
 
 
-def entry_with_default_store(argv: list[str]) -> int:
-    """`zerofit ARGV` with the restarted attempt's process group on torch's default keys."""
+def entry_without(variant: str, argv: list[str]) -> int:
+    """`zerofit ARGV` with one of zerofit's parts off: `default_store`, the restarted attempt's
+    process group on torch's default keys; `no_peer_watch`, no watcher for torchrun's SIGTERM."""
+    import contextlib
+
     from zerofit import elastic
     from zerofit.cli import main
 
-    elastic.process_group_store = lambda: None
+    if variant == "default_store":
+        elastic.process_group_store = lambda: None
+    elif variant == "no_peer_watch":
+        elastic.leave_at_once_when_a_peer_is_gone = contextlib.nullcontext
+    else:
+        raise SystemExit(f"unknown variant {variant}")
     return main(argv)
 
 
@@ -58,7 +68,7 @@ def run_variant(variant: str, config: dict, work: Path, env: dict, timeout_s: in
     work.mkdir(parents=True)
     config = {**config, "run_dir": str(work / "run")}
     (work / "c.yaml").write_text(yaml.safe_dump(config))
-    entry = ["-m", "zerofit"] if variant == "zerofit" else [__file__, "--entry-default-store"]
+    entry = ["-m", "zerofit"] if variant == "zerofit" else [__file__, "--entry-without", variant]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
                "--master_port", str(free_port()), *entry, "train", "--config", str(work / "c.yaml")]
     started = time.perf_counter()
@@ -103,15 +113,15 @@ def way_back(run: Path) -> dict:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--entry-default-store"]:
-        raise SystemExit(entry_with_default_store(sys.argv[2:]))
+    if sys.argv[1:2] == ["--entry-without"]:
+        raise SystemExit(entry_without(sys.argv[2], sys.argv[3:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="0.5b-8", choices=sorted(speed_bench.CASES))
     parser.add_argument("--smoke", action="store_true", help="preset tiny on the CPU (gloo)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--oom-step", type=int, default=5)
     parser.add_argument("--save-every", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="of zerofit, default_store, no_peer_watch")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each variant, interleaved (the default "
                         "keys' failure is a race)")
     parser.add_argument("--timeout-s", type=int, default=240, help="per variant; a hung one is killed after it")

@@ -478,6 +478,20 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     assert valid_steps(tmp_path / "run")[-1] == stopped_at // 5 * 5
 
 
+def test_resume_with_another_config_names_what_changed(tmp_path):
+    """A resume under changed settings names each one, old -> new; the checkpoints it saves
+    then carry the settings they were trained with, so the next resume compares with those."""
+    config = config_for(tmp_path, "run", max_steps=4)
+    run_zerofit(["train", "--config", str(config)])
+    for before, after in ((4, 6), (6, 8)):
+        done = run_zerofit(["train", "--config", str(config), "--set", f"train.max_steps={after}", "--resume"],
+                           env={"COLUMNS": "400"})
+        assert (f"step-{before:06d} was written with a different config (train.max_steps {before} -> {after}); "
+                f"continuing with the current one") in done.stderr
+    unchanged = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=8", "--resume"])
+    assert "different config" not in unchanged.stderr and "is complete at step 8" in unchanged.stderr.replace("\n", " ")
+
+
 def test_resume_on_fewer_ranks(tmp_path):
     """A 2-rank run (async saves) dies in its last save; the run resumes on 1 rank through
     a universal checkpoint: same data position, the loss goes on from where it was."""

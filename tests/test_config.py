@@ -1,7 +1,7 @@
 import pytest
 
 from zerofit import cli
-from zerofit.config import Config, ConfigError, example_yaml, load, parse_override, validate
+from zerofit.config import Config, ConfigError, changed_settings, example_yaml, load, parse_override, validate
 
 from conftest import tiny_config, write_config
 
@@ -104,3 +104,14 @@ def test_train_help_lists_config_keys(capsys):
         cli.main(["train", "--help"])
     out = capsys.readouterr().out
     assert "zero.sub_group_size = 100000000" in out and "checkpoint.keep_last = 2" in out
+
+
+def test_changed_settings_names_each_difference():
+    before = validate(tiny_config("runs/a")).fingerprinted()
+    after = validate(tiny_config("runs/b", train={"micro_batch_size": 2, "grad_accum_steps": 4})).fingerprinted()
+    assert before["train"]["micro_batch_size"] != 2  # the change below is one
+    assert changed_settings(before, after) == [
+        f"train.grad_accum_steps {before['train']['grad_accum_steps']} -> 4",
+        f"train.micro_batch_size {before['train']['micro_batch_size']} -> 2"]
+    assert changed_settings(before, before) == []
+    assert changed_settings({"data": {"path": "x" * 50}}, {"data": {}}) == [f"data.path {'x' * 37}... -> (unset)"]

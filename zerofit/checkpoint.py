@@ -53,6 +53,7 @@ class LoopState:
     world_size: int = 1
     micro_batch_size: int = 0   # with world_size, what a micro batch was (0: unknown)
     config_fingerprint: str = ""
+    config_values: dict = field(default_factory=dict)  # Config.fingerprinted(): what a resume compares
     extra: dict = field(default_factory=dict)
 
 

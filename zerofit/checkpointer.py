@@ -21,7 +21,7 @@ import psutil
 
 from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, nvme, planner, universal
 from zerofit.checkpoint import CheckpointError, LoopState
-from zerofit.config import Config, ConfigError
+from zerofit.config import Config, ConfigError, changed_settings
 from zerofit.progress import say, warn
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
@@ -148,9 +148,14 @@ class Checkpointer:
         state.extra.pop("emergency", None)  # the note an OOM's emergency save carries stays with it
         if (state.world_size, state.micro_batch_size) != (fresh.world_size, fresh.micro_batch_size):
             state = self._reshaped(state, fresh, n_sequences)  # another rank count, or an OOM retry's micro batch
-        if state.config_fingerprint != fresh.config_fingerprint and self.dist.is_main:
-            warn(f"{directory.name} was written with a different config (model, data or training shape); "
-                 f"continuing with the current one")
+        if state.config_fingerprint != fresh.config_fingerprint:
+            if self.dist.is_main:
+                changes = changed_settings(state.config_values, fresh.config_values) if state.config_values else []
+                warn(f"{directory.name} was written with a different config "
+                     f"({', '.join(changes) or 'model, data or training shape'}); continuing with the current one")
+            # what this run saves from here on is the current config's
+            state = dataclasses.replace(state, config_fingerprint=fresh.config_fingerprint,
+                                        config_values=fresh.config_values)
         if self.dist.is_main:
             say(f"resumed from {directory} at step {state.step}")
         return state

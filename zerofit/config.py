@@ -342,10 +342,30 @@ class Config(Section):
     memory: MemoryConfig = MemoryConfig()
     plan: PlanConfig = PlanConfig()
 
+    def fingerprinted(self) -> dict:
+        """What decides the numbers a run computes (not where it logs or saves)."""
+        return self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory"})
+
     def fingerprint(self) -> str:
-        """Hash of what decides the numbers a run computes (not where it logs)."""
-        keep = self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory"})
-        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of `fingerprinted()`."""
+        return hashlib.sha256(json.dumps(self.fingerprinted(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def changed_settings(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """`section.key old -> new` for every setting that differs between two config dumps."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, "(unset)"), after.get(key, "(unset)")
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key} {short(old)} -> {short(new)}")
+    return changes
+
+
+def short(value: Any, width: int = 40) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 DEMO_CONFIG = Path(__file__).parent / "demo" / "config.yaml"

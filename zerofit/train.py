@@ -259,7 +259,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences) -> None:
 
 def fresh_state(config: Config, dist: engine.Dist) -> checkpoint.LoopState:
     return checkpoint.LoopState(world_size=dist.world_size, micro_batch_size=config.train.micro_batch_size,
-                                config_fingerprint=config.fingerprint())
+                                config_fingerprint=config.fingerprint(), config_values=config.fingerprinted())
 
 
 # ------------------------------------------------------------------------- logging
