@@ -2,11 +2,14 @@
 with PyTorch's CUDA message, raised in the forward pass) in a real tiny run."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import read_jsonl, run_zerofit, tiny_config, write_config
+from conftest import ROOT, read_jsonl, run_zerofit, tiny_config, write_config
 
-from zerofit import elastic
+from zerofit import elastic, engine
 from zerofit.config import load, validate
 from zerofit.findings import RunFacts
 from zerofit.postmortem import OomEvent, parse_requested_bytes, retry_line, would_fit
@@ -98,9 +101,8 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
                        env={**OOM_AT_5, "ZEROFIT_FAULT_RANKS": "1"}, torchrun_args=("--max-restarts", "1"))
     out = done.stdout + done.stderr
     assert "retry: torchrun restarts every rank (1 restart left)" in out
-    assert ("memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward) of attempt 1; torchrun restarted "
-            "every rank (restart 1 of 1); resuming from the newest checkpoint with train.micro_batch_size=2, "
-            "train.grad_accum_steps=2") in out
+    assert ("memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward); torchrun restarted every rank; "
+            "resuming from the newest checkpoint with train.micro_batch_size=2, train.grad_accum_steps=2") in out
     run = tmp_path / "run"
     assert f"resumed from {run / 'checkpoints' / 'step-000003'} at step 3" in out and "done: step 8" in out
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
@@ -114,6 +116,30 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     assert "out-of-memory post-mortem" in doctor and "GPU out of memory in the forward pass of step 5" in doctor
 
 
+def test_on_oom_retry_across_two_torchrun_nodes(tmp_path):
+    """Two torchrun agents, one rank each, rendezvous c10d (two nodes on one machine): rank 1's
+    OOM restarts both. The first node's agent restarts its worker for the other node's
+    re-rendezvous without counting a restart (its TORCHELASTIC_RESTART_COUNT stays 0, the
+    other's is 1), so the ranks agree on the attempt's keys through the store, and rank 0 finds
+    the hand-over there, not in a file of another node's agent."""
+    config = oom_config(tmp_path)
+    port = engine.free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "ZEROFIT_FAULT": "oom@step:5/1", **WIDE}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "oom2",
+                               "--max-restarts", "1", "-m", "zerofit", "train", "--config", str(config),
+                               "--on-oom", "retry"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    out = "".join(outputs)
+    assert "memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward); torchrun restarted every rank" in out
+    run = tmp_path / "run"
+    assert f"resumed from {run / 'checkpoints' / 'step-000003'} at step 3" in out and "done: step 8" in out
+    assert json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())["micro_batch_size"] == 2
+
+
 def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):
     """memory.on_oom=stop under torchrun --max-restarts 1: the restart would repeat steps 4-5 and
     run out of memory again with the same settings; the restarted ranks stop before training."""
@@ -122,7 +148,7 @@ def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(t
                        env={**OOM_AT_5, "ZEROFIT_FAULT_RANKS": "1"}, torchrun_args=("--max-restarts", "1"))
     assert done.returncode != 0
     out = done.stdout + done.stderr
-    assert ("zerofit: error: rank 1 ran out of GPU memory in step 5 (forward) of attempt 1, and memory.on_oom is "
+    assert ("zerofit: error: rank 1 ran out of GPU memory in step 5 (forward), and memory.on_oom is "
             "stop (--on-oom retry") in out
     assert "so this attempt stops before training" in out and "resumed from" not in out
     run = tmp_path / "run"
@@ -147,32 +173,68 @@ def test_a_rank_waiting_on_a_dead_peer_leaves_at_once_when_torchrun_signals(tmp_
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_handover_needs_a_restart_left_and_belongs_to_one_agent(tmp_path, monkeypatch):
-    """A hand-over is written only while torchrun has a restart left, and taken only by later
-    attempts of the same agent (the newest hand-over: a restart after another failure keeps the
-    safer config), never by a later torchrun of the same run directory."""
+def agent_store_env(monkeypatch, restart: int, max_restarts: int):
+    """What torchrun gives a worker, with a TCP store of this test's as the agent's."""
+    import torch.distributed as td
+
+    port = engine.free_port()
+    server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(restart),
+                        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}.items():
+        monkeypatch.setenv(name, value)
+    return server
+
+
+def test_handover_needs_a_restart_left_and_stays_with_its_torchrun(tmp_path, monkeypatch):
+    """A hand-over is left only while torchrun has a restart left; it goes into the agent's
+    store (every node's rank 0 reads it there) with a copy beside the post-mortem; the newest
+    is taken (a restart after another failure keeps the safer config); another torchrun, with
+    a store of its own, never takes it."""
     safer_config = validate(tiny_config(tmp_path / "run"))
     event = OomEvent(step=5, phase="forward", device="gpu", message="", requested_bytes=None, rank=1, world_size=2)
     directory = tmp_path / "run" / "postmortem" / "rank1"
     directory.mkdir(parents=True)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    server = agent_store_env(monkeypatch, restart=0, max_restarts=0)
     assert elastic.hand_over(directory, event, safer_config, ["x=1"]) is None
-    assert not (directory / elastic.HANDOVER).exists()
+    assert not (directory / elastic.HANDOVER).exists() and elastic.take_over(elastic.agent_store()) is None
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     assert "2 restarts left" in elastic.hand_over(directory, event, safer_config, ["x=1"])
-    first = elastic.current()
-    assert first.restart == 0 and elastic.take_over(tmp_path / "run", first) is None  # its own: not the one before
-    restarted = dataclasses.replace(first, restart=1)
-    assert elastic.take_over(tmp_path / "run", restarted)["changes"] == ["x=1"]
-    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, agent_pid=first.agent_pid + 1)) is None
-    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, restart=2))["changes"] == ["x=1"]
+    assert json.loads((directory / elastic.HANDOVER).read_text())["changes"] == ["x=1"]
+    assert elastic.take_over(elastic.agent_store())["changes"] == ["x=1"]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # attempt 1 ran out of memory too, on rank 0
-    rank0 = tmp_path / "run" / "postmortem"
-    elastic.hand_over(rank0, dataclasses.replace(event, rank=0), safer_config, ["y=2"])
-    assert elastic.take_over(tmp_path / "run", dataclasses.replace(restarted, restart=2))["changes"] == ["y=2"]
+    elastic.hand_over(tmp_path / "run" / "postmortem", dataclasses.replace(event, rank=0), safer_config, ["y=2"])
+    assert elastic.take_over(elastic.agent_store())["changes"] == ["y=2"]
+    other_torchrun = agent_store_env(monkeypatch, restart=1, max_restarts=2)
+    assert elastic.take_over(elastic.agent_store()) is None
     report = {"event": {"world_size": 2}, "retry_config": "r.yaml"}
     assert "under torchrun --max-restarts 1 or more" in retry_line(report)
+    del server, other_torchrun
+
+
+def test_ranks_agree_on_a_new_attempt_name_whatever_an_earlier_attempt_left(monkeypatch):
+    """Three ranks (threads) start while the store holds an earlier attempt's questions and
+    answers: each start's ranks agree on one name, and a new start gets a new one."""
+    import threading
+
+    server = agent_store_env(monkeypatch, restart=0, max_restarts=1)
+
+    def start() -> list[str]:
+        names = [None] * 3
+
+        def rank(r):
+            names[r] = elastic.agree_on_attempt(elastic.agent_store(), r, 3)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]  # rank 0 last: old answers wait
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        return names
+
+    first, second = start(), start()
+    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]
+    del server
 
 
 def test_would_fit_starts_from_the_planned_config(tmp_path):

@@ -3,18 +3,24 @@
 One process retries in place (postmortem.run_with_oom_policy). Several ranks cannot: the others
 wait inside a collective the failed rank will never join, and no rank can leave one alone.
 torchrun can restart them all: with `--max-restarts N` its agent stops every worker when one
-exits non-zero and starts the group again, counting in TORCHELASTIC_RESTART_COUNT. So the rank
-that ran out of memory leaves a hand-over beside its post-mortem (the safer config, and which
-attempt it belongs to) and exits 1; in the next attempt rank 0 reads the newest hand-over of
-this torchrun, every rank receives it from rank 0, and the run resumes from the newest
-checkpoint with it.
+exits non-zero and starts the group again. So the rank that ran out of memory hands the safer
+config over and exits 1; in the next attempt rank 0 takes it, every rank receives it from rank
+0, and the run resumes from the newest checkpoint with it.
 
-torchrun's agent keeps one TCP store for all attempts (torch 2.13:
-elastic/rendezvous/static_tcp_rendezvous.py and dynamic_rendezvous.py create it once), and a
-worker joining the default group through env:// reads the keys the attempt before left there:
-gloo's connectFullMesh dialled the killed rank's old address and failed ("timed out connecting",
-seen with `torchrun --max-restarts 1` and with `--standalone`). `process_group_store` gives each
-restarted attempt keys of its own.
+The hand-over goes through torchrun's agent store: one TCP store for all attempts (torch 2.13:
+elastic/rendezvous/static_tcp_rendezvous.py and dynamic_rendezvous.py create it once), which
+the workers of every node reach at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE) and
+which ends with the torchrun job: so a hand-over reaches rank 0 on another node, and never one
+of a later torchrun of the same run directory. A copy beside the post-mortem is the record for
+people and the doctor.
+
+The same persistence broke restarts: a worker joining the default group through env:// read
+the keys the attempt before left there, and gloo's connectFullMesh dialled the killed rank's old
+address ("timed out connecting"; NCCL: "socketPollConnect ... Connection refused"; sometimes a
+hang). `process_group_store` gives each attempt keys of its own under a name its ranks agree on
+through the store (`agree_on_attempt`): not TORCHELASTIC_RESTART_COUNT, which differs between
+nodes (an agent whose workers did not fail restarts them for the other node's re-rendezvous
+without counting: seen with two c10d nodes, the first node's workers at 0, the second's at 1).
 
 When a worker exits, the agent sends SIGTERM to the others and waits 30 s before SIGKILL
 (torch 2.13: elastic/multiprocessing/api.py, `close(death_sig, timeout=30)`). A rank waiting in
@@ -29,8 +35,11 @@ import os
 import signal
 import sys
 import threading
+import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from zerofit import faults
@@ -38,48 +47,79 @@ from zerofit.checkpoint import write_atomic
 from zerofit.config import Config, ConfigError, validate
 from zerofit.progress import say
 
-HANDOVER = "retry-handover.json"
+HANDOVER = "retry-handover.json"  # the copy beside the failed rank's post-mortem
+HANDOVER_KEY = "zerofit/retry-handover"
+STORE_TIMEOUT = timedelta(minutes=10)  # as long as NCCL's default process-group timeout
 
 
 @dataclass(frozen=True)
 class Attempt:
-    """One start of the worker group by a torchrun agent."""
+    """One start of this node's workers by a torchrun agent."""
     agent_pid: int      # the agent is every worker's parent, the same across its restarts
-    run_id: str         # TORCHELASTIC_RUN_ID ("none" unless --rdzv-id or --standalone)
-    restart: int        # TORCHELASTIC_RESTART_COUNT: 0 on the first start
+    restart: int        # TORCHELASTIC_RESTART_COUNT: this node's agent's count, 0 on the first start
     max_restarts: int   # torchrun --max-restarts
 
     @property
     def restarts_left(self) -> int:
         return self.max_restarts - self.restart
 
-    def follows(self, record: dict) -> bool:
-        """`record` was handed over by an earlier attempt of this agent: not by another torchrun
-        that used the run directory before."""
-        return (record.get("agent_pid"), record.get("run_id")) == (self.agent_pid, self.run_id) and \
-            isinstance(record.get("restart"), int) and record["restart"] < self.restart
-
 
 def current(environ=os.environ) -> Attempt | None:
     """The torchrun attempt this process belongs to; None without a torchrun agent."""
     if "TORCHELASTIC_RESTART_COUNT" not in environ:
         return None
-    return Attempt(os.getppid(), environ.get("TORCHELASTIC_RUN_ID", ""), int(environ["TORCHELASTIC_RESTART_COUNT"]),
+    return Attempt(os.getppid(), int(environ["TORCHELASTIC_RESTART_COUNT"]),
                    int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
 
 
-def process_group_store():
-    """The store for the default process group of a restarted attempt: the agent's, under a
-    prefix of this attempt. None (the default env:// rendezvous) on a first start, or where
-    the workers do not share the agent's store."""
-    attempt = current()
-    if attempt is None or attempt.restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+def agent_store():
+    """torchrun's agent store, or None (no torchrun, or workers that do not share its store)."""
+    if current() is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as td
 
-    agent_store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              int(os.environ["WORLD_SIZE"]), is_master=False)
-    return td.PrefixStore(f"zerofit/restart-{attempt.restart}", agent_store)
+    return td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                       is_master=False, timeout=STORE_TIMEOUT)
+
+
+def process_group_store():
+    """The store for the default process group under torchrun: the agent's, under the name of
+    this attempt. None (the default env:// rendezvous) without the agent's store."""
+    store = agent_store()
+    if store is None:
+        return None
+    import torch.distributed as td
+
+    attempt = agree_on_attempt(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    return td.PrefixStore(f"zerofit/attempt-{attempt}", store)
+
+
+def agree_on_attempt(store, rank: int, world_size: int, poll_s: float = 0.02) -> str:
+    """A name for this start of the worker group, the same on every rank, new on every start.
+    Rank 0 makes it up; every other rank asks under a nonce of its own and takes the answer
+    to that nonce, which no earlier start can have written (a key an earlier start left, as
+    the name itself would be, cannot be told from this start's). Rank 0 answers what is
+    asked until every rank has acknowledged this name; answering an earlier start's leftover
+    question costs one key."""
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"zerofit/ask/{rank}", nonce)
+        store.wait([f"zerofit/answer/{nonce}"], STORE_TIMEOUT)
+        name = store.get(f"zerofit/answer/{nonce}").decode()
+        store.add(f"zerofit/acks/{name}", 1)
+        return name
+    name, answered = uuid.uuid4().hex, {}
+    deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+    while store.add(f"zerofit/acks/{name}", 0) < world_size - 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"torchrun's workers did not all join within {STORE_TIMEOUT}")
+        for peer in range(1, world_size):
+            key = f"zerofit/ask/{peer}"
+            if store.check([key]) and (nonce := store.get(key).decode()) != answered.get(peer):
+                store.set(f"zerofit/answer/{nonce}", name)
+                answered[peer] = nonce
+        time.sleep(poll_s)
+    return name
 
 
 # ------------------------------------------------------------------ the failed attempt
@@ -89,13 +129,17 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
     nothing safer is known): with the settings that ran out of memory a restart would run out
     again, after repeating every step since the newest checkpoint. The explanation's retry
     line, or None."""
-    attempt = current()
-    if attempt is None or attempt.restarts_left <= 0:
+    attempt, store = current(), agent_store()
+    if attempt is None or store is None or attempt.restarts_left <= 0:
         return None
-    record = {"agent_pid": attempt.agent_pid, "run_id": attempt.run_id, "restart": attempt.restart,
-              "rank": event.rank, "step": event.step, "phase": event.phase, "device": event.device,
-              "changes": changes, "config": safer.model_dump(mode="json") if safer else None, "why_not": why_not}
-    write_atomic(directory / HANDOVER, json.dumps(record, indent=1))
+    record = {"agent_pid": attempt.agent_pid, "restart": attempt.restart, "rank": event.rank, "step": event.step,
+              "phase": event.phase, "device": event.device, "changes": changes,
+              "config": safer.model_dump(mode="json") if safer else None, "why_not": why_not}
+    text = json.dumps(record, indent=1)
+    write_atomic(directory / HANDOVER, text)
+    # The newest wins: after an OOM retry that then failed for another reason, the next restart
+    # keeps the safer config rather than going back to the command line's.
+    store.set(HANDOVER_KEY, text)
     if safer is None:
         return None
     left = attempt.restarts_left
@@ -103,22 +147,11 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
             f"the newest checkpoint with these settings")
 
 
-def take_over(run_dir: Path, attempt: Attempt) -> dict | None:
-    """The newest hand-over of an earlier attempt (the lowest failed rank's of that attempt).
-    The newest, not only the last attempt's: each is the config that ran made safer, so after
-    an OOM retry that then failed for another reason the next restart keeps the safer config
-    rather than going back to the command line's."""
-    from zerofit.postmortem import rank_files  # postmortem imports this module
-
-    newest = None
-    for path in rank_files(run_dir, HANDOVER):  # rank order: the first of an attempt wins
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # not ours to judge: a later rank's may be whole
-        if attempt.follows(record) and (newest is None or record["restart"] > newest["restart"]):
-            newest = record
-    return newest
+def take_over(store) -> dict | None:
+    """The newest hand-over of this torchrun's earlier attempts, or None."""
+    if store is None or not store.check([HANDOVER_KEY]):
+        return None
+    return json.loads(store.get(HANDOVER_KEY))
 
 
 # ------------------------------------------------------------------ the next attempt
@@ -128,12 +161,11 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
     then broadcasts: all ranks must run the same one), and resume from the newest checkpoint;
     a ConfigError on every rank when the hand-over says not to train (memory.on_oom=stop).
     Anything else: `config` and `resume` unchanged."""
-    attempt = current()
-    if attempt is None or attempt.restart == 0 or dist.world_size == 1:
+    if current() is None or dist.world_size == 1:
         return config, resume
     record, problem = None, None
     if dist.is_main:
-        record = take_over(Path(config.run_dir), attempt)
+        record = take_over(agent_store())
         if record is not None and record["config"] is not None:
             try:
                 record["config"] = validate(record["config"])  # once, here: the other ranks receive the Config
@@ -146,15 +178,15 @@ def resume_after_oom(config: Config, resume: bool | None, dist) -> tuple[Config,
     if record is None:
         return config, resume
     oom = (f"rank {record['rank']} ran out of {'GPU' if record['device'] == 'gpu' else 'host'} memory in step "
-           f"{record['step']} ({record['phase']}) of attempt {record['restart'] + 1}")
+           f"{record['step']} ({record['phase']})")
     if record["config"] is None:
         raise ConfigError(f"{oom}, and {record['why_not']}: torchrun restarted the ranks, but the settings that ran "
                           f"out of memory would run out again, so this attempt stops before training. Post-mortem: "
                           f"{Path(config.run_dir) / 'postmortem'}")
     faults.disarm("oom", "step", record["step"])  # an injected OOM stands for the old settings
     if dist.is_main:
-        say(f"[bold]memory.on_oom=retry[/]: {oom}; torchrun restarted every rank (restart {attempt.restart} of "
-            f"{attempt.max_restarts}); resuming from the newest checkpoint with {', '.join(record['changes'])}")
+        say(f"[bold]memory.on_oom=retry[/]: {oom}; torchrun restarted every rank; resuming from the newest "
+            f"checkpoint with {', '.join(record['changes'])}")
     return record["config"], None
 
 

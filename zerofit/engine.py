@@ -135,7 +135,7 @@ def init_distributed() -> Dist:
     if not torch.distributed.is_initialized():
         backend = "nccl" if on_gpu else "gloo"
         store = elastic.process_group_store()
-        if store is not None:  # a torchrun restart: DeepSpeed adopts a group that exists
+        if store is not None:  # under torchrun: keys of this attempt's own; DeepSpeed adopts the group
             device = {"device_id": torch.device("cuda", local_rank)} if on_gpu else {}  # as DeepSpeed's own init
             torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                                  world_size=int(os.environ["WORLD_SIZE"]), **device)
