@@ -14,9 +14,10 @@ the hand-over, and from the timelines the seconds from the OOM to the restarted 
 and from there to the end of the first resumed step.
 
 GPU machine (2 GPUs, NCCL, ~2 min a run):  python bench/rank_retry.py --case 0.5b-8 --timeout-s 200
+(--nodes 2: two torchrun agents of one GPU each, rendezvous c10d: the several-node path on one host)
 Here (CPU, gloo, ~2 min):            python bench/rank_retry.py --smoke
 Writes $OUT/rank_retry-<case>[-<variants>].json (or --out); each run's log stays in
-/tmp/zerofit-rank_retry-*-<variant>-<repeat>/log.txt.
+/tmp/zerofit-rank_retry-*-<variant>-<repeat>/log.txt (and log-node1.txt).
 """
 from __future__ import annotations
 
@@ -63,31 +64,44 @@ def entry_without(variant: str, argv: list[str]) -> int:
     return main(argv)
 
 
-def run_variant(variant: str, config: dict, work: Path, env: dict, timeout_s: int) -> dict:
+def run_variant(variant: str, config: dict, work: Path, env: dict, timeout_s: int, nodes: int = 1) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     config = {**config, "run_dir": str(work / "run")}
     (work / "c.yaml").write_text(yaml.safe_dump(config))
     entry = ["-m", "zerofit"] if variant == "zerofit" else [__file__, "--entry-without", variant]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-               "--master_port", str(free_port()), *entry, "train", "--config", str(work / "c.yaml")]
+    train = [*entry, "train", "--config", str(work / "c.yaml")]
+    port = free_port()
+    if nodes == 1:
+        launches = [(["--nproc_per_node", "2", "--master_port", str(port)], env)]
+    else:  # two torchrun agents of one GPU each: two nodes on one host, rendezvous c10d
+        launches = [(["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                      f"127.0.0.1:{port}", "--rdzv-id", work.name], {**env, "CUDA_VISIBLE_DEVICES": str(node)})
+                    for node in range(2)]
     started = time.perf_counter()
-    with open(work / "log.txt", "w") as log:
-        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    logs = [open(work / ("log.txt" if n == 0 else f"log-node{n}.txt"), "w") for n in range(len(launches))]
+    launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, "--max-restarts", "1",
+                                   *train], cwd=ROOT, env=launch_env, stdout=log, stderr=subprocess.STDOUT)
+                 for (launch, launch_env), log in zip(launches, logs)]
+    codes = []
+    for launcher in launchers:
         try:
-            code = launcher.wait(timeout=timeout_s)
+            codes.append(launcher.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - started))))
         except subprocess.TimeoutExpired:  # the workers too (each in a session of its own): else they hang on
             for process in [*psutil.Process(launcher.pid).children(recursive=True), launcher]:
                 process.kill()
             launcher.wait()
-            code = "timeout"
+            codes.append("timeout")
+    for log in logs:
+        log.close()
+    code = codes[0] if len(set(map(str, codes))) == 1 else codes
     run = work / "run"
     steps = [{k: s.get(k) for k in ("step", "loss", "step_seconds")} for s in read_jsonl(run / "metrics.jsonl")]
     handover = read_json(run / "postmortem" / "rank1" / "retry-handover.json") or {}
     handover.pop("config", None)
     final = sorted((run / "checkpoints").glob("step-*/loop_state.json"))
     micro_batch_at_end = (read_json(final[-1]) or {}).get("micro_batch_size") if final else None
-    log_lines = (work / "log.txt").read_text(errors="replace").splitlines()
+    log_lines = [line for log in sorted(work.glob("log*.txt")) for line in log.read_text(errors="replace").splitlines()]
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # a 0.5B run's are 12 GB; its log stays
     return {"variant": variant, "exit_code": code, "wall_s": round(time.perf_counter() - started, 1),
             "steps_trained": steps, "handover": handover, "micro_batch_at_end": micro_batch_at_end,
@@ -124,6 +138,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of zerofit, default_store, no_peer_watch")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each variant, interleaved (the default "
                         "keys' failure is a race)")
+    parser.add_argument("--nodes", type=int, default=1, choices=(1, 2), help="2: two torchrun agents of one "
+                        "GPU each, rendezvous c10d (two nodes on one host)")
     parser.add_argument("--timeout-s", type=int, default=240, help="per variant; a hung one is killed after it")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = parser.parse_args()
@@ -141,14 +157,15 @@ def main() -> None:
     config["checkpoint"] = {"every_steps": args.save_every, "keep_last": 2, "save_final": False}
     config["memory"] = {"on_oom": "retry"}
     config["train"]["micro_batch_size"] = case["global_batch"] // 2  # per rank, so the retry has one to halve
-    stem = f"rank_retry-{'smoke' if args.smoke else args.case}"
+    stem = f"rank_retry-{'smoke' if args.smoke else args.case}{'-2nodes' if args.nodes == 2 else ''}"
     name = stem if args.variants == ",".join(VARIANTS) else f"{stem}-{args.variants.replace(',', '_')}"
-    results = [dict(run_variant(variant, config, Path(f"/tmp/zerofit-{stem}-{variant}-{n + 1}"), env, args.timeout_s),
-                    repeat=n + 1)
+    results = [dict(run_variant(variant, config, Path(f"/tmp/zerofit-{stem}-{variant}-{n + 1}"), env, args.timeout_s,
+                                args.nodes), repeat=n + 1)
                for n in range(args.repeat) for variant in args.variants.split(",")]
     result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name() if accelerator == "cuda"
               else "cpu", "gpus": torch.cuda.device_count() if accelerator == "cuda" else 0,
-              "torch": torch.__version__, "case": case, "oom_step": args.oom_step, "save_every": args.save_every,
+              "torch": torch.__version__, "nodes": args.nodes, "case": case, "oom_step": args.oom_step,
+              "save_every": args.save_every,
               "finished": {v: f"{sum(r['exit_code'] == 0 for r in results if r['variant'] == v)} of "
                            f"{sum(r['variant'] == v for r in results)}" for v in args.variants.split(",")},
               "variants": results}

@@ -116,28 +116,46 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     assert "out-of-memory post-mortem" in doctor and "GPU out of memory in the forward pass of step 5" in doctor
 
 
+def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], list[int]]:
+    """`zerofit train` under two torchrun agents of one rank each (rendezvous c10d, --max-restarts 1):
+    two nodes on one machine. Their outputs and exit codes."""
+    port = engine.free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "ZEROFIT_FAULT": fault, **WIDE}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+                               "--max-restarts", "1", "-m", "zerofit", "train", "--config", str(config), *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    return outputs, [node.returncode for node in nodes]
+
+
 def test_on_oom_retry_across_two_torchrun_nodes(tmp_path):
     """Two torchrun agents, one rank each, rendezvous c10d (two nodes on one machine): rank 1's
     OOM restarts both. The first node's agent restarts its worker for the other node's
     re-rendezvous without counting a restart (its TORCHELASTIC_RESTART_COUNT stays 0, the
     other's is 1), so the ranks agree on the attempt's keys through the store, and rank 0 finds
     the hand-over there, not in a file of another node's agent."""
-    config = oom_config(tmp_path)
-    port = engine.free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "ZEROFIT_FAULT": "oom@step:5/1", **WIDE}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "oom2",
-                               "--max-restarts", "1", "-m", "zerofit", "train", "--config", str(config),
-                               "--on-oom", "retry"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    outputs = [node.communicate(timeout=400)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    outputs, codes = run_two_nodes(tmp_path, oom_config(tmp_path), "oom@step:5/1", "--on-oom", "retry")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     out = "".join(outputs)
     assert "memory.on_oom=retry: rank 1 ran out of GPU memory in step 5 (forward); torchrun restarted every rank" in out
     run = tmp_path / "run"
     assert f"resumed from {run / 'checkpoints' / 'step-000003'} at step 3" in out and "done: step 8" in out
     assert json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())["micro_batch_size"] == 2
+
+
+def test_a_rank_on_another_node_leaves_at_once_after_a_handover(tmp_path):
+    """Two torchrun nodes, one rank each: rank 1 runs out of memory (on_oom stop) while rank 0
+    stalls in the same step. Node 0's agent learns of it through the rendezvous and signals
+    rank 0 with all its workers alive; rank 0's watcher sees the hand-over in the store and
+    leaves at once. Both restarted ranks then stop before training."""
+    outputs, codes = run_two_nodes(tmp_path, oom_config(tmp_path), "oom@step:5/1,stall@step:5/0")
+    out = "".join(outputs)
+    assert codes != [0, 0]
+    assert "rank 0: SIGTERM after a rank ran out of memory and handed over: no collective can finish, leaving now" in out
+    assert "forcefully exiting" not in out
+    assert "so this attempt stops before training" in out
 
 
 def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):

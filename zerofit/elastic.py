@@ -26,7 +26,9 @@ When a worker exits, the agent sends SIGTERM to the others and waits 30 s before
 (torch 2.13: elastic/multiprocessing/api.py, `close(death_sig, timeout=30)`). A rank waiting in
 a collective for the one that died does not run zerofit's SIGTERM handler (Python runs handlers
 between bytecodes, on the main thread), so every restart waited out those 30 s.
-`leave_at_once_when_a_peer_is_gone` watches for SIGTERM on a thread of its own.
+`leave_at_once_when_a_peer_is_gone` watches for SIGTERM on a thread of its own; it sees a peer
+of its node exit, and a hand-over of any node in the store (another node's agent learns of a
+failure through the rendezvous, and signals its workers with all of them alive).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from zerofit.progress import say
 
 HANDOVER = "retry-handover.json"  # the copy beside the failed rank's post-mortem
 HANDOVER_KEY = "zerofit/retry-handover"
+HANDOVERS_KEY = "zerofit/retry-handovers"  # how many: a count moves when a rank hands one over
 STORE_TIMEOUT = timedelta(minutes=10)  # as long as NCCL's default process-group timeout
 
 
@@ -140,6 +143,7 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
     # The newest wins: after an OOM retry that then failed for another reason, the next restart
     # keeps the safer config rather than going back to the command line's.
     store.set(HANDOVER_KEY, text)
+    store.add(HANDOVERS_KEY, 1)
     if safer is None:
         return None
     left = attempt.restarts_left
@@ -201,23 +205,23 @@ def broadcast_from_main(value):
 # ------------------------------------------------------------------ a peer gone
 @contextmanager
 def leave_at_once_when_a_peer_is_gone():
-    """Around the training loop, under torchrun with several workers on this node: SIGTERM
-    while a worker of this node has already exited ends this process at once. The agent sends
-    SIGTERM to the workers left after one exits; they cannot finish a collective (or a
-    checkpoint: a save needs every rank), and waiting for the step boundary is waiting for
-    SIGKILL. A SIGTERM with every worker alive (preemption) is left to the loop: it saves at
-    the step boundary and stops. Several nodes: only a peer of this node is seen."""
-    attempt, local_workers = current(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if attempt is None or local_workers < 2 or threading.current_thread() is not threading.main_thread() \
+    """Around the training loop, under torchrun with several ranks: SIGTERM after a peer is
+    gone ends this process at once. The agent sends SIGTERM to the workers left after one
+    fails; they cannot finish a collective (or a checkpoint: a save needs every rank), and
+    waiting for the step boundary is waiting for SIGKILL. A peer is gone when a worker of this
+    node has exited, or when a rank of this attempt (on any node) handed an OOM over. A SIGTERM
+    with neither (preemption) is left to the loop: it saves at the step boundary and stops."""
+    attempt, world_size = current(), int(os.environ.get("WORLD_SIZE", "1"))
+    if attempt is None or world_size < 2 or threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
         yield  # SIGTERM without a Python handler ends the process already
         return
+    peers = Peers(attempt.agent_pid, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), agent_store())
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     # Python's C-level handler writes each signal's number here at once, whatever the main thread does
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    watcher = threading.Thread(target=_watch, args=(read_end, attempt.agent_pid, local_workers),
-                               name="zerofit-peer-gone", daemon=True)
+    watcher = threading.Thread(target=_watch, args=(read_end, peers), name="zerofit-peer-gone", daemon=True)
     if previous == -1:
         watcher.start()
     else:
@@ -236,13 +240,34 @@ def leave_at_once_when_a_peer_is_gone():
 STOP_WATCHING = 0  # no signal has number 0
 
 
-def _watch(read_end: int, agent_pid: int, local_workers: int) -> None:
+class Peers:
+    """What this rank can see of its peers: this node's workers (the agent's children) and
+    the hand-overs in the agent's store since the loop began."""
+
+    def __init__(self, agent_pid: int, local_workers: int, store):
+        self.agent_pid, self.local_workers, self.store = agent_pid, local_workers, store
+        self.handovers_before = handovers(store)
+
+    def gone(self) -> str | None:
+        """Why a peer is known to be gone, or None."""
+        alive = workers_alive(self.agent_pid) if self.local_workers > 1 else None
+        if alive is not None and alive < self.local_workers:
+            return f"{self.local_workers - alive} of this node's {self.local_workers} workers exited"
+        if self.store is not None and handovers(self.store) > self.handovers_before:
+            return "a rank ran out of memory and handed over"
+        return None
+
+
+def handovers(store) -> int:
+    return store.add(HANDOVERS_KEY, 0) if store is not None else 0
+
+
+def _watch(read_end: int, peers: Peers) -> None:
     while (signal_number := os.read(read_end, 1)[0]) != STOP_WATCHING:
-        alive = workers_alive(agent_pid) if signal_number == signal.SIGTERM else None
-        if alive is not None and alive < local_workers:
-            say(f"rank {os.environ.get('RANK', '?')}: SIGTERM after {local_workers - alive} of this node's "
-                f"{local_workers} workers exited: no collective can finish, leaving now; torchrun restarts or "
-                f"stops every rank")
+        why = peers.gone() if signal_number == signal.SIGTERM else None
+        if why:
+            say(f"rank {os.environ.get('RANK', '?')}: SIGTERM after {why}: no collective can finish, leaving now; "
+                f"torchrun restarts or stops every rank")
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(128 + signal.SIGTERM)  # as killed by it; no exit handlers: they would wait on the dead peer
