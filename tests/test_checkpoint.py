@@ -432,22 +432,30 @@ def test_save_failures_with_on_error_continue(tmp_path):
     assert [r["checkpoint"] for r in failures] == ["step-000004", "step-000006"]
 
 
+def sigterm_once_there(command: list[str], path: Path, env: dict) -> tuple[int, str, str]:
+    """Start `command`, SIGTERM it once `path` exists (or it ended, or 300 s passed); its exit
+    code, stdout and stderr."""
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                                                       **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    return process.returncode, stdout, stderr
+
+
 def test_sigterm_drains_the_save_in_flight(tmp_path):
     """SIGTERM while an async save is being written (the writer is slowed by 2 s): the
     loop stops at the next step boundary, the save is finished and published, exit 143.
     Saves are 20 steps apart: the signal lands well before another save is due, however
     late this poll sees the first one start (tiny steps take a few ms)."""
     config = config_for(tmp_path, "run", max_steps=60, async_save=True, every_steps=20)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", faults.VARIABLE: "slow@save:1"}
-    process = subprocess.Popen([sys.executable, "-m", "zerofit", "train", "--config", str(config)], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    in_flight = tmp_path / "run" / "checkpoints" / ".tmp-step-000020"
-    deadline = time.monotonic() + 300
-    while not in_flight.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 143, stderr[-3000:]
+    code, _, stderr = sigterm_once_there([sys.executable, "-m", "zerofit", "train", "--config", str(config)],
+                                         tmp_path / "run" / "checkpoints" / ".tmp-step-000020",
+                                         {faults.VARIABLE: "slow@save:1"})
+    assert code == 143, stderr[-3000:]
     assert "stopped by SIGTERM" in stderr
     run = tmp_path / "run"
     assert valid_steps(run) == [20] and not list((run / "checkpoints").glob(".tmp-*"))
@@ -460,16 +468,10 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     neither leaves early (that is for a rank whose peer has exited): they stop together at a
     step boundary and the newest checkpoint is whole."""
     config = config_for(tmp_path, "run", max_steps=400, every_steps=5)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                                str(engine.free_port()), "-m", "zerofit", "train", "--config", str(config)],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first_save = tmp_path / "run" / "checkpoints" / "step-000005"
-    deadline = time.monotonic() + 300
-    while not first_save.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=300)
+    _, stdout, stderr = sigterm_once_there([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                            "--master_port", str(engine.free_port()), "-m", "zerofit", "train",
+                                            "--config", str(config)],
+                                           tmp_path / "run" / "checkpoints" / "step-000005", {"COLUMNS": "400"})
     out = stdout + stderr
     assert "stopped by SIGTERM at step" in out, out[-3000:]
     assert "leaving now" not in out and "forcefully exiting" not in out
