@@ -148,12 +148,13 @@ def test_on_oom_retry_across_two_torchrun_nodes(tmp_path):
 def test_a_rank_on_another_node_leaves_at_once_after_a_handover(tmp_path):
     """Two torchrun nodes, one rank each: rank 1 runs out of memory (on_oom stop) while rank 0
     stalls in the same step. Node 0's agent learns of it through the rendezvous and signals
-    rank 0 with all its workers alive; rank 0's watcher sees the hand-over in the store and
-    leaves at once. Both restarted ranks then stop before training."""
+    rank 0 with all its workers alive; rank 0's watcher finds rank 1's failure counted in the
+    store (any error counts it on the way out) and leaves at once. Both restarted ranks then
+    stop before training."""
     outputs, codes = run_two_nodes(tmp_path, oom_config(tmp_path), "oom@step:5/1,stall@step:5/0")
     out = "".join(outputs)
     assert codes != [0, 0]
-    assert "rank 0: SIGTERM after a rank ran out of memory and handed over: no collective can finish, leaving now" in out
+    assert "rank 0: SIGTERM after a rank of this job failed: no collective can finish, leaving now" in out
     assert "forcefully exiting" not in out
     assert "so this attempt stops before training" in out
 

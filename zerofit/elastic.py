@@ -27,8 +27,9 @@ When a worker exits, the agent sends SIGTERM to the others and waits 30 s before
 a collective for the one that died does not run zerofit's SIGTERM handler (Python runs handlers
 between bytecodes, on the main thread), so every restart waited out those 30 s.
 `leave_at_once_when_a_peer_is_gone` watches for SIGTERM on a thread of its own; it sees a peer
-of its node exit, and a hand-over of any node in the store (another node's agent learns of a
-failure through the rendezvous, and signals its workers with all of them alive).
+of its node exit, and a failure any rank counted in the store on its way out (another node's
+agent learns of a failure through the rendezvous, and signals its workers with all of them
+alive).
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ from zerofit.progress import say
 
 HANDOVER = "retry-handover.json"  # the copy beside the failed rank's post-mortem
 HANDOVER_KEY = "zerofit/retry-handover"
-HANDOVERS_KEY = "zerofit/retry-handovers"  # how many: a count moves when a rank hands one over
+FAILURES_KEY = "zerofit/failed-ranks"  # a count: it moves when a rank of this torchrun job fails
 STORE_TIMEOUT = timedelta(minutes=10)  # as long as NCCL's default process-group timeout
+FAILING_TIMEOUT = timedelta(seconds=10)  # a failing rank's last word must not delay its exit long
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,14 @@ def current(environ=os.environ) -> Attempt | None:
                    int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
 
 
-def agent_store():
+def agent_store(timeout: timedelta = STORE_TIMEOUT):
     """torchrun's agent store, or None (no torchrun, or workers that do not share its store)."""
     if current() is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as td
 
     return td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                       is_master=False, timeout=STORE_TIMEOUT)
+                       is_master=False, timeout=timeout)
 
 
 def process_group_store():
@@ -132,7 +134,7 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
     nothing safer is known): with the settings that ran out of memory a restart would run out
     again, after repeating every step since the newest checkpoint. The explanation's retry
     line, or None."""
-    attempt, store = current(), agent_store()
+    attempt, store = current(), agent_store(FAILING_TIMEOUT)
     if attempt is None or store is None or attempt.restarts_left <= 0:
         return None
     record = {"agent_pid": attempt.agent_pid, "restart": attempt.restart, "rank": event.rank, "step": event.step,
@@ -143,7 +145,6 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
     # The newest wins: after an OOM retry that then failed for another reason, the next restart
     # keeps the safer config rather than going back to the command line's.
     store.set(HANDOVER_KEY, text)
-    store.add(HANDOVERS_KEY, 1)
     if safer is None:
         return None
     left = attempt.restarts_left
@@ -203,14 +204,27 @@ def broadcast_from_main(value):
 
 
 # ------------------------------------------------------------------ a peer gone
+def announce_failure() -> None:
+    """A rank that fails (an OOM, any error) counts itself in the agent store on its way out:
+    a peer on another node, signalled by its agent with its own workers alive, learns there
+    that no collective can finish. Best effort: the failure itself is what is reported."""
+    try:
+        store = agent_store(FAILING_TIMEOUT)
+        if store is not None:
+            store.add(FAILURES_KEY, 1)
+    except Exception:  # noqa: BLE001 (the agent's store gone too: nothing to tell)
+        pass
+
+
 @contextmanager
 def leave_at_once_when_a_peer_is_gone():
     """Around the training loop, under torchrun with several ranks: SIGTERM after a peer is
     gone ends this process at once. The agent sends SIGTERM to the workers left after one
     fails; they cannot finish a collective (or a checkpoint: a save needs every rank), and
     waiting for the step boundary is waiting for SIGKILL. A peer is gone when a worker of this
-    node has exited, or when a rank of this attempt (on any node) handed an OOM over. A SIGTERM
-    with neither (preemption) is left to the loop: it saves at the step boundary and stops."""
+    node has exited, or when a rank of any node has announced its failure (`announce_failure`).
+    A SIGTERM with neither (preemption) is left to the loop: it saves at the step boundary and
+    stops. A rank killed on another node (SIGKILL, a host OOM) announces nothing: 30 s there."""
     attempt, world_size = current(), int(os.environ.get("WORLD_SIZE", "1"))
     if attempt is None or world_size < 2 or threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
@@ -242,24 +256,24 @@ STOP_WATCHING = 0  # no signal has number 0
 
 class Peers:
     """What this rank can see of its peers: this node's workers (the agent's children) and
-    the hand-overs in the agent's store since the loop began."""
+    the failures counted in the agent's store since the loop began."""
 
     def __init__(self, agent_pid: int, local_workers: int, store):
         self.agent_pid, self.local_workers, self.store = agent_pid, local_workers, store
-        self.handovers_before = handovers(store)
+        self.failures_before = failures(store)
 
     def gone(self) -> str | None:
         """Why a peer is known to be gone, or None."""
         alive = workers_alive(self.agent_pid) if self.local_workers > 1 else None
         if alive is not None and alive < self.local_workers:
             return f"{self.local_workers - alive} of this node's {self.local_workers} workers exited"
-        if self.store is not None and handovers(self.store) > self.handovers_before:
-            return "a rank ran out of memory and handed over"
+        if self.store is not None and failures(self.store) > self.failures_before:
+            return "a rank of this job failed"
         return None
 
 
-def handovers(store) -> int:
-    return store.add(HANDOVERS_KEY, 0) if store is not None else 0
+def failures(store) -> int:
+    return store.add(FAILURES_KEY, 0) if store is not None else 0
 
 
 def _watch(read_end: int, peers: Peers) -> None:

@@ -32,7 +32,11 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     """Train per `config`. resume: True = must resume, False = start over, None = resume
     when the run dir holds a valid checkpoint. An OOM writes RUN_DIR/postmortem/ and
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
-    return postmortem.run_with_oom_policy(run, config, resume)
+    try:
+        return postmortem.run_with_oom_policy(run, config, resume)
+    except BaseException:
+        elastic.announce_failure()  # the other ranks' watchers then leave at torchrun's SIGTERM
+        raise
 
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
