@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,18 +54,32 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
+def zerofit_command(args: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU) and `torchrun_args`."""
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                "--master_port", str(free_port()), *torchrun_args, "-m", "zerofit", *args]
+    return [sys.executable, "-m", "zerofit", *args]
+
+
+def child_env(env: dict | None = None) -> dict:
+    """The environment a zerofit under test runs in: unbuffered output, one OpenMP thread, `env`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def wait_for(path: Path, process: subprocess.Popen, poll_s: float = 0.05, timeout_s: float = 300) -> None:
+    """Until `path` exists, `process` has ended or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
 def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600,
                 check: bool = True, input_text: str | None = None,
                 torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`python -m zerofit ARGS`, or under torchrun with nproc ranks (gloo on CPU) and
-    `torchrun_args`; `input_text` goes to its stdin."""
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_port", str(free_port()), *torchrun_args, "-m", "zerofit", *args]
-    else:
-        cmd = [sys.executable, "-m", "zerofit", *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    """`zerofit_command(...)` run to its end in `child_env(env)`; `input_text` goes to its stdin."""
+    cmd = zerofit_command(args, nproc, torchrun_args)
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(env), capture_output=True, text=True, timeout=timeout,
                           input=input_text)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")

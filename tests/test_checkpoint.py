@@ -7,14 +7,13 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_jsonl, run_zerofit, tiny_config, write_config
-from zerofit import checkpoint, checkpointer, data, engine, faults
+from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, wait_for, write_config, zerofit_command
+from zerofit import checkpoint, checkpointer, data, faults
 
 # Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
 SHAPE = dict(eval={"every_steps": 0, "at_end": False})
@@ -432,15 +431,12 @@ def test_save_failures_with_on_error_continue(tmp_path):
     assert [r["checkpoint"] for r in failures] == ["step-000004", "step-000006"]
 
 
-def sigterm_once_there(command: list[str], path: Path, env: dict) -> tuple[int, str, str]:
-    """Start `command`, SIGTERM it once `path` exists (or it ended, or 300 s passed); its exit
-    code, stdout and stderr."""
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                                                       **env},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+def sigterm_once_there(args: list[str], path: Path, env: dict, nproc: int = 1) -> tuple[int, str, str]:
+    """Start zerofit ARGS on `nproc` ranks, SIGTERM it (torchrun, for several) once `path` exists
+    (or it ended, or 300 s passed); its exit code, stdout and stderr."""
+    process = subprocess.Popen(zerofit_command(args, nproc), cwd=ROOT, env=child_env(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(path, process)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=300)
     return process.returncode, stdout, stderr
@@ -452,7 +448,7 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
     Saves are 20 steps apart: the signal lands well before another save is due, however
     late this poll sees the first one start (tiny steps take a few ms)."""
     config = config_for(tmp_path, "run", max_steps=60, async_save=True, every_steps=20)
-    code, _, stderr = sigterm_once_there([sys.executable, "-m", "zerofit", "train", "--config", str(config)],
+    code, _, stderr = sigterm_once_there(["train", "--config", str(config)],
                                          tmp_path / "run" / "checkpoints" / ".tmp-step-000020",
                                          {faults.VARIABLE: "slow@save:1"})
     assert code == 143, stderr[-3000:]
@@ -468,10 +464,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     neither leaves early (that is for a rank whose peer has exited): they stop together at a
     step boundary and the newest checkpoint is whole."""
     config = config_for(tmp_path, "run", max_steps=400, every_steps=5)
-    _, stdout, stderr = sigterm_once_there([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                            "--master_port", str(engine.free_port()), "-m", "zerofit", "train",
-                                            "--config", str(config)],
-                                           tmp_path / "run" / "checkpoints" / "step-000005", {"COLUMNS": "400"})
+    _, stdout, stderr = sigterm_once_there(["train", "--config", str(config)],
+                                           tmp_path / "run" / "checkpoints" / "step-000005", {"COLUMNS": "400"}, nproc=2)
     out = stdout + stderr
     assert "stopped by SIGTERM at step" in out, out[-3000:]
     assert "leaving now" not in out and "forcefully exiting" not in out
@@ -545,13 +539,9 @@ def test_kill_at_random_moments(reference, tmp_path):
 
 
 def kill_from_outside(config: Path, run: Path, rng: random.Random) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "zerofit", "train", "--config", str(config)], cwd=ROOT,
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = run / "checkpoints" / f".tmp-step-00000{rng.choice([2, 4])}"
-    deadline = time.monotonic() + 300
-    while not target.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
+    process = subprocess.Popen(zerofit_command(["train", "--config", str(config)]), cwd=ROOT, env=child_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(run / "checkpoints" / f".tmp-step-00000{rng.choice([2, 4])}", process, poll_s=0.002)
     time.sleep(rng.uniform(0, 0.05))
     process.kill()
     process.wait()

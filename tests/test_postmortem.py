@@ -2,12 +2,11 @@
 with PyTorch's CUDA message, raised in the forward pass) in a real tiny run."""
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, read_jsonl, run_zerofit, tiny_config, write_config
+from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, write_config
 
 from zerofit import elastic, engine
 from zerofit.config import load, validate
@@ -120,7 +119,7 @@ def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], 
     """`zerofit train` under two torchrun agents of one rank each (rendezvous c10d, --max-restarts 1):
     two nodes on one machine. Their outputs and exit codes."""
     port = engine.free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "ZEROFIT_FAULT": fault, **WIDE}
+    env = child_env({"ZEROFIT_FAULT": fault, **WIDE})
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
                                "--max-restarts", "1", "-m", "zerofit", "train", "--config", str(config), *args],
