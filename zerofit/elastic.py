@@ -137,7 +137,7 @@ def hand_over(directory: Path, event, safer: Config | None, changes: list[str], 
     attempt, store = current(), agent_store(FAILING_TIMEOUT)
     if attempt is None or store is None or attempt.restarts_left <= 0:
         return None
-    record = {"agent_pid": attempt.agent_pid, "restart": attempt.restart, "rank": event.rank, "step": event.step,
+    record = {"restart": attempt.restart, "rank": event.rank, "step": event.step,
               "phase": event.phase, "device": event.device, "changes": changes,
               "config": safer.model_dump(mode="json") if safer else None, "why_not": why_not}
     text = json.dumps(record, indent=1)
