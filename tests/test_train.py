@@ -206,3 +206,50 @@ def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / "MANIFEST.json").read_text())
     assert manifest["world_size"] == 2
+
+
+ZENFLOW_FORWARD_SCRIPT = """
+import sys
+sys.path.insert(0, "tests")
+import torch
+from conftest import tiny_config
+from zerofit import dsconfig, engine
+from zerofit.config import validate
+
+config = validate(tiny_config("{run}"))
+dist = engine.init_distributed()
+ds_config = dsconfig.build(config, 1, dist.on_gpu)
+ds_config["zero_optimization"]["zenflow"] = {{"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}}
+model = engine.build_model(config, ds_config)
+print("built partitioned:", hasattr(model.model.layers[0].mlp.up_proj.weight, "ds_id"))
+built = engine.build_engine(model, config, ds_config, total_steps=4)
+weight = built.module.model.layers[0].mlp.up_proj.weight
+print("up_proj as DeepSpeed keeps it:", tuple(weight.ds_shape))
+input_ids = torch.randint(0, 100, (2, 16))
+print("logits:", tuple(built(input_ids=input_ids).logits.shape))
+"""
+
+
+def test_zenflow_gets_the_model_built_whole_and_its_forward_runs(tmp_path):
+    """ZenFlow's ZeRO-3 keeps 2-D weights transposed from the engine's start; under
+    deepspeed.zero.Init they are partitioned before it can, and the first forward failed on
+    the GPU ('mat1 and mat2 shapes cannot be multiplied'). Built whole, DeepSpeed partitions
+    the transposed weights and the forward runs. (ZenFlow's backward allocates on 'cuda'
+    whatever the accelerator, so the CPU runs no further.)"""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from transformers import LlamaConfig
+
+    from zerofit.models import hf_config
+    from zerofit.config import ModelConfig
+
+    tiny = hf_config(ModelConfig(config="tiny"))
+    assert isinstance(tiny, LlamaConfig) and tiny.intermediate_size != tiny.hidden_size  # a non-square weight
+    done = subprocess.run([sys.executable, "-c", ZENFLOW_FORWARD_SCRIPT.format(run=tmp_path / "run")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "built partitioned: False" in done.stdout
+    assert f"up_proj as DeepSpeed keeps it: {(tiny.hidden_size, tiny.intermediate_size)}" in done.stdout
+    assert f"logits: (2, 16, {tiny.vocab_size})" in done.stdout

@@ -59,11 +59,12 @@ class BaseRecipe:
             f"random-init (seed {self.seed}, {self.dtype}, drawn on {self.init_device})"
 
 
-def recipe_record(config, on_gpu: bool) -> dict:
-    """What a LoRA checkpoint records about its base (LoopState.extra[BASE_RECIPE])."""
+def recipe_record(config, on_gpu: bool, zero_init: bool) -> dict:
+    """What a LoRA checkpoint records about its base (LoopState.extra[BASE_RECIPE]); zero_init:
+    whether it was built under deepspeed.zero.Init (engine.builds_under_zero_init)."""
     return {"path": str(Path(config.model.path).resolve()) if config.model.path else None,
             "config": config.model.config, "seed": config.train.seed, "dtype": config.train.precision,
-            "init_device": "cuda" if on_gpu else "cpu", "zero_init": config.zero.stage == 3,
+            "init_device": "cuda" if on_gpu else "cpu", "zero_init": zero_init,
             "trust_remote_code": config.model.trust_remote_code, "fingerprint_scheme": FINGERPRINT_SCHEME}
 
 
@@ -80,7 +81,9 @@ def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
                               f"loop_state.json, no run config at {config_file}); export it from its run directory")
         from zerofit.config import load
 
-        record = {**recipe_record(load(config_file), on_gpu=False), "init_device": None, "fingerprint_scheme": None}
+        run_config = load(config_file)
+        record = {**recipe_record(run_config, on_gpu=False, zero_init=run_config.zero.stage == 3),
+                  "init_device": None, "fingerprint_scheme": None}
     prints = extra.get(BASE_FINGERPRINT)
     return BaseRecipe(record["path"], int(record["seed"]), record["dtype"], record["init_device"] or "cpu",
                       bool(record.get("zero_init", True)), bool(record.get("trust_remote_code", False)),

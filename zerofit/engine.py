@@ -178,8 +178,22 @@ def torch_dtype(precision: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def builds_under_zero_init(ds_config: dict) -> bool:
+    """Whether the model is partitioned as it is built (deepspeed.zero.Init): under ZeRO-3,
+    except with DeepSpeed's ZenFlow. ZenFlow's ZeRO-3 keeps every 2-D weight transposed: it
+    transposes `p.data` when the engine starts (zenflow/engine_stage3.py,
+    _initialize_zenflow_stage3_prologue) and back around every gathered use
+    (parameter_offload.py). A model built under zero.Init is partitioned by then (its data
+    empty and 1-D), so nothing is transposed and its first forward fails ("mat1 and mat2
+    shapes cannot be multiplied", bench/results/overlap_loss-clip_zenflow_clip.json). Built
+    whole, the engine partitions it after the transpose; each rank holds the whole 16-bit
+    model on the host until then."""
+    zero = ds_config.get("zero_optimization") or {}
+    return zero.get("stage") == 3 and not zero.get("zenflow")
+
+
 def build_model(config: Config, ds_config: dict):
-    """The HF model, partitioned as it is built when ZeRO-3 is on.
+    """The HF model, partitioned as it is built when ZeRO-3 is on (builds_under_zero_init).
 
     HfDeepSpeedConfig must stay alive while from_pretrained/from_config run: transformers
     checks it (is_deepspeed_zero3_enabled) to wrap construction in deepspeed.zero.Init,
@@ -194,7 +208,7 @@ def build_model(config: Config, ds_config: dict):
 
     # Resolved on the meta device first: a bad target pattern fails in a second, not after the build.
     lora_targets = lora.resolve(config, hf_config(config.model)) if config.lora.enabled else None
-    holder = HfDeepSpeedConfig(ds_config) if config.zero.stage == 3 else None
+    holder = HfDeepSpeedConfig(ds_config) if builds_under_zero_init(ds_config) else None
     dtype = torch_dtype(config.train.precision)
     torch.manual_seed(config.train.seed)
     common = dict(dtype=dtype, attn_implementation=config.model.attn_implementation,

@@ -302,11 +302,12 @@ def check_step_overlap(ds: dict, zero, result: LintResult, autos: list[str] = ()
         result.findings.append(Finding(
             "warning", "zero_optimization.zenflow",
             "ZenFlow with ZeRO-3 transposes the 2-D weights at engine start only if they are not partitioned yet; "
-            "a model built under deepspeed.zero.Init (as HF Trainer builds it with ZeRO-3, and zerofit) fails in "
+            "a model built under deepspeed.zero.Init (as HF Trainer builds it with ZeRO-3) fails in "
             "its first forward: 'mat1 and mat2 shapes cannot be multiplied (2048x128 and 384x128)' "
             "(bench/results/overlap_loss-clip_zenflow_clip.json). It is also another optimizer: each step "
             "updates only the top-k gradient columns on the GPU, the rest every update_interval steps",
-            "remove zenflow under ZeRO-3 with zero.Init-built models"))
+            "build the model outside deepspeed.zero.Init (zerofit does when zenflow is set: every rank then "
+            "holds the whole 16-bit model on the host until the engine starts), or remove zenflow"))
 
 
 def check_partial_offload(zero, result: LintResult) -> None:

@@ -76,7 +76,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
-                              basemodel.recipe_record(config, dist.on_gpu))
+                              basemodel.recipe_record(config, dist.on_gpu, engine.builds_under_zero_init(ds_config)))
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
     dog = watchdog.arm(timeline, state.step, dist.on_gpu, config.memory.watchdog_threshold,
