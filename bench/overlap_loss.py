@@ -14,8 +14,9 @@ it, and what the final checkpoint holds of Adam's moments (DeepSpeed's optimizer
 files: every `exp_avg` / `exp_avg_sq` tensor, counted and summed). SuperOffload's CPU-Adam
 lives in a worker process with its own moments (superoffload_utils.py), so a checkpoint
 written from the main process may not hold them. `--runs clip,zenflow_clip` trains with
-ZenFlow (speed_bench's `zenflow` lever) instead: on 0.19.8 it fails in the first forward
-(bench/results/README.md).
+ZenFlow (speed_bench's `zenflow` lever) instead: zerofit builds the model whole for it
+(engine.builds_under_zero_init; under zero.Init its first forward failed), and the demo trains
+(bench/results/README.md, 2026-12-01).
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/overlap_loss.py
 Here (CPU):   python bench/overlap_loss.py --smoke   (SuperOffload asserts CUDA: the two

@@ -506,9 +506,9 @@ LEVERS = {
     # DeepSpeed's ZenFlow (runtime/zenflow/): each step Adam updates on the GPU only the top-k
     # gradient columns of every 2-D weight; the rest accumulate and the CPU steps them every
     # update_interval steps in its own process, overlapping the next steps: another optimizer.
-    # Values of DeepSpeed's ZenFlow tutorial (docs/_tutorials/zenflow.md). On zerofit's
-    # zero.Init-built models it fails in the first forward (`bench/overlap_loss.py --runs
-    # clip,zenflow_clip`, bench/results/README.md).
+    # Values of DeepSpeed's ZenFlow tutorial (docs/_tutorials/zenflow.md). zerofit builds the
+    # model whole for it (engine.builds_under_zero_init); llama-3.6b then fails in its first
+    # backward on 0.19.8 (bench/zenflow_probe.py, bench/results/README.md, 2026-12-01).
     "zenflow": dict(
         what="DeepSpeed ZenFlow (zero_optimization.zenflow: top 5% of gradient columns updated on the GPU every "
              "step, the rest by the CPU every 4 steps, overlapped): not the same optimizer",

@@ -187,7 +187,8 @@ def builds_under_zero_init(ds_config: dict) -> bool:
     empty and 1-D), so nothing is transposed and its first forward fails ("mat1 and mat2
     shapes cannot be multiplied", bench/results/overlap_loss-clip_zenflow_clip.json). Built
     whole, the engine partitions it after the transpose; each rank holds the whole 16-bit
-    model on the host until then."""
+    model on the host until then, and draws a random init there (llama-3.6b: 135-180 s on the
+    H200 host's CPU, bench/results/zenflow_probe-3.6b-micro4.log)."""
     zero = ds_config.get("zero_optimization") or {}
     return zero.get("stage") == 3 and not zero.get("zenflow")
 
