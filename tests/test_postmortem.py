@@ -2,6 +2,7 @@
 with PyTorch's CUDA message, raised in the forward pass) in a real tiny run."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -115,6 +116,12 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     assert "out-of-memory post-mortem" in doctor and "GPU out of memory in the forward pass of step 5" in doctor
 
 
+# rank 0's watcher: polling, it finds the failure counted in the store; at torchrun's SIGTERM, that
+# or (its node's) the worker gone, whichever it sees first
+LEFT_AFTER_A_FAILURE = (r"rank 0: (SIGTERM after )?(a rank of this job failed|1 of this node's 2 workers exited): "
+                        r"no collective can finish, leaving now")
+
+
 def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], list[int]]:
     """`zerofit train` under two torchrun agents of one rank each (rendezvous c10d, --max-restarts 1):
     two nodes on one machine. Their outputs and exit codes."""
@@ -125,8 +132,26 @@ def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], 
                                "--max-restarts", "1", "-m", "zerofit", "train", "--config", str(config), *args],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
-    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    finally:  # a hung run's workers live in sessions of their own (torchrun starts them so)
+        for node in nodes:
+            kill_tree(node.pid)
     return outputs, [node.returncode for node in nodes]
+
+
+def kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        processes = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.Error:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
 
 
 def test_on_oom_retry_across_two_torchrun_nodes(tmp_path):
@@ -153,9 +178,70 @@ def test_a_rank_on_another_node_leaves_at_once_after_a_handover(tmp_path):
     outputs, codes = run_two_nodes(tmp_path, oom_config(tmp_path), "oom@step:5/1,stall@step:5/0")
     out = "".join(outputs)
     assert codes != [0, 0]
-    assert "rank 0: SIGTERM after a rank of this job failed: no collective can finish, leaving now" in out
+    assert re.search(LEFT_AFTER_A_FAILURE, out), out[-4000:]
     assert "forcefully exiting" not in out
     assert "so this attempt stops before training" in out
+
+
+def test_a_rank_on_another_node_leaves_at_once_when_its_peer_is_killed_outright(tmp_path):
+    """Two torchrun nodes, one rank each: rank 1 is SIGKILLed in step 5 (as the kernel's OOM
+    killer ends a process: no Python runs) while rank 0 stalls in that step. Rank 1's last word
+    (zerofit/lastword.py) counts its failure in the store; rank 0's watcher finds it at node 0's
+    SIGTERM and leaves at once: torchrun does not wait its 30 s to SIGKILL rank 0 (it logs
+    "forcefully exiting" when it does: checked with the last word off)."""
+    outputs, codes = run_two_nodes(tmp_path, oom_config(tmp_path), "kill@step:5/1,stall@step:5/0")
+    out = "".join(outputs)
+    assert codes != [0, 0]
+    assert re.search(LEFT_AFTER_A_FAILURE, out), out[-4000:]
+    assert "forcefully exiting" not in out
+    assert "Signal 9 (SIGKILL) received by PID" in out  # rank 1's end, as its agent reports it
+
+
+def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypatch):
+    """What the watcher reads: a failure counted in the agent store since it began, its agent
+    (the parent) gone; a store it cannot read is no news."""
+    import os
+
+    server = agent_store_env(monkeypatch, restart=0, max_restarts=1)
+    server.add(elastic.FAILURES_KEY, 2)  # an earlier attempt's
+    peers = elastic.Peers(os.getppid(), 1, elastic.agent_store())
+    assert peers.gone(at_sigterm=False) is None and peers.gone(at_sigterm=True) is None
+    server.add(elastic.FAILURES_KEY, 1)
+    assert peers.gone(at_sigterm=False) == "a rank of this job failed"
+    assert peers.gone(at_sigterm=True) == "SIGTERM after a rank of this job failed"
+    assert elastic.Peers(os.getppid() + 1, 1, None).gone(at_sigterm=False) == "torchrun's agent of this node is gone"
+    del server  # the store's server gone: its count unreadable
+    assert elastic.failures(peers.store) is None
+
+
+LAST_WORD_SCRIPT = """
+import os, signal, sys
+from zerofit import elastic
+with elastic.failure_announced():
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[1] == "error":
+        raise RuntimeError("a failure Python sees")
+"""
+
+
+@pytest.mark.parametrize("end, counted", [("kill", 1), ("error", 1), ("normal", 0)])
+def test_a_worker_counts_its_failure_however_it_ends_and_only_then(end, counted, monkeypatch):
+    """A worker SIGKILLed inside failure_announced counts one failure in the agent store (by its
+    last word), one that raises counts one (by itself: the last word adds nothing), and one
+    that ends well counts none."""
+    import time
+
+    server = agent_store_env(monkeypatch, restart=0, max_restarts=1)
+    monkeypatch.setenv("RANK", "1")
+    done = subprocess.run([sys.executable, "-c", LAST_WORD_SCRIPT, end], cwd=ROOT, env=child_env({}),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == {"kill": -9, "error": 1, "normal": 0}[end], done.stderr[-2000:]
+    deadline = time.monotonic() + 30  # the last word imports torch before it speaks
+    while elastic.failures(server) < counted and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2)  # a second count would come about as late
+    assert elastic.failures(server) == counted
 
 
 def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):
@@ -185,7 +271,7 @@ def test_a_rank_waiting_on_a_dead_peer_leaves_at_once_when_torchrun_signals(tmp_
                        torchrun_args=("--max-restarts", "1"))
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert ("rank 0: SIGTERM after 1 of this node's 2 workers exited: no collective can finish, leaving now" in out)
+    assert re.search(LEFT_AFTER_A_FAILURE, out), out[-4000:]
     assert "forcefully exiting" not in out
     assert "so this attempt stops before training" in out  # the restart read rank 1's hand-over
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]

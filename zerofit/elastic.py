@@ -26,16 +26,21 @@ When a worker exits, the agent sends SIGTERM to the others and waits 30 s before
 (torch 2.13: elastic/multiprocessing/api.py, `close(death_sig, timeout=30)`). A rank waiting in
 a collective for the one that died does not run zerofit's SIGTERM handler (Python runs handlers
 between bytecodes, on the main thread), so every restart waited out those 30 s.
-`leave_at_once_when_a_peer_is_gone` watches for SIGTERM on a thread of its own; it sees a peer
-of its node exit, and a failure any rank counted in the store on its way out (another node's
-agent learns of a failure through the rendezvous, and signals its workers with all of them
-alive).
+`leave_at_once_when_a_peer_is_gone` watches on a thread of its own, every second and at every
+signal: for a failure any rank counted in the store (another node's agent learns of a failure
+only through the rendezvous, and signals its workers with all of them alive; one with no
+restarts left does not even do that), for its own agent gone, and at a SIGTERM for a worker of
+its node exited. A rank counts its own failure (`failure_announced`): on its way out of an
+exception, or, killed outright, by its last word (zerofit/lastword.py), a process of its own
+that outlives it.
 """
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -204,6 +209,49 @@ def broadcast_from_main(value):
 
 
 # ------------------------------------------------------------------ a peer gone
+@contextmanager
+def failure_announced():
+    """Around a worker's whole run: its failure is counted in the agent store however it ends,
+    for its peers' watchers (`leave_at_once_when_a_peer_is_gone`). An exception counts it here
+    on its way out; a death no Python code sees (SIGKILL, a segfault), its last word does.
+    Without torchrun's store there is nobody to tell, and no last word is started."""
+    global _last_word
+    _last_word = start_last_word()
+    try:
+        yield
+    except BaseException:
+        announce_failure()
+        raise
+    finally:
+        say_done()
+
+
+_last_word: subprocess.Popen | None = None  # this worker's, while failure_announced runs
+
+
+def start_last_word() -> subprocess.Popen | None:
+    if current() is None or int(os.environ.get("WORLD_SIZE", "1")) < 2 \
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return subprocess.Popen([sys.executable, "-m", "zerofit.lastword"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def say_done() -> None:
+    """This worker ends by way of Python, its failure (if any) already counted: the last word
+    has nothing to add."""
+    global _last_word
+    from zerofit.lastword import DONE
+
+    last_word, _last_word = _last_word, None  # the watcher thread may leave through here too
+    if last_word is not None:
+        try:
+            last_word.stdin.write(DONE)
+            last_word.stdin.close()
+        except (OSError, ValueError):  # gone (killed with the process group), or closed already
+            pass
+
+
 def announce_failure() -> None:
     """A rank that fails (an OOM, any error) counts itself in the agent store on its way out:
     a peer on another node, signalled by its agent with its own workers alive, learns there
@@ -218,13 +266,17 @@ def announce_failure() -> None:
 
 @contextmanager
 def leave_at_once_when_a_peer_is_gone():
-    """Around the training loop, under torchrun with several ranks: SIGTERM after a peer is
-    gone ends this process at once. The agent sends SIGTERM to the workers left after one
-    fails; they cannot finish a collective (or a checkpoint: a save needs every rank), and
-    waiting for the step boundary is waiting for SIGKILL. A peer is gone when a worker of this
-    node has exited, or when a rank of any node has announced its failure (`announce_failure`).
-    A SIGTERM with neither (preemption) is left to the loop: it saves at the step boundary and
-    stops. A rank killed on another node (SIGKILL, a host OOM) announces nothing: 30 s there."""
+    """Around the training loop, under torchrun with several ranks: once a peer is known gone,
+    this process ends at once. The ranks left cannot finish a collective (or a checkpoint: a
+    save needs every rank); waiting in one is waiting for torchrun's SIGKILL 30 s after its
+    SIGTERM, or, where no agent of theirs learns of the failure (another node's agent with no
+    restarts left stops without a word to theirs), for NCCL's timeout. A thread looks every
+    POLL_S and at every signal. A peer is gone when a rank of any node has counted its failure
+    in the store (`failure_announced`: an exception, or a death Python never saw), or when this
+    node's agent is gone (its workers are orphans: nobody restarts or stops them). At a SIGTERM
+    it is also gone when a worker of this node has exited (before, a worker that finished
+    cleanly exits too). A SIGTERM with none of these (preemption) is left to the loop: it saves
+    at the step boundary and stops."""
     attempt, world_size = current(), int(os.environ.get("WORLD_SIZE", "1"))
     if attempt is None or world_size < 2 or threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
@@ -252,39 +304,60 @@ def leave_at_once_when_a_peer_is_gone():
 
 
 STOP_WATCHING = 0  # no signal has number 0
+# A store read a second per rank: a killed rank's last word is seen a second after it is said,
+# and a thousand ranks ask torchrun's store a thousand times a second, well within what it serves.
+POLL_S = 1.0
 
 
 class Peers:
-    """What this rank can see of its peers: this node's workers (the agent's children) and
-    the failures counted in the agent's store since the loop began."""
+    """What this rank can see of its peers: its agent, this node's workers (the agent's
+    children) and the failures counted in the agent's store since the loop began."""
 
     def __init__(self, agent_pid: int, local_workers: int, store):
         self.agent_pid, self.local_workers, self.store = agent_pid, local_workers, store
         self.failures_before = failures(store)
 
-    def gone(self) -> str | None:
+    def gone(self, at_sigterm: bool) -> str | None:
         """Why a peer is known to be gone, or None."""
-        alive = workers_alive(self.agent_pid) if self.local_workers > 1 else None
+        if os.getppid() != self.agent_pid:
+            return "torchrun's agent of this node is gone"
+        alive = workers_alive(self.agent_pid) if at_sigterm and self.local_workers > 1 else None
         if alive is not None and alive < self.local_workers:
-            return f"{self.local_workers - alive} of this node's {self.local_workers} workers exited"
-        if self.store is not None and failures(self.store) > self.failures_before:
-            return "a rank of this job failed"
+            return f"SIGTERM after {self.local_workers - alive} of this node's {self.local_workers} workers exited"
+        counted = failures(self.store)
+        if self.failures_before is None:  # not read at the start: from the first count read
+            self.failures_before = counted
+        elif counted is not None and counted > self.failures_before:
+            return ("SIGTERM after " if at_sigterm else "") + "a rank of this job failed"
         return None
 
 
-def failures(store) -> int:
-    return store.add(FAILURES_KEY, 0) if store is not None else 0
+def failures(store) -> int | None:
+    """The failures counted in the agent store; None without one or when it cannot be read
+    (its agent gone with it: this rank's agent then crashes, and `Peers.gone` sees that)."""
+    try:
+        return store.add(FAILURES_KEY, 0) if store is not None else None
+    except Exception:  # noqa: BLE001 (torch raises DistStoreError, RuntimeError or OSError here)
+        return None
 
 
 def _watch(read_end: int, peers: Peers) -> None:
-    while (signal_number := os.read(read_end, 1)[0]) != STOP_WATCHING:
-        why = peers.gone() if signal_number == signal.SIGTERM else None
+    signalled = False
+    while True:
+        readable, _, _ = select.select([read_end], [], [], POLL_S)
+        signal_number = os.read(read_end, 1)[0] if readable else None
+        if signal_number == STOP_WATCHING:
+            return
+        signalled = signalled or signal_number == signal.SIGTERM
+        why = peers.gone(at_sigterm=signal_number == signal.SIGTERM)
         if why:
-            say(f"rank {os.environ.get('RANK', '?')}: SIGTERM after {why}: no collective can finish, leaving now; "
+            say(f"rank {os.environ.get('RANK', '?')}: {why}: no collective can finish, leaving now; "
                 f"torchrun restarts or stops every rank")
+            say_done()  # leaving on purpose: not a failure of this rank's
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(128 + signal.SIGTERM)  # as killed by it; no exit handlers: they would wait on the dead peer
+            # as killed by SIGTERM when it came; no exit handlers: they would wait on the dead peer
+            os._exit(128 + signal.SIGTERM if signalled else 1)
 
 
 def workers_alive(agent_pid: int) -> int | None:

@@ -17,6 +17,7 @@ retention; `kill@retention:N` while deleting an old checkpoint; `nospace@save:N`
 
 `stall@step:N` stops the rank at the start of step N for good, as a rank waiting in a collective
 for a peer that died never comes back (SIGTERM's Python handler runs, the wait goes on).
+`kill@step:N` SIGKILLs the rank at the start of step N, as the kernel's OOM killer ends one.
 
 `nospace@nvme:1` makes the NVMe preflight see a full disk under zero.nvme_path;
 `shortswap@step:N` cuts 4 KiB off the largest NVMe optimizer swap file after step N: what a
@@ -132,9 +133,11 @@ def hold_memory_if_armed(step: int, device) -> None:
         _held.pop()  # and freed: only the high-water mark remembers it
 
 
-def stall_if_armed(step: int) -> None:
+def stall_or_kill_if_armed(step: int) -> None:
     if armed("stall", "step", step):
         threading.Event().wait()  # never set: signal handlers run, the wait goes on
+    if armed("kill", "step", step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def shorten_swap_if_armed(step: int, swapper) -> None:

@@ -32,11 +32,8 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     """Train per `config`. resume: True = must resume, False = start over, None = resume
     when the run dir holds a valid checkpoint. An OOM writes RUN_DIR/postmortem/ and
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
-    try:
+    with elastic.failure_announced():  # the other ranks' watchers then leave at torchrun's SIGTERM
         return postmortem.run_with_oom_policy(run, config, resume)
-    except BaseException:
-        elastic.announce_failure()  # the other ranks' watchers then leave at torchrun's SIGTERM
-        raise
 
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
@@ -151,7 +148,7 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
     for _ in range(accum):
         input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
         postmortem.inject_oom_if_armed(step)
-        faults.stall_if_armed(step)
+        faults.stall_or_kill_if_armed(step)
         micro_loss = forward_loss(ds_engine, input_ids, labels, chunked_loss)
         timeline.observe("forward")
         ds_engine.backward(micro_loss)
