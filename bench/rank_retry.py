@@ -16,6 +16,8 @@ and from there to the end of the first resumed step.
 GPU machine (2 GPUs, NCCL, ~2 min a run):  python bench/rank_retry.py --case 0.5b-8 --timeout-s 200
 (--nodes 2: two torchrun agents of one GPU each, rendezvous c10d: the several-node path on one host)
 Here (CPU, gloo, ~2 min):            python bench/rank_retry.py --smoke
+--drill kill: rank 1 is SIGKILLed at that step instead (in every attempt, so the restart fails
+too): how soon the other rank, waiting in NCCL, leaves (zerofit/lastword.py, the watcher).
 Writes $OUT/rank_retry-<case>[-<variants>].json (or --out); each run's log stays in
 /tmp/zerofit-rank_retry-*-<variant>-<repeat>/log.txt (and log-node1.txt).
 """
@@ -44,7 +46,7 @@ from zerofit.memory import read_jsonl  # noqa: E402
 
 VARIANTS = ("zerofit", "default_store")  # the default --variants; also: no_peer_watch
 LOG_MARKS = ("memory.on_oom=retry", "retry:", "resumed from", "done:", "connectFullMesh", "NCCL error", "Timeout",
-             "zerofit: error", "leaving now", "forcefully exiting")
+             "zerofit: error", "leaving now", "forcefully exiting", "exitcode", "closing signal")
 
 
 def entry_without(variant: str, argv: list[str]) -> int:
@@ -111,9 +113,14 @@ def run_variant(variant: str, config: dict, work: Path, env: dict, timeout_s: in
 
 
 def way_back(run: Path) -> dict:
-    """Seconds from rank 1's OOM to rank 0's restarted start, and from there to the end of the
-    first step it trained again (the times of the timelines' records)."""
-    oom = next((r for r in read_jsonl(run / "memory-rank1.jsonl") if r["phase"] == "oom"), None)
+    """Seconds from rank 1's OOM (or, with the kill drill, its last record before it was
+    killed) to rank 0's restarted start, and from there to the end of the first step it trained
+    again (the times of the timelines' records)."""
+    rank1 = read_jsonl(run / "memory-rank1.jsonl")
+    oom = next((r for r in rank1 if r["phase"] == "oom"), None)
+    starts = [i for i, r in enumerate(rank1) if r["phase"] == "start"]
+    if oom is None and len(starts) > 1 and starts[1] > 0:  # killed: no record of its end, its last one
+        oom = {**rank1[starts[1] - 1], "step": rank1[starts[1] - 1]["step"] + 1}
     rank0 = read_jsonl(run / "memory.jsonl")
     if oom is None:
         return {}
@@ -134,6 +141,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="preset tiny on the CPU (gloo)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--oom-step", type=int, default=5)
+    parser.add_argument("--drill", default="oom", choices=("oom", "kill"), help="kill: rank 1 SIGKILLed at the "
+                        "start of --oom-step (as the kernel's OOM killer ends it), in every attempt, instead of "
+                        "its OOM")
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of zerofit, default_store, no_peer_watch")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each variant, interleaved (the default "
@@ -148,7 +158,7 @@ def main() -> None:
 
     accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     case = dict(speed_bench.CASES[args.case])
-    env = {**os.environ, "ZEROFIT_FAULT": f"oom@step:{args.oom_step}", "ZEROFIT_FAULT_RANKS": "1",
+    env = {**os.environ, "ZEROFIT_FAULT": f"{args.drill}@step:{args.oom_step}", "ZEROFIT_FAULT_RANKS": "1",
            "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
     if args.smoke:
         case.update(model="tiny", seq_len=64, global_batch=8)
@@ -157,14 +167,16 @@ def main() -> None:
     config["checkpoint"] = {"every_steps": args.save_every, "keep_last": 2, "save_final": False}
     config["memory"] = {"on_oom": "retry"}
     config["train"]["micro_batch_size"] = case["global_batch"] // 2  # per rank, so the retry has one to halve
-    stem = f"rank_retry-{'smoke' if args.smoke else args.case}{'-2nodes' if args.nodes == 2 else ''}"
+    stem = (f"rank_retry-{'smoke' if args.smoke else args.case}{'-2nodes' if args.nodes == 2 else ''}"
+            f"{'-kill' if args.drill == 'kill' else ''}")
     name = stem if args.variants == ",".join(VARIANTS) else f"{stem}-{args.variants.replace(',', '_')}"
     results = [dict(run_variant(variant, config, Path(f"/tmp/zerofit-{stem}-{variant}-{n + 1}"), env, args.timeout_s,
                                 args.nodes), repeat=n + 1)
                for n in range(args.repeat) for variant in args.variants.split(",")]
     result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name() if accelerator == "cuda"
               else "cpu", "gpus": torch.cuda.device_count() if accelerator == "cuda" else 0,
-              "torch": torch.__version__, "nodes": args.nodes, "case": case, "oom_step": args.oom_step,
+              "torch": torch.__version__, "nodes": args.nodes, "case": case, "drill": args.drill,
+              "oom_step": args.oom_step,
               "save_every": args.save_every,
               "finished": {v: f"{sum(r['exit_code'] == 0 for r in results if r['variant'] == v)} of "
                            f"{sum(r['variant'] == v for r in results)}" for v in args.variants.split(",")},
