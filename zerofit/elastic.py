@@ -273,10 +273,11 @@ def leave_at_once_when_a_peer_is_gone():
     restarts left stops without a word to theirs), for NCCL's timeout. A thread looks every
     POLL_S and at every signal. A peer is gone when a rank of any node has counted its failure
     in the store (`failure_announced`: an exception, or a death Python never saw), or when this
-    node's agent is gone (its workers are orphans: nobody restarts or stops them). At a SIGTERM
-    it is also gone when a worker of this node has exited (before, a worker that finished
-    cleanly exits too). A SIGTERM with none of these (preemption) is left to the loop: it saves
-    at the step boundary and stops."""
+    node's agent is gone (its workers are orphans: nobody restarts or stops them). At a SIGTERM,
+    and only then, it is also gone when a worker of this node has exited (the agent signals the
+    others after one fails; at other times the one that exited may have finished cleanly). A
+    SIGTERM with none of these (preemption) is left to the loop: it saves at the step boundary
+    and stops."""
     attempt, world_size = current(), int(os.environ.get("WORLD_SIZE", "1"))
     if attempt is None or world_size < 2 or threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):

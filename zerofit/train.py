@@ -32,7 +32,7 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     """Train per `config`. resume: True = must resume, False = start over, None = resume
     when the run dir holds a valid checkpoint. An OOM writes RUN_DIR/postmortem/ and
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
-    with elastic.failure_announced():  # the other ranks' watchers then leave at torchrun's SIGTERM
+    with elastic.failure_announced():  # the other ranks' watchers then leave at once
         return postmortem.run_with_oom_policy(run, config, resume)
 
 
