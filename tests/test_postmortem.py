@@ -277,6 +277,36 @@ def test_a_rank_waiting_on_a_dead_peer_leaves_at_once_when_torchrun_signals(tmp_
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+def test_ranks_leave_at_once_when_their_torchrun_agent_is_gone(tmp_path):
+    """torchrun's agent SIGKILLed while both its ranks stall in step 3, as ranks waiting in a
+    collective would: orphans that no agent will restart or stop. Their watchers see their
+    parent gone and end them at once (without that they stall until killed)."""
+    import time
+
+    import psutil
+    from conftest import zerofit_command
+
+    process = subprocess.Popen(zerofit_command(["train", "--config", str(oom_config(tmp_path))], nproc=2), cwd=ROOT,
+                               env=child_env({"ZEROFIT_FAULT": "stall@step:3", **WIDE}), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while (not metrics.exists() or len(read_jsonl(metrics)) < 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = psutil.Process(process.pid).children()
+    try:
+        assert len(workers) == 2 and len(read_jsonl(metrics)) == 2
+        time.sleep(1)  # into step 3's stall
+        process.kill()  # the agent; its workers live in sessions of their own
+        out, _ = process.communicate(timeout=60)  # the pipe ends when the last worker does
+        assert out.count("torchrun's agent of this node is gone: no collective can finish, leaving now") == 2, \
+            out[-3000:]
+        assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for worker in workers:
+            kill_tree(worker.pid)
+
+
 def agent_store_env(monkeypatch, restart: int, max_restarts: int):
     """What torchrun gives a worker, with a TCP store of this test's as the agent's."""
     import torch.distributed as td
