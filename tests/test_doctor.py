@@ -8,6 +8,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import read_jsonl, run_zerofit, tiny_config, write_config
@@ -15,7 +16,7 @@ from timelines import GiB, MiB, ds_config, synthetic_run
 
 from zerofit import nvme, syscheck
 from zerofit.doctor import diagnose, doctor
-from zerofit.findings import end_of_step
+from zerofit.findings import end_of_step, gib
 from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
 
 
@@ -244,3 +245,24 @@ def test_png_is_a_real_image(clean_run):
 
     image = matplotlib.image.imread(io.BytesIO(base64.b64decode(timeline_png(diagnose(run)))), format="png")
     assert image.shape[0] > 200 and image.shape[1] > 800
+
+
+def test_a_run_killed_outright_is_explained(tmp_path):
+    """A run SIGKILLed in step 4 (as the kernel's OOM killer ends one; no Python runs): its last
+    word leaves a record, and the doctor names the kill, the last memory record before it and
+    whether host RAM was short then. A resumed run that trains past it is not blamed again."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 5}))
+    killed = run_zerofit(["train", "--config", str(config)], env={"ZEROFIT_FAULT": "kill@step:4"}, check=False)
+    assert killed.returncode == -9
+    record = tmp_path / "run" / "postmortem" / "ended-without-a-word.json"
+    deadline = time.monotonic() + 30  # the last word imports zerofit before it writes
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert found[0].title.startswith("rank 0 was killed outright") and "(step 3, " in found[0].title
+    assert "host RAM was not short" in found[0].cause  # a tiny model on a machine with room
+    assert f"available of {gib(found[0].evidence['host_total'])}" in found[0].cause and found[0].evidence["host_total"]
+    assert any("dmesg" in fix for fix in found[0].fix)
+    run_zerofit(["train", "--config", str(config), "--resume"])
+    assert not [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]

@@ -218,8 +218,9 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
 
 LAST_WORD_SCRIPT = """
 import os, signal, sys
+from pathlib import Path
 from zerofit import elastic
-with elastic.failure_announced():
+with elastic.failure_announced(Path(sys.argv[2]), 1):
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if sys.argv[1] == "error":
@@ -228,22 +229,29 @@ with elastic.failure_announced():
 
 
 @pytest.mark.parametrize("end, counted", [("kill", 1), ("error", 1), ("normal", 0)])
-def test_a_worker_counts_its_failure_however_it_ends_and_only_then(end, counted, monkeypatch):
-    """A worker SIGKILLed inside failure_announced counts one failure in the agent store (by its
-    last word), one that raises counts one (by itself: the last word adds nothing), and one
-    that ends well counts none."""
+def test_a_worker_counts_its_failure_however_it_ends_and_only_then(end, counted, monkeypatch, tmp_path):
+    """A worker SIGKILLed inside failure_announced counts one failure in the agent store and
+    leaves a record for the doctor (by its last word), one that raises counts one (by itself:
+    the last word adds nothing), and one that ends well counts none."""
     import time
 
     server = agent_store_env(monkeypatch, restart=0, max_restarts=1)
     monkeypatch.setenv("RANK", "1")
-    done = subprocess.run([sys.executable, "-c", LAST_WORD_SCRIPT, end], cwd=ROOT, env=child_env({}),
+    record = tmp_path / "postmortem" / "rank1" / "ended-without-a-word.json"
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", LAST_WORD_SCRIPT, end, str(record)], cwd=ROOT, env=child_env({}),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == {"kill": -9, "error": 1, "normal": 0}[end], done.stderr[-2000:]
     deadline = time.monotonic() + 30  # the last word imports torch before it speaks
-    while elastic.failures(server) < counted and time.monotonic() < deadline:
+    while (elastic.failures(server) < counted or (end == "kill" and not record.exists())) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(2)  # a second count would come about as late
     assert elastic.failures(server) == counted
+    assert record.exists() == (end == "kill")
+    if end == "kill":
+        said = json.loads(record.read_text())
+        assert said["rank"] == 1 and started < said["time"] < time.time()
 
 
 def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from zerofit.config import ConfigError
-from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, rank_imbalance
+from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, read_timeline
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
@@ -56,7 +56,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     facts = facts_from(records, ds_config, config, plan)
     ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
-    findings += rank_imbalance(ranks, facts)
+    findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
     every_rank = [record for timeline in per_rank.values() for record in timeline]  # the plan is per rank
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
@@ -73,6 +73,22 @@ def newest_postmortem(run_dir: Path) -> dict | None:
 
     found = rank_files(run_dir, "report.json")
     return read_json(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding]:
+    """Ranks that died without a word (zerofit/lastword.py left its record) after their last
+    memory record."""
+    from zerofit.lastword import RECORD
+    from zerofit.postmortem import rank_files  # postmortem imports this module
+
+    found = []
+    for path in rank_files(run_dir, RECORD):
+        record = read_json(path) or {}
+        rank = int(record.get("rank", 0))
+        finding = killed_outright(rank, float(record.get("time", 0)), per_rank.get(rank, []))
+        if finding:
+            found.append(finding)
+    return found
 
 
 def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:

@@ -210,13 +210,13 @@ def broadcast_from_main(value):
 
 # ------------------------------------------------------------------ a peer gone
 @contextmanager
-def failure_announced():
-    """Around a worker's whole run: its failure is counted in the agent store however it ends,
-    for its peers' watchers (`leave_at_once_when_a_peer_is_gone`). An exception counts it here
-    on its way out; a death no Python code sees (SIGKILL, a segfault), its last word does.
-    Without torchrun's store there is nobody to tell, and no last word is started."""
+def failure_announced(record_path: Path, rank: int):
+    """Around a training process's whole run: its failure is counted in the agent store however
+    it ends, for its peers' watchers (`leave_at_once_when_a_peer_is_gone`). An exception counts
+    it here on its way out; a death no Python code sees (SIGKILL, a crash in native code), its
+    last word does, and leaves `record_path` for the doctor (with one process too)."""
     global _last_word
-    _last_word = start_last_word()
+    _last_word = start_last_word(record_path, rank)
     try:
         yield
     except BaseException:
@@ -229,12 +229,9 @@ def failure_announced():
 _last_word: subprocess.Popen | None = None  # this worker's, while failure_announced runs
 
 
-def start_last_word() -> subprocess.Popen | None:
-    if current() is None or int(os.environ.get("WORLD_SIZE", "1")) < 2 \
-            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return subprocess.Popen([sys.executable, "-m", "zerofit.lastword"], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_last_word(record_path: Path, rank: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zerofit.lastword", str(record_path), str(rank)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def say_done() -> None:

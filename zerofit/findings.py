@@ -22,7 +22,7 @@ SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 @dataclass(frozen=True)
 class Finding:
     kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
-                       # | rank_imbalance | cpu_threads
+                       # | rank_imbalance | cpu_threads | killed
     severity: str      # error | warning | info
     device: str        # gpu | host
     title: str         # what was seen, with the numbers
@@ -168,6 +168,34 @@ def rank_imbalance(peaks: list[dict], facts: RunFacts, uneven: float = 0.10) -> 
                              {"ranks": [row["rank"] for row in peaks], "peak_bytes": high, "lowest_bytes": low,
                               "high_rank": high_rank, "low_rank": low_rank}))
     return found
+
+
+def killed_outright(rank: int, died_at: float, timeline: list[dict], short: float = 0.10) -> Finding | None:
+    """A rank its last word (zerofit/lastword.py) found dead without Python's knowing: SIGKILL
+    or a crash in native code. Its last memory record says whether host RAM was short then
+    (under `short` of the machine available): the kernel's OOM killer is then the likely hand,
+    the one OOM no process can catch. None when the rank recorded more after it (a resumed run)."""
+    last = timeline[-1] if timeline else None
+    if last is None or last["time"] > died_at:
+        return None
+    avail = last.get("host_avail") or 0
+    total = next((r["host_total"] for r in timeline if r.get("host_total")), 0)  # the start record's
+    host_short = bool(total) and avail < short * total
+    where = f"step {last['step']}, {last['phase']}"
+    title = (f"rank {rank} was killed outright {died_at - last['time']:.1f} s after its last memory record ({where}): "
+             f"SIGKILL or a crash in native code, nothing Python could catch")
+    cause = (f"host RAM was short at that record ({gib(avail)} available of {gib(total)}, this rank's RSS "
+             f"{gib(last.get('host_rss') or 0)}): the kernel's OOM killer is the likely hand" if host_short else
+             f"host RAM was not short at that record ({gib(avail)} available of {gib(total)}): a kill from outside "
+             "(a person, a scheduler's limit) or a crash in native code")
+    fix = ["`dmesg | grep -i 'killed process'` (or `journalctl -k`) names what the kernel's OOM killer ended"]
+    if host_short:
+        fix += ["lower the host peak: `zerofit plan --host-mem SIZE` with what the machine can spare, or fewer "
+                "ranks per node", "arm memory.watchdog_threshold with watchdog_action save or stop, which acts "
+                "before the kernel does"]
+    return Finding("killed", "error", "host", title, cause, fix, last["step"],
+                   {"rank": rank, "died_at": died_at, "last_record_time": last["time"], "host_avail": avail,
+                    "host_total": total})
 
 
 # ------------------------------------------------------------------------ series

@@ -15,7 +15,9 @@ checkpoint with the safer settings: in this process with one rank, through torch
 restarts with several (elastic.py).
 
 A host OOM the kernel answers with SIGKILL cannot be caught by anyone: the watchdog is
-the defence there. Python's MemoryError and torch's CPU allocator failures are caught.
+the defence there, and the process's last word (zerofit/lastword.py) leaves a record that
+`zerofit doctor` explains beside the last memory record. Python's MemoryError and torch's CPU
+allocator failures are caught.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, elastic, engine, faults, hostalloc, lora, loss,
-                     memory, models, nvme, planview, postmortem, watchdog)
+from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, elastic, engine, faults, hostalloc, lastword,
+                     lora, loss, memory, models, nvme, planview, postmortem, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -32,7 +33,9 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     """Train per `config`. resume: True = must resume, False = start over, None = resume
     when the run dir holds a valid checkpoint. An OOM writes RUN_DIR/postmortem/ and
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
-    with elastic.failure_announced():  # the other ranks' watchers then leave at once
+    rank = int(os.environ.get("RANK", "0"))  # the process group is not up yet
+    last_word = postmortem.directory_of(Path(config.run_dir), rank) / lastword.RECORD
+    with elastic.failure_announced(last_word, rank):  # the other ranks' watchers then leave at once
         return postmortem.run_with_oom_policy(run, config, resume)
 
 
