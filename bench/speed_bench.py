@@ -440,6 +440,17 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
 # through deepspeed_changes, here and in bench/overlap_loss.py.
 SUPER_OFFLOAD = {"zero_optimization": {"offload_optimizer": {"super_offload": True}}}
 
+
+def zenflow_shape(spec) -> dict:
+    """What DeepSpeed 0.19.8's ZenFlow needs of a step (engine.zenflow_refusal): no activation
+    checkpointing, so micro batch 4 x 4 (llama-3.6b's activations then fit 24 GiB: the
+    planner's 20.3 GB, bench/results/zenflow_probe-3.6b-micro4-plan.json), and a reduce bucket
+    as large as the largest trained 2-D weight."""
+    largest = max(p.numel for p in spec.params if p.ndim == 2 and p.trainable)
+    return {"train.micro_batch_size": 4, "train.grad_accum_steps": 4, "model.gradient_checkpointing": False,
+            "zero.reduce_bucket_size": largest}
+
+
 # One lever at a time, measured when time is left after the configs: zerofit's choice with
 # one setting changed. "gain" = tokens/s of the lever on / off.
 LEVERS = {
@@ -507,13 +518,23 @@ LEVERS = {
     # gradient columns of every 2-D weight; the rest accumulate and the CPU steps them every
     # update_interval steps in its own process, overlapping the next steps: another optimizer.
     # Values of DeepSpeed's ZenFlow tutorial (docs/_tutorials/zenflow.md). zerofit builds the
-    # model whole for it (engine.builds_under_zero_init); llama-3.6b then fails in its first
-    # backward on 0.19.8 (bench/zenflow_probe.py, bench/results/README.md, 2026-12-01).
+    # model whole for it (engine.builds_under_zero_init) and refuses what 0.19.8 cannot run
+    # (engine.zenflow_refusal): activation checkpointing, and a reduce bucket smaller than the
+    # largest weight. Without checkpointing llama-3.6b's activations fit at micro batch 4 under
+    # 24 GiB (the planner: 20.3 GB, bench/results/zenflow_probe-3.6b-micro4-plan.json), so its
+    # "without" is the same step without ZenFlow (no_checkpointing_micro4), not the choice.
+    "no_checkpointing_micro4": dict(
+        what="micro batch 4 x 4 without activation checkpointing and a reduce bucket as large as the largest "
+             "weight (ZenFlow's shape) vs the choice",
+        needs=None, lever_on_in_choice=False,
+        change=zenflow_shape),
     "zenflow": dict(
         what="DeepSpeed ZenFlow (zero_optimization.zenflow: top 5% of gradient columns updated on the GPU every "
-             "step, the rest by the CPU every 4 steps, overlapped): not the same optimizer",
-        needs=None, lever_on_in_choice=False,
-        change=lambda spec: {},
+             "step, the rest by the CPU every 4 steps, overlapped; not the same optimizer) vs the same step "
+             "without it (no_checkpointing_micro4)",
+        needs=None, lever_on_in_choice=False, off_config="zerofit_no_checkpointing_micro4",
+        budget_s=330,  # the whole 16-bit model drawn on the host: 90-180 s for llama-3.6b
+        change=zenflow_shape,
         deepspeed_changes={"zero_optimization": {"zenflow": {
             "topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
             "full_warm_up_rounds": 0, "overlap_step": True}}}),
@@ -538,7 +559,7 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
                   spec, hw):
     choice = record["configs"].get("zerofit", {})
     chosen = choice.get("chosen_fields") or {}
-    budget = case["budgets_s"][0]
+    budget = lever.get("budget_s", case["budgets_s"][0])
     need = min(budget, LEVER_WALL_FACTOR * choice["wall_s"]) if choice.get("wall_s") else budget
     why_not = ("no zerofit plan" if not chosen else
                f"the plan did not choose {lever['needs']}" if lever["needs"] and lever["needs"] not in chosen else

@@ -208,48 +208,95 @@ def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     assert manifest["world_size"] == 2
 
 
-ZENFLOW_FORWARD_SCRIPT = """
+ZENFLOW_SCRIPT = """
 import sys
 sys.path.insert(0, "tests")
 import torch
 from conftest import tiny_config
 from zerofit import dsconfig, engine
-from zerofit.config import validate
+from zerofit.config import ConfigError, validate
 
-config = validate(tiny_config("{run}"))
+bucket, checkpointing, guarded = {bucket}, {checkpointing}, {guarded}
+config = validate(tiny_config("{run}", model={{"gradient_checkpointing": checkpointing}},
+                              zero={{"reduce_bucket_size": bucket}}))
 dist = engine.init_distributed()
 ds_config = dsconfig.build(config, 1, dist.on_gpu)
 ds_config["zero_optimization"]["zenflow"] = {{"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}}
-model = engine.build_model(config, ds_config)
+if not guarded:
+    engine.zenflow_refusal = lambda config, ds_config: None  # DeepSpeed's own behaviour
+try:
+    model = engine.build_model(config, ds_config)
+except ConfigError as refused:
+    print("refused:", refused)
+    sys.exit(3)
 print("built partitioned:", hasattr(model.model.layers[0].mlp.up_proj.weight, "ds_id"))
 built = engine.build_engine(model, config, ds_config, total_steps=4)
 weight = built.module.model.layers[0].mlp.up_proj.weight
 print("up_proj as DeepSpeed keeps it:", tuple(weight.ds_shape))
 input_ids = torch.randint(0, 100, (2, 16))
-print("logits:", tuple(built(input_ids=input_ids).logits.shape))
+logits = built(input_ids=input_ids).logits
+print("logits:", tuple(logits.shape), flush=True)
+built.backward(logits.float().mean())
 """
 
 
-def test_zenflow_gets_the_model_built_whole_and_its_forward_runs(tmp_path):
-    """ZenFlow's ZeRO-3 keeps 2-D weights transposed from the engine's start; under
-    deepspeed.zero.Init they are partitioned before it can, and the first forward failed on
-    the GPU ('mat1 and mat2 shapes cannot be multiplied'). Built whole, DeepSpeed partitions
-    the transposed weights and the forward runs. (ZenFlow's backward allocates on 'cuda'
-    whatever the accelerator, so the CPU runs no further.)"""
+def run_zenflow(tmp_path, bucket: int, checkpointing: bool = False, guarded: bool = True):
     import subprocess
     import sys
 
     from conftest import ROOT
+
+    script = ZENFLOW_SCRIPT.format(run=tmp_path / "run", bucket=bucket, checkpointing=checkpointing,
+                                   guarded=guarded)
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+# ZenFlow's backward allocates on 'cuda' whatever the accelerator (zenflow/engine_stage3.py
+# update_selected_channels, where the reduced gradients arrive): on the CPU a backward that got
+# through DeepSpeed's gradient reduce ends there, and nowhere earlier.
+REDUCED_THEN_CUDA = "update_selected_channels"
+
+
+def test_zenflow_gets_the_model_built_whole_and_its_forward_and_reduce_run(tmp_path):
+    """ZenFlow's ZeRO-3 keeps 2-D weights transposed from the engine's start; under
+    deepspeed.zero.Init they are partitioned before it can, and the first forward failed on
+    the GPU ('mat1 and mat2 shapes cannot be multiplied'). Built whole, DeepSpeed partitions
+    the transposed weights, the forward runs and the backward's gradients are reduced (with a
+    reduce bucket as large as the largest weight: the next test)."""
     from transformers import LlamaConfig
 
-    from zerofit.models import hf_config
     from zerofit.config import ModelConfig
+    from zerofit.models import hf_config
 
     tiny = hf_config(ModelConfig(config="tiny"))
     assert isinstance(tiny, LlamaConfig) and tiny.intermediate_size != tiny.hidden_size  # a non-square weight
-    done = subprocess.run([sys.executable, "-c", ZENFLOW_FORWARD_SCRIPT.format(run=tmp_path / "run")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "built partitioned: False" in done.stdout
+    largest = max(tiny.vocab_size, tiny.intermediate_size) * tiny.hidden_size
+    done = run_zenflow(tmp_path, bucket=largest)
+    assert "built partitioned: False" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
     assert f"up_proj as DeepSpeed keeps it: {(tiny.hidden_size, tiny.intermediate_size)}" in done.stdout
     assert f"logits: (2, 16, {tiny.vocab_size})" in done.stdout
+    assert REDUCED_THEN_CUDA in done.stderr and "view size is not compatible" not in done.stderr, done.stderr[-4000:]
+
+
+def test_zenflow_is_refused_before_the_build_where_deepspeed_would_fail(tmp_path):
+    """A 2-D weight larger than the reduce bucket is reduced transposed and DeepSpeed fails
+    (llama-3.6b's embedding on the H200); activation checkpointing's recompute fails on the
+    transposed weights. zerofit refuses both before the (whole, slow) build and names the fix;
+    unguarded, DeepSpeed fails as said."""
+    from zerofit.config import ModelConfig
+    from zerofit.models import hf_config
+
+    tiny = hf_config(ModelConfig(config="tiny"))
+    largest = max(tiny.vocab_size, tiny.intermediate_size) * tiny.hidden_size
+
+    small = run_zenflow(tmp_path, bucket=largest - 1)
+    assert small.returncode == 3, small.stdout[-2000:] + small.stderr[-4000:]
+    assert f"set zero.reduce_bucket_size: {largest} or more" in small.stdout
+    unguarded = run_zenflow(tmp_path, bucket=largest - 1, guarded=False)
+    assert "view size is not compatible" in unguarded.stderr and REDUCED_THEN_CUDA not in unguarded.stderr
+
+    # a bucket that flushes only after the backward, so the recompute runs before any reduce
+    recomputing = run_zenflow(tmp_path, bucket=100 * largest, checkpointing=True)
+    assert recomputing.returncode == 3 and "set model.gradient_checkpointing: false" in recomputing.stdout
+    unguarded = run_zenflow(tmp_path, bucket=100 * largest, checkpointing=True, guarded=False)
+    assert "mat1 and mat2 shapes cannot be multiplied" in unguarded.stderr, unguarded.stderr[-4000:]

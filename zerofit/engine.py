@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zerofit import elastic, opbuild
-from zerofit.config import Config
+from zerofit.config import Config, ConfigError
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,48 @@ def builds_under_zero_init(ds_config: dict) -> bool:
     return zero.get("stage") == 3 and not zero.get("zenflow")
 
 
+def zenflow_refusal(config: Config, ds_config: dict) -> str | None:
+    """What keeps DeepSpeed 0.19.8's ZenFlow (ZeRO-3) from training this model, with the fix;
+    None when nothing does or ZenFlow is off. Checked before the model is built whole
+    (builds_under_zero_init), which takes minutes for a model of billions of parameters.
+
+    - Activation checkpointing: ZenFlow's fetch hooks transpose every gathered 2-D weight
+      around each forward, the recompute's too, and the recompute's matmul fails ("mat1 and
+      mat2 shapes cannot be multiplied", bench/results/README.md, 2026-12-01).
+    - A 2-D weight larger than reduce_bucket_size: ZenFlow transposes a gradient back only
+      as it is copied into the contiguous reduce bucket (stage3.py __add_grad_to_ipg_bucket);
+      a larger one is reduced where it lies, transposed, and reduce_scatter_coalesced's
+      `view(-1)` fails ("view size is not compatible with input tensor's size and stride":
+      llama-3.6b's 394M-element embedding against a 200M bucket,
+      bench/results/zenflow_probe-3.6b-micro4.log)."""
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage") != 3 or not zero.get("zenflow"):
+        return None
+    if config.model.gradient_checkpointing:
+        return ("DeepSpeed's ZenFlow transposes the gathered weights around every forward, activation "
+                "checkpointing's recompute too, where the matmul then fails; set model.gradient_checkpointing: "
+                "false (a smaller micro batch fits the activations)")
+    from zerofit.lint import DS_DEFAULT_REDUCE_BUCKET
+
+    largest = largest_matrix(config)
+    bucket = int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET))
+    if largest.numel > bucket:
+        return (f"DeepSpeed's ZenFlow reduces a gradient larger than reduce_bucket_size ({bucket:,} elements) "
+                f"where it lies, transposed, and fails in the first backward; the largest 2-D weight, {largest.name}, "
+                f"has {largest.numel:,}: set zero.reduce_bucket_size: {largest.numel} or more (a GPU buffer of that many "
+                "16-bit elements, which the plan counts)")
+    return None
+
+
+def largest_matrix(config: Config):
+    """The largest trained 2-D parameter (a modelspec.Param; LoRA's frozen base has no
+    gradients to reduce), read on the meta device."""
+    from zerofit import modelspec
+
+    spec = modelspec.from_config(config)
+    return max((p for p in spec.params if p.ndim == 2 and p.trainable), key=lambda p: p.numel)
+
+
 def build_model(config: Config, ds_config: dict):
     """The HF model, partitioned as it is built when ZeRO-3 is on (builds_under_zero_init).
 
@@ -209,6 +251,9 @@ def build_model(config: Config, ds_config: dict):
 
     # Resolved on the meta device first: a bad target pattern fails in a second, not after the build.
     lora_targets = lora.resolve(config, hf_config(config.model)) if config.lora.enabled else None
+    refusal = zenflow_refusal(config, ds_config)
+    if refusal:
+        raise ConfigError(refusal)
     holder = HfDeepSpeedConfig(ds_config) if builds_under_zero_init(ds_config) else None
     dtype = torch_dtype(config.train.precision)
     torch.manual_seed(config.train.seed)
