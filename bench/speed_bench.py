@@ -446,9 +446,8 @@ def zenflow_shape(spec) -> dict:
     checkpointing, so micro batch 4 x 4 (llama-3.6b's activations then fit 24 GiB: the
     planner's 20.3 GB, bench/results/zenflow_probe-3.6b-micro4-plan.json), and a reduce bucket
     as large as the largest trained 2-D weight."""
-    largest = max(p.numel for p in spec.params if p.ndim == 2 and p.trainable)
     return {"train.micro_batch_size": 4, "train.grad_accum_steps": 4, "model.gradient_checkpointing": False,
-            "zero.reduce_bucket_size": largest}
+            "zero.reduce_bucket_size": spec.largest_trained_matrix.numel}
 
 
 # One lever at a time, measured when time is left after the configs: zerofit's choice with

@@ -8,8 +8,10 @@ lever's ZenFlow settings laid over the DeepSpeed config zerofit builds, the mode
 so that a slow phase or a hang names its place.
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/zenflow_probe.py --case 3.6b
-  --fields '{"train.micro_batch_size": 16, ...}'   the plan's fields as given (speed_bench's
-                                                    chosen_fields), else the planner chooses
+  --fields '{"train.micro_batch_size": 2, ...}'    laid over the shape ZenFlow needs
+                                                    (speed_bench.zenflow_shape: micro 4 x 4, no
+                                                    checkpointing, the reduce bucket); the
+                                                    planner checks the fit
   --zenflow '{"update_interval": 1}'               laid over the lever's ZenFlow settings
   --tag T                                          names the outputs zenflow_probe-CASE-T*
 Writes $OUT/zenflow_probe-CASE.log (the run's output) and the run's metrics.jsonl and
@@ -29,18 +31,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_bench import CASES, LEVERS, cap_gpu, deepspeed_changes, merged, zerofit_config  # noqa: E402
+from speed_bench import CASES, LEVERS, cap_gpu, deepspeed_changes, merged, zenflow_shape, zerofit_config  # noqa: E402
 
 STACK_EVERY_S = 45
 
 
 def probe_config(case: dict, run_dir: Path, steps: int, fields: dict) -> dict:
+    from zerofit import modelspec
+    from zerofit.config import validate
+
     config = zerofit_config(case, run_dir, steps, "cuda")
+    fields = {**zenflow_shape(modelspec.from_config(validate(config))), **fields}
     for dotted, value in fields.items():
         section, key = dotted.split(".")
         config.setdefault(section, {})[key] = value
-    if "train.micro_batch_size" in fields:
-        config["train"].pop("global_batch_size")  # micro batch x accumulation are given
+    config["train"].pop("global_batch_size")  # micro batch x accumulation are given
     config["log"] = {"progress": True}
     return config
 

@@ -130,11 +130,20 @@ def test_superoffload_warns_of_its_checkpoints_and_measured_speed(clip, measured
     assert "zero_optimization.offload_optimizer.super_offload" not in findings(plain)
 
 
-def test_zenflow_under_zero3_is_flagged():
+def test_zenflow_under_zero3_is_flagged_with_what_it_needs_of_this_model():
     zenflow = {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}
     result = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}})
-    assert "zero.Init" in findings(result, "warning")["zero_optimization.zenflow"].message
+    warning = findings(result, "warning")["zero_optimization.zenflow"]
+    assert "zero.Init" in warning.message and "reduce_bucket_size" in warning.fix
+    spec = modelspec.from_name("llama-1.5b")  # embedding 128256 x 2048 = 262,668,288 elements
+    for bucket, fails in ((200_000_000, True), (262_668_288, False)):
+        with_model = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                      "reduce_bucket_size": bucket, "zenflow": zenflow}}, spec=spec)
+        message = findings(with_model, "warning")["zero_optimization.zenflow"].message
+        assert f"model.embed_tokens.weight has 262,668,288 elements against a reduce_bucket_size of {bucket:,}" in message
+        assert ("it would fail" in message) == fails
     stage2 = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}})
     assert "zero_optimization.zenflow" not in findings(stage2)

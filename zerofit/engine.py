@@ -214,25 +214,17 @@ def zenflow_refusal(config: Config, ds_config: dict) -> str | None:
         return ("DeepSpeed's ZenFlow transposes the gathered weights around every forward, activation "
                 "checkpointing's recompute too, where the matmul then fails; set model.gradient_checkpointing: "
                 "false (a smaller micro batch fits the activations)")
+    from zerofit import modelspec
     from zerofit.lint import DS_DEFAULT_REDUCE_BUCKET
 
-    largest = largest_matrix(config)
+    largest = modelspec.from_config(config).largest_trained_matrix  # read on the meta device
     bucket = int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET))
-    if largest.numel > bucket:
+    if largest is not None and largest.numel > bucket:
         return (f"DeepSpeed's ZenFlow reduces a gradient larger than reduce_bucket_size ({bucket:,} elements) "
                 f"where it lies, transposed, and fails in the first backward; the largest 2-D weight, {largest.name}, "
                 f"has {largest.numel:,}: set zero.reduce_bucket_size: {largest.numel} or more (a GPU buffer of that many "
                 "16-bit elements, which the plan counts)")
     return None
-
-
-def largest_matrix(config: Config):
-    """The largest trained 2-D parameter (a modelspec.Param; LoRA's frozen base has no
-    gradients to reduce), read on the meta device."""
-    from zerofit import modelspec
-
-    spec = modelspec.from_config(config)
-    return max((p for p in spec.params if p.ndim == 2 and p.trainable), key=lambda p: p.numel)
 
 
 def build_model(config: Config, ds_config: dict):

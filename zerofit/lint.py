@@ -87,7 +87,7 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
     check_precision(ds, result)
     if zero is not None:
         check_risky(ds, zero, spec, hw, result, autos)
-        check_step_overlap(ds, zero, result, autos)
+        check_step_overlap(ds, zero, spec, result, autos)
         check_partial_offload(zero, result)
         if spec is not None and hw is not None and not result.errors:
             result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
@@ -282,7 +282,7 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
                                        f"parameter offload needs stage 3; stage {zero.stage} ignores it", "use stage 3"))
 
 
-def check_step_overlap(ds: dict, zero, result: LintResult, autos: list[str] = ()) -> None:
+def check_step_overlap(ds: dict, zero, spec, result: LintResult, autos: list[str] = ()) -> None:
     """DeepSpeed 0.19.8's two ways to overlap the CPU optimizer step with the GPU, as measured
     on an H200 with PCIe (bench/results/README.md, 2026-11-30 fourth session)."""
     clipping = "gradient_clipping" in autos or float(ds.get("gradient_clipping") or 0) > 0  # HF's auto: 1.0
@@ -299,21 +299,30 @@ def check_step_overlap(ds: dict, zero, result: LintResult, autos: list[str] = ()
             "bench/results/speed-3.6b-levers-run2.json)",
             "leave super_offload off unless you have measured it on your machine and never resume its checkpoints"))
     if zero.stage == 3 and getattr(zero, "zenflow", None) is not None:
-        result.findings.append(Finding(
-            "warning", "zero_optimization.zenflow",
-            "ZenFlow with ZeRO-3 transposes the 2-D weights at engine start only if they are not partitioned yet; "
-            "a model built under deepspeed.zero.Init (as HF Trainer builds it with ZeRO-3) fails in "
-            "its first forward: 'mat1 and mat2 shapes cannot be multiplied (2048x128 and 384x128)' "
-            "(bench/results/overlap_loss-clip_zenflow_clip.json). Built whole it trained the 0.9M-parameter demo "
-            "(eval loss 3.43 after 200 steps against 2.68 without it; its checkpoints hold no Adam moments, so a "
-            "resume restarts Adam), but llama-3.6b failed in its first backward ('view size is not compatible with "
-            "input tensor's size and stride', with activation checkpointing and without: "
-            "bench/results/zenflow_probe-3.6b-micro4.log), and with activation checkpointing its recompute "
-            "transposes the weights again. It is also another optimizer: each step updates only the top-k "
-            "gradient columns on the GPU, the rest every update_interval steps",
-            "remove zenflow; to try it, build the model outside deepspeed.zero.Init (zerofit does when zenflow "
-            "is set: every rank then holds and initialises the whole 16-bit model on the host) and turn "
-            "activation checkpointing off"))
+        result.findings.append(zenflow_finding(zero, spec))
+
+
+def zenflow_finding(zero, spec) -> Finding:
+    """What DeepSpeed 0.19.8's ZenFlow needs under ZeRO-3 and what it bought
+    (engine.zenflow_refusal; bench/results/README.md, 2026-12-01)."""
+    largest = spec.largest_trained_matrix if spec is not None else None
+    bucket = ("" if largest is None else
+              f"; here {largest.name} has {largest.numel:,} elements against a reduce_bucket_size of "
+              f"{int(zero.reduce_bucket_size):,}" + (": it would fail" if largest.numel > zero.reduce_bucket_size else ""))
+    return Finding(
+        "warning", "zero_optimization.zenflow",
+        "ZenFlow with ZeRO-3 transposes the 2-D weights at engine start only if they are not partitioned yet: "
+        "a model built under deepspeed.zero.Init (as HF Trainer builds it with ZeRO-3) fails in its first forward "
+        "('mat1 and mat2 shapes cannot be multiplied'); activation checkpointing fails in the recompute (the "
+        "weights transposed again); a 2-D weight larger than reduce_bucket_size is reduced transposed and the first "
+        f"backward fails ('view size is not compatible'){bucket}. Where it ran (llama-1.5b, micro 4 x 4, no "
+        "checkpointing, 24 GiB) it was 0.61x the same step without it and 0.37x zerofit's plan "
+        "(bench/results/speed-1.5b-24-zenflow.json); llama-3.6b was killed at 101.3 GiB of host RSS on a 125 GiB "
+        "host. It is also another optimizer: each step updates only the top-k gradient columns on the GPU, the "
+        "rest every update_interval steps, and its checkpoints hold no Adam moments",
+        "remove zenflow; to try it, build the model outside deepspeed.zero.Init (zerofit does when zenflow is set), "
+        "turn activation checkpointing off and set reduce_bucket_size to at least "
+        + (f"{largest.numel}" if largest is not None else "the largest weight's elements"))
 
 
 def check_partial_offload(zero, result: LintResult) -> None:

@@ -65,6 +65,12 @@ class ModelSpec:
         return max(self.modules, key=lambda m: m.numel)
 
     @property
+    def largest_trained_matrix(self) -> Param | None:
+        """The largest 2-D parameter that gets a gradient (ZenFlow's reduce bucket must hold it:
+        engine.zenflow_refusal)."""
+        return max((p for p in self.params if p.ndim == 2 and p.trainable), key=lambda p: p.numel, default=None)
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
