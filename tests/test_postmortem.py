@@ -5,6 +5,8 @@ import json
 import re
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, write_config
@@ -206,14 +208,143 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
 
     server = agent_store_env(monkeypatch, restart=0, max_restarts=1)
     server.add(elastic.FAILURES_KEY, 2)  # an earlier attempt's
-    peers = elastic.Peers(os.getppid(), 1, elastic.agent_store())
+    peers = elastic.Peers(os.getppid(), 1, elastic.Asking(elastic.agent_store()))
     assert peers.gone(at_sigterm=False) is None and peers.gone(at_sigterm=True) is None
     server.add(elastic.FAILURES_KEY, 1)
     assert peers.gone(at_sigterm=False) == "a rank of this job failed"
     assert peers.gone(at_sigterm=True) == "SIGTERM after a rank of this job failed"
-    assert elastic.Peers(os.getppid() + 1, 1, None).gone(at_sigterm=False) == "torchrun's agent of this node is gone"
-    del server  # the store's server gone: its count unreadable
-    assert elastic.failures(peers.store) is None
+    assert elastic.Peers(os.getppid() + 1, 1, elastic.Asking(None)).gone(at_sigterm=False) \
+        == "torchrun's agent of this node is gone"
+    del server  # the store's server gone: its count unreadable, no news
+    assert peers.gone(at_sigterm=False) is None
+
+
+def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(monkeypatch):
+    """Three nodes' heartbeats in a real TCP store, read by node 0 on a clock the test moves: a
+    node is judged only once its count has moved, lost when it then stands still for
+    lost_after_s, never when it left on purpose; a store that has answered nothing that long is
+    the lost node that hosted it (here its server gone; a stopped one never answers)."""
+    server = agent_store_env(monkeypatch, restart=0, max_restarts=0)
+    now = [100.0]
+    store = elastic.agent_store()
+    beats = [elastic.Heartbeats(elastic.Asking(store, clock=lambda: now[0]), "zerofit/attempt-a", node, 3,
+                                lost_after_s=30) for node in range(3)]
+    assert beats[0].lost() is None  # nodes 1 and 2 have not beaten yet: not judged
+    now[0] += 100
+    assert beats[0].lost() is None
+    beats[1].lost(), beats[2].lost()
+    assert beats[0].lost() is None  # seen moving at 200
+    now[0] += 29
+    beats[1].lost()  # node 1 keeps beating; node 2 falls silent
+    assert beats[0].lost() is None
+    now[0] += 1
+    assert beats[0].lost() == ("node 2 (torchrun's GROUP_RANK) has not been heard from for 30 s: lost whole "
+                               "(its machine down or off the network)")
+    beats[2].leave()  # its ranks left the loop on purpose: silence is not loss
+    assert beats[0].lost() is None
+    assert beats[0].key(1) != elastic.Heartbeats(beats[0].asking, "zerofit/attempt-b", 0, 3, 30).key(1)
+
+    del server  # the store's host gone: its first silent seconds are not yet a loss
+    assert beats[0].lost() is None
+    now[0] += 30
+    assert "has not answered for 30 s: the node that hosts it is lost" in beats[0].lost()
+
+
+def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it():
+    """A TCPStore client waits for an answer without limit (an add to a SIGSTOPped server);
+    Asking leaves the question in flight, answers None meanwhile, and counts the silence."""
+    import signal as signals
+    import threading
+
+    import torch.distributed as td
+
+    port = engine.free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as td; "
+                               f"s = td.TCPStore('127.0.0.1', {port}, 1, is_master=True); time.sleep(300)"])
+    try:
+        store = td.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=60))
+        asking = elastic.Asking(store)
+        assert asking(elastic.failures, wait_s=5) == 0
+        server.send_signal(signals.SIGSTOP)
+        started = time.monotonic()
+        assert asking(elastic.failures, wait_s=0.5) is None and asking(lambda s: s.add("x", 0)) is None
+        assert time.monotonic() - started < 2 and asking.silent_s() >= 0.5
+        stuck = [t for t in threading.enumerate() if t.name == "zerofit-store-read"]
+        assert stuck and all(t.daemon for t in stuck)  # still waiting there, never holding the exit
+    finally:
+        server.kill()
+
+
+def test_heartbeats_are_kept_by_each_nodes_local_rank_0_of_several(monkeypatch):
+    server = agent_store_env(monkeypatch, restart=0, max_restarts=0)  # noqa: F841 (kept alive: the store)
+    monkeypatch.setattr(elastic, "_attempt_prefix", "zerofit/attempt-x")
+    for name, value in {"GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    asking = elastic.Asking(elastic.agent_store())
+    beats = elastic.Heartbeats.of_this_node(asking, 60)
+    assert beats is not None and beats.node == 1 and beats.nodes == 2 and beats.lost_after_s == 60
+    assert elastic.Heartbeats.of_this_node(asking, 0) is None  # off
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert elastic.Heartbeats.of_this_node(asking, 60) is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert elastic.Heartbeats.of_this_node(asking, 60) is None
+
+
+@pytest.mark.parametrize("frozen, said", [
+    ("other", r"node \d \(torchrun's GROUP_RANK\) has not been heard from for \d+ s: lost whole \(its machine down "
+              r"or off the network\)"),
+    ("store_host", r"torchrun's store \(\S+:\d+\) has not answered for \d+ s: the node that hosts it is lost"),
+])
+def test_ranks_leave_when_a_whole_node_is_lost(tmp_path, frozen, said):
+    """Two torchrun nodes of one rank each; in step 5 one node is frozen whole (SIGSTOP to its
+    agent, worker and last word: a machine gone off the network sends no reset and says no
+    word), either the one that does not host the workers' store or the one that does (GROUP_RANK
+    0's agent: torch's RendezvousStoreInfo, not the rendezvous endpoint's). The other
+    rank waits at step 5 (stall@step:5, as in a collective it would until NCCL's timeout) until
+    its heartbeat watch finds the node silent, or the store, for elastic.lost_node_after_s
+    (here 8 s), and leaves. Without the heartbeats it waited for good until the test's limit
+    (checked); with store reads waited on in the watcher, the store's host frozen stopped the
+    watcher too (an add to a SIGSTOPped TCPStore server never returns)."""
+    import signal as signals
+
+    import psutil
+
+    config = oom_config(tmp_path, elastic={"lost_node_after_s": 8})
+    port = engine.free_port()
+    env = child_env({"ZEROFIT_FAULT": "stall@step:5", **WIDE})
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost",
+                               "-m", "zerofit", "train", "--config", str(config)],
+                              cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for log in logs]
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and '"step": 4' in metrics.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics.exists() and '"step": 4' in metrics.read_text(), logs[0].read_text()[-3000:]
+        time.sleep(2)  # both ranks on to step 5's start, where they stall
+
+        def hosts_the_store(node) -> bool:  # the workers' store: GROUP_RANK 0's agent hosts it
+            worker = psutil.Process(node.pid).children()[0]
+            return worker.environ()["GROUP_RANK"] == "0"
+
+        lost = next(node for node in nodes if hosts_the_store(node) == (frozen == "store_host"))
+        survivor_log = logs[1 - nodes.index(lost)]
+        for process in reversed([psutil.Process(lost.pid), *psutil.Process(lost.pid).children(recursive=True)]):
+            process.send_signal(signals.SIGSTOP)  # the last word first: it must not see its worker go
+        frozen_at = time.monotonic()
+        while "leaving now" not in survivor_log.read_text() and time.monotonic() < frozen_at + 90:
+            time.sleep(0.2)
+        left_after = time.monotonic() - frozen_at
+    finally:
+        for node in nodes:
+            kill_tree(node.pid)
+    out = survivor_log.read_text()
+    assert re.search(rf"rank \d: {said}: no collective can finish, leaving now", out), out[-3000:]
+    assert 7 <= left_after < 30, left_after
 
 
 LAST_WORD_SCRIPT = """

@@ -316,6 +316,15 @@ class MemoryConfig(Section):
     expandable_segments in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF wins over this."""
 
 
+class ElasticConfig(Section):
+    lost_node_after_s: float = Field(120.0, ge=0.0)
+    """Under torchrun with several nodes: a node whose heartbeat (counted up every second in
+    torchrun's store by its local rank 0's watcher thread) has not moved for this long is lost
+    whole (a machine down, its network gone), and every rank leaves at once for torchrun to
+    restart or stop them, instead of waiting in a collective for NCCL's timeout (10 min). The
+    same for the store itself not answering that long. 0: off."""
+
+
 class PlanConfig(Section):
     enabled: bool = True
     """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not
@@ -340,11 +349,13 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     memory: MemoryConfig = MemoryConfig()
+    elastic: ElasticConfig = ElasticConfig()
     plan: PlanConfig = PlanConfig()
 
     def fingerprinted(self) -> dict:
         """What decides the numbers a run computes (not where it logs or saves)."""
-        return self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory"})
+        return self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory",
+                                                             "elastic"})
 
     def fingerprint(self) -> str:
         """Hash of `fingerprinted()`."""

@@ -32,7 +32,10 @@ only through the rendezvous, and signals its workers with all of them alive; one
 restarts left does not even do that), for its own agent gone, and at a SIGTERM for a worker of
 its node exited. A rank counts its own failure (`failure_announced`): on its way out of an
 exception, or, killed outright, by its last word (zerofit/lastword.py), a process of its own
-that outlives it.
+that outlives it. A node lost whole says nothing at all: each node's local rank 0 keeps a
+heartbeat in the store, and a node silent for `elastic.lost_node_after_s` (or the store itself,
+when the lost node hosted it) counts as failed (`Heartbeats`). The watcher's store reads run on
+a thread of their own (`Asking`): a TCPStore client waits for an answer without limit.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ HANDOVER_KEY = "zerofit/retry-handover"
 FAILURES_KEY = "zerofit/failed-ranks"  # a count: it moves when a rank of this torchrun job fails
 STORE_TIMEOUT = timedelta(minutes=10)  # as long as NCCL's default process-group timeout
 FAILING_TIMEOUT = timedelta(seconds=10)  # a failing rank's last word must not delay its exit long
+WATCH_WAIT_S = 0.5  # how long the watcher waits for a store read's answer before looking again (`Asking`)
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,13 @@ def process_group_store():
         return None
     import torch.distributed as td
 
+    global _attempt_prefix
     attempt = agree_on_attempt(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    return td.PrefixStore(f"zerofit/attempt-{attempt}", store)
+    _attempt_prefix = f"zerofit/attempt-{attempt}"
+    return td.PrefixStore(_attempt_prefix, store)
+
+
+_attempt_prefix: str | None = None  # this attempt's keys in the agent store, once its ranks agreed on them
 
 
 def agree_on_attempt(store, rank: int, world_size: int, poll_s: float = 0.02) -> str:
@@ -256,13 +265,13 @@ def announce_failure() -> None:
     try:
         store = agent_store(FAILING_TIMEOUT)
         if store is not None:
-            store.add(FAILURES_KEY, 1)
+            count_a_failure(store)
     except Exception:  # noqa: BLE001 (the agent's store gone too: nothing to tell)
         pass
 
 
 @contextmanager
-def leave_at_once_when_a_peer_is_gone():
+def leave_at_once_when_a_peer_is_gone(lost_node_after_s: float = 0.0):
     """Around the training loop, under torchrun with several ranks: once a peer is known gone,
     this process ends at once. The ranks left cannot finish a collective (or a checkpoint: a
     save needs every rank); waiting in one is waiting for torchrun's SIGKILL 30 s after its
@@ -274,18 +283,22 @@ def leave_at_once_when_a_peer_is_gone():
     and only then, it is also gone when a worker of this node has exited (the agent signals the
     others after one fails; at other times the one that exited may have finished cleanly). A
     SIGTERM with none of these (preemption) is left to the loop: it saves at the step boundary
-    and stops."""
+    and stops. With several nodes, a node lost whole (`Heartbeats`, after `lost_node_after_s`;
+    0: not watched) is counted as a failure here, and every rank leaves on it."""
     attempt, world_size = current(), int(os.environ.get("WORLD_SIZE", "1"))
     if attempt is None or world_size < 2 or threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
         yield  # SIGTERM without a Python handler ends the process already
         return
-    peers = Peers(attempt.agent_pid, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), agent_store())
+    asking = Asking(agent_store())
+    peers = Peers(attempt.agent_pid, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), asking)
+    heartbeats = Heartbeats.of_this_node(asking, lost_node_after_s)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     # Python's C-level handler writes each signal's number here at once, whatever the main thread does
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    watcher = threading.Thread(target=_watch, args=(read_end, peers), name="zerofit-peer-gone", daemon=True)
+    watcher = threading.Thread(target=_watch, args=(read_end, peers, heartbeats), name="zerofit-peer-gone",
+                               daemon=True)
     if previous == -1:
         watcher.start()
     else:
@@ -297,6 +310,8 @@ def leave_at_once_when_a_peer_is_gone():
             signal.set_wakeup_fd(-1)
             os.write(write_end, bytes([STOP_WATCHING]))
             watcher.join()
+            if heartbeats is not None:
+                heartbeats.leave()
         os.close(read_end)
         os.close(write_end)
 
@@ -307,13 +322,64 @@ STOP_WATCHING = 0  # no signal has number 0
 POLL_S = 1.0
 
 
+class Asking:
+    """The watcher's reads of the agent store, each on a daemon thread of its own. A TCPStore
+    client waits for an answer without limit (its timeout bounds connecting and waiting for
+    keys: an `add` to a SIGSTOPped server was still waiting after 60 s), and the watcher must
+    go on looking at its agent and its signals meanwhile; so it asks here and takes what came
+    back within `wait_s`. One question at a time: while one is unanswered, the others get None.
+    (Daemon threads: one stuck in a read never holds the process at its exit, as an executor's
+    worker would.)"""
+
+    def __init__(self, store, clock=time.monotonic):
+        self.store, self.clock = store, clock
+        self.pending: _Question | None = None
+        self.answered_at = clock()  # when the store last answered a question
+
+    def __call__(self, question, wait_s: float = 0.0):
+        """question(store)'s answer, or None: none within wait_s, or it raised."""
+        if self.store is None:
+            return None
+        if self.pending is not None and self.pending.question != question:  # bound methods: equal, not identical
+            if not self.pending.done.is_set():
+                return None
+            self.pending = None  # another's answer, come too late for it
+        if self.pending is None:
+            self.pending = _Question(question, self.store)
+        if not self.pending.done.wait(wait_s):
+            return None
+        asked, self.pending = self.pending, None
+        if asked.failed:
+            return None
+        self.answered_at = self.clock()
+        return asked.answer
+
+    def silent_s(self) -> float:
+        """How long the store has answered nothing (its host stopped: a question waits; its
+        server gone: each one fails at once)."""
+        return self.clock() - self.answered_at
+
+
+class _Question:
+    def __init__(self, question, store):
+        self.question, self.answer, self.failed, self.done = question, None, False, threading.Event()
+        threading.Thread(target=self._ask, args=(store,), name="zerofit-store-read", daemon=True).start()
+
+    def _ask(self, store) -> None:
+        try:
+            self.answer = self.question(store)
+        except Exception:  # noqa: BLE001 (torch raises DistStoreError, RuntimeError or OSError here)
+            self.failed = True
+        self.done.set()
+
+
 class Peers:
     """What this rank can see of its peers: its agent, this node's workers (the agent's
     children) and the failures counted in the agent's store since the loop began."""
 
-    def __init__(self, agent_pid: int, local_workers: int, store):
-        self.agent_pid, self.local_workers, self.store = agent_pid, local_workers, store
-        self.failures_before = failures(store)
+    def __init__(self, agent_pid: int, local_workers: int, asking: Asking):
+        self.agent_pid, self.local_workers, self.asking = agent_pid, local_workers, asking
+        self.failures_before = asking(failures, wait_s=WATCH_WAIT_S)
 
     def gone(self, at_sigterm: bool) -> str | None:
         """Why a peer is known to be gone, or None."""
@@ -322,7 +388,7 @@ class Peers:
         alive = workers_alive(self.agent_pid) if at_sigterm and self.local_workers > 1 else None
         if alive is not None and alive < self.local_workers:
             return f"SIGTERM after {self.local_workers - alive} of this node's {self.local_workers} workers exited"
-        counted = failures(self.store)
+        counted = self.asking(failures, wait_s=WATCH_WAIT_S)
         if self.failures_before is None:  # not read at the start: from the first count read
             self.failures_before = counted
         elif counted is not None and counted > self.failures_before:
@@ -330,16 +396,80 @@ class Peers:
         return None
 
 
-def failures(store) -> int | None:
-    """The failures counted in the agent store; None without one or when it cannot be read
-    (its agent gone with it: this rank's agent then crashes, and `Peers.gone` sees that)."""
-    try:
-        return store.add(FAILURES_KEY, 0) if store is not None else None
-    except Exception:  # noqa: BLE001 (torch raises DistStoreError, RuntimeError or OSError here)
+def count_a_failure(store) -> int:
+    return store.add(FAILURES_KEY, 1)
+
+
+def failures(store) -> int:
+    """The failures counted in the agent store (read through `Asking`: None when it cannot be
+    read; its agent gone with it: this rank's agent then crashes, and `Peers.gone` sees that)."""
+    return store.add(FAILURES_KEY, 0)
+
+
+class Heartbeats:
+    """Nodes lost whole. When a machine goes down or off the network, no process of its node
+    says a word: no last word, no agent to tell the rendezvous, no TCP reset; the ranks of the
+    other nodes wait in their next collective until NCCL's timeout (10 min). So each node's
+    local rank 0 counts a key of its node up in this attempt's keys of torchrun's store every
+    POLL_S, from its watcher thread, and reads the other nodes' counts. A count that has not
+    moved for `lost_after_s` by this process's own clock (no clocks compared across machines)
+    is a node lost; so is the store not answering that long (the node that hosts it lost). A
+    node is judged only once its count has moved (one lost before its first beat is left to
+    NCCL's timeout); a node whose ranks left the loop on purpose says so (`leave`). A false
+    alarm needs a rank's watcher thread kept from the interpreter for `lost_after_s` (a native
+    call holding the GIL that long): it would restart a healthy job, hence a default of
+    minutes, not seconds."""
+
+    LEFT = 1 << 40  # added to a node's count when its ranks leave the loop on purpose
+
+    def __init__(self, asking: Asking, prefix: str, node: int, nodes: int, lost_after_s: float):
+        self.asking, self.prefix, self.node, self.nodes, self.lost_after_s = asking, prefix, node, nodes, lost_after_s
+        self.seen: dict[int, tuple[int, float]] = {}  # node -> (its count, when this process saw it move)
+
+    @classmethod
+    def of_this_node(cls, asking: Asking, lost_after_s: float) -> Heartbeats | None:
+        """The heartbeats this process keeps: on local rank 0, with several nodes and the
+        agent's store, after this attempt's keys were agreed; else None."""
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        if lost_after_s <= 0 or nodes < 2 or os.environ.get("LOCAL_RANK") != "0" or _attempt_prefix is None \
+                or asking.store is None:
+            return None
+        return cls(asking, _attempt_prefix, int(os.environ["GROUP_RANK"]), nodes, lost_after_s)
+
+    def key(self, node: int) -> str:
+        return f"{self.prefix}/alive/{node}"
+
+    def exchange(self, store) -> dict[int, int]:
+        """Beat once; the other nodes' counts."""
+        store.add(self.key(self.node), 1)
+        return {n: store.add(self.key(n), 0) for n in range(self.nodes) if n != self.node}
+
+    def lost(self) -> str | None:
+        """Beat and listen: why a node is lost, or None."""
+        counts = self.asking(self.exchange, wait_s=WATCH_WAIT_S)
+        now = self.asking.clock()
+        if counts is None:
+            silent = self.asking.silent_s()
+            if silent >= self.lost_after_s:
+                return (f"torchrun's store ({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) has "
+                        f"not answered for {silent:.0f} s: the node that hosts it is lost")
+            return None
+        for node, count in counts.items():
+            if count == 0 or count >= self.LEFT:  # not started yet, or left on purpose
+                continue
+            last = self.seen.get(node)
+            if last is None or last[0] != count:
+                self.seen[node] = (count, now)
+            elif now - last[1] >= self.lost_after_s:
+                return (f"node {node} (torchrun's GROUP_RANK) has not been heard from for {now - last[1]:.0f} s: "
+                        f"lost whole (its machine down or off the network)")
         return None
 
+    def leave(self) -> None:
+        self.asking(lambda store: store.add(self.key(self.node), self.LEFT), wait_s=WATCH_WAIT_S)
 
-def _watch(read_end: int, peers: Peers) -> None:
+
+def _watch(read_end: int, peers: Peers, heartbeats: Heartbeats | None) -> None:
     signalled = False
     while True:
         readable, _, _ = select.select([read_end], [], [], POLL_S)
@@ -348,6 +478,10 @@ def _watch(read_end: int, peers: Peers) -> None:
             return
         signalled = signalled or signal_number == signal.SIGTERM
         why = peers.gone(at_sigterm=signal_number == signal.SIGTERM)
+        if why is None and heartbeats is not None:
+            why = heartbeats.lost()
+            if why:  # the lost node's ranks' failure, for this node's other ranks and the rest (a silent store: none)
+                peers.asking(count_a_failure, wait_s=WATCH_WAIT_S)
         if why:
             say(f"rank {os.environ.get('RANK', '?')}: {why}: no collective can finish, leaving now; "
                 f"torchrun restarts or stops every rank")

@@ -91,7 +91,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if state.step >= total_steps and dist.is_main:
         say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
-    with elastic.leave_at_once_when_a_peer_is_gone():  # SIGTERM after a peer died: no step can finish
+    with elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
         while state.step < total_steps:
             started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
             train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
