@@ -354,8 +354,8 @@ class Config(Section):
 
     def fingerprinted(self) -> dict:
         """What decides the numbers a run computes (not where it logs or saves)."""
-        return self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory",
-                                                             "elastic"})
+        return self.model_dump(mode="json",
+                               exclude={"run_dir", "log", "eval", "checkpoint", "memory", "elastic"})
 
     def fingerprint(self) -> str:
         """Hash of `fingerprinted()`."""
