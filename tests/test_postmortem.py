@@ -250,15 +250,19 @@ def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(mo
     assert "has not answered for 30 s: the node that hosts it is lost" in beats[0].lost()
 
 
-def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it():
+def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monkeypatch):
     """A TCPStore client waits for an answer without limit (an add to a SIGSTOPped server);
-    Asking leaves the question in flight, answers None meanwhile, and counts the silence."""
+    Asking leaves the question in flight, answers None meanwhile, and counts the silence. A
+    failing rank's count gives up after FAILING_TIMEOUT (its connect waits there too)."""
     import signal as signals
     import threading
 
     import torch.distributed as td
 
     port = engine.free_port()
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(name, value)
     server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as td; "
                                f"s = td.TCPStore('127.0.0.1', {port}, 1, is_master=True); time.sleep(300)"])
     try:
@@ -271,6 +275,9 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it():
         assert time.monotonic() - started < 2 and asking.silent_s() >= 0.5
         stuck = [t for t in threading.enumerate() if t.name == "zerofit-store-read"]
         assert stuck and all(t.daemon for t in stuck)  # still waiting there, never holding the exit
+        started = time.monotonic()
+        elastic.announce_failure()
+        assert time.monotonic() - started < elastic.FAILING_TIMEOUT.total_seconds() + 2
     finally:
         server.kill()
 

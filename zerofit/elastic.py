@@ -261,13 +261,16 @@ def say_done() -> None:
 def announce_failure() -> None:
     """A rank that fails (an OOM, any error) counts itself in the agent store on its way out:
     a peer on another node, signalled by its agent with its own workers alive, learns there
-    that no collective can finish. Best effort: the failure itself is what is reported."""
-    try:
+    that no collective can finish. Best effort, and bounded: the failure itself is what is
+    reported, and a store whose host is lost never answers (a client's connect then waits in
+    its ping without limit), so the count is asked on a daemon thread (`_Question`) and given
+    up after FAILING_TIMEOUT."""
+    def count(_no_store) -> None:
         store = agent_store(FAILING_TIMEOUT)
         if store is not None:
             count_a_failure(store)
-    except Exception:  # noqa: BLE001 (the agent's store gone too: nothing to tell)
-        pass
+
+    _Question(count, None).done.wait(FAILING_TIMEOUT.total_seconds())
 
 
 @contextmanager
