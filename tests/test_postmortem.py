@@ -124,14 +124,20 @@ LEFT_AFTER_A_FAILURE = (r"rank 0: (SIGTERM after )?(a rank of this job failed|1 
                         r"no collective can finish, leaving now")
 
 
+def node_command(port: int, rdzv_id: str, config, *args: str, max_restarts: int = 0) -> list[str]:
+    """One of two torchrun agents of one rank each (rendezvous c10d at 127.0.0.1:port): a node
+    of two on one machine, running `zerofit train --config CONFIG ARGS`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+            "--max-restarts", str(max_restarts), "-m", "zerofit", "train", "--config", str(config), *args]
+
+
 def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], list[int]]:
     """`zerofit train` under two torchrun agents of one rank each (rendezvous c10d, --max-restarts 1):
     two nodes on one machine. Their outputs and exit codes."""
     port = engine.free_port()
     env = child_env({"ZEROFIT_FAULT": fault, **WIDE})
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-                               "--max-restarts", "1", "-m", "zerofit", "train", "--config", str(config), *args],
+    nodes = [subprocess.Popen(node_command(port, "two-nodes", config, *args, max_restarts=1),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     try:
@@ -321,10 +327,8 @@ def test_ranks_leave_when_a_whole_node_is_lost(tmp_path, frozen, said):
     port = engine.free_port()
     env = child_env({"ZEROFIT_FAULT": "stall@step:5", **WIDE})
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost",
-                               "-m", "zerofit", "train", "--config", str(config)],
-                              cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    nodes = [subprocess.Popen(node_command(port, "lost", config), cwd=ROOT, env=env, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT)
              for log in logs]
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
