@@ -227,17 +227,23 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
 
 def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(monkeypatch):
     """Three nodes' heartbeats in a real TCP store, read by node 0 on a clock the test moves: a
-    node is judged only once its count has moved, lost when it then stands still for
-    lost_after_s, never when it left on purpose; a store that has answered nothing that long is
-    the lost node that hosted it (here its server gone; a stopped one never answers)."""
+    node is lost when its count stands still for lost_after_s, or has not moved once in that
+    long since node 0 first looked, never when it left on purpose; a store that has answered
+    nothing that long is the lost node that hosted it (here its server gone; a stopped one
+    never answers)."""
     server = agent_store_env(monkeypatch, restart=0, max_restarts=0)
     now = [100.0]
     store = elastic.agent_store()
     beats = [elastic.Heartbeats(elastic.Asking(store, clock=lambda: now[0]), "zerofit/attempt-a", node, 3,
                                 lost_after_s=30) for node in range(3)]
-    assert beats[0].lost() is None  # nodes 1 and 2 have not beaten yet: not judged
-    now[0] += 100
+    assert beats[0].lost() is None  # nodes 1 and 2 have not beaten yet: their silence starts now
+    now[0] += 29
+    beats[1].lost()  # node 1 starts; node 2 is still silent
     assert beats[0].lost() is None
+    now[0] += 1
+    assert beats[0].lost() == ("node 2 (torchrun's GROUP_RANK) has not beaten once in 30 s: lost whole "
+                               "(its machine down or off the network)")
+    now[0] += 70
     beats[1].lost(), beats[2].lost()
     assert beats[0].lost() is None  # seen moving at 200
     now[0] += 29

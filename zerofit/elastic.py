@@ -416,9 +416,11 @@ class Heartbeats:
     local rank 0 counts a key of its node up in this attempt's keys of torchrun's store every
     POLL_S, from its watcher thread, and reads the other nodes' counts. A count that has not
     moved for `lost_after_s` by this process's own clock (no clocks compared across machines)
-    is a node lost; so is the store not answering that long (the node that hosts it lost). A
-    node is judged only once its count has moved (one lost before its first beat is left to
-    NCCL's timeout); a node whose ranks left the loop on purpose says so (`leave`). A false
+    is a node lost; so is the store not answering that long (the node that hosts it lost), and
+    a node that has not beaten once in `lost_after_s` since this process first looked: every
+    node's watcher starts right after the same collectives (the engine's build, the checkpoint's
+    load), so a node still silent that long after them was lost in between. A node whose ranks
+    left the loop on purpose says so (`leave`). A false
     alarm needs a rank's watcher thread kept from the interpreter for `lost_after_s` (a native
     call holding the GIL that long): it would restart a healthy job, hence a default of
     minutes, not seconds."""
@@ -458,13 +460,14 @@ class Heartbeats:
                         f"not answered for {silent:.0f} s: the node that hosts it is lost")
             return None
         for node, count in counts.items():
-            if count == 0 or count >= self.LEFT:  # not started yet, or left on purpose
+            if count >= self.LEFT:  # left on purpose
                 continue
             last = self.seen.get(node)
             if last is None or last[0] != count:
                 self.seen[node] = (count, now)
             elif now - last[1] >= self.lost_after_s:
-                return (f"node {node} (torchrun's GROUP_RANK) has not been heard from for {now - last[1]:.0f} s: "
+                silence = "has not beaten once in" if count == 0 else "has not been heard from for"
+                return (f"node {node} (torchrun's GROUP_RANK) {silence} {now - last[1]:.0f} s: "
                         f"lost whole (its machine down or off the network)")
         return None
 
