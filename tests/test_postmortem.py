@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -236,18 +237,23 @@ def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(mo
     store = elastic.agent_store()
     beats = [elastic.Heartbeats(elastic.Asking(store, clock=lambda: now[0]), "zerofit/attempt-a", node, 3,
                                 lost_after_s=30) for node in range(3)]
+
+    def beat(*nodes):
+        for node in nodes:
+            assert beats[node].asking(beats[node].beat_once, wait_s=5) is not None
+
     assert beats[0].lost() is None  # nodes 1 and 2 have not beaten yet: their silence starts now
     now[0] += 29
-    beats[1].lost()  # node 1 starts; node 2 is still silent
+    beat(1)  # node 1 starts; node 2 is still silent
     assert beats[0].lost() is None
     now[0] += 1
     assert beats[0].lost() == ("node 2 (torchrun's GROUP_RANK) has not beaten once in 30 s: lost whole "
                                "(its machine down or off the network)")
     now[0] += 70
-    beats[1].lost(), beats[2].lost()
+    beat(1, 2)
     assert beats[0].lost() is None  # seen moving at 200
     now[0] += 29
-    beats[1].lost()  # node 1 keeps beating; node 2 falls silent
+    beat(1)  # node 1 keeps beating; node 2 falls silent
     assert beats[0].lost() is None
     now[0] += 1
     assert beats[0].lost() == ("node 2 (torchrun's GROUP_RANK) has not been heard from for 30 s: lost whole "
@@ -267,7 +273,6 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monke
     Asking leaves the question in flight, answers None meanwhile, and counts the silence. A
     failing rank's count gives up after FAILING_TIMEOUT (its connect waits there too)."""
     import signal as signals
-    import threading
 
     import torch.distributed as td
 
@@ -308,6 +313,25 @@ def test_heartbeats_are_kept_by_each_nodes_local_rank_0_of_several(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
     assert elastic.Heartbeats.of_this_node(asking, 60) is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+
+    # from the process group's start, on a thread of its own, once per attempt
+    def beaters():
+        return [t for t in threading.enumerate() if t.name == "zerofit-heartbeat"]
+
+    monkeypatch.setattr(elastic, "_beating", None)
+    elastic.keep_beating(0)
+    assert not beaters()
+    elastic.keep_beating(60)
+    elastic.keep_beating(60)
+    assert len(beaters()) == 1
+    count = (lambda: asking(lambda store: store.add(beats.key(1), 0), wait_s=5))
+    first = count()
+    time.sleep(2.5 * elastic.POLL_S)
+    assert count() >= first + 2
+    monkeypatch.setattr(elastic, "_beating", "zerofit/attempt-y")  # another attempt's keys: this one stops
+    time.sleep(2 * elastic.POLL_S)
+    assert not beaters()
 
 
 @pytest.mark.parametrize("frozen, said", [

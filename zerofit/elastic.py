@@ -414,13 +414,13 @@ class Heartbeats:
     says a word: no last word, no agent to tell the rendezvous, no TCP reset; the ranks of the
     other nodes wait in their next collective until NCCL's timeout (10 min). So each node's
     local rank 0 counts a key of its node up in this attempt's keys of torchrun's store every
-    POLL_S, from its watcher thread, and reads the other nodes' counts. A count that has not
-    moved for `lost_after_s` by this process's own clock (no clocks compared across machines)
-    is a node lost; so is the store not answering that long (the node that hosts it lost), and
-    a node that has not beaten once in `lost_after_s` since this process first looked: every
-    node's watcher starts right after the same collectives (the engine's build, the checkpoint's
-    load), so a node still silent that long after them was lost in between. A node whose ranks
-    left the loop on purpose says so (`leave`). A false
+    POLL_S, on a thread of its own from the process group's start (`keep_beating`: a node slow
+    to reach the loop, in a long checkpoint load, is still heard), and its watcher reads the
+    other nodes' counts during the loop. A count that has not moved for `lost_after_s` by this
+    process's own clock (no clocks compared across machines) is a node lost, a count still 0
+    that long after the watcher first looked too (every node beats from before the collectives
+    that precede the loop); so is the store not answering that long (the node that hosts it
+    lost). A node whose ranks left the loop on purpose says so (`leave`). A false
     alarm needs a rank's watcher thread kept from the interpreter for `lost_after_s` (a native
     call holding the GIL that long): it would restart a healthy job, hence a default of
     minutes, not seconds."""
@@ -431,27 +431,33 @@ class Heartbeats:
         self.asking, self.prefix, self.node, self.nodes, self.lost_after_s = asking, prefix, node, nodes, lost_after_s
         self.seen: dict[int, tuple[int, float]] = {}  # node -> (its count, when this process saw it move)
 
+    @staticmethod
+    def kept_here(lost_after_s: float) -> bool:
+        """On local rank 0, with several nodes, after this attempt's keys were agreed."""
+        return lost_after_s > 0 and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 \
+            and os.environ.get("LOCAL_RANK") == "0" and _attempt_prefix is not None
+
     @classmethod
     def of_this_node(cls, asking: Asking, lost_after_s: float) -> Heartbeats | None:
-        """The heartbeats this process keeps: on local rank 0, with several nodes and the
-        agent's store, after this attempt's keys were agreed; else None."""
-        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-        if lost_after_s <= 0 or nodes < 2 or os.environ.get("LOCAL_RANK") != "0" or _attempt_prefix is None \
-                or asking.store is None:
+        """The heartbeats this process keeps (`kept_here`, and the agent's store), else None."""
+        if not cls.kept_here(lost_after_s) or asking.store is None:
             return None
-        return cls(asking, _attempt_prefix, int(os.environ["GROUP_RANK"]), nodes, lost_after_s)
+        return cls(asking, _attempt_prefix, int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"]),
+                   lost_after_s)
 
     def key(self, node: int) -> str:
         return f"{self.prefix}/alive/{node}"
 
-    def exchange(self, store) -> dict[int, int]:
-        """Beat once; the other nodes' counts."""
-        store.add(self.key(self.node), 1)
+    def beat_once(self, store) -> int:
+        return store.add(self.key(self.node), 1)
+
+    def counts(self, store) -> dict[int, int]:
+        """The other nodes' counts."""
         return {n: store.add(self.key(n), 0) for n in range(self.nodes) if n != self.node}
 
     def lost(self) -> str | None:
-        """Beat and listen: why a node is lost, or None."""
-        counts = self.asking(self.exchange, wait_s=WATCH_WAIT_S)
+        """Why a node is lost, or None."""
+        counts = self.asking(self.counts, wait_s=WATCH_WAIT_S)
         now = self.asking.clock()
         if counts is None:
             silent = self.asking.silent_s()
@@ -473,6 +479,29 @@ class Heartbeats:
 
     def leave(self) -> None:
         self.asking(lambda store: store.add(self.key(self.node), self.LEFT), wait_s=WATCH_WAIT_S)
+
+
+def keep_beating(lost_node_after_s: float) -> None:
+    """This node's heartbeat (`Heartbeats`), from now (the process group is up) to the
+    process's end, on a daemon thread with its own store client: beats go on through the
+    model's build and a checkpoint's load, whatever the main thread waits in. Once per attempt."""
+    global _beating
+    if not Heartbeats.kept_here(lost_node_after_s) or _beating == _attempt_prefix:
+        return
+    _beating = _attempt_prefix
+    threading.Thread(target=_beat, args=(_attempt_prefix, lost_node_after_s), name="zerofit-heartbeat",
+                     daemon=True).start()
+
+
+def _beat(attempt_prefix: str, lost_node_after_s: float) -> None:
+    # the store connected here: a store host lost meanwhile holds this thread only
+    heartbeats = Heartbeats.of_this_node(Asking(agent_store()), lost_node_after_s)
+    while heartbeats is not None and _beating == attempt_prefix:
+        heartbeats.asking(heartbeats.beat_once, wait_s=WATCH_WAIT_S)  # one question in flight at most
+        time.sleep(POLL_S)
+
+
+_beating: str | None = None  # the attempt whose keys this process beats in (keep_beating)
 
 
 def _watch(read_end: int, peers: Peers, heartbeats: Heartbeats | None) -> None:
