@@ -17,8 +17,9 @@ which then steps on the CPU ~4x slower than DeepSpeedCPUAdam (device README). Fo
 optimizer everywhere the stock runs get {"optimizer": {"type": "AdamW", ...}} with zerofit's
 hyper-parameters: DeepSpeed then builds DeepSpeedCPUAdam, as for zerofit.
 
-Per config: step times of every optimizer step (the first is warm-up and excluded), steady
-tokens/s, GPU peak (max_memory_allocated / reserved), host RSS peak (VmHWM, sampled by this
+Per config: step times of every optimizer step (the warm-up excluded: the steps holding the
+first two micro batches, WARMUP_MICRO_BATCHES; `--collect` applies the same rule to earlier
+runs' recorded steps), steady tokens/s, GPU peak (max_memory_allocated / reserved), host RSS peak (VmHWM, sampled by this
 parent), the planner's predicted step seconds and terms for that config, and its roofline:
 the bound is max(FLOPs / measured bf16 matmul rate, PCIe bytes / measured pinned rate,
 CPU-Adam elements x measured DeepSpeedCPUAdam seconds per element) with FLOPs, bytes and
@@ -312,15 +313,32 @@ def vm_hwm(pid: int) -> int:
     return 0
 
 
-def steady(step_seconds: list[float], tokens_per_step: int) -> dict:
-    """Warm-up (the first optimizer step) excluded; tokens/s over the rest."""
-    measured = step_seconds[1:]
+# ZeRO-3 records the order its modules fetch parameters in during the first forward; the second
+# is the first pass over the complete trace, where DeepSpeed builds, once, the cached set of
+# parameters each module may release (partitioned_param_coordinator.py, `__params_to_release`:
+# 5.1 s of a cProfiled 6.4 s step, bench/results/step_profile-0.5b-8-step2.*). So the optimizer
+# steps that hold the first two micro batches are warm-up, for every config alike: two steps at
+# accumulation 1 (zerofit's 16 x 1 ran its second step 1.4x its later ones on llama-3.6b, 3x on
+# llama-0.5b), one step otherwise.
+WARMUP_MICRO_BATCHES = 2
+WARMUP_RULE = "the steps holding the first two micro batches excluded (two steps at accumulation 1, else one)"
+
+
+def warmup_steps(grad_accum: int) -> int:
+    return -(-WARMUP_MICRO_BATCHES // grad_accum)
+
+
+def steady(step_seconds: list[float], tokens_per_step: int, grad_accum: int) -> dict:
+    """Tokens/s over the steps after the warm-up (WARMUP_MICRO_BATCHES)."""
+    warmup = warmup_steps(grad_accum)
+    measured = step_seconds[warmup:]
+    record = {"warmup_steps": warmup,
+              "warmup_step_seconds": [round(s, 3) for s in step_seconds[:warmup]] or None}
     if not measured:
-        return {"tokens_per_s": None, "steady_step_seconds": None, "measured_steps": 0,
-                "warmup_step_seconds": round(step_seconds[0], 3) if step_seconds else None}
+        return {"tokens_per_s": None, "steady_step_seconds": None, "measured_steps": 0, **record}
     mean = sum(measured) / len(measured)
     return {"tokens_per_s": round(tokens_per_step / mean, 1), "steady_step_seconds": round(mean, 3),
-            "measured_steps": len(measured), "warmup_step_seconds": round(step_seconds[0], 3)}
+            "measured_steps": len(measured), **record}
 
 
 def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> dict:
@@ -404,8 +422,8 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
             record["configs"][name] = {"status": "not run: left out by --configs or by the case"}
             continue
         measured_steps, budget = case["measured_steps"][index], case["budgets_s"][index]
-        steps = 1 + measured_steps
-        if name == "zerofit":
+        if name == "zerofit":  # its accumulation is the planner's: room for the longest warm-up
+            steps = warmup_steps(1) + measured_steps
             run_dir = runner.work / f"{label}-zerofit" / "run"
             result = runner.run(f"{label}-zerofit", "zerofit", {
                 "cap_gib": case["cap_gib"], "config": zerofit_config(case, run_dir, steps, accelerator)}, budget)
@@ -416,11 +434,12 @@ def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, 
                 record["configs"][name] = {"status": "same as stock_lf: micro batch 1 is the largest that fits"}
                 continue
             for attempt, micro in enumerate(micros):
+                grad_accum = case["global_batch"] // micro
                 result = runner.run(f"{label}-{name}-m{micro}", "hf", {
                     "cap_gib": case["cap_gib"], "model": case["model"], "seq_len": case["seq_len"],
-                    "micro_batch": micro, "grad_accum": case["global_batch"] // micro, "steps": steps,
+                    "micro_batch": micro, "grad_accum": grad_accum, "steps": warmup_steps(grad_accum) + measured_steps,
                     "ds_config": stock_ds_config()}, budget)
-                entry = hf_entry(result["dir"], tokens_per_step, micro)
+                entry = hf_entry(result["dir"], tokens_per_step, micro, grad_accum)
                 oom = "OutOfMemoryError" in (result.get("log_tail") or "") or "out of memory" in (result.get(
                     "log_tail") or "")
                 if not oom or attempt == len(micros) - 1:
@@ -567,7 +586,7 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
         return f"not measured: {why_not}"
     run_name = f"{label}-zerofit-{name}"
     run_dir = runner.work / run_name / "run"
-    config = zerofit_config(case, run_dir, 1 + case["measured_steps"][0], runner.accelerator)
+    config = zerofit_config(case, run_dir, warmup_steps(1) + case["measured_steps"][0], runner.accelerator)
     replan = lever.get("replan", False)  # the planner chooses again with the change, else its choice is kept
     for dotted, value in {**({} if replan else chosen), **lever["change"](spec)}.items():
         section, key = dotted.split(".")
@@ -581,9 +600,16 @@ def measure_lever(name: str, lever: dict, label: str, case: dict, runner: Runner
     if changes:
         entry["deepspeed_changes"] = changes
     record["configs"][f"zerofit_{name}"] = entry
-    # "without": zerofit's choice, or the lever's own baseline run when it has one
+    return lever_summary(name, record)
+
+
+def lever_summary(name: str, record: dict) -> dict:
+    """What a measured lever bought: its run against zerofit's choice, or against the lever's
+    own baseline run when it has one (`off_config`)."""
+    lever = LEVERS[name]
     baseline_tps = record["configs"].get(lever.get("off_config", "zerofit"), {}).get("tokens_per_s")
-    changed_tps, choice_tps = entry.get("tokens_per_s"), choice.get("tokens_per_s")
+    changed_tps = record["configs"][f"zerofit_{name}"].get("tokens_per_s")
+    choice_tps = record["configs"].get("zerofit", {}).get("tokens_per_s")
     on, off = (baseline_tps, changed_tps) if lever["lever_on_in_choice"] else (changed_tps, baseline_tps)
     return {"what": lever["what"], "tokens_per_s_with": on, "tokens_per_s_without": off,
             "gain": round(on / off, 2) if on and off else None,
@@ -608,11 +634,32 @@ def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> di
     entry.setdefault("predicted_terms_s", terms)
     entry["work"] = {k: int(v) for k, v in work.items()}
     entry.update(roofline(work, rates))
+    return against_steady(entry)
+
+
+def against_steady(entry: dict) -> dict:
+    """The roofline fraction and the prediction's error, both against the steady step."""
     if entry.get("steady_step_seconds") and entry.get("bound_s"):
         entry["roofline_fraction"] = round(entry["bound_s"] / entry["steady_step_seconds"], 3)
         entry["prediction_error_pct"] = round(100 * (entry["predicted_step_seconds"] - entry["steady_step_seconds"])
                                               / entry["steady_step_seconds"], 1)
     return entry
+
+
+def under_warmup_rule(case: dict) -> dict:
+    """A case of an earlier run with its steady figures derived again from its recorded step
+    times under WARMUP_RULE (runs before the twelfth session excluded the first step only)."""
+    for name, entry in case["configs"].items():
+        if entry.get("step_seconds") and entry.get("micro_batch"):
+            grad_accum = entry.get("grad_accum") or case["global_batch"] // entry["micro_batch"]  # one GPU
+            entry.update(steady(entry["step_seconds"], case["tokens_per_step"], grad_accum))
+            against_steady(entry)
+    case["tokens_per_s"] = {name: case["configs"].get(name, {}).get("tokens_per_s") for name in case["tokens_per_s"]}
+    for name, summary in case.get("levers", {}).items():
+        if isinstance(summary, dict) and name in LEVERS:
+            case["levers"][name] = lever_summary(name, case)
+    summarise_case(case)
+    return case
 
 
 def zerofit_entry(run_dir: Path, tokens_per_step: int) -> dict:
@@ -621,7 +668,8 @@ def zerofit_entry(run_dir: Path, tokens_per_step: int) -> dict:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     timeline = read_jsonl(run_dir / "memory.jsonl")
     plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").exists() else {}
-    entry = steady([m["step_seconds"] for m in metrics], tokens_per_step)
+    grad_accum = plan["shape"]["grad_accum"] if plan else 1
+    entry = steady([m["step_seconds"] for m in metrics], tokens_per_step, grad_accum) | {"grad_accum": grad_accum}
     entry["step_seconds"] = [round(m["step_seconds"], 3) for m in metrics]
     entry["gpu_peak"] = max((r.get("gpu_peak") or 0 for r in timeline), default=None)
     entry["gpu_peak_reserved"] = max((r.get("gpu_peak_reserved") or 0 for r in timeline), default=None)
@@ -638,9 +686,9 @@ def zerofit_entry(run_dir: Path, tokens_per_step: int) -> dict:
     return entry
 
 
-def hf_entry(out: Path, tokens_per_step: int, micro: int) -> dict:
+def hf_entry(out: Path, tokens_per_step: int, micro: int, grad_accum: int) -> dict:
     steps = read_jsonl(out / "steps.jsonl")
-    entry = steady([s["step_seconds"] for s in steps], tokens_per_step)
+    entry = steady([s["step_seconds"] for s in steps], tokens_per_step, grad_accum) | {"grad_accum": grad_accum}
     entry.update(step_seconds=[round(s["step_seconds"], 3) for s in steps], micro_batch=micro,
                  gpu_peak=max((s.get("gpu_peak") or 0 for s in steps), default=None),
                  gpu_peak_reserved=max((s.get("gpu_peak_reserved") or 0 for s in steps), default=None),
@@ -676,17 +724,24 @@ def collect(files: list[str], out: Path) -> None:
         run = json.loads(Path(path).read_text())
         for case in run["cases"]:
             if not case.get("skipped"):
-                cases.append({**case, "source": Path(path).name, "device": run["device"], "command": run["command"],
+                cases.append({**under_warmup_rule(case), "source": Path(path).name, "device": run["device"], "command": run["command"],
                               "host": host or "1 x H200 host: 16 cores 128 GiB", "rates": run["rates"]})
     result = {"device": ", ".join(sorted({c["device"] for c in cases})),
-              "command": "python bench/speed_bench.py --collect " + ",".join(files), "cases": cases}
+              "command": "python bench/speed_bench.py --collect " + ",".join(files), "warmup": WARMUP_RULE,
+              "cases": cases}
     (out / "speed.json").write_text(json.dumps(result, indent=1, default=str))
     write_markdown(out / "speed.md", result)
 
 
+def steps_column(config: dict) -> str:
+    """warm-up + measured steps (runs before WARMUP_RULE recorded no warm-up count: one step)."""
+    return f"{config.get('warmup_steps', 1)} + {config['measured_steps']}" if "measured_steps" in config else "-"
+
+
 def write_markdown(path: Path, result: dict) -> None:
     lines = [f"# Speed: zerofit vs stock ZeRO-3 offload ({result['device']})", "",
-             f"Command: `{result['command']}`", ""]
+             f"Command: `{result['command']}`", "",
+             f"Steady step: {result.get('warmup', 'the first step excluded')}; steps = warm-up + measured.", ""]
     if result.get("rates"):
         lines += [f"Rates measured first: {json.dumps(result['rates'])}", ""]
     for case in result["cases"]:
@@ -702,7 +757,7 @@ def write_markdown(path: Path, result: dict) -> None:
         for name, c in case["configs"].items():
             gib = (lambda b: f"{b / GIB:.2f}" if b else "-")
             lines.append(f"| {name} | {c.get('chosen', '-')} | {c.get('tokens_per_s')} | {c.get('steady_step_seconds')} "
-                         f"| {c.get('measured_steps')} | {c.get('predicted_step_seconds')} | {gib(c.get('gpu_peak'))} "
+                         f"| {steps_column(c)} | {c.get('predicted_step_seconds')} | {gib(c.get('gpu_peak'))} "
                          f"| {gib(c.get('host_rss_peak'))} | {c.get('bound_s')} ({c.get('binds')}) "
                          f"| {c.get('roofline_fraction')} | {c.get('status')} |")
         lines.append("")
@@ -744,7 +799,7 @@ def main() -> None:
               + (f" --cases {args.cases}" if args.cases != DEFAULT_CASES else "")
               + (f" --configs {args.configs}" if args.configs != ",".join(CONFIGS) else "")
               + (f" --levers {args.levers}" if args.levers != ",".join(LEVERS) else ""),
-              "deadline_s": args.deadline_s, "cases": []}
+              "deadline_s": args.deadline_s, "warmup": WARMUP_RULE, "cases": []}
 
     stem = "speed" if args.cases == DEFAULT_CASES or args.smoke else f"speed-{args.cases.replace(',', '_')}"
 

@@ -228,3 +228,33 @@ def test_a_step_the_cpu_optimizer_dominates_says_so_and_what_amortises_it():
     # nor on a CPU-only machine, where there is no GPU to wait
     on_cpu = planner.predict(spec, cpu_box("512GiB"), small.shape, small.candidate)
     assert not any("the optimizer's" in n for n in on_cpu.notes)
+
+
+def test_the_bench_warm_up_holds_the_first_two_micro_batches_for_every_config():
+    """ZeRO-3's first pass over its complete trace is the second forward: at accumulation 1 that
+    is the second optimizer step, and the bench's steady step leaves it out for every
+    config alike; earlier runs' cases are derived again from their recorded step times."""
+    from conftest import bench_module
+
+    bench = bench_module("speed_bench")
+    # llama-3.6b @ 24 GiB as measured (speed-3.6b_1.5b-s12.json): zerofit 16 x 1, stock 8 x 2
+    zerofit_steps, stock_steps = [9.149, 3.924, 2.954, 2.653, 2.769], [6.733, 3.763, 3.689, 3.875]
+    zerofit = bench.steady(zerofit_steps, 16384, grad_accum=1)
+    assert zerofit["warmup_steps"] == 2 and zerofit["measured_steps"] == 3
+    assert zerofit["steady_step_seconds"] == round((2.954 + 2.653 + 2.769) / 3, 3)
+    stock = bench.steady(stock_steps, 16384, grad_accum=2)
+    assert stock["warmup_steps"] == 1 and stock["steady_step_seconds"] == round(sum(stock_steps[1:]) / 3, 3)
+    assert bench.warmup_steps(16) == 1
+    assert bench.steady([5.0, 4.0], 10, grad_accum=1)["tokens_per_s"] is None  # nothing after the warm-up
+    # a case recorded under the old rule (the first step only): tokens/s, roofline, speedup derived again
+    old = {"tokens_per_step": 16384, "global_batch": 16, "tokens_per_s": {"zerofit": 5328.0, "stock_tuned": 4339.4},
+           "configs": {"zerofit": {"step_seconds": zerofit_steps, "micro_batch": 16, "bound_s": 0.9338,
+                                   "predicted_step_seconds": 2.7629, **bench.steady(zerofit_steps[1:], 16384, 16)},
+                       "stock_tuned": {"step_seconds": stock_steps, "micro_batch": 8, "bound_s": 1.5927,
+                                       "predicted_step_seconds": 3.8705},
+                       "stock_lf": {"status": "not run"}}}
+    case = bench.under_warmup_rule(old)
+    assert case["tokens_per_s"] == {"zerofit": zerofit["tokens_per_s"], "stock_tuned": stock["tokens_per_s"]}
+    assert case["speedup_vs_stock"] == round(zerofit["tokens_per_s"] / stock["tokens_per_s"], 2) == 1.35
+    assert case["roofline_fraction"] == round(0.9338 / zerofit["steady_step_seconds"], 3)
+    assert case["configs"]["zerofit"]["prediction_error_pct"] == -1.0
