@@ -452,11 +452,13 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
                                          tmp_path / "run" / "checkpoints" / ".tmp-step-000020",
                                          {faults.VARIABLE: "slow@save:1"})
     assert code == 143, stderr[-3000:]
-    assert "stopped by SIGTERM" in stderr
     run = tmp_path / "run"
-    assert valid_steps(run) == [20] and not list((run / "checkpoints").glob(".tmp-*"))
     stopped_at = read_jsonl(run / "metrics.jsonl")[-1]["step"]
     assert 20 <= stopped_at < 40
+    # and the step it stopped at saved (checkpoint.save_on_sigterm), the hint naming the run's config
+    assert valid_steps(run) == sorted({20, stopped_at}) and not list((run / "checkpoints").glob(".tmp-*"))
+    assert (f"stopped by SIGTERM at step {stopped_at}, the newest checkpoint is {checkpoint.step_name(stopped_at)}; "
+            f"`zerofit train --config {run / 'config.yaml'} --resume` continues from it") in stderr.replace("\n", "")
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
@@ -471,7 +473,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     assert "leaving now" not in out and "forcefully exiting" not in out
     stopped_at = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
     assert 5 <= stopped_at < 400
-    assert valid_steps(tmp_path / "run")[-1] == stopped_at // 5 * 5
+    assert valid_steps(tmp_path / "run")[-1] == stopped_at  # saved where both stopped
 
 
 def test_resume_with_another_config_names_what_changed(tmp_path):
@@ -486,6 +488,62 @@ def test_resume_with_another_config_names_what_changed(tmp_path):
                 f"continuing with the current one") in done.stderr
     unchanged = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=8", "--resume"])
     assert "different config" not in unchanged.stderr and "is complete at step 8" in unchanged.stderr.replace("\n", " ")
+
+
+def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewritten(reference, tmp_path):
+    """Another architecture or precision cannot load the run's checkpoint (DeepSpeed fails with
+    missing keys or another optimizer file, after the run's config.yaml and model/ had been
+    rewritten for the new config, which an export then used): refused first, naming the
+    change and the fix, the run dir as it was. So are checkpoints none of which verifies:
+    starting over would publish over them."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    config = config_for(tmp_path, "run", max_steps=8)
+    kept = [run / "config.yaml", run / "model" / "config.json", *sorted((run / "checkpoints").rglob("*.*"))]
+    before = [path.read_bytes() for path in kept]
+    deeper = tmp_path / "deeper.json"
+    deeper.write_text(json.dumps({**json.loads((run / "model" / "config.json").read_text()), "num_hidden_layers": 3}))
+    for changes, said in (([f"model.config={deeper}", f"model.tokenizer={run / 'model'}"],
+                           "model num_hidden_layers 2 -> 3"),
+                          (["train.precision=fp32"], "train.precision bf16 -> fp32")):
+        settings = [arg for change in changes for arg in ("--set", change)]
+        refused = run_zerofit(["train", "--config", str(config), *settings], check=False, env={"COLUMNS": "400"})
+        message = refused.stderr.replace("\n", "")
+        assert refused.returncode == 1 and "Traceback" not in message, message[-3000:]
+        assert f"step-000006 cannot be loaded under this config ({said})" in message
+        assert f"`zerofit train --config {run / 'config.yaml'}`" in message and "--no-resume" in message
+    assert [path.read_bytes() for path in kept] == before
+
+    for manifest in (run / "checkpoints").glob("step-*/MANIFEST.json"):
+        os.truncate(manifest, 100)
+    refused = run_zerofit(["train", "--config", str(config)], check=False, env={"COLUMNS": "400"})
+    message = refused.stderr.replace("\n", "")
+    assert refused.returncode == 1 and "none of the 2 checkpoint(s) under" in message, message[-3000:]
+    assert "MANIFEST.json is corrupt" in message and "--no-resume" in message
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
+    assert not (run / "metrics.jsonl").read_text().count('"step": 7')
+
+
+def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path):
+    """DeepSpeed's load restores the saved param groups and scheduler base LRs over the current
+    config's: a resume with a new train.lr, weight_decay or a raised max_steps trains with
+    them (the warning says "continuing with the current one"), from the schedule's position."""
+    import torch
+
+    from zerofit.config import load
+    from zerofit.engine import lr_lambda
+
+    config = config_for(tmp_path, "run", max_steps=4)
+    run_zerofit(["train", "--config", str(config)])
+    changes = ["train.max_steps=8", "train.lr=0.01", "train.weight_decay=0.1"]
+    run_zerofit(["train", "--config", str(config), *[arg for change in changes for arg in ("--set", change)]])
+    factor = lr_lambda(load(config, changes), 8)
+    logged = {record["step"]: record["lr"] for record in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert [logged[step] for step in range(5, 9)] == pytest.approx([0.01 * factor(step - 1) for step in range(5, 9)])
+    saved = torch.load(next((tmp_path / "run" / "checkpoints" / "step-000008").glob("*optim_states.pt")),
+                       weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
+    assert [group["weight_decay"] for group in saved] == [0.1, 0.0]
+    assert [group["lr"] for group in saved] == pytest.approx([0.01 * factor(8)] * 2)
 
 
 def test_resume_on_fewer_ranks(tmp_path):

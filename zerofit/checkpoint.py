@@ -54,6 +54,7 @@ class LoopState:
     micro_batch_size: int = 0   # with world_size, what a micro batch was (0: unknown)
     config_fingerprint: str = ""
     config_values: dict = field(default_factory=dict)  # Config.fingerprinted(): what a resume compares
+    model_shape: dict = field(default_factory=dict)  # models.shape_of: the architecture the tensors are of
     extra: dict = field(default_factory=dict)
 
 

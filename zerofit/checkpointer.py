@@ -19,9 +19,9 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import checkpoint, checkpoint_io, data, faults, lora, memory, nvme, planner, universal
+from zerofit import checkpoint, checkpoint_io, data, engine, faults, lora, memory, nvme, planner, universal
 from zerofit.checkpoint import CheckpointError, LoopState
-from zerofit.config import Config, ConfigError, changed_settings
+from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
@@ -43,11 +43,12 @@ def checkpoints_root(config: Config) -> Path:
     return Path(config.run_dir) / "checkpoints"
 
 
-def choose_resume(config: Config, dist, resume: bool | None) -> ResumePoint:
+def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -> ResumePoint:
     """Rank 0 removes stale `.tmp-*`, picks the newest checkpoint that verifies (reporting
-    each one skipped and why) and converts it to a universal checkpoint when it was
-    written by another number of ranks; every rank gets the answer. Runs before the
-    engine is built: loading a universal checkpoint is a DeepSpeed config switch."""
+    each one skipped and why), refuses one this config cannot load (`unloadable_changes`) and
+    converts it to a universal checkpoint when it was written by another number of ranks;
+    every rank gets the answer. Runs before the engine is built (loading a universal
+    checkpoint is a DeepSpeed config switch) and before the run's files are rewritten."""
     import torch.distributed as torch_dist
 
     root = checkpoints_root(config)
@@ -57,7 +58,7 @@ def choose_resume(config: Config, dist, resume: bool | None) -> ResumePoint:
         if removed:
             say(f"removed {len(removed)} unfinished save(s) under {root}: {', '.join(removed)}")
         if resume is not False:
-            point = _pick(root, config, dist.world_size)
+            point = _pick(root, config, dist.world_size, fresh)
         elif moved := checkpoint.set_aside(root):
             warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) to {moved.path}; "
                  f"delete that directory when you no longer need them")
@@ -72,17 +73,49 @@ def choose_resume(config: Config, dist, resume: bool | None) -> ResumePoint:
     return point
 
 
-def _pick(root: Path, config: Config, world_size: int) -> ResumePoint:
+# What a checkpoint's files are made of. Under other values DeepSpeed's load fails (missing keys,
+# another optimizer file name, another partitioning), and failed only after the run's files had
+# been rewritten for the new config (config.yaml, model/ that an export reads).
+SHAPING_SETTINGS = (("train", "precision"), ("zero", "stage"), ("lora", "enabled"), ("lora", "r"),
+                    ("lora", "target_modules"), ("lora", "modules_to_save"), ("lora", "bias"))
+
+
+def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
+    """`what old -> new` for each difference a load cannot bridge: the model's architecture
+    (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
+    checkpoint that recorded neither (older zerofit) is not judged."""
+    changes = [f"model {name} {saved.model_shape.get(name)} -> {fresh.model_shape.get(name)}"
+               for name in fresh.model_shape if saved.model_shape and saved.model_shape.get(name) != fresh.model_shape[name]]
+    for section, key in SHAPING_SETTINGS if saved.config_values else ():
+        old = saved.config_values.get(section, {}).get(key)
+        new = fresh.config_values.get(section, {}).get(key)
+        if old != new:
+            changes.append(f"{section}.{key} {short(old)} -> {short(new)}")
+    return changes
+
+
+def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> ResumePoint:
     found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "full")
     for name, reason in skipped:
         warn(f"skipping checkpoint {name}: {reason}")
+    if found is None and skipped:  # starting over would publish over them: refuse, keep them as they are
+        return ResumePoint(skipped=skipped, error=(
+            f"none of the {len(skipped)} checkpoint(s) under {root} verifies ({skipped[0][0]}: {skipped[0][1]}); "
+            f"they are left as they are. Start over with --no-resume (it moves them aside, not deletes), or "
+            f"restore a good copy"))
     if found is None:
         return ResumePoint(skipped=skipped)
     if skipped or not (root / checkpoint.LATEST).is_file():
         checkpoint.write_atomic(root / checkpoint.LATEST, found.name)  # DeepSpeed's tools read it
     point = ResumePoint(str(found), str(found), False, skipped)
     manifest = checkpoint.read_manifest(found)
-    if manifest["world_size"] != world_size and (found / NVME_STATE_DIR).is_dir():
+    changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
+    if changes:
+        point.error = (f"{found.name} cannot be loaded under this config ({'; '.join(changes)}): resume with "
+                       f"the run's own (`zerofit train --config {Path(config.run_dir) / 'config.yaml'}`), or start "
+                       f"over here with --no-resume (the checkpoints are moved aside, not deleted); the run's "
+                       f"config.yaml, model/ and checkpoints are as they were")
+    elif manifest["world_size"] != world_size and (found / NVME_STATE_DIR).is_dir():
         point.error = (f"{found.name} was written by {manifest['world_size']} rank(s) with the optimizer on NVMe; "
                        f"its optimizer state lives in {NVME_STATE_DIR}/ per rank, which DeepSpeed cannot convert "
                        f"to {world_size} rank(s) (ds_to_universal reads only the optimizer files): resume with "
@@ -138,6 +171,7 @@ class Checkpointer:
                                                  custom_load_fn=custom_load_fn)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {load_dir}")
+        engine.apply_hyperparameters(self.ds_engine, self.config)  # the saved ones are restored over them
         if self.config.zero.offload_optimizer == "nvme":  # DeepSpeed leaves the optimizer file unread
             nvme.restore_optimizer_state(self.ds_engine, load_dir)
         replay_cpu_adam_steps(self.ds_engine)
@@ -293,7 +327,8 @@ class Checkpointer:
         self.timeline.mark(step, "checkpoint_failed", checkpoint=name, error=reason)
         if self.settings.on_error == "stop":
             raise CheckpointError(f"{message}. Stopped (checkpoint.on_error=stop): fix the cause, then "
-                                  f"`zerofit train --resume` continues from the newest valid checkpoint")
+                                  f"`zerofit train --config {Path(self.config.run_dir) / 'config.yaml'} --resume` "
+                                  f"continues from the newest valid checkpoint")
         if self.dist.is_main:
             warn(f"{message}; training continues (checkpoint.on_error=continue)")
 

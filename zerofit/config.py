@@ -255,6 +255,10 @@ class CheckpointConfig(Section):
     """Also keep every checkpoint whose step is a multiple of M (0: none)."""
     save_final: bool = True
     """Save when training ends."""
+    save_on_sigterm: bool = True
+    """On SIGTERM (preemption; torchrun passes it to every rank) save the step the loop is at,
+    then stop (exit 143): nothing since the last checkpoint is lost. The save is published
+    atomically, so a SIGKILL that cuts it short leaves the previous checkpoint in place."""
     async_save: bool = False
     """Write checkpoints in the background while training continues: the loop stalls only
     while the state is copied to host memory; at most one save is in flight."""

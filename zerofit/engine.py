@@ -327,6 +327,21 @@ def lr_lambda(config: Config, total_steps: int):
     return factor
 
 
+def apply_hyperparameters(ds_engine, config: Config) -> None:
+    """After a checkpoint's load, this config's optimizer settings and LR schedule. DeepSpeed
+    restores the saved param groups (lr, betas, eps, weight_decay) and the scheduler's
+    base_lrs, so a changed train.lr or weight_decay was ignored, and a raised max_steps ran its
+    first step at the old schedule's LR, then jumped. The schedule's multipliers are already
+    this config's (lr_lambda: functions are not saved); its position (last_epoch) is kept."""
+    train, scheduler = config.train, ds_engine.lr_scheduler
+    scheduler.base_lrs = [train.lr] * len(scheduler.base_lrs)
+    groups = ds_engine.optimizer.param_groups
+    for index, (group, factor) in enumerate(zip(groups, scheduler.lr_lambdas)):
+        group.update(lr=train.lr * factor(scheduler.last_epoch), betas=tuple(train.adam_betas), eps=train.adam_eps,
+                     weight_decay=train.weight_decay if index == 0 else 0.0)  # param_groups: decay first
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
 def build_engine(model, config: Config, ds_config: dict, total_steps: int):
     """deepspeed.initialize with our param groups and LR schedule; DeepSpeed builds the
     optimizer from ds_config (CPU-Adam when offloaded) and saves the schedule with it."""

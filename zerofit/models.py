@@ -56,6 +56,15 @@ def hf_config(model: ModelConfig):
     return config_from_name(model.config, model.trust_remote_code)
 
 
+# The HF config fields a checkpoint's tensors take their shapes from.
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def shape_of(hf_config) -> dict:
+    return {name: getattr(hf_config, name, None) for name in SHAPE_FIELDS}
+
+
 def config_from_name(name: str, trust_remote_code: bool = False):
     """A preset name, a config.json, or a directory holding one."""
     from transformers import AutoConfig, CONFIG_MAPPING

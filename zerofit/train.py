@@ -58,7 +58,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
-    resume_point = checkpointer.choose_resume(config, dist, resume)
+    fresh = fresh_state(config, dist, hf_config)
+    resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
@@ -74,7 +75,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                                predictions=planview.phase_predictions(decision))
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
     swap_guard = nvme.SwapGuard(ds_engine)
-    state = saver.load(resume_point, fresh_state(config, dist), len(train_set))
+    state = saver.load(resume_point, fresh, len(train_set))
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
                               basemodel.recipe_record(config, dist.on_gpu, engine.builds_under_zero_init(ds_config)))
@@ -122,7 +123,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                 progress.update(state.step, progress_info(record, dist.on_gpu))
 
             stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
-            signalled = saver.stop_requested()  # SIGTERM: stop at this step boundary
+            signalled = saver.stop_requested()  # SIGTERM (every rank agrees): save this step, then stop
+            if signalled and config.checkpoint.save_on_sigterm and saver.saved_step != state.step:
+                saver.save(state)
             if stop_reason or signalled:
                 break
 
@@ -134,7 +137,10 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
     if dist.is_main and signalled:
-        say(f"stopped by SIGTERM at step {state.step}; `zerofit train --resume` continues from the newest checkpoint")
+        newest = checkpoint.published(saver.root)
+        saved = f"the newest checkpoint is {newest[0].name}" if newest else "no checkpoint was saved"
+        say(f"stopped by SIGTERM at step {state.step}, {saved}; `zerofit train --config {run_dir / 'config.yaml'} "
+            f"--resume` continues from it")
     elif dist.is_main:
         say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
@@ -262,9 +268,10 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences) -> None:
         warn(f"skipped {train_set.skipped_rows} bad rows (data.skip_bad_rows), e.g. {train_set.skipped_reasons[0]}")
 
 
-def fresh_state(config: Config, dist: engine.Dist) -> checkpoint.LoopState:
+def fresh_state(config: Config, dist: engine.Dist, hf_config=None) -> checkpoint.LoopState:
     return checkpoint.LoopState(world_size=dist.world_size, micro_batch_size=config.train.micro_batch_size,
-                                config_fingerprint=config.fingerprint(), config_values=config.fingerprinted())
+                                config_fingerprint=config.fingerprint(), config_values=config.fingerprinted(),
+                                model_shape=models.shape_of(hf_config) if hf_config is not None else {})
 
 
 # ------------------------------------------------------------------------- logging
