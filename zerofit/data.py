@@ -51,32 +51,45 @@ def data_files(path: str | list[str]) -> list[Path]:
     return files
 
 
-def read_rows(file: Path):
-    """One file as an HF Dataset; a malformed line is reported with its line number."""
+def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
+    """One file as an HF Dataset, and the jsonl line numbers of its rows when some lines were
+    skipped (else None). A line that is not a JSON object is reported with its number, or,
+    with `skip_bad_lines` (data.skip_bad_rows), left out and listed as (where, why)."""
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train")
+        return datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
         if file.suffix == ".jsonl":
-            _raise_first_bad_json_line(file)
+            rows, numbers, bad = _json_lines(file, skip_bad_lines)
+            if bad:
+                return datasets.Dataset.from_list(rows), numbers, bad
         raise DataError(f"{file}: cannot be read as {SUFFIXES[file.suffix]} ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
 
 
-def _raise_first_bad_json_line(file: Path) -> None:
+def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int], list[str]]:
+    """The rows of a jsonl file whose parse failed, their line numbers, and the bad lines."""
+    rows, numbers, bad = [], [], []
     with file.open() as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # else a cut line is "wrong" past its end
+                why = None if isinstance(row, dict) else f"a row must be a JSON object, got {type(row).__name__}"
             except json.JSONDecodeError as e:
-                raise DataError(f"{file}, line {number}: not valid JSON ({e.msg} at column {e.colno}); "
-                                f"fix or delete the line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{file}, line {number}: a row must be a JSON object, got {type(row).__name__}")
+                why = f"not valid JSON ({e.msg} at column {e.colno})"
+            if why is None:
+                rows.append(row)
+                numbers.append(number)
+            elif skip_bad_lines:
+                bad.append(f"{file}, line {number}: {why}")
+            else:
+                raise DataError(f"{file}, line {number}: {why}; fix or delete the line, or set "
+                                f"data.skip_bad_rows=true to skip such lines")
+    return rows, numbers, bad
 
 
 def line_of_row(file: Path, row_index: int) -> str:
@@ -203,13 +216,15 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
     """Tokenized (input_ids, labels) per row, and the rows skipped with why."""
     examples, skipped, reasons = [], 0, []
     for file in files:
-        rows = read_rows(file)
+        rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows)
+        skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
         fmt = cfg.format if cfg.format != "auto" else detect_format(rows.column_names, file)
         for index, row in enumerate(rows):
             try:
                 examples.append(tokenize_row(row, fmt, tokenizer))
             except RowError as e:
-                where = f"{file}, {line_of_row(file, index)}: {e} ({fmt} format)"
+                line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
+                where = f"{file}, {line}: {e} ({fmt} format)"
                 if not cfg.skip_bad_rows:
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 skipped += 1
