@@ -129,3 +129,22 @@ def test_placement_of_an_8b_model_in_12_and_24_gib():
     assert large["cpu_weight_bytes"] == 0 and large["gpu_weight_bytes"] == total
     with pytest.raises(ConfigError, match="leaves no room for weights"):
         plan_placement(config, torch.bfloat16, 1 << 30, host_bytes=64 << 30)
+
+
+def test_inference_and_planning_numbers_are_checked_as_usage(capsys):
+    """--temperature 0 asks for greedy decoding (as most tools read it); numbers no run can take
+    (a negative temperature, no new tokens, zero ranks) are usage errors naming the flag, exit 2,
+    not a traceback from transformers or the planner."""
+    from zerofit import cli
+
+    parser = cli.build_parser()
+    assert cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0"])).greedy
+    sampled = cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0.7"]))
+    assert not sampled.greedy and sampled.temperature == 0.7
+    for argv, said in ((["generate", "m", "--prompt", "p", "--temperature", "-1"], "--temperature: -1 is below 0.0"),
+                       (["generate", "m", "--prompt", "p", "--max-new-tokens", "0"], "--max-new-tokens: 0 is below 1"),
+                       (["plan", "--model", "tiny", "--world-size", "0"], "--world-size: 0 is below 1"),
+                       (["lint", "ds.json", "--world-size", "x"], "--world-size: 'x' is not a number")):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(argv)
+        assert exited.value.code == 2 and said in capsys.readouterr().err

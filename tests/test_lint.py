@@ -93,6 +93,7 @@ def test_sub_group_and_bucket_sizes_against_the_budget():
     bucket = warnings["zero_optimization.reduce_bucket_size"]
     assert "953.7MiB" in bucket.message and "8.0GiB GPU budget" in bucket.message
     assert risky.plan is not None and risky.plan["fits"] is False  # 16 bytes/param of 1.5B on 8 GiB
+    assert "does not fit this config" in findings(risky, "error")["plan"].message  # so exit 1
     safe = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                       "zero_optimization": {"stage": 3, "sub_group_size": 1e8, "reduce_bucket_size": 4e6,
                                             "stage3_prefetch_bucket_size": 4e6,

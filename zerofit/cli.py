@@ -11,6 +11,19 @@ import sys
 from zerofit.config import Config, ConfigError, Section
 
 
+def at_least(minimum, kind=int):
+    """An argparse type: a number no smaller than `minimum` (else a usage error, exit 2)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
+        return value
+    return parse
+
+
 def config_help() -> str:
     """Every config key and its doc, for `zerofit train --help` (generated, never stale)."""
     lines = ["config keys (YAML sections, or --set section.key=value):"]
@@ -104,7 +117,7 @@ def cmd_lint(args) -> int:
 
 
 def add_hardware_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (GPUs) to plan for (default 1)")
+    parser.add_argument("--world-size", type=at_least(1), default=1, metavar="N", help="ranks (GPUs) to plan for (default 1)")
     parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
     parser.add_argument("--host-mem", metavar="SIZE", help="host RAM budget, e.g. 64GiB (default: available RAM)")
     parser.add_argument("--cpu-cores", type=int, metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
@@ -133,7 +146,8 @@ def cmd_export(args) -> int:
 def sampling_from(args):
     from zerofit.infer import Sampling
 
-    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    temperature = args.temperature or None  # 0: greedy, as most tools read it
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
                     top_k=args.top_k, min_new_tokens=args.min_new_tokens, seed=args.seed)
 
 
@@ -158,12 +172,13 @@ def cmd_chat(args) -> int:
 
 def add_inference_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory (what `zerofit export` writes)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate (128)")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="tokens to generate (128)")
     parser.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
                         help="generate at least N tokens even past end-of-sequence (benchmarks)")
-    parser.add_argument("--temperature", type=float, metavar="T", help="sample at temperature T (default: greedy)")
-    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling (default: greedy)")
-    parser.add_argument("--top-k", type=int, metavar="K", help="top-k sampling (default: greedy)")
+    parser.add_argument("--temperature", type=at_least(0.0, float), metavar="T",
+                        help="sample at temperature T (default, or 0: greedy)")
+    parser.add_argument("--top-p", type=at_least(0.0, float), metavar="P", help="nucleus sampling (default: greedy)")
+    parser.add_argument("--top-k", type=at_least(1), metavar="K", help="top-k sampling (default: greedy)")
     parser.add_argument("--seed", type=int, help="sampling seed")
     parser.add_argument("--gpu-mem", metavar="SIZE",
                         help="GPU budget, e.g. 12GiB: layers beyond it run from CPU RAM (default: the whole GPU)")

@@ -91,6 +91,11 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
         check_partial_offload(zero, result)
         if spec is not None and hw is not None and not result.errors:
             result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
+            if not result.plan["fits"]:  # the run would die of memory: as much an error as a bad key
+                result.findings.append(Finding(
+                    "error", "plan", f"{model_ref or 'the model'} does not fit this config on this hardware "
+                    f"(the breakdown below)", f"`zerofit plan --model {model_ref or 'M'}` with the same "
+                    f"--gpu-mem/--host-mem chooses one that fits, or says what would"))
     return result
 
 
