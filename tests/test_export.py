@@ -244,6 +244,28 @@ def test_newest_complete_checkpoint_is_taken_and_a_truncated_one_refused(one_ran
     assert "holds no complete checkpoint" in err and "no MANIFEST.json" in err
 
 
+def test_bit_rot_is_caught_by_the_hashes_and_nan_weights_are_never_published(one_rank, tmp_path, capsys):
+    """Bytes of the newest checkpoint's fp32 masters overwritten in place (the size unchanged,
+    as a failing disk does): the default hash check skips it for the older one; with
+    --no-hashes the NaN it reads is refused, and nothing is written."""
+    from zerofit import zerofiles
+
+    run = tmp_path / "run"
+    shutil.copytree(one_rank, run)
+    newest = run / "checkpoints" / "step-000002"
+    piece = next(t for t in zerofiles.open_checkpoint(newest).tensors if t.kind == "trainable").pieces[0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset)
+        f.write(b"\xff" * 64)  # 16 fp32 NaNs
+    assert main(["export", str(run), "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "skipping step-000002" in err and "exported step-000001" in err
+    assert main(["export", str(run), "--out", str(tmp_path / "b"), "--no-hashes"]) == 1
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "holds NaN or Inf in step-000002" in err and "--no-hashes" in err
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
 def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
     assert "is not a directory" in capsys.readouterr().err

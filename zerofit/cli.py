@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--shard-size", metavar="SIZE", help="largest safetensors file (default 5GB)")
     export.add_argument("--verify", action="store_true",
                         help="load the export and compare its logits with DeepSpeed's own reconstruction; for "
-                             "LoRA with peft's merge_and_unload of the same weights (holds the model twice in RAM)")
+                             "LoRA with peft's merge_and_unload of the same weights (holds the model twice in RAM); "
+                             "an export that fails it is not published")
     export.add_argument("--overwrite", action="store_true", help="replace --out if it holds files")
     export.add_argument("--model-dir", metavar="DIR",
                         help="config.json + tokenizer (default: RUN_DIR/model, or next to a DeepSpeed checkpoint)")
@@ -290,8 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--base", metavar="DIR",
                         help="LoRA runs: the base model directory, when it is no longer at the run's model.path "
                              "(it must be the same weights: its fingerprint is checked)")
-    export.add_argument("--hashes", action="store_true",
-                        help="check the checkpoint's file hashes, not only sizes, before reading")
+    export.add_argument("--hashes", action=argparse.BooleanOptionalAction, default=True,
+                        help="check the checkpoint's file hashes (xxh3 of every byte, as a resume does), not only "
+                             "sizes, before reading: a damaged checkpoint is skipped for the newest good one "
+                             "(default; --no-hashes: sizes only, faster)")
     export.set_defaults(run=cmd_export)
 
     generate = verbs.add_parser("generate", help="complete a prompt with a model directory, within a GPU budget")

@@ -100,7 +100,7 @@ class ExportResult:
 # ----------------------------------------------------------------------------- verb
 def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: str | int | None = None,
            shard_size: str | int | None = None, verify: bool = False, overwrite: bool = False,
-           model_dir: str | Path | None = None, hashes: bool = False, progress: bool = True,
+           model_dir: str | Path | None = None, hashes: bool = True, progress: bool = True,
            adapter_only: bool = False, base: str | Path | None = None) -> ExportResult:
     """Export the checkpoint at `source` (a run directory: its newest complete checkpoint;
     or one checkpoint directory) into the model directory `out`. A LoRA checkpoint's adapters
@@ -139,6 +139,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
         if merging:  # a replayed base once it has streamed
             merging.check_replayed_base()
         write_model_files(staging, config_dir, merging.model_config if merging else model_config, dtype)
+        verified = check_before_publishing(staging, checkpoint_dir, config_dir, base, merging) if verify else None
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -155,12 +156,16 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     say(summary(result))
     if result.peak_rss_bytes > max_ram_bytes:
         warn(f"peak RSS {human_bytes(result.peak_rss_bytes)} passed --max-ram {human_bytes(max_ram_bytes)}")
-    if verify:
-        from zerofit import exportcheck
-
-        result.verify = exportcheck.verify_lora_export(out, checkpoint_dir, config_dir, base) if merging else \
-            exportcheck.verify_export(out, checkpoint_dir)
+    result.verify = verified
     return result
+
+
+def check_before_publishing(staging: Path, checkpoint_dir: Path, config_dir: Path, base, merging):
+    """--verify on the staged model: one that does not reproduce the checkpoint is never published."""
+    from zerofit import exportcheck
+
+    return exportcheck.verify_lora_export(staging, checkpoint_dir, config_dir, base) if merging else \
+        exportcheck.verify_export(staging, checkpoint_dir)
 
 
 def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, dtype: str, base, verify: bool,
@@ -416,6 +421,11 @@ def tensor_blocks(tensor: OutputTensor, reader: zerofiles.TensorReader, buffers:
         count = (end - first) * row
         block = work[:count]
         reader.read(tensor.source, first * row, end * row, block)
+        if not torch.isfinite(block).all():  # a model with NaN in it is never what anyone wants published
+            where = tensor.source.pieces[0].path.parent.name if tensor.source.pieces else "the checkpoint"
+            raise ExportError(f"{tensor.name} holds NaN or Inf in {where}: its bytes are "
+                              f"damaged (export checks the files' hashes unless --no-hashes) or training diverged "
+                              f"(see the run's loss); export an earlier checkpoint; nothing was written")
         if tensor.transform is not None:
             block = tensor.transform(first, end, block.view(end - first, *tensor.shape[1:])).reshape(-1)
         if tensor.dtype != torch.float32:
