@@ -175,7 +175,14 @@ class TorchFile:
         self._data_offsets: dict[str, int] = {}
 
     def load(self):
-        return _LazyUnpickler(self._read_member(self._members[self.prefix + "data.pkl"]), self.path).load()
+        import pickle
+
+        try:
+            return _LazyUnpickler(self._read_member(self._members[self.prefix + "data.pkl"]), self.path).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError) as e:  # damaged bytes, said plainly
+            raise TorchFileError(f"{self.path.name} cannot be read ({type(e).__name__}: {e}): the file is damaged; "
+                                 f"its checkpoint's hashes (checkpoint.verify full, export's default) would have "
+                                 f"caught it") from None
 
     def offset(self, ref: TensorRef) -> int:
         """Byte position in the file of `ref`'s first element."""
