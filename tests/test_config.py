@@ -88,6 +88,22 @@ def test_example_yaml_documents_every_key_and_loads_back(tmp_path):
     path.write_text(text)
     config = load(path)
     assert config.train.max_steps == 300 and config.model.config == "demo"
+    # the planner's keys are left to it: a config started from the example is planned
+    assert "  #! offload_optimizer: \"cpu\"" in text and "  #! gradient_checkpointing: true" in text
+    assert not config.zero.model_fields_set & {"offload_optimizer", "offload_param", "reduce_bucket_size"}
+    assert "gradient_checkpointing" not in config.model.model_fields_set
+
+
+def test_config_says_which_keys_the_planner_will_choose(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {config: tiny}\nzero: {offload_param: none}\ntrain: {global_batch_size: 8, max_steps: 5}\n")
+    assert cli.main(["config", "--config", str(path)]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("# not set, so the planner chooses them") and "zero.offload_optimizer," in said
+    assert "zero.offload_param" not in said and "train.micro_batch_size" in said
+    path.write_text("model: {config: tiny}\ntrain: {max_steps: 5}\n")
+    assert cli.main(["config", "--config", str(path)]) == 0
+    assert "train.micro_batch_size" not in capsys.readouterr().out  # no global batch: no split to choose
 
 
 def test_cli_exit_codes(tmp_path, capsys):

@@ -130,7 +130,19 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
 def cmd_config(args) -> int:
     from zerofit.config import dump_yaml, example_yaml
 
-    print(example_yaml() if args.example else dump_yaml(load_config(args)), end="")
+    if args.example:
+        print(example_yaml(), end="")
+        return 0
+    config = load_config(args)
+    print(dump_yaml(config), end="")
+    if config.plan.enabled:  # their values above are defaults: the run's are the planner's
+        from zerofit.choice import DECIDED
+
+        free = [f"{section}.{key}" for section, keys in DECIDED.items() for key in keys
+                if key not in getattr(config, section).model_fields_set
+                and (section != "train" or config.train.global_batch_size)]  # the batch split: of a global batch
+        print(f"# not set, so the planner chooses them at the start (`zerofit plan` with the same config shows "
+              f"its choice): {', '.join(free)}")
     return 0
 
 

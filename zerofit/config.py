@@ -485,9 +485,13 @@ def dump_yaml(config: Config) -> str:
 
 
 def example_yaml() -> str:
-    """Every section and field with its doc as a comment: generated, so it never goes stale."""
-    out = ["# zerofit config: every key with its default. Unset keys under zero.* and the batch",
-           "# shape are chosen by the planner (plan.enabled).", ""]
+    """Every section and field with its doc as a comment: generated, so it never goes stale.
+    The keys the planner decides (choice.DECIDED) are commented out: a key written in the file
+    is a constraint, so writing them all would turn the planner off."""
+    from zerofit.choice import DECIDED  # the planner reads this module: imported here
+
+    out = ["# zerofit config: every key with its default. Keys commented out with `#!` are the",
+           "# planner's to choose (plan.enabled); uncomment one to fix it to your value.", ""]
     example = {"model": {"config": "demo"}, "train": {"max_steps": 300}}
     for name, field in Config.model_fields.items():
         if field.annotation in (str, "str"):
@@ -499,6 +503,7 @@ def example_yaml() -> str:
             doc = " ".join((sub.description or "").split())
             value = example.get(name, {}).get(key, sub.default)
             out.append(f"  # {doc}")
-            out.append(f"  {key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}")
+            planners = "#! " if key in DECIDED.get(name, ()) else ""
+            out.append(f"  {planners}{key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}")
         out.append("")
     return "\n".join(out)
