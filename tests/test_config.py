@@ -110,9 +110,19 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert cli.main(["train", "--set", "train.lrr=1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("zerofit: error: invalid config: unknown key train.lrr; did you mean train.lr?")
-    with pytest.raises(SystemExit) as usage:
-        cli.main(["train", "--bogus"])
-    assert usage.value.code == 2
+    for argv, said in ((["train", "--bogus"], "unrecognized arguments: --bogus"),
+                       (["train", "--set", "train.lr"], "'train.lr' is not KEY=VALUE"),
+                       (["plan"], "one of the arguments --model --config --presets is required")):
+        with pytest.raises(SystemExit) as usage:
+            cli.main(argv)
+        assert usage.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_plan_presets_lists_what_model_config_accepts(capsys):
+    assert cli.main(["plan", "--presets"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "llama-8b" in listed and "8,030,261,248 parameters" in listed["llama-8b"]
+    assert "tiny" in listed and "2 layers, hidden 64" in listed["tiny"]
 
 
 def test_train_help_lists_config_keys(capsys):
@@ -131,3 +141,15 @@ def test_changed_settings_names_each_difference():
         f"train.micro_batch_size {before['train']['micro_batch_size']} -> 2"]
     assert changed_settings(before, before) == []
     assert changed_settings({"data": {"path": "x" * 50}}, {"data": {}}) == [f"data.path {'x' * 37}... -> (unset)"]
+
+
+def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
+    """A size is checked as the config loads (not once DeepSpeed has started); a directory
+    where a file is wanted, or a path that does not exist, is said to be that."""
+    with pytest.raises(ConfigError, match=r"plan\.gpu_mem='24XB' is not a size"):
+        load(None, ["plan.gpu_mem=24XB"])
+    for argv, said in ((["lint", str(tmp_path)], f"{tmp_path} is a directory; pass the DeepSpeed JSON file"),
+                       (["doctor", str(tmp_path / "nope")], f"{tmp_path / 'nope'} is not a directory"),
+                       (["generate", str(tmp_path / "nope"), "--prompt", "p"], f"{tmp_path / 'nope'} is not a directory")):
+        assert cli.main(argv) == 1
+        assert said in capsys.readouterr().err.replace("\n", "")

@@ -1,7 +1,7 @@
 """`zerofit <verb>`: the verbs are registered here and nothing else happens here.
 
 Exit codes: 0 success; 1 a user error (config, data, files, memory) with a one-line reason
-first; 2 bad usage (argparse); 143 `train` stopped by SIGTERM (its save in flight drained).
+first; 2 bad usage (argparse); 143 `train` stopped by SIGTERM (the step saved); 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ def at_least(minimum, kind=int):
     return parse
 
 
+def key_value(text: str) -> str:
+    """An argparse type for --set: KEY=VALUE (else a usage error, exit 2)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. train.lr=3e-4)")
+    return text
+
+
 def config_help() -> str:
     """Every config key and its doc, for `zerofit train --help` (generated, never stale)."""
     lines = ["config keys (YAML sections, or --set section.key=value):"]
@@ -41,7 +49,7 @@ def config_help() -> str:
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded demo)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="override one config key, e.g. --set train.lr=3e-4 (repeatable)")
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (overrides run_dir)")
 
@@ -86,6 +94,16 @@ def cmd_plan(args) -> int:
 
     from zerofit.planview import plan, plan_json, render
 
+    if args.presets:
+        from zerofit import modelspec
+        from zerofit.models import PRESETS
+
+        for name, fields in PRESETS.items():
+            spec = modelspec.from_name(name)
+            print(f"{name:14} {spec.total_params:>14,} parameters  {fields.get('model_type')}, "
+                  f"{fields.get('num_hidden_layers')} layers, hidden {fields.get('hidden_size')}, "
+                  f"vocabulary {fields.get('vocab_size')}")
+        return 0
     decision, spec, hw = plan(args.model, args.config, plan_overrides(args), args.world_size, args.accelerator,
                               args.cpu_cores)
     if args.json:
@@ -217,7 +235,11 @@ def cmd_doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zerofit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="zerofit", description="Fine-tune models larger than the GPU on DeepSpeed ZeRO-3 with CPU/NVMe offload, "
+        "planned so that it does not run out of memory.",
+        epilog="exit codes: 0 success; 1 a user error (the reason on the first line, with the fix); 2 bad usage; "
+               "143 train stopped by SIGTERM (the step saved); 130 Ctrl-C")
     parser.add_argument("--version", action="version", version=f"zerofit {__import__('zerofit').__version__}")
     # The deepspeed launcher passes --local_rank=N before the verb (it also sets LOCAL_RANK).
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
@@ -253,10 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(run=cmd_doctor)
 
     plan = verbs.add_parser("plan", help="predict GPU, host and disk peaks and choose the fastest DeepSpeed config that fits")
-    source = plan.add_mutually_exclusive_group()
+    source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="M", help="preset, config.json or model directory")
     source.add_argument("--config", metavar="FILE", help="a zerofit run config to plan")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    source.add_argument("--presets", action="store_true", help="list the model presets (random init from a config)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                       help="override one config key (repeatable)")
     add_hardware_args(plan)
     plan.add_argument("--grad-accum", type=int, metavar="N", help="micro batches per optimizer step")

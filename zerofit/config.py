@@ -100,7 +100,8 @@ class DataConfig(Section):
     instruction set; `synthetic` for random tokens (throughput benchmarks)."""
     format: Literal["auto", "text", "alpaca", "messages"] = "auto"
     """Row format: `text` {text}; `alpaca` {instruction, input?, output}; `messages`
-    {messages: [{role, content}]}; `auto` picks by the first row's keys."""
+    {messages: [{role, content}]}; `auto` picks by the file's columns (every row's keys: a
+    file that mixes formats needs them split, or `format` set and the odd rows skipped)."""
     eval_path: str | None = None
     """Held-out data file(s). Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
@@ -340,6 +341,14 @@ class PlanConfig(Section):
     """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM)."""
     headroom: float = Field(0.1, ge=0.0, lt=0.9)
     """Fraction of each budget kept free."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "PlanConfig":
+        from zerofit.memory import parse_bytes  # it reads this module's ConfigError: imported here
+
+        for key in ("gpu_mem", "host_mem"):  # at load, not once DeepSpeed has started
+            parse_bytes(getattr(self, key), f"plan.{key}")
+        return self
 
 
 class Config(Section):

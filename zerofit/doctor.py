@@ -40,6 +40,9 @@ class Diagnosis:
 # ---------------------------------------------------------------------------- reading
 def diagnose(run_dir: str | Path) -> Diagnosis:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory; point `zerofit doctor` at a zerofit run directory "
+                          f"(run_dir of the config) or an HF Trainer output_dir")
     per_rank = rank_timelines(run_dir)
     if 0 not in per_rank:
         raise ConfigError(f"{run_dir} has no memory.jsonl: point `zerofit doctor` at a zerofit run directory, "

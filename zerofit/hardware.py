@@ -130,7 +130,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     overridden = []
     if accelerator is None:
         accelerator = "cuda" if gpu or gpu_mem else "cpu"
-    name, count, total, free = gpu or ("(as given)" if accelerator == "cuda" else "cpu", _gpu_count(), 0, 0)
+    name, count, total, free = gpu or ("a GPU (budget given)" if accelerator == "cuda" else "cpu", _gpu_count(), 0, 0)
     gpu_budget = free
     if gpu_mem is not None:
         gpu_budget = parse_bytes(gpu_mem, "gpu_mem")

@@ -87,6 +87,9 @@ def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir} is not a directory; give a model directory (`zerofit export` writes one) "
+                          f"or an adapter directory (`zerofit export --adapter-only`)")
     if (model_dir / ADAPTER_CONFIG_FILE).is_file():
         return load_adapter(model_dir, gpu_mem, dtype, context_tokens)
     if not (model_dir / "config.json").is_file():

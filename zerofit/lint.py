@@ -58,7 +58,8 @@ class LintResult:
 def read(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path} does not exist; pass the DeepSpeed JSON file to lint")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{path} {what}; pass the DeepSpeed JSON file to lint")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
