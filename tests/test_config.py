@@ -153,3 +153,6 @@ def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
                        (["generate", str(tmp_path / "nope"), "--prompt", "p"], f"{tmp_path / 'nope'} is not a directory")):
         assert cli.main(argv) == 1
         assert said in capsys.readouterr().err.replace("\n", "")
+    (tmp_path / "afile").touch()
+    assert cli.main(["train", "--run-dir", str(tmp_path / "afile")]) == 1
+    assert f"run_dir {tmp_path / 'afile'} cannot be made (it is a file)" in capsys.readouterr().err.replace("\n", "")

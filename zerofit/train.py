@@ -40,7 +40,7 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
-    run_dir = Path(config.run_dir)
+    run_dir = usable_run_dir(Path(config.run_dir))
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
     elastic.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
@@ -249,6 +249,17 @@ def total_optimizer_steps(config: Config, sequences: int, world_size: int) -> in
 def held_bytes(*sets: data.Sequences) -> int:
     """Host bytes of the tokenized data every rank keeps (ids and labels)."""
     return sum(s.input_ids.nbytes + s.labels.nbytes for s in sets)
+
+
+def usable_run_dir(run_dir: Path) -> Path:
+    """The run directory, made if need be; one that cannot be is a user error, said first."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "it is a file" if run_dir.is_file() else e.strerror or str(e)
+        raise ConfigError(f"run_dir {run_dir} cannot be made ({why}); set run_dir (or --run-dir) to a "
+                          f"directory you can write") from None
+    return run_dir
 
 
 def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config) -> None:
