@@ -163,3 +163,17 @@ def test_batches_resume_mid_stream_and_shard_by_rank():
 def test_too_little_data_for_one_batch():
     with pytest.raises(DataError, match="fewer than one micro batch"):
         Batches(data.synthetic_sequences(3, 8, 100, seed=0), micro_batch=2, rank=0, world=2, seed=0)
+
+
+def test_an_eval_set_smaller_than_a_micro_batch_is_still_evaluated(tmp_path, tokenizer):
+    """One held-out sequence at micro batch 4 gave no eval batch at all (eval loss n/a, said
+    nowhere): it is evaluated in a smaller batch, every rank the same number of them."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i} " * 20} for i in range(3)])
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 16)
+    assert len(seqs) == 3
+    alone = list(data.eval_batches(seqs, 4, 0, 1, limit=10))
+    assert [len(ids) for ids, _ in alone] == [3]
+    per_rank = [list(data.eval_batches(seqs, 4, rank, 2, limit=10)) for rank in (0, 1)]
+    assert [[len(ids) for ids, _ in batches] for batches in per_rank] == [[1], [1]]
+    assert (per_rank[0][0][0] != per_rank[1][0][0]).any()  # each rank its own sequence
+    assert list(data.eval_batches(seqs, 4, 0, 4, limit=10)) == []  # fewer sequences than ranks: none (warned)

@@ -324,8 +324,11 @@ def position_for_world(position: int, world: int, micro_batch: int, new_world: i
 
 
 def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int):
-    """The first `limit` micro batches of the eval set, in file order, this rank's slice."""
-    count = min(limit, len(seqs) // (micro_batch * world))
+    """The first `limit` micro batches of the eval set, in file order, this rank's slice; an
+    eval set smaller than one micro batch per rank is evaluated in smaller ones (every rank
+    the same number: ZeRO-3's forward is collective), one with fewer sequences than ranks not."""
+    size = min(micro_batch, len(seqs) // world)
+    count = min(limit, len(seqs) // (size * world)) if size else 0
     for j in range(count):
-        start = (j * world + rank) * micro_batch
-        yield seqs.input_ids[start: start + micro_batch], seqs.labels[start: start + micro_batch]
+        start = (j * world + rank) * size
+        yield seqs.input_ids[start: start + size], seqs.labels[start: start + size]

@@ -64,6 +64,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
         report_data(train_set, eval_set)
+        if len(eval_set) < dist.world_size and (config.eval.every_steps or config.eval.at_end):
+            warn(f"the eval set has {len(eval_set)} sequence(s) for {dist.world_size} rank(s): no eval loss will be "
+                 f"measured; raise data.eval_fraction, or set data.eval_path")
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
     model = engine.build_model(config, ds_config)
