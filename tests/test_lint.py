@@ -64,6 +64,23 @@ def test_top_level_keys_deepspeed_ignores_are_flagged():
     assert "bf16" not in errors and "zero_optimization" not in errors
 
 
+
+def test_every_finding_is_named_when_deepspeed_refuses_a_section():
+    """A section DeepSpeed refuses stops its parse: the keys it would have read later were not
+    reported until that was fixed. Now each refusal is named per key, in words, beside the
+    ignored top-level keys; and a misspelt stage3_ key gets the JSON spelling back."""
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, "loss_scale": 0},
+                        "zero_optimisation": {"stage": 3}, "gradient_clip": 1.0,
+                        "zero_optimization": {"stage": 5, "stage3_prefetch_bucket": 5}})
+    errors = findings(result, "error")
+    assert errors["bf16.loss_scale"].message.startswith("not a key of DeepSpeed's bf16 section")
+    assert errors["zero_optimisation"].fix == "did you mean zero_optimization?"
+    assert errors["gradient_clip"].fix == "did you mean gradient_clipping?"
+    assert errors["zero_optimization.stage"].message == "must be one of 0, 1, 2, 3 (got 5)"
+    assert errors["zero_optimization.stage3_prefetch_bucket"].fix == "did you mean stage3_prefetch_bucket_size?"
+    assert not any("\n" in f.message for f in result.findings)
+
+
 def test_nvme_without_path_and_batch_arithmetic():
     result = lint.lint({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
                         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, world_size=1)

@@ -132,10 +132,20 @@ def check_zero(ds: dict, result: LintResult):
                 result.findings.append(Finding("error", key, "not a DeepSpeed ZeRO key: DeepSpeed refuses this config",
                                                _nearest(item["loc"], DeepSpeedZeroConfig)))
             else:
-                result.findings.append(Finding("error", key, f"{item['msg']} (got {item.get('input')!r})",
-                                               "see DeepSpeed's zero_optimization docs for the type"))
+                result.findings.append(value_finding(key, item))
         return None
     return zero
+
+
+def value_finding(key: str, item: dict) -> Finding:
+    """A pydantic error about a value: what it must be, and what it got."""
+    expected = item.get("ctx", {}).get("expected")
+    if item["type"] == "enum" and expected:  # "0, 1, 2, 3 or 3": DeepSpeed's stage enum has an alias
+        allowed = list(dict.fromkeys(v.strip(" '") for v in expected.replace(" or ", ", ").split(",")))
+        return Finding("error", key, f"must be one of {', '.join(allowed)} (got {item.get('input')!r})",
+                       f"set it to one of {', '.join(allowed)}")
+    return Finding("error", key, f"{item['msg']} (got {item.get('input')!r})",
+                   "see DeepSpeed's docs for this key's type")
 
 
 def check_nvme_paths(ds: dict, result: LintResult) -> None:
@@ -154,7 +164,9 @@ def _nearest(loc: tuple, model) -> str:
         model = model.model_fields[parent].annotation
         model = next((a for a in getattr(model, "__args__", (model,)) if hasattr(a, "model_fields")), model)
     valid = [a for n, f in model.model_fields.items() for a in (n, f.alias) if a]
-    near = difflib.get_close_matches(name.removeprefix("stage3_"), valid, n=1, cutoff=0.5) \
+    # in the spelling given: stage3_prefetch_bucket -> stage3_prefetch_bucket_size (the JSON alias)
+    near = difflib.get_close_matches(name, valid, n=1, cutoff=0.8) \
+        or difflib.get_close_matches(name.removeprefix("stage3_"), valid, n=1, cutoff=0.5) \
         or difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     if name.startswith("stage3_offload"):
         return f'remove it; offload is configured as {{"{name.removeprefix("stage3_")}": {{"device": "cpu"}}}}'
@@ -209,9 +221,9 @@ def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
     try:
         DeepSpeedConfig(recorder)
     except Exception as e:  # DeepSpeed raises assertion and value errors of many kinds
-        result.findings.append(Finding("error", "(config)", f"DeepSpeed rejects the config: {e}",
-                                       "fix the value it names"))
-        return
+        result.findings += rejection_findings(e)
+        recorder = _RecordingDict({"train_micro_batch_size_per_gpu": 1})  # the keys it reads, from a parse
+        DeepSpeedConfig(recorder)  # that runs to its end: the unknown keys are still named below
     known = sorted(recorder.seen | {"scheduler", "optimizer"})
     for key in ds:
         if key not in recorder.seen and key not in ("scheduler", "optimizer"):
@@ -221,6 +233,27 @@ def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
                 fix = 'move it into "zero_optimization"'
             result.findings.append(Finding("error", key, "DeepSpeed never reads this top-level key and ignores it silently",
                                            fix))
+
+
+def rejection_findings(error: Exception) -> list[Finding]:
+    """DeepSpeed's refusal of a section, one finding per key it names (its sections are
+    pydantic models titled DeepSpeed<Section>Config), or its own words for other errors."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        text = " ".join(str(error).split())
+        return [Finding("error", "(config)", f"DeepSpeed rejects the config: {text}",
+                        "fix the setting it names")]
+    section = error.title.removeprefix("DeepSpeed").removesuffix("Config").lower()
+    findings = []
+    for item in error.errors():
+        key = ".".join([section, *(str(p) for p in item["loc"])])
+        if item["type"] == "extra_forbidden":
+            findings.append(Finding("error", key, f"not a key of DeepSpeed's {section} section: DeepSpeed refuses "
+                                    f"this config", "remove it"))
+        else:
+            findings.append(value_finding(key, item))
+    return findings
 
 
 def check_batch(ds: dict, world_size: int, result: LintResult) -> None:
