@@ -84,8 +84,8 @@ def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     """`what old -> new` for each difference a load cannot bridge: the model's architecture
     (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
     checkpoint that recorded neither (older zerofit) is not judged."""
-    changes = [f"model {name} {saved.model_shape.get(name)} -> {fresh.model_shape.get(name)}"
-               for name in fresh.model_shape if saved.model_shape and saved.model_shape.get(name) != fresh.model_shape[name]]
+    changes = [f"model {name} {saved.model_shape.get(name)} -> {new}" for name, new in fresh.model_shape.items()
+               if saved.model_shape and saved.model_shape.get(name) != new]
     for section, key in SHAPING_SETTINGS if saved.config_values else ():
         old = saved.config_values.get(section, {}).get(key)
         new = fresh.config_values.get(section, {}).get(key)

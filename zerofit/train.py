@@ -63,10 +63,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
-        report_data(train_set, eval_set)
-        if len(eval_set) < dist.world_size and (config.eval.every_steps or config.eval.at_end):
-            warn(f"the eval set has {len(eval_set)} sequence(s) for {dist.world_size} rank(s): no eval loss will be "
-                 f"measured; raise data.eval_fraction, or set data.eval_path")
+        report_data(train_set, eval_set, config, dist.world_size)
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
     model = engine.build_model(config, ds_config)
@@ -275,11 +272,14 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
     tokenizer.save_pretrained(run_dir / "model")
 
 
-def report_data(train_set: data.Sequences, eval_set: data.Sequences) -> None:
+def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, world_size: int) -> None:
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
         f"{train_set.trained_tokens} trained tokens")
     if train_set.skipped_rows:
         warn(f"skipped {train_set.skipped_rows} bad rows (data.skip_bad_rows), e.g. {train_set.skipped_reasons[0]}")
+    if len(eval_set) < world_size and (config.eval.every_steps or config.eval.at_end):  # data.eval_batches: none
+        warn(f"the eval set has {len(eval_set)} sequence(s) for {world_size} rank(s): no eval loss will be "
+             f"measured; raise data.eval_fraction, or set data.eval_path")
 
 
 def fresh_state(config: Config, dist: engine.Dist, hf_config=None) -> checkpoint.LoopState:
