@@ -266,6 +266,22 @@ def test_bit_rot_is_caught_by_the_hashes_and_nan_weights_are_never_published(one
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys):
+    """--overwrite replaced --out whatever it was: the run itself, a folder holding it, its
+    checkpoints or one of them (a resume then took the model files for a checkpoint)."""
+    runs = tmp_path / "runs"
+    run = runs / "x"
+    shutil.copytree(one_rank, run)
+    before = sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
+    for out in (run, runs, run / "checkpoints", run / "checkpoints" / "step-000002", run / "model",
+                run / "checkpoints" / "fresh"):
+        assert main(["export", str(run), "--out", str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err.replace("\n", " ")
+        assert "which this export reads" in err or "inside the run's checkpoints" in err, err
+    assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == before
+    assert main(["export", str(run), "--out", str(run / "exported")]) == 0  # beside them: fine
+
+
 def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
     assert "is not a directory" in capsys.readouterr().err

@@ -113,7 +113,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     shard_bytes = parse_bytes(shard_size or DEFAULT_SHARD_SIZE, "--shard-size")
     out = Path(out)
     checkpoint_dir, config_dir = locate(Path(source), Path(model_dir) if model_dir else None, hashes)
-    check_destination(out, overwrite)
+    check_destination(out, overwrite, reads=(Path(source), checkpoint_dir, config_dir, Path(base) if base else None))
     model_config = read_model_config(config_dir)
     zero = zerofiles.open_checkpoint(checkpoint_dir)  # first: it refuses a universal copy of a LoRA checkpoint
     lora = merge.is_lora_checkpoint(checkpoint_dir)
@@ -178,8 +178,15 @@ def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, 
     staging.mkdir(parents=True)
     try:
         record = merge.write_adapter_dir(checkpoint_dir, config_dir, staging, dtype, Path(base) if base else None)
+        mode = (staging / "adapter_config.json").stat().st_mode & 0o777  # safetensors writes its file 0600
         for path in staging.iterdir():
+            path.chmod(mode)
             checkpoint.fsync_file(path)
+        verified = None
+        if verify:  # on the staged directory: an adapter that fails it is never published
+            from zerofit import exportcheck
+
+            verified = exportcheck.verify_adapter_export(staging, checkpoint_dir, config_dir)
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -193,10 +200,7 @@ def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, 
     result.lora = (f"peft adapter directory for the base {recipe['path']}" if recipe["path"] else
                    f"peft adapter directory for the random-init base (seed {recipe['seed']}, rebuilt by zerofit chat)")
     say(summary(result))
-    if verify:
-        from zerofit import exportcheck
-
-        result.verify = exportcheck.verify_adapter_export(out, checkpoint_dir, config_dir)
+    result.verify = verified
     return result
 
 
@@ -308,9 +312,20 @@ def block_elements(tensors: list[OutputTensor], max_ram: int, baseline_rss: int,
     return int(elements)
 
 
-def check_destination(out: Path, overwrite: bool) -> None:
+def check_destination(out: Path, overwrite: bool, reads: tuple = ()) -> None:
+    """`out` may be replaced (--overwrite): never by what the export reads or what holds it
+    (the run, its checkpoints, the model directory), nor inside a checkpoints directory
+    (a resume would take the model files for a checkpoint)."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
+    target = out.resolve()
+    for path in (Path(p).resolve() for p in reads if p is not None):
+        if target == path or target in path.parents:
+            raise ExportError(f"--out {out} is or holds {path}, which this export reads: writing there would "
+                              f"replace it; choose a directory of its own")
+        if path.parent.name == "checkpoints" and path.parent in target.parents:
+            raise ExportError(f"--out {out} is inside the run's checkpoints ({path.parent}); choose a directory "
+                              f"outside them")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
 
