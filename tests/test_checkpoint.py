@@ -546,6 +546,31 @@ def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path)
     assert [group["lr"] for group in saved] == pytest.approx([0.01 * factor(8)] * 2)
 
 
+def test_a_nan_loss_stops_the_run_before_it_saves_or_rotates_a_checkpoint(reference, tmp_path):
+    """Masters damaged in place (size unchanged) and a resume that checks sizes only: the loss
+    is NaN from the first step. The run stops there, exit 1, naming it; no NaN step is logged
+    or saved, and the older good checkpoint is not rotated out (keep_last 2)."""
+    from zerofit import zerofiles
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    newest = run / "checkpoints" / "step-000006"
+    for tensor in zerofiles.open_checkpoint(newest).tensors:
+        if tensor.kind == "trainable":
+            piece = tensor.pieces[0]
+            with open(piece.path, "r+b") as f:
+                f.seek(piece.offset)
+                f.write(b"\xff" * 4 * piece.numel)
+    config = config_for(tmp_path, "run", max_steps=8)
+    stopped = run_zerofit(["train", "--config", str(config), "--verify", "sizes"], check=False, env={"COLUMNS": "400"})
+    message = stopped.stderr.replace("\n", "")
+    assert stopped.returncode == 1 and "the loss is nan at step 7" in message, message[-3000:]
+    assert "the newest checkpoint, step-000006, is as it was" in message and "--verify full" in message
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
+    assert valid_steps(run) == [4]  # step 6's hashes no longer hold: step 4 is the good one left
+    assert max(r["step"] for r in read_jsonl(run / "metrics.jsonl")) == 6
+
+
 def test_resume_on_fewer_ranks(tmp_path):
     """A 2-rank run (async saves) dies in its last save; the run resumes on 1 rank through
     a universal checkpoint: same data position, the loss goes on from where it was."""

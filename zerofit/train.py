@@ -100,6 +100,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                                     config.train.chunked_loss, config.train.heap_step_temporaries)
             faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
             swap_guard.check()  # a failed NVMe write: stop before DeepSpeed reads it back
+            refuse_non_finite(train_loss, state.step + 1, saver)  # before it is logged, saved or rotates one out
             nvme.release_swapped_views(swap_guard.swapper)  # before a checkpoint saves them as state
             state.step += 1
             state.micro_batches = batches.position
@@ -145,6 +146,23 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
     return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, signalled)
+
+
+class NonFiniteLoss(ConfigError):
+    """The loss became NaN or Inf: nothing of that step is logged or saved."""
+
+
+def refuse_non_finite(loss: float, step: int, saver: checkpointer.Checkpointer) -> None:
+    """A NaN or Inf loss (mean over ranks: every rank stops alike) ends the run before the step
+    is logged or saved: training on would publish NaN checkpoints and rotate out the last good
+    one (seen after a resume from damaged masters under checkpoint.verify sizes)."""
+    if math.isfinite(loss):
+        return
+    newest = checkpoint.published(saver.root)
+    kept = f"the newest checkpoint, {newest[0].name}, is as it was" if newest else "no checkpoint was saved"
+    raise NonFiniteLoss(f"the loss is {loss} at step {step}: training diverged, or the checkpoint it resumed from "
+                        f"is damaged; nothing of this step was saved, {kept}. Resume with a lower train.lr, or "
+                        f"check the checkpoints' bytes first (`--verify full`)")
 
 
 # ------------------------------------------------------------------------ one step
