@@ -499,7 +499,8 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     config = config_for(tmp_path, "run", max_steps=8)
-    kept = [run / "config.yaml", run / "model" / "config.json", *sorted((run / "checkpoints").rglob("*.*"))]
+    kept = [run / "config.yaml", run / "plan.json", run / "model" / "config.json",
+            *sorted((run / "checkpoints").rglob("*.*"))]
     before = [path.read_bytes() for path in kept]
     deeper = tmp_path / "deeper.json"
     deeper.write_text(json.dumps({**json.loads((run / "model" / "config.json").read_text()), "num_hidden_layers": 3}))

@@ -52,6 +52,7 @@ class Decision:
     chosen_fields: dict[str, object]     # what the planner decided (free fields)
     advice: list[str]                    # when nothing fits: what would, with numbers
     nvme_problems: list[str] = field(default_factory=list)  # NVMe settings that cannot work (nvme.resolve_aio)
+    record: dict | None = None           # plan.json's content (planview.plan_run), written with the run's files
 
 
 # ---------------------------------------------------------------- config <-> plan

@@ -1,13 +1,12 @@
 """`zerofit plan`: plan a model or a run config and show it (rich table or JSON).
 
 Also what `train` calls: `plan_run(config, dist)` plans, broadcasts the decision from rank 0
-(every rank must build the same engine), writes plan.json, and refuses when nothing fits.
+(every rank must build the same engine) with plan.json's content (train writes it with the
+run's other files), and refuses when nothing fits.
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -175,24 +174,19 @@ def render_explain(decision: Decision, console: Console) -> None:
     console.print(table)
 
 
-def write_plan(run_dir: Path, decision: Decision, spec: ModelSpec, hw: Hardware) -> Path:
-    path = Path(run_dir) / "plan.json"
-    path.write_text(json.dumps(plan_json(decision, spec, hw), indent=2))
-    return path
-
-
 # ------------------------------------------------------------------ train's call
 def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Decision]:
-    """Plan on rank 0, share the decision with every rank, write plan.json, refuse when
-    nothing fits (plan.enabled) or just record the prediction (plan.enabled false)."""
+    """Plan on rank 0, share the decision with every rank (plan.json's content in
+    `decision.record`, written with the run's other files once a resume is known to be
+    possible), refuse when nothing fits (plan.enabled) or just record the prediction
+    (plan.enabled false)."""
     import torch.distributed as torch_dist
 
     box: list = [None, None]
     if dist.is_main:
         hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
         decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
-        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-        write_plan(Path(config.run_dir), decision, spec, hw)
+        decision.record = plan_json(decision, spec, hw)
         box = [decision, nvme.preflight(decision.config, decision.plan, dist.on_gpu, decision.nvme_problems)]
     if dist.world_size > 1:
         torch_dist.broadcast_object_list(box, src=0)

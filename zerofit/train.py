@@ -62,7 +62,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
-        write_run_files(run_dir, config, ds_config, tokenizer, hf_config)
+        write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record)
         report_data(train_set, eval_set, config, dist.world_size)
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
@@ -280,10 +280,11 @@ def usable_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
-def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config) -> None:
+def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict) -> None:
     """config.yaml (resolved, with the planner's choices), ds_config.json (what DeepSpeed
-    gets) and model/ (the HF config and tokenizer an export needs); plan.json is already there."""
+    gets), plan.json (the prediction) and model/ (the HF config and tokenizer an export needs)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     (run_dir / "config.yaml").write_text(dump_yaml(config))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     hf_config.save_pretrained(run_dir / "model")
