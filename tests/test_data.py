@@ -177,3 +177,16 @@ def test_an_eval_set_smaller_than_a_micro_batch_is_still_evaluated(tmp_path, tok
     assert [[len(ids) for ids, _ in batches] for batches in per_rank] == [[1], [1]]
     assert (per_rank[0][0][0] != per_rank[1][0][0]).any()  # each rank its own sequence
     assert list(data.eval_batches(seqs, 4, 0, 4, limit=10)) == []  # fewer sequences than ranks: none (warned)
+
+
+def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_raise_it(tmp_path, tokenizer):
+    """Without packing, an example whose prompt fills seq_len leaves nothing to learn and is
+    dropped (a NaN loss otherwise): counted, and when that leaves too few sequences the error
+    says to raise seq_len, not to lower it."""
+    rows = [{"instruction": "word " * 100, "output": "yes"}] * 6 + [{"instruction": "hi", "output": "there"}] * 2
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 128)
+    assert len(seqs) == 2 and seqs.prompt_only_rows == 6 and seqs.longest_example > 128
+    with pytest.raises(DataError, match=r"6 rows were dropped because their answer starts beyond train\.seq_len "
+                                        r"\(the longest example has \d+ tokens\): raise train\.seq_len"):
+        data.Batches(seqs, 4, 0, 1, seed=0)

@@ -31,6 +31,8 @@ class Sequences:
     labels: np.ndarray
     skipped_rows: int = 0
     skipped_reasons: list[str] = field(default_factory=list)
+    prompt_only_rows: int = 0     # rows whose answer lay beyond seq_len (packing off): nothing to learn
+    longest_example: int = 0      # tokens of the longest example, for the advice on seq_len
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -237,7 +239,8 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
     learnable = (labels != IGNORE).any(axis=1)  # a row of prompt only would make a NaN loss
-    return Sequences(ids[learnable], labels[learnable], skipped, list(reasons))
+    return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
+                     max((len(e_ids) for e_ids, _ in examples), default=0))
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
@@ -285,8 +288,11 @@ class Batches:
         self.seqs, self.micro_batch, self.rank, self.world, self.seed = seqs, micro_batch, rank, world, seed
         self.per_epoch = len(seqs) // (micro_batch * world)
         if self.per_epoch == 0:
+            dropped = (f"; {seqs.prompt_only_rows} rows were dropped because their answer starts beyond "
+                       f"train.seq_len (the longest example has {seqs.longest_example} tokens): raise train.seq_len "
+                       f"or turn data.packing on") if seqs.prompt_only_rows else ""
             raise DataError(f"the data gives {len(seqs)} sequences, fewer than one micro batch on every rank "
-                            f"({micro_batch} x {world}); add data, or lower train.micro_batch_size / seq_len")
+                            f"({micro_batch} x {world}){dropped or '; add data, or lower train.micro_batch_size'}")
         self.position = position
         self._order_epoch, self._order = -1, None
 
