@@ -282,6 +282,19 @@ def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys):
     assert main(["export", str(run), "--out", str(run / "exported")]) == 0  # beside them: fine
 
 
+def test_a_model_dir_of_another_model_is_refused(one_rank, tmp_path, capsys):
+    """--model-dir naming a model with one layer fewer exported the checkpoint's tensors
+    under it (and generate ran the truncated model): refused, naming a difference."""
+    other = tmp_path / "other"
+    shutil.copytree(one_rank / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] - 1}))
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "out"), "--model-dir", str(other)]) == 1
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "is not the model" in err and "model.layers.1." in err and "is not in the config's model" in err
+    assert "RUN_DIR/model" in err and not (tmp_path / "out").exists()
+
+
 def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
     assert "is not a directory" in capsys.readouterr().err

@@ -125,6 +125,8 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     merging = merge.plan(zero, checkpoint_dir, config_dir, model_config, DTYPES[dtype],
                          Path(base) if base else None) if lora else None
     tensors = merging.tensors if merging else output_tensors(zero, DTYPES[dtype], ties_embeddings(model_config))
+    if not merging:  # (a merge plans against the base's own names)
+        check_against_config(tensors, config_dir, checkpoint_dir)
     shards = plan_shards(tensors, shard_bytes)
     baseline = host_rss_bytes()
     block = block_elements(tensors, max_ram_bytes, baseline, DTYPES[dtype], merging)
@@ -277,6 +279,31 @@ def output_tensors(zero: zerofiles.ZeroCheckpoint, dtype: torch.dtype, tied: boo
         if owner in by_name and alias not in by_name and not tied:
             tensors.append(OutputTensor(alias, by_name[owner].shape, out_dtype(by_name[owner]), by_name[owner]))
     return tensors
+
+
+def check_against_config(tensors: list[OutputTensor], config_dir: Path, checkpoint_dir: Path) -> None:
+    """The model config.json describes must be the checkpoint's, name for name and shape for
+    shape (built on the meta device: no memory). A --model-dir of another model exported
+    without a word and loaded truncated, with only transformers' note of unexpected keys.
+    A config transformers cannot build here (remote code) is not judged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+        with torch.device("meta"):
+            expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception:  # noqa: BLE001 (whatever transformers raises for a config it cannot build)
+        return
+    written = {t.name: tuple(t.shape) for t in tensors}
+    tied = {"lm_head.weight"} if ties_embeddings(json.loads((config_dir / "config.json").read_text())) else set()
+    problems = [f"{name} {shape} is not in the config's model" for name, shape in written.items() if name not in expected]
+    problems += [f"{name} is {written[name]} in the checkpoint, {shape} in the config's model"
+                 for name, shape in expected.items() if name in written and written[name] != shape]
+    problems += [f"{name} is missing from the checkpoint" for name in expected if name not in written.keys() | tied]
+    if problems:
+        raise ExportError(f"{checkpoint_dir.name} is not the model {config_dir / 'config.json'} describes "
+                          f"({len(problems)} difference(s), e.g. {'; '.join(problems[:3])}); give --model-dir the "
+                          f"run's own model directory (RUN_DIR/model)")
 
 
 def plan_shards(tensors: list[OutputTensor], shard_bytes: int) -> list[Shard]:
