@@ -111,6 +111,16 @@ def test_free_space_check_and_size_prediction(tmp_path):
     assert "1.00 GB free" in problem and "keep_last" in problem
 
 
+def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path):
+    from zerofit.config import validate
+
+    monkeypatch.chdir(tmp_path)
+    relative = validate(tiny_config(Path("runs/x")))
+    assert checkpointer.resume_command(relative) == f"`zerofit train --config runs/x/config.yaml --resume` (from {tmp_path})"
+    absolute = validate(tiny_config(tmp_path / "x"))
+    assert checkpointer.resume_command(absolute, resume=False) == f"`zerofit train --config {tmp_path / 'x' / 'config.yaml'}`"
+
+
 def test_data_position_on_another_number_of_ranks():
     # 4 steps on 2 ranks of 4 sequences = 32 sequences = 8 micro batches of 4 on one rank
     assert data.position_for_world(4, 2, 4, 1, 4, n_sequences=4035) == 8
@@ -461,6 +471,19 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
             f"`zerofit train --config {run / 'config.yaml'} --resume` continues from it") in stderr.replace("\n", "")
 
 
+def test_sigterm_while_starting_ends_by_way_of_python(tmp_path):
+    """SIGTERM during start-up (the run's files written, the engine being built): exit 143 with
+    a message, not a silent death that the last word then records as unexplained."""
+    config = config_for(tmp_path, "run", max_steps=60)
+    code, _, stderr = sigterm_once_there(["train", "--config", str(config)], tmp_path / "run" / "config.yaml", {})
+    run = tmp_path / "run"
+    assert not (run / "metrics.jsonl").exists(), "the SIGTERM came after step 1: the test's premise failed"
+    assert code == 143, stderr[-3000:]
+    assert "zerofit: stopped by SIGTERM outside the training loop (start-up or wind-down)" in stderr
+    time.sleep(1)  # a last word would have written by now
+    assert not list(run.glob("postmortem/**/*.json"))
+
+
 def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     """Preemption under torchrun: the agent passes SIGTERM on to both ranks, both alive, so
     neither leaves early (that is for a rank whose peer has exited): they stop together at a
@@ -523,6 +546,13 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     assert "MANIFEST.json is corrupt" in message and "--no-resume" in message
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
     assert not (run / "metrics.jsonl").read_text().count('"step": 7')
+
+    # starting over moves them aside with the records that go with them: nothing is written over
+    run_zerofit(["train", "--config", str(config), "--no-resume", "--set", "train.max_steps=2"])
+    earlier = next((run / "checkpoints").glob("earlier-*"))
+    assert {"step-000004", "step-000006", "metrics.jsonl"} <= {p.name for p in earlier.iterdir()}
+    assert max(r["step"] for r in read_jsonl(earlier / "metrics.jsonl")) == 6
+    assert max(r["step"] for r in read_jsonl(run / "metrics.jsonl")) == 2
 
 
 def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path):

@@ -291,7 +291,7 @@ def test_a_model_dir_of_another_model_is_refused(one_rank, tmp_path, capsys):
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] - 1}))
     assert main(["export", str(one_rank), "--out", str(tmp_path / "out"), "--model-dir", str(other)]) == 1
     err = capsys.readouterr().err.replace("\n", " ")
-    assert "is not the model" in err and "model.layers.1." in err and "is not in the config's model" in err
+    assert "is not the model" in err and "2 layers in the checkpoint, num_hidden_layers 1" in err
     assert "RUN_DIR/model" in err and not (tmp_path / "out").exists()
 
 
@@ -309,6 +309,8 @@ def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert "--max-ram 10.0MiB is too small" in capsys.readouterr().err
     assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--shard-size", "lots"]) == 1
     assert "--shard-size='lots' is not a size" in capsys.readouterr().err
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--shard-size", "0"]) == 1
+    assert "--shard-size 0: give a positive size" in capsys.readouterr().err
     assert main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--adapter-only"]) == 1
     assert "--adapter-only and --base are for LoRA runs" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import shutil
 import signal
 import threading
@@ -39,6 +40,13 @@ class ResumePoint:
     error: str | None = None
 
 
+def resume_command(config: Config, resume: bool = True) -> str:
+    """The command that continues this run, as messages name it: the run's own config.yaml,
+    whose relative paths (run_dir, data) hold from the directory it was started in."""
+    command = f"`zerofit train --config {Path(config.run_dir) / 'config.yaml'}{' --resume' if resume else ''}`"
+    return command if Path(config.run_dir).is_absolute() else f"{command} (from {os.getcwd()})"
+
+
 def checkpoints_root(config: Config) -> Path:
     return Path(config.run_dir) / "checkpoints"
 
@@ -60,8 +68,11 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
         if resume is not False:
             point = _pick(root, config, dist.world_size, fresh)
         elif moved := checkpoint.set_aside(root):
-            warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) to {moved.path}; "
-                 f"delete that directory when you no longer need them")
+            for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl")]:
+                if record.is_file():  # the new run would write over them: they go with their checkpoints
+                    os.replace(record, moved.path / record.name)
+            warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics "
+                 f"and memory records to {moved.path}; delete that directory when you no longer need them")
     if dist.world_size > 1:
         box = [point]
         torch_dist.broadcast_object_list(box, src=0)
@@ -112,7 +123,7 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
     changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
     if changes:
         point.error = (f"{found.name} cannot be loaded under this config ({'; '.join(changes)}): resume with "
-                       f"the run's own (`zerofit train --config {Path(config.run_dir) / 'config.yaml'}`), or start "
+                       f"the run's own ({resume_command(config, resume=False)}), or start "
                        f"over here with --no-resume (the checkpoints are moved aside, not deleted); the run's "
                        f"config.yaml, model/ and checkpoints are as they were")
     elif manifest["world_size"] != world_size and (found / NVME_STATE_DIR).is_dir():
@@ -327,8 +338,7 @@ class Checkpointer:
         self.timeline.mark(step, "checkpoint_failed", checkpoint=name, error=reason)
         if self.settings.on_error == "stop":
             raise CheckpointError(f"{message}. Stopped (checkpoint.on_error=stop): fix the cause, then "
-                                  f"`zerofit train --config {Path(self.config.run_dir) / 'config.yaml'} --resume` "
-                                  f"continues from the newest valid checkpoint")
+                                  f"{resume_command(self.config)} continues from the newest valid checkpoint")
         if self.dist.is_main:
             warn(f"{message}; training continues (checkpoint.on_error=continue)")
 

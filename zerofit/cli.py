@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from zerofit.config import Config, ConfigError, Section
+from zerofit.elastic import TerminatedOutsideTheLoop
 
 
 def at_least(minimum, kind=int):
@@ -356,3 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("zerofit: interrupted", file=sys.stderr)
         return 130
+    except TerminatedOutsideTheLoop as e:
+        print(f"zerofit: {e}", file=sys.stderr)
+        return 143

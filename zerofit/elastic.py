@@ -238,6 +238,29 @@ def failure_announced(record_path: Path, rank: int):
 _last_word: subprocess.Popen | None = None  # this worker's, while failure_announced runs
 
 
+class TerminatedOutsideTheLoop(Exception):
+    """SIGTERM while no training loop holds it (start-up, wind-down): no step to save."""
+
+
+@contextmanager
+def sigterm_ends_by_way_of_python():
+    """Around `train`: a SIGTERM the loop's handler (Checkpointer) does not hold raises, so the
+    process ends through Python, its failure counted and its last word told (it was killed
+    outright before: exit 143 with no message, and a last-word record of a death unexplained)."""
+    def terminated(signum, frame):
+        raise TerminatedOutsideTheLoop("stopped by SIGTERM outside the training loop (start-up or wind-down): "
+                                       "no step was interrupted and the checkpoints are as they were")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def start_last_word(record_path: Path, rank: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "zerofit.lastword", str(record_path), str(rank)],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

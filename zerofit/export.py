@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import shutil
 import struct
@@ -111,6 +112,9 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     max_ram_bytes = parse_bytes(max_ram or DEFAULT_MAX_RAM, "--max-ram")
     shard_bytes = parse_bytes(shard_size or DEFAULT_SHARD_SIZE, "--shard-size")
+    if shard_bytes <= 0:
+        raise ExportError(f"--shard-size {shard_size}: give a positive size (5GB, save_pretrained's default, "
+                          f"when left out)")
     out = Path(out)
     checkpoint_dir, config_dir = locate(Path(source), Path(model_dir) if model_dir else None, hashes)
     check_destination(out, overwrite, reads=(Path(source), checkpoint_dir, config_dir, Path(base) if base else None))
@@ -126,7 +130,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
                          Path(base) if base else None) if lora else None
     tensors = merging.tensors if merging else output_tensors(zero, DTYPES[dtype], ties_embeddings(model_config))
     if not merging:  # (a merge plans against the base's own names)
-        check_against_config(tensors, config_dir, checkpoint_dir)
+        check_against_config(tensors, model_config, config_dir, checkpoint_dir)
     shards = plan_shards(tensors, shard_bytes)
     baseline = host_rss_bytes()
     block = block_elements(tensors, max_ram_bytes, baseline, DTYPES[dtype], merging)
@@ -141,6 +145,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
         if merging:  # a replayed base once it has streamed
             merging.check_replayed_base()
         write_model_files(staging, config_dir, merging.model_config if merging else model_config, dtype)
+        export_peak = peak_rss_bytes()  # what --max-ram bounds; --verify loads the model whole on top
         verified = check_before_publishing(staging, checkpoint_dir, config_dir, base, merging) if verify else None
         publish(staging, out)
     except BaseException:
@@ -151,7 +156,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
             merging.close()
     result = ExportResult(out, checkpoint_dir, zero.world_size, zero.precision, dtype, len(tensors), len(shards),
                           sum(s.nbytes for s in shards), sum(math.prod(t.shape) for t in tensors),
-                          time.perf_counter() - started, baseline, peak_rss_bytes(), max_ram_bytes)
+                          time.perf_counter() - started, baseline, export_peak, max_ram_bytes)
     if merging:
         result.lora = (f"merged {merging.adapters_merged} LoRA adapter(s) into {merging.base}"
                        f"{' (fingerprint checked)' if merging.verified else ''}")
@@ -281,29 +286,26 @@ def output_tensors(zero: zerofiles.ZeroCheckpoint, dtype: torch.dtype, tied: boo
     return tensors
 
 
-def check_against_config(tensors: list[OutputTensor], config_dir: Path, checkpoint_dir: Path) -> None:
-    """The model config.json describes must be the checkpoint's, name for name and shape for
-    shape (built on the meta device: no memory). A --model-dir of another model exported
-    without a word and loaded truncated, with only transformers' note of unexpected keys.
-    A config transformers cannot build here (remote code) is not judged."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
-        with torch.device("meta"):
-            expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    except Exception:  # noqa: BLE001 (whatever transformers raises for a config it cannot build)
-        return
-    written = {t.name: tuple(t.shape) for t in tensors}
-    tied = {"lm_head.weight"} if ties_embeddings(json.loads((config_dir / "config.json").read_text())) else set()
-    problems = [f"{name} {shape} is not in the config's model" for name, shape in written.items() if name not in expected]
-    problems += [f"{name} is {written[name]} in the checkpoint, {shape} in the config's model"
-                 for name, shape in expected.items() if name in written and written[name] != shape]
-    problems += [f"{name} is missing from the checkpoint" for name in expected if name not in written.keys() | tied]
+def check_against_config(tensors: list[OutputTensor], model_config: dict, config_dir: Path,
+                         checkpoint_dir: Path) -> None:
+    """The model config.json describes must be the checkpoint's: as many layers, the same
+    vocabulary and width (read off the tensors' names and the embedding's shape; building the
+    model, even on the meta device, would cost the RAM --max-ram bounds). A --model-dir of
+    another model exported without a word and loaded truncated, with only transformers' note
+    of unexpected keys."""
+    config = {**(model_config.get("text_config") or {}), **model_config}
+    layers = {int(m.group(1)) for t in tensors if (m := re.search(r"\.layers\.(\d+)\.", t.name))}
+    embedding = next((t for t in tensors if t.name.endswith(("embed_tokens.weight", "wte.weight"))), None)
+    problems = []
+    if layers and config.get("num_hidden_layers") not in (None, max(layers) + 1):
+        problems.append(f"{max(layers) + 1} layers in the checkpoint, num_hidden_layers {config['num_hidden_layers']}")
+    if embedding is not None and len(embedding.shape) == 2:
+        for name, size in (("vocab_size", embedding.shape[0]), ("hidden_size", embedding.shape[1])):
+            if config.get(name) not in (None, size):
+                problems.append(f"{embedding.name} has {name} {size} in the checkpoint, {config[name]} in the config")
     if problems:
         raise ExportError(f"{checkpoint_dir.name} is not the model {config_dir / 'config.json'} describes "
-                          f"({len(problems)} difference(s), e.g. {'; '.join(problems[:3])}); give --model-dir the "
-                          f"run's own model directory (RUN_DIR/model)")
+                          f"({'; '.join(problems)}); give --model-dir the run's own model directory (RUN_DIR/model)")
 
 
 def plan_shards(tensors: list[OutputTensor], shard_bytes: int) -> list[Shard]:

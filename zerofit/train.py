@@ -35,7 +35,8 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
     rank = int(os.environ.get("RANK", "0"))  # the process group is not up yet
     last_word = postmortem.directory_of(Path(config.run_dir), rank) / lastword.RECORD
-    with elastic.failure_announced(last_word, rank):  # the other ranks' watchers then leave at once
+    with elastic.sigterm_ends_by_way_of_python(), \
+            elastic.failure_announced(last_word, rank):  # the other ranks' watchers then leave at once
         return postmortem.run_with_oom_policy(run, config, resume)
 
 
@@ -140,8 +141,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main and signalled:
         newest = checkpoint.published(saver.root)
         saved = f"the newest checkpoint is {newest[0].name}" if newest else "no checkpoint was saved"
-        say(f"stopped by SIGTERM at step {state.step}, {saved}; `zerofit train --config {run_dir / 'config.yaml'} "
-            f"--resume` continues from it")
+        say(f"stopped by SIGTERM at step {state.step}, {saved}; {checkpointer.resume_command(config)} "
+            f"continues from it")
     elif dist.is_main:
         say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
@@ -223,7 +224,7 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
         return None
     why = crossing.message() if crossing else "watchdog: another rank crossed memory.watchdog_threshold"
     return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor {config.run_dir}` "
-            f"names the phase and the fix): zerofit train --config {Path(config.run_dir) / 'config.yaml'}")
+            f"names the phase and the fix): {checkpointer.resume_command(config, resume=False)}")
 
 
 def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,
