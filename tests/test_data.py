@@ -66,7 +66,7 @@ def test_wrong_type_is_named(tmp_path, tokenizer):
 
 def test_invalid_json_names_the_line(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", ['{"text": "ok"}', '{"text": "ok"}', '{"text": oops}'])
-    with pytest.raises(DataError, match=r"d\.jsonl, line 3: not valid JSON \(Expecting value at column 10\); fix or "
+    with pytest.raises(DataError, match=r"d\.jsonl, line 3: not valid JSON \(Expecting value, column 10\); fix or "
                                         r"delete the line, or set data.skip_bad_rows=true"):
         data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
 
@@ -79,7 +79,7 @@ def test_skip_bad_rows_skips_lines_that_are_not_json_objects_too(tmp_path, token
                        + ['{"instruction": "x"}'])
     seqs = data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True, packing=False), tokenizer, 64)
     assert seqs.skipped_rows == 3 and len(seqs) == 10
-    assert seqs.skipped_reasons[0].endswith("d.jsonl, line 6: not valid JSON (Expecting value at column 32)")
+    assert seqs.skipped_reasons[0].endswith("d.jsonl, line 6: not valid JSON (Expecting value, column 32)")
     assert seqs.skipped_reasons[1].endswith("line 7: a row must be a JSON object, got int")
     assert "line 13: field `output`: missing" in seqs.skipped_reasons[2]
 

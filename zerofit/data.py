@@ -7,6 +7,7 @@ resumed run continues the very same stream, on any number of ranks.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     import datasets
 
     datasets.disable_progress_bars()
+    # its "Failed to load JSON ... in row N" (rows counted its own way) would precede our line number
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
@@ -82,7 +85,7 @@ def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int]
                 row = json.loads(line.rstrip("\r\n"))  # else a cut line is "wrong" past its end
                 why = None if isinstance(row, dict) else f"a row must be a JSON object, got {type(row).__name__}"
             except json.JSONDecodeError as e:
-                why = f"not valid JSON ({e.msg} at column {e.colno})"
+                why = f"not valid JSON ({e.msg}, column {e.colno})"
             if why is None:
                 rows.append(row)
                 numbers.append(number)
