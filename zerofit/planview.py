@@ -6,7 +6,9 @@ run's other files), and refuses when nothing fits.
 """
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -194,6 +196,9 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
     if nvme_problem:
         raise nvme.NvmeError(nvme_problem)
     if config.plan.enabled and not decision.plan.fits:
+        refused_plan = Path(config.run_dir) / "plan.json"
+        if dist.is_main and not refused_plan.exists():  # a fresh run's, to read; never an earlier start's
+            refused_plan.write_text(json.dumps(decision.record, indent=2))
         raise choice.refuse(decision)
     return decision.config, decision
 
