@@ -126,15 +126,23 @@ def check_zero(ds: dict, result: LintResult):
     try:
         zero = DeepSpeedZeroConfig(**section)
     except ValidationError as e:
-        for item in e.errors():
-            key = "zero_optimization." + ".".join(str(p) for p in item["loc"])
-            if item["type"] == "extra_forbidden":
-                result.findings.append(Finding("error", key, "not a DeepSpeed ZeRO key: DeepSpeed refuses this config",
-                                               _nearest(item["loc"], DeepSpeedZeroConfig)))
-            else:
-                result.findings.append(value_finding(key, item))
+        result.findings += schema_findings("zero_optimization", e, "not a DeepSpeed ZeRO key",
+                                           lambda loc: _nearest(loc, DeepSpeedZeroConfig))
         return None
     return zero
+
+
+def schema_findings(section: str, error, unknown: str, fix_unknown=lambda loc: "remove it") -> list[Finding]:
+    """One finding per key a DeepSpeed config model (pydantic) refused: a key it does not have
+    (`unknown`, with `fix_unknown(loc)`), or a value it cannot take (`value_finding`)."""
+    findings = []
+    for item in error.errors():
+        key = ".".join([section, *(str(p) for p in item["loc"])])
+        if item["type"] == "extra_forbidden":
+            findings.append(Finding("error", key, f"{unknown}: DeepSpeed refuses this config", fix_unknown(item["loc"])))
+        else:
+            findings.append(value_finding(key, item))
+    return findings
 
 
 def value_finding(key: str, item: dict) -> Finding:
@@ -245,15 +253,7 @@ def rejection_findings(error: Exception) -> list[Finding]:
         return [Finding("error", "(config)", f"DeepSpeed rejects the config: {text}",
                         "fix the setting it names")]
     section = error.title.removeprefix("DeepSpeed").removesuffix("Config").lower()
-    findings = []
-    for item in error.errors():
-        key = ".".join([section, *(str(p) for p in item["loc"])])
-        if item["type"] == "extra_forbidden":
-            findings.append(Finding("error", key, f"not a key of DeepSpeed's {section} section: DeepSpeed refuses "
-                                    f"this config", "remove it"))
-        else:
-            findings.append(value_finding(key, item))
-    return findings
+    return schema_findings(section, error, f"not a key of DeepSpeed's {section} section")
 
 
 def check_batch(ds: dict, world_size: int, result: LintResult) -> None:
