@@ -139,7 +139,8 @@ def schema_findings(section: str, error, unknown: str, fix_unknown=lambda loc: "
     for item in error.errors():
         key = ".".join([section, *(str(p) for p in item["loc"])])
         if item["type"] == "extra_forbidden":
-            findings.append(Finding("error", key, f"{unknown}: DeepSpeed refuses this config", fix_unknown(item["loc"])))
+            findings.append(Finding("error", key, f"{unknown}: DeepSpeed refuses this config",
+                                    fix_unknown(item["loc"])))
         else:
             findings.append(value_finding(key, item))
     return findings

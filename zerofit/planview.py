@@ -177,6 +177,11 @@ def render_explain(decision: Decision, console: Console) -> None:
 
 
 # ------------------------------------------------------------------ train's call
+def write_plan(run_dir: Path, record: dict) -> None:
+    """plan.json: the prediction a run is measured against (`zerofit doctor`)."""
+    (Path(run_dir) / "plan.json").write_text(json.dumps(record, indent=2))
+
+
 def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Decision]:
     """Plan on rank 0, share the decision with every rank (plan.json's content in
     `decision.record`, written with the run's other files once a resume is known to be
@@ -196,9 +201,9 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
     if nvme_problem:
         raise nvme.NvmeError(nvme_problem)
     if config.plan.enabled and not decision.plan.fits:
-        refused_plan = Path(config.run_dir) / "plan.json"
-        if dist.is_main and not refused_plan.exists():  # a fresh run's, to read; never an earlier start's
-            refused_plan.write_text(json.dumps(decision.record, indent=2))
+        # a fresh run's, to read; never over an earlier start's
+        if dist.is_main and not (Path(config.run_dir) / "plan.json").exists():
+            write_plan(config.run_dir, decision.record)
         raise choice.refuse(decision)
     return decision.config, decision
 

@@ -284,8 +284,7 @@ def usable_run_dir(run_dir: Path) -> Path:
 def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict) -> None:
     """config.yaml (resolved, with the planner's choices), ds_config.json (what DeepSpeed
     gets), plan.json (the prediction) and model/ (the HF config and tokenizer an export needs)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+    planview.write_plan(run_dir, plan)  # the run dir was made first thing (usable_run_dir)
     (run_dir / "config.yaml").write_text(dump_yaml(config))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     hf_config.save_pretrained(run_dir / "model")
