@@ -329,11 +329,16 @@ class Checkpointer:
         else:
             say(f"checkpoint {final.name}: {total / 1e9:.2f} GB in {seconds:.1f} s{extra}")
 
+    def newest(self) -> str | None:
+        """The newest published checkpoint's name, as messages about what is kept name it."""
+        published = checkpoint.published(self.root)
+        return published[0].name if published else None
+
     def _failed(self, step: int, name: str, tmp: Path | None, reason: str) -> None:
         if self.dist.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        newest = checkpoint.published(self.root)
-        kept = f"the previous checkpoint {newest[0].name} is intact" if newest else "no earlier checkpoint exists"
+        newest = self.newest()
+        kept = f"the previous checkpoint {newest} is intact" if newest else "no earlier checkpoint exists"
         message = f"checkpoint {name} was not saved: {reason}; {kept}"
         self.timeline.mark(step, "checkpoint_failed", checkpoint=name, error=reason)
         if self.settings.on_error == "stop":

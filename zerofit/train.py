@@ -139,8 +139,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
     if dist.is_main and signalled:
-        newest = checkpoint.published(saver.root)
-        saved = f"the newest checkpoint is {newest[0].name}" if newest else "no checkpoint was saved"
+        newest = saver.newest()
+        saved = f"the newest checkpoint is {newest}" if newest else "no checkpoint was saved"
         say(f"stopped by SIGTERM at step {state.step}, {saved}; {checkpointer.resume_command(config)} "
             f"continues from it")
     elif dist.is_main:
@@ -159,8 +159,8 @@ def refuse_non_finite(loss: float, step: int, saver: checkpointer.Checkpointer) 
     one (seen after a resume from damaged masters under checkpoint.verify sizes)."""
     if math.isfinite(loss):
         return
-    newest = checkpoint.published(saver.root)
-    kept = f"the newest checkpoint, {newest[0].name}, is as it was" if newest else "no checkpoint was saved"
+    newest = saver.newest()
+    kept = f"the newest checkpoint, {newest}, is as it was" if newest else "no checkpoint was saved"
     raise NonFiniteLoss(f"the loss is {loss} at step {step}: training diverged, or the checkpoint it resumed from "
                         f"is damaged; nothing of this step was saved, {kept}. Resume with a lower train.lr, or "
                         f"check the checkpoints' bytes first (`--verify full`)")
