@@ -324,8 +324,8 @@ class MemoryConfig(Section):
 class ElasticConfig(Section):
     lost_node_after_s: float = Field(120.0, ge=0.0)
     """Under torchrun with several nodes: a node whose heartbeat (counted up every second in
-    torchrun's store by its local rank 0's watcher thread) has not moved for this long, or has
-    not moved once this long after the watchers started, is lost whole (a machine down, its
+    torchrun's store by a thread of its local rank 0, from the process group's start) has not
+    moved for this long, or has not moved once this long after the watchers started, is lost whole (a machine down, its
     network gone), and every rank leaves at once for torchrun to
     restart or stop them, instead of waiting in a collective for NCCL's timeout (10 min). The
     same for the store itself not answering that long. 0: off."""

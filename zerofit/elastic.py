@@ -444,7 +444,7 @@ class Heartbeats:
     that long after the watcher first looked too (every node beats from before the collectives
     that precede the loop); so is the store not answering that long (the node that hosts it
     lost). A node whose ranks left the loop on purpose says so (`leave`). A false
-    alarm needs a rank's watcher thread kept from the interpreter for `lost_after_s` (a native
+    alarm needs a node's heartbeat thread kept from the interpreter for `lost_after_s` (a native
     call holding the GIL that long): it would restart a healthy job, hence a default of
     minutes, not seconds."""
 
