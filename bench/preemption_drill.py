@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def main() -> None:
     from zerofit import checkpoint
 
     work = Path(args.dir)
-    subprocess.run(["rm", "-rf", str(work)], check=True)
+    shutil.rmtree(work, ignore_errors=True)
     run_dir = work / "run"
     config_path = work / "drill.yaml"
     work.mkdir(parents=True)
