@@ -123,11 +123,22 @@ def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path
 
 def test_data_position_on_another_number_of_ranks():
     # 4 steps on 2 ranks of 4 sequences = 32 sequences = 8 micro batches of 4 on one rank
-    assert data.position_for_world(4, 2, 4, 1, 4, n_sequences=4035) == 8
-    assert data.position_for_world(8, 1, 4, 2, 4, n_sequences=4035) == 4
-    assert data.position_for_world(3, 1, 4, 2, 4, n_sequences=4035) == 2  # rounded up: nothing twice
-    per_epoch = 4035 // 8  # a whole first epoch on 2 ranks is a whole first epoch on one
-    assert data.position_for_world(per_epoch, 2, 4, 1, 4, n_sequences=4035) == 4035 // 4
+    two_ranks, one_rank = data.BatchShape(2, 4, 4035), data.BatchShape(1, 4, 4035)
+    assert data.carried_position(4, two_ranks, one_rank) == 8
+    assert data.carried_position(8, one_rank, two_ranks) == 4
+    assert data.carried_position(3, one_rank, two_ranks) == 2  # rounded up: nothing twice
+    # a whole first epoch on 2 ranks is a whole first epoch on one
+    assert data.carried_position(two_ranks.per_epoch, two_ranks, one_rank) == one_rank.per_epoch
+    assert data.carried_position(1, one_rank, data.BatchShape(1, 2, 4035)) == 2  # an OOM retry's halved micro batch
+
+
+def test_data_position_when_the_training_set_changed():
+    """seq_len doubled: half the sequences; the same share of the same epoch carries over."""
+    short, long = data.BatchShape(1, 4, 4000), data.BatchShape(1, 4, 2000)  # 1000 and 500 micro batches an epoch
+    assert data.carried_position(400, short, long) == 200     # 40% of epoch 1 is 40% of epoch 1
+    assert data.carried_position(1401, short, long) == 701    # 40.1% of epoch 2, rounded up to a micro batch
+    assert data.carried_position(999, short, long) == 500     # the epoch's last micro batch: the next epoch begins
+    assert data.carried_position(250, long, short) == 500
 
 
 def _cpu_adam_after(steps_before: int, steps_after: int, replay: bool):
@@ -616,7 +627,7 @@ def test_resume_on_fewer_ranks(tmp_path):
     done = run_zerofit(["train", "--config", str(config), "--resume"])
     stderr = done.stderr.replace("\n", "")
     assert "converting it to a universal checkpoint" in stderr
-    assert "data position: 4 micro batches on 2 rank(s) -> 8 on 1" in stderr
+    assert "data position: 4 micro batches of 4 on 2 rank(s) -> 8 of 4 on 1" in stderr
     universal = run / "checkpoints" / "universal-step-000004"
     assert checkpoint.verify(universal, hashes=True) is None
     assert json.loads((universal / "MANIFEST.json").read_text())["source_world_size"] == 2

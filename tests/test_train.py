@@ -85,6 +85,30 @@ def test_resume_continues_exactly(one_rank_run, tmp_path):
     assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000006", resumed_at=3)
 
 
+def test_a_resume_with_another_seq_len_keeps_the_epochs_share(one_rank_run, tmp_path):
+    """train.seq_len doubled on resume from step 3: the data position is carried over as the
+    same share of the epoch (in micro batches of the new, fewer sequences), with a
+    warning that the epoch's order is a new one; before, the old count of micro batches
+    landed twice as far into the epoch."""
+    import shutil
+
+    run, config, _ = one_rank_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-000006")
+    done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume",
+                        "--set", "train.seq_len=128"])
+    assert "resumed from" in done.stderr and "step 3" in done.stderr
+    said = " ".join(done.stderr.split())  # warnings wrap at the terminal's width
+    assert "the position carries over as the same share of epoch 1 (0.3%)" in said
+    shares = {m["step"]: m["epoch"] for m in read_jsonl(copy / "metrics.jsonl")}
+    before = {m["step"]: m["epoch"] for m in read_jsonl(run / "metrics.jsonl")}
+    new_micro_batch = shares[5] - shares[4]  # of the epoch; one micro batch a step
+    assert new_micro_batch > 1.5 * (before[2] - before[1])  # fewer sequences (examples are cut at seq_len first)
+    carried = shares[4] - new_micro_batch  # where the resumed run started
+    assert before[3] <= carried + 1e-9 < before[3] + new_micro_batch
+
+
 def test_hf_loss_trains_the_same_steps(one_rank_run, tmp_path):
     """train.chunked_loss=false (HF's loss) on the same config: every step's loss and the
     eval losses equal zerofit.loss's within fp32 rounding (the tiny model trains in bf16

@@ -91,6 +91,13 @@ SHAPING_SETTINGS = (("train", "precision"), ("zero", "stage"), ("lora", "enabled
                     ("lora", "target_modules"), ("lora", "modules_to_save"), ("lora", "bias"))
 
 
+def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
+    """What `state`'s data position counts in; what an older checkpoint did not record is
+    taken from `fallback` (this run's)."""
+    return data.BatchShape(state.world_size, state.micro_batch_size or fallback.micro_batch_size,
+                           state.epoch_sequences or fallback.epoch_sequences)
+
+
 def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     """`what old -> new` for each difference a load cannot bridge: the model's architecture
     (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
@@ -166,7 +173,7 @@ class Checkpointer:
             self._reserve_host_buffer()
 
     # ------------------------------------------------------------------ resume
-    def load(self, point: ResumePoint, fresh: LoopState, n_sequences: int) -> LoopState:
+    def load(self, point: ResumePoint, fresh: LoopState) -> LoopState:
         """Load the chosen checkpoint on every rank; `fresh` when there is none."""
         import torch
 
@@ -191,8 +198,7 @@ class Checkpointer:
         if rng_file.is_file():
             checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))
         state.extra.pop("emergency", None)  # the note an OOM's emergency save carries stays with it
-        if (state.world_size, state.micro_batch_size) != (fresh.world_size, fresh.micro_batch_size):
-            state = self._reshaped(state, fresh, n_sequences)  # another rank count, or an OOM retry's micro batch
+        state = self._data_position_carried(state, fresh, directory.name)
         if state.config_fingerprint != fresh.config_fingerprint:
             if self.dist.is_main:
                 changes = changed_settings(state.config_values, fresh.config_values) if state.config_values else []
@@ -205,16 +211,24 @@ class Checkpointer:
             say(f"resumed from {directory} at step {state.step}")
         return state
 
-    def _reshaped(self, state: LoopState, fresh: LoopState, n_sequences: int) -> LoopState:
-        """The same data position counted in this run's micro batches."""
-        position = data.position_for_world(state.micro_batches, state.world_size,
-                                           state.micro_batch_size or fresh.micro_batch_size,
-                                           fresh.world_size, fresh.micro_batch_size, n_sequences)
+    def _data_position_carried(self, state: LoopState, fresh: LoopState, name: str) -> LoopState:
+        """The same data position counted in this run's micro batches: after a change of rank
+        count, of micro batch (an OOM retry's) or of the training set's sequences."""
+        old, new = batch_shape(state, fresh), batch_shape(fresh, fresh)
+        if old == new:
+            return state
+        position = data.carried_position(state.micro_batches, old, new)
         if self.dist.is_main:
-            say(f"data position: {state.micro_batches} micro batches on {state.world_size} rank(s) -> "
-                f"{position} on {fresh.world_size}")
-        return dataclasses.replace(state, micro_batches=position, world_size=fresh.world_size,
-                                   micro_batch_size=fresh.micro_batch_size)
+            say(f"data position: {state.micro_batches} micro batches of {old.micro_batch} on {old.world} rank(s) "
+                f"-> {position} of {new.micro_batch} on {new.world}")
+            if old.sequences != new.sequences:
+                epoch, index = divmod(state.micro_batches, old.per_epoch)
+                warn(f"the training set holds {new.sequences} sequences where {name} counted {old.sequences} "
+                     f"(train.seq_len, data.packing or the data changed): the position carries over as the same "
+                     f"share of epoch {epoch + 1} ({index / old.per_epoch:.1%}), but this epoch's order is a new "
+                     f"one, so some of its rows may be seen again and others not at all")
+        return dataclasses.replace(state, micro_batches=position, world_size=new.world,
+                                   micro_batch_size=new.micro_batch, epoch_sequences=new.sequences)
 
     # -------------------------------------------------------------------- save
     def save(self, state: LoopState) -> None:

@@ -285,7 +285,7 @@ class Batches:
     """Micro batches for one rank. Global micro batch j takes sequences
     [j*B*W, (j+1)*B*W) of the epoch's seeded permutation, rank r its slice r*B:(r+1)*B,
     so `position` (micro batches consumed) is all a resume on W ranks needs; on another
-    number of ranks position_for_world converts it."""
+    number of ranks carried_position converts it."""
 
     def __init__(self, seqs: Sequences, micro_batch: int, rank: int, world: int, seed: int, position: int = 0):
         self.seqs, self.micro_batch, self.rank, self.world, self.seed = seqs, micro_batch, rank, world, seed
@@ -317,19 +317,30 @@ class Batches:
         return self.seqs.input_ids[rows], self.seqs.labels[rows]
 
 
-def position_for_world(position: int, world: int, micro_batch: int, new_world: int, new_micro_batch: int,
-                       n_sequences: int) -> int:
-    """The Batches position on new_world ranks (new_micro_batch each) that continues where
-    `position` on `world` ranks stopped: the same epoch, the same sequences consumed of the
-    epoch's permutation (rounded up to whole micro batches: none is seen twice)."""
-    per_epoch = n_sequences // (micro_batch * world)
-    new_per_epoch = n_sequences // (new_micro_batch * new_world)
-    epoch, index = divmod(position, per_epoch)
-    consumed = index * micro_batch * world
-    new_index = -(-consumed // (new_micro_batch * new_world))
-    if new_index >= new_per_epoch:
+@dataclass(frozen=True)
+class BatchShape:
+    """What a Batches position counts in: ranks, sequences per micro batch, sequences per epoch."""
+    world: int
+    micro_batch: int
+    sequences: int
+
+    @property
+    def per_epoch(self) -> int:
+        return self.sequences // (self.micro_batch * self.world)
+
+
+def carried_position(position: int, old: BatchShape, new: BatchShape) -> int:
+    """The Batches position in `new` that continues where `position` in `old` stopped: the same
+    epoch, the same share of its sequences consumed, rounded up to whole micro batches. With the
+    same sequences (another rank count, an OOM retry's micro batch) that share is exactly the
+    sequences already seen, so none is seen twice; with other sequences (seq_len, packing or the
+    data changed) the epoch's permutation is another one, so only its share carries over."""
+    epoch, index = divmod(position, old.per_epoch)
+    consumed = index * old.micro_batch * old.world * new.sequences  # in units of 1 / old.sequences
+    new_index = -(-consumed // (old.sequences * new.micro_batch * new.world))
+    if new_index >= new.per_epoch:
         epoch, new_index = epoch + 1, 0
-    return epoch * new_per_epoch + new_index
+    return epoch * new.per_epoch + new_index
 
 
 def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int):

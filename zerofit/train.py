@@ -59,7 +59,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
-    fresh = fresh_state(config, dist, hf_config)
+    fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set))
     resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
@@ -76,7 +76,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                                predictions=planview.phase_predictions(decision))
     saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
     swap_guard = nvme.SwapGuard(ds_engine)
-    state = saver.load(resume_point, fresh, len(train_set))
+    state = saver.load(resume_point, fresh)
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
                               basemodel.recipe_record(config, dist.on_gpu, engine.builds_under_zero_init(ds_config)))
@@ -305,8 +305,9 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
              f"measured; raise data.eval_fraction, or set data.eval_path")
 
 
-def fresh_state(config: Config, dist: engine.Dist, hf_config=None) -> checkpoint.LoopState:
+def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0) -> checkpoint.LoopState:
     return checkpoint.LoopState(world_size=dist.world_size, micro_batch_size=config.train.micro_batch_size,
+                                epoch_sequences=epoch_sequences,
                                 config_fingerprint=config.fingerprint(), config_values=config.fingerprinted(),
                                 model_shape=models.shape_of(hf_config) if hf_config is not None else {})
 
