@@ -1,4 +1,5 @@
 import pytest
+import yaml
 
 from zerofit import cli
 from zerofit.config import Config, ConfigError, changed_settings, example_yaml, load, parse_override, validate
@@ -98,12 +99,17 @@ def test_config_says_which_keys_the_planner_will_choose(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text("model: {config: tiny}\nzero: {offload_param: none}\ntrain: {global_batch_size: 8, max_steps: 5}\n")
     assert cli.main(["config", "--config", str(path)]) == 0
-    said = capsys.readouterr().out.splitlines()[-1]
-    assert said.startswith("# not set, so the planner chooses them") and "zero.offload_optimizer," in said
-    assert "zero.offload_param" not in said and "train.micro_batch_size" in said
+    said = capsys.readouterr().out
+    assert "Keys marked `planner` are not set, so the planner chooses them" in said.splitlines()[0]
+    assert "  offload_optimizer: cpu  # planner\n" in said and "  offload_param: none\n" in said  # set: kept
+    assert "  micro_batch_size: 1  # planner\n" in said and "  seq_len: 1024\n" in said
+    assert yaml.safe_load(said)["zero"]["offload_optimizer"] == "cpu"  # still a config file
     path.write_text("model: {config: tiny}\ntrain: {max_steps: 5}\n")
     assert cli.main(["config", "--config", str(path)]) == 0
-    assert "train.micro_batch_size" not in capsys.readouterr().out  # no global batch: no split to choose
+    said = capsys.readouterr().out
+    assert "  micro_batch_size: 1\n" in said  # no global batch: no split to choose
+    assert cli.main(["config", "--config", str(path), "--set", "plan.enabled=false"]) == 0
+    assert "# planner" not in capsys.readouterr().out
 
 
 def test_cli_exit_codes(tmp_path, capsys):

@@ -153,15 +153,17 @@ def cmd_config(args) -> int:
         print(example_yaml(), end="")
         return 0
     config = load_config(args)
-    print(dump_yaml(config), end="")
-    if config.plan.enabled:  # their values above are defaults: the run's are the planner's
-        from zerofit.choice import DECIDED
+    if not config.plan.enabled:
+        print(dump_yaml(config), end="")
+        return 0
+    from zerofit.choice import DECIDED
 
-        free = [f"{section}.{key}" for section, keys in DECIDED.items() for key in keys
-                if key not in getattr(config, section).model_fields_set
-                and (section != "train" or config.train.global_batch_size)]  # the batch split: of a global batch
-        print(f"# not set, so the planner chooses them at the start (`zerofit plan` with the same config shows "
-              f"its choice): {', '.join(free)}")
+    free = {section: {key for key in keys if key not in getattr(config, section).model_fields_set
+                      and (section != "train" or config.train.global_batch_size)}  # the split of a global batch
+            for section, keys in DECIDED.items()}
+    print("# the resolved config. Keys marked `planner` are not set, so the planner chooses them at the start\n"
+          "# (the value shown is only the default); `zerofit plan --config FILE` shows its choice.")
+    print(dump_yaml(config, marked=free, mark="planner"), end="")
     return 0
 
 

@@ -489,8 +489,19 @@ def _unknown_key(loc: tuple) -> str:
     return f"unknown key {'.'.join(parents + [name])}{hint}"
 
 
-def dump_yaml(config: Config) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+def dump_yaml(config: Config, marked: dict[str, set[str]] | None = None, mark: str = "") -> str:
+    """The config as YAML; each key of `marked` ({section: keys}) gets `# mark` beside its value."""
+    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    if not marked:
+        return text
+    out, section = [], ""
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            section = line.split(":")[0]
+        elif line.startswith("  ") and line[2] != " " and line.split(":")[0].strip() in marked.get(section, ()):
+            line = f"{line}  # {mark}"
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def example_yaml() -> str:
