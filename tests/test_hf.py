@@ -34,7 +34,7 @@ class KeepsMemoryAfterSave(TrainerCallback):
         self.kept.append(torch.ones(RESIDUE, dtype=torch.uint8))
 
 
-def trainer_run(output_dir, callbacks, max_steps=8):
+def trainer_run(output_dir, callbacks, max_steps=8, evaluate_around=False):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
@@ -43,7 +43,11 @@ def trainer_run(output_dir, callbacks, max_steps=8):
                              eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=4, logging_steps=100,
                              report_to="none", use_cpu=True, disable_tqdm=True, learning_rate=1e-3)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(16), callbacks=callbacks)
+    if evaluate_around:  # a baseline eval before training
+        trainer.evaluate()
     trainer.train()
+    if evaluate_around:  # LLaMA-Factory's do_eval: after train() returned
+        trainer.evaluate()
     return trainer
 
 
@@ -82,6 +86,15 @@ def test_doctor_reads_the_trainer_output_dir(hf_run):
     done = run_zerofit(["doctor", str(hf_run)])
     assert "HF Trainer run" in (hf_run / "report.html").read_text()
     assert "stays above the pre-save baseline" in done.stdout
+
+
+def test_evaluate_outside_train_is_recorded(tmp_path):
+    """trainer.evaluate() before train() and after it returned: both marked on the timeline
+    (they crashed the user's script: no timeline yet, and one already closed)."""
+    trainer_run(tmp_path / "out", [MemoryGuardCallback()], max_steps=2, evaluate_around=True)
+    phases = [(r["step"], r["phase"]) for r in read_jsonl(tmp_path / "out" / "memory.jsonl")]
+    assert phases[0] == (0, "eval") and phases[1] == (0, "start") and phases[-1] == (2, "eval")
+    assert diagnose(tmp_path / "out").source == "hf-trainer"  # the doctor reads such a timeline
 
 
 def test_watchdog_stops_a_trainer_run_after_saving(tmp_path):

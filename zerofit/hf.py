@@ -59,10 +59,7 @@ class MemoryGuardCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ set-up
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        import torch
-
-        self.on_gpu = torch.cuda.is_available() and args.device.type == "cuda"
-        self.world_size = args.world_size
+        self.on_gpu, self.world_size = on_gpu(args), args.world_size
         out = Path(self.output_dir or args.output_dir)
         self.timeline = Timeline(out, args.process_index, self.on_gpu)
         self.dog = watchdog.arm(self.timeline, state.global_step, self.on_gpu, self.threshold, self.action,
@@ -94,7 +91,13 @@ class MemoryGuardCallback(TrainerCallback):
         return control
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self.timeline.mark(state.global_step, "eval")
+        if self.timeline is not None:
+            self.timeline.mark(state.global_step, "eval")
+            return
+        # trainer.evaluate() outside train(): a baseline before it, LLaMA-Factory's do_eval after it
+        timeline = Timeline(Path(self.output_dir or args.output_dir), args.process_index, on_gpu(args))
+        timeline.mark(state.global_step, "eval")
+        timeline.close()
 
     def on_save(self, args, state, control, **kwargs):
         if self.release:
@@ -113,6 +116,13 @@ class MemoryGuardCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.timeline:
             self.timeline.close()
+            self.timeline = None
+
+
+def on_gpu(args) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and args.device.type == "cuda"
 
 
 def held(record: dict, on_gpu: bool) -> int:
