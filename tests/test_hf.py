@@ -74,6 +74,7 @@ def test_callback_writes_the_timeline_into_output_dir(hf_run):
     run = json.loads((hf_run / "memory_run.json").read_text())
     assert run["source"] == "hf-trainer" and run["model_config"]["num_hidden_layers"] == 2
     assert run["args"]["gradient_accumulation_steps"] == 2
+    assert run["seq_len"] == 32  # the rows' input_ids, for `zerofit doctor --repro`
 
 
 def test_doctor_reads_the_trainer_output_dir(hf_run):

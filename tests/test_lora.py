@@ -63,6 +63,22 @@ def test_only_adapters_have_optimizer_state_and_checkpoint_files(lora_run):
     assert sorted(adapter_config["target_modules"]) == LLAMA_DEFAULT and adapter_config["r"] == 8
 
 
+def test_repro_trains_the_adapters(lora_run, tmp_path):
+    """`zerofit doctor --repro` of a LoRA run: the script attaches the run's adapters with peft
+    (it full-fine-tuned every weight), and trains only them."""
+    import subprocess
+    import sys
+
+    run, _, _ = lora_run
+    run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
+    script = (tmp_path / "repro.py").read_text()
+    assert "'r': 8" in script and "'target_modules': [" in script and "'down_proj'" in script
+    ran = subprocess.run([sys.executable, "repro.py", "--steps", "1", "--save-every", "0"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "step 1 loss" in ran.stdout
+
+
 def test_loss_falls(lora_run):
     run, _, _ = lora_run
     metrics = read_jsonl(run / "metrics.jsonl")

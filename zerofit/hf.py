@@ -58,14 +58,15 @@ class MemoryGuardCallback(TrainerCallback):
         self.on_gpu, self.world_size, self.held_before_save = False, 1, 0
 
     # ------------------------------------------------------------------ set-up
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self.on_gpu, self.world_size = on_gpu(args), args.world_size
         out = Path(self.output_dir or args.output_dir)
         self.timeline = Timeline(out, args.process_index, self.on_gpu)
         self.dog = watchdog.arm(self.timeline, state.global_step, self.on_gpu, self.threshold, self.action,
                                 self.gpu_mem, self.host_mem, self.world_size)
         if state.is_world_process_zero:
-            (out / HF_RUN_FILE).write_text(json.dumps(run_description(args, model), indent=1, default=str))
+            description = {**run_description(args, model), "seq_len": longest_row(train_dataloader)}
+            (out / HF_RUN_FILE).write_text(json.dumps(description, indent=1, default=str))
 
     # ------------------------------------------------------------------ phases
     def on_substep_end(self, args, state, control, **kwargs):
@@ -135,6 +136,18 @@ def release_cache(on_gpu: bool) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+def longest_row(dataloader, rows: int = 256) -> int | None:
+    """The most input_ids among the training set's first `rows` rows: the sequence length a
+    reproduction uses. Read by index, so the Trainer's shuffling is untouched; None for an
+    iterable dataset or rows without input_ids."""
+    dataset = getattr(dataloader, "dataset", None)
+    try:
+        lengths = [len(dataset[i]["input_ids"]) for i in range(min(rows, len(dataset)))]
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        return None
+    return max(lengths, default=None)
 
 
 def run_description(args, model) -> dict:

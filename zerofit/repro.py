@@ -7,7 +7,7 @@ as is; `--layers N` shrinks the model while keeping every other setting.
 """
 from __future__ import annotations
 
-import pprint
+import json
 import time
 from pathlib import Path
 
@@ -22,19 +22,24 @@ from the run {run_dir} ({source}).
     python {name} [--steps N] [--save-every K] [--layers L] [--out DIR]
     torchrun --nproc_per_node {world_size} {name} ...     (the run had {world_size} rank(s))
 
-It needs torch, transformers and deepspeed only. It ran with: {versions}.
-{observed}
+It needs torch, transformers and deepspeed only{peft_note}. It ran with: {versions}.
+{differences}{observed}
 """
 import argparse
+import json
 import os
 import socket
 
-MODEL_CONFIG = {model_config}
+MODEL_CONFIG = json.loads(r"""{model_config}""")
 
-DS_CONFIG = {ds_config}
+DS_CONFIG = json.loads(r"""{ds_config}""")
 
 SEQ_LEN = {seq_len}
 GRADIENT_CHECKPOINTING = {gradient_checkpointing}
+# the Trainer built its own optimizer at this LR where DS_CONFIG names none
+CLIENT_OPTIMIZER_LR = {client_optimizer_lr}
+# peft LoRA adapters on the base (the run's lora.* settings), or None for full fine-tuning
+LORA = {lora}
 
 
 def memory_line(torch, on_gpu):
@@ -92,8 +97,20 @@ def main():
     model.config.use_cache = False
     if GRADIENT_CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds)
+    if LORA:  # after the base's partitioned build, as the run did
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA), autocast_adapter_dtype=False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None
+    if "optimizer" not in ds:  # the Trainer's AdamW; accelerate swaps in CPU-Adam when the optimizer is offloaded
+        offloaded = ds.get("zero_optimization", {{}}).get("offload_optimizer", {{}}).get("device", "none") != "none"
+        if offloaded and ds.get("zero_force_ds_cpu_optimizer", True):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            optimizer = DeepSpeedCPUAdam(trainable, lr=CLIENT_OPTIMIZER_LR or 1e-5)
+        else:
+            optimizer = torch.optim.AdamW(trainable, lr=CLIENT_OPTIMIZER_LR or 1e-5)
+        ds.setdefault("zero_allow_untested_optimizer", True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer, config=ds)
     print(f"model built: {{memory_line(torch, on_gpu)}}", flush=True)
     for step in range(1, args.steps + 1):
         for _ in range(accum):
@@ -115,19 +132,31 @@ if __name__ == "__main__":
 def repro_inputs(run_dir: Path) -> dict:
     """Model config, DeepSpeed config and shape of the run, from its files."""
     hf_run = read_json(run_dir / HF_RUN_FILE)
+    lora, differences = None, []
     if hf_run:
         model_config, ds_config = hf_run.get("model_config"), hf_run.get("ds_config")
+        args = hf_run.get("args", {})
         seq_len = hf_run.get("seq_len") or 512
-        checkpointing = bool(hf_run.get("args", {}).get("gradient_checkpointing"))
+        if not hf_run.get("seq_len"):
+            differences.append("the run recorded no sequence length: 512 here (--seq-len to change it)")
+        checkpointing = bool(args.get("gradient_checkpointing"))
+        client_lr = args.get("learning_rate") if ds_config and "optimizer" not in ds_config else None
         source = "HF Trainer"
     else:
         model_config, ds_config = read_json(run_dir / "model" / "config.json"), read_json(run_dir / "ds_config.json")
         config = read_yaml(run_dir / "config.yaml")
         seq_len = config.get("train", {}).get("seq_len", 512)
         checkpointing = bool(config.get("model", {}).get("gradient_checkpointing", True))
-        source = "zerofit"
+        client_lr, source = None, "zerofit"
+        if config.get("lora", {}).get("enabled") and model_config:
+            lora = lora_settings(config, model_config)
+        if config.get("train", {}).get("chunked_loss", True):
+            differences.append("the loss here is transformers' (the whole logits at once); the run's "
+                               "train.chunked_loss held them a chunk of rows at a time, so this needs more memory "
+                               "for logits than the run did")
     if not model_config or "model_type" not in model_config:
-        raise ConfigError(f"{run_dir} holds no model config (model/config.json, or model_config in {HF_RUN_FILE}); "
+        missing = "does not exist" if not run_dir.exists() else "holds no model config"
+        raise ConfigError(f"{run_dir} {missing} (model/config.json, or model_config in {HF_RUN_FILE}); "
                           f"a reproduction needs the model's shape")
     if not ds_config:
         raise ConfigError(f"{run_dir} holds no DeepSpeed config (ds_config.json, or ds_config in {HF_RUN_FILE}); "
@@ -135,7 +164,24 @@ def repro_inputs(run_dir: Path) -> dict:
     for key in ("transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype"):
         model_config.pop(key, None)
     return {"model_config": model_config, "ds_config": ds_config, "seq_len": seq_len,
-            "gradient_checkpointing": checkpointing, "source": source}
+            "gradient_checkpointing": checkpointing, "source": source, "client_optimizer_lr": client_lr,
+            "lora": lora, "differences": differences}
+
+
+def lora_settings(raw_config: dict, model_config: dict) -> dict:
+    """peft.LoraConfig's arguments for the run's lora.* settings, its target modules resolved
+    as the run resolved them."""
+    from transformers import AutoConfig
+
+    from zerofit.config import validate
+    from zerofit.lora import resolve
+
+    config = validate(raw_config)
+    fields = {k: v for k, v in model_config.items() if k not in ("model_type", "transformers_version")}
+    hf_config = AutoConfig.for_model(model_config["model_type"], **fields)
+    lora = config.lora
+    return {"r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": lora.bias,
+            "target_modules": resolve(config, hf_config), "modules_to_save": list(lora.modules_to_save) or None}
 
 
 def observed(run_dir: Path) -> str:
@@ -148,7 +194,8 @@ def observed(run_dir: Path) -> str:
     if diagnosis.postmortem:
         from zerofit.postmortem import headline
 
-        lines.append(f"  - the run died: {headline(diagnosis.postmortem['event'])}")
+        lines.append(f"  - {headline(diagnosis.postmortem['event'])}; DS_CONFIG is the one the run had last "
+                     f"(a retry's safer settings, if it retried: postmortem/report.json holds the one that failed)")
     return "\n".join(lines) if len(lines) > 1 else "zerofit doctor found nothing unusual."
 
 
@@ -167,11 +214,15 @@ def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
         world_size=world_size, versions=f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
                                         f"transformers {transformers.__version__}",
         observed=observed(run_dir), model_config=pretty(inputs["model_config"]), ds_config=pretty(inputs["ds_config"]),
-        seq_len=inputs["seq_len"], gradient_checkpointing=inputs["gradient_checkpointing"])
+        seq_len=inputs["seq_len"], gradient_checkpointing=inputs["gradient_checkpointing"],
+        client_optimizer_lr=inputs["client_optimizer_lr"], lora=repr(inputs["lora"]),
+        peft_note=" (and peft: the run trained LoRA adapters)" if inputs["lora"] else "",
+        differences="".join(f"Unlike the run: {d}.\n" for d in inputs["differences"]))
     out.write_text(text)
     return out
 
 
 def pretty(value: dict) -> str:
-    """A dict as Python source."""
-    return pprint.pformat(value, indent=1, width=110, sort_dicts=False)
+    """A dict as JSON for json.loads in the script: HF's configs hold Infinity
+    (steps_per_print), which pprint would write as the bare name `inf`."""
+    return json.dumps(value, indent=1)
