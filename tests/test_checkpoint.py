@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, wait_for, write_config, zerofit_command
 from zerofit import checkpoint, checkpointer, data, faults
+from zerofit.doctor import diagnose
 
 # Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
 SHAPE = dict(eval={"every_steps": 0, "at_end": False})
@@ -433,6 +434,9 @@ def test_enospc_keeps_the_previous_checkpoint(reference, tmp_path):
     run = tmp_path / "run"
     assert valid_steps(run) == [2] and not list((run / "checkpoints").glob(".tmp-*"))
     assert (run / "checkpoints" / "latest").read_text() == "step-000002"
+    failed_save = [f for f in diagnose(run).findings if f.kind == "checkpoint_failed"]  # the doctor says why it stopped
+    assert len(failed_save) == 1 and failed_save[0].severity == "error" and failed_save[0].step == 4
+    assert "step-000004 of step 4 was not saved" in failed_save[0].title and "No space left" in failed_save[0].title
     run_zerofit(["train", "--config", str(config), "--resume"])
     assert_same_weights(run, reference)
 

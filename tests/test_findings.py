@@ -2,7 +2,7 @@
 and nothing found on a healthy run."""
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.findings import RunFacts, detect, facts_from, fragmentation
+from zerofit.findings import RunFacts, across_ranks, detect, facts_from, fragmentation, phase_advice
 from zerofit.memory import effective_records
 
 
@@ -78,8 +78,14 @@ def test_fragmentation_suggests_expandable_segments_unless_set():
     assert frag.evidence == {"reserved_beyond_peak_bytes": 4 * GiB, "inactive_split_bytes": 2 * GiB}
     assert frag.fix[0].startswith("memory.expandable_segments: true")  # a zerofit run: its own key
     hf_run = synthetic_run(frag=4 * GiB, inactive_split=2 * GiB)
-    frag_hf = next(f for f in detect(hf_run, facts_from(hf_run, ds_config())) if f.kind == "fragmentation")
+    # as `zerofit doctor` reads an HF Trainer run: a config holding what the advice reads
+    hf_facts = facts_from(hf_run, ds_config(), {"model": {"gradient_checkpointing": False}}, source="hf-trainer")
+    frag_hf = next(f for f in detect(hf_run, hf_facts) if f.kind == "fragmentation")
     assert frag_hf.fix[0].startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")  # HF Trainer's: the variable
+    cause, fix = phase_advice("forward", "gpu", hf_facts)  # the Trainer's and DeepSpeed's names, not zerofit's
+    assert fix[0].startswith("halve per_device_train_batch_size") and "gradient_accumulation_steps" in fix[0]
+    assert fix[1].startswith("gradient_checkpointing=True (TrainingArguments)")
+    assert not any("train." in f or "model." in f or "zero." in f for f in fix)
     already = findings_of(synthetic_run(frag=4 * GiB, inactive_split=2 * GiB,
                                         alloc_conf="expandable_segments:True"))
     frag = next(f for f in already if f.kind == "fragmentation")
@@ -229,3 +235,30 @@ def test_optimizer_step_advice_names_expandable_segments_only_when_off():
                                                             "alloc_conf": "expandable_segments:True"}],
                                                           ds_config(), zerofit_run))[1]
     assert not any("expandable" in fix for fix in on)
+
+
+def test_each_oom_is_a_finding_advised_from_its_own_settings():
+    """Three OOMs in one run (a retry that ran out of memory again, twice): one finding each,
+    each advised from the micro batch it ran out of memory with, and one a retry went past
+    says what the retry changed."""
+    records = synthetic_run(steps=8)
+    settings = [{"train.micro_batch_size": m, "train.grad_accum_steps": 16 // m} for m in (16, 8, 4)]
+    at = {5: settings[0], 6: settings[1], 7: settings[2]}
+    out = []
+    for record in records:
+        out.append(record)
+        step = record["step"]
+        if record["phase"] == "optimizer_step" and step + 1 in at:
+            out.append({**record, "step": step + 1, "phase": "oom", "failed_phase": "forward", "device": "gpu",
+                        "settings": at[step + 1]})
+            if step + 1 < 7:  # retried; the last one stopped the run
+                out.append({**records[0], "step": step, "settings": settings[[5, 6].index(step + 1) + 1]})
+    ooms = [f for f in detect(out, facts_from(out, ds_config(micro_batch=2), {"model": {}})) if f.kind == "oom"]
+    assert sorted(f.step for f in ooms) == [5, 6, 7]
+    by_step = {f.step: f for f in ooms}
+    assert by_step[5].severity == "warning" and by_step[5].title.endswith(
+        "the run resumed afterwards with train.micro_batch_size 16 -> 8, train.grad_accum_steps 1 -> 2")
+    assert by_step[5].fix[0].startswith("halve train.micro_batch_size (16 -> 8)")
+    assert by_step[7].severity == "error" and by_step[7].fix[0].startswith("halve train.micro_batch_size (4 -> 2)")
+    merged = across_ranks({0: ooms})  # one rank: every OOM stays
+    assert len(merged) == 3

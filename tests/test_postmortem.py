@@ -14,6 +14,7 @@ from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, writ
 
 from zerofit import elastic, engine
 from zerofit.config import load, validate
+from zerofit.doctor import diagnose
 from zerofit.findings import RunFacts
 from zerofit.postmortem import OomEvent, parse_requested_bytes, retry_line, would_fit
 
@@ -81,8 +82,10 @@ def test_emergency_checkpoint_is_published_and_loadable(stopped_run, tmp_path):
 def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     config = oom_config(tmp_path)
     done = run_zerofit(["train", "--config", str(config), "--on-oom", "retry"], env=OOM_AT_5)
-    err = done.stderr
-    assert "memory.on_oom=retry: restarting from the newest checkpoint with train.micro_batch_size=2" in err
+    err = " ".join(done.stderr.split())
+    assert "GPU out of memory in the forward pass of step 5, tried to allocate 2.00 GiB (post-mortem: " in err
+    assert ("memory.on_oom=retry: restarting from the newest checkpoint (step-000004) with train.micro_batch_size=2, "
+            "train.grad_accum_steps=2 (1 more retry allowed)") in err
     assert "still referenced" not in err  # the failed attempt's engine and its memory were let go
     assert "done: step 8" in err
     run = tmp_path / "run"
@@ -93,6 +96,11 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     phases = [(r["step"], r["phase"]) for r in read_jsonl(run / "memory.jsonl")]
     assert (5, "oom") in phases and phases.count((4, "start")) == 1
     assert (run / "postmortem" / "report.md").is_file()
+    # the doctor advises from the settings that ran out of memory, and says what the retry changed
+    oom = next(f for f in diagnose(run).findings if f.kind == "oom")
+    assert oom.severity == "warning" and oom.title.endswith(
+        "the run resumed afterwards with train.micro_batch_size 4 -> 2, train.grad_accum_steps 1 -> 2")
+    assert oom.fix[0].startswith("halve train.micro_batch_size (4 -> 2)")
 
 
 def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):

@@ -51,12 +51,12 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     hf_run = read_json(run_dir / HF_RUN_FILE)
     if hf_run:
         source, ds_config = "hf-trainer", hf_run.get("ds_config") or {}
-        config = {"model": {"gradient_checkpointing": hf_run.get("args", {}).get("gradient_checkpointing")}}
+        config = {"model": {"gradient_checkpointing": hf_run.get("args", {}).get("gradient_checkpointing")}}  # advice reads it
     else:
         source, ds_config, config = "zerofit", read_json(run_dir / "ds_config.json") or {}, read_yaml(
             run_dir / "config.yaml")
     plan = read_json(run_dir / "plan.json")
-    facts = facts_from(records, ds_config, config, plan)
+    facts = facts_from(records, ds_config, config, plan, source)
     ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
@@ -154,11 +154,16 @@ def plan_vs_measured(plan: dict | None, records: list[dict], checkpoint_bytes: i
     if not plan:
         return []
     peaks = measured_peaks(records)
-    measured = {"gpu": peaks["gpu"], "host": peaks["host"], "disk": peaks["nvme"] + checkpoint_bytes}
+    # the plan counts every checkpoint on disk at once (keep_last + the one being written):
+    # the newest one measured stands for each of them
+    planned = ((plan.get("devices", {}).get("disk") or {}).get("components") or {}).get("checkpoints", 0)
+    copies = round(planned / plan["checkpoint_bytes"]) if plan.get("checkpoint_bytes") else 1
+    on_disk = checkpoint_bytes * max(copies, 1)
+    measured = {"gpu": peaks["gpu"], "host": peaks["host"], "disk": peaks["nvme"] + on_disk}
     rows = []
     for device, entry in plan.get("devices", {}).items():
         components = [{"name": name, "predicted_bytes": value,
-                       "measured_bytes": measured_component(device, name, peaks, checkpoint_bytes)}
+                       "measured_bytes": measured_component(device, name, peaks, on_disk)}
                       for name, value in (entry.get("components") or {}).items()]
         key = {"gpu": ("predicted_gpu_peak", "gpu_peak_reserved"), "host": ("predicted_host_rss", "host_peak")}
         phases = []

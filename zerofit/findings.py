@@ -9,6 +9,7 @@ few MiB, hence the larger floor.
 """
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
@@ -17,12 +18,13 @@ from zerofit.memory import EVENT_PHASES
 MiB, GiB = 2**20, 2**30
 WARMUP_STEPS = 2  # the first steps allocate optimizer states and caches: not a leak
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+EVENT_KINDS = ("oom", "watchdog", "checkpoint_failed")  # findings of one record each, not of a trend
 
 
 @dataclass(frozen=True)
 class Finding:
     kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
-                       # | rank_imbalance | cpu_threads | killed
+                       # | checkpoint_failed | rank_imbalance | cpu_threads | killed
     severity: str      # error | warning | info
     device: str        # gpu | host
     title: str         # what was seen, with the numbers
@@ -45,6 +47,8 @@ class RunFacts:
     alloc_conf: str = ""
     ds_config: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)   # zerofit's resolved config, {} for HF runs
+    source: str = "zerofit"                      # or hf-trainer: fixes name Trainer / DeepSpeed keys
+    params: int = 0                              # the model's parameters (plan.json), 0 when unknown
 
     @property
     def zero(self) -> dict:
@@ -69,7 +73,7 @@ class RunFacts:
 
 
 def facts_from(records: list[dict], ds_config: dict | None = None, config: dict | None = None,
-               plan: dict | None = None) -> RunFacts:
+               plan: dict | None = None, source: str = "zerofit") -> RunFacts:
     """Budgets from the newest `start` record, else from plan.json."""
     start = next((r for r in reversed(records) if r.get("phase") == "start"), {})
     devices = (plan or {}).get("devices", {})
@@ -78,7 +82,8 @@ def facts_from(records: list[dict], ds_config: dict | None = None, config: dict 
         host_budget=start.get("host_budget") or devices.get("host", {}).get("budget_bytes") or 0,
         host_total=start.get("host_total") or 0,
         host_budget_is_machine=start.get("host_budget_is_machine", True),
-        alloc_conf=start.get("alloc_conf", ""), ds_config=ds_config or {}, config=config or {})
+        alloc_conf=start.get("alloc_conf", ""), ds_config=ds_config or {}, config=config or {}, source=source,
+        params=(plan or {}).get("params") or 0)
 
 
 def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
@@ -129,7 +134,8 @@ def across_ranks(per_rank: dict[int, list[Finding]]) -> list[Finding]:
     grouped: dict[tuple[str, str], list[tuple[int, Finding]]] = {}
     for rank in ranks:
         for finding in per_rank[rank]:
-            grouped.setdefault((finding.kind, finding.device), []).append((rank, finding))
+            occurrence = finding.step if finding.kind in EVENT_KINDS else None  # each OOM is its own
+            grouped.setdefault((finding.kind, finding.device, occurrence), []).append((rank, finding))
     merged = []
     for seen in grouped.values():
         first = seen[0][1]
@@ -239,18 +245,25 @@ def post_save_residue(records: list[dict], facts: RunFacts, device: str) -> list
     drift = max(0, statistics.median(steady_deltas(series, saves) or [0]))
     residues = {s: series[s + 1] - series[s] - drift for s in sorted(saves) if s in series and s + 1 in series}
     reported = {r["step"]: r["residue_bytes"] for r in records if r.get("phase") == "save" and "residue_bytes" in r}
-    bad = {s: b for s, b in residues.items() if b > significant_bytes(facts, device)}
+    # a save with no step after it (the last) is judged by what the save itself measured
+    residues.update({s: b for s, b in reported.items() if s not in residues})
+    bad = {s: b for s, b in sorted(residues.items()) if b > significant_bytes(facts, device)}
     if not bad:
         return []
     total, worst = sum(bad.values()), max(bad, key=bad.get)
     budget = facts.gpu_budget if device == "gpu" else facts.host_budget
     severity = "error" if budget and total > 0.1 * budget else "warning"
-    if facts.gathers_on_save():
-        cause = ("stage3_gather_16bit_weights_on_model_save is on: each save gathers the full 16-bit model, "
-                 "and what it gathered is still referenced afterwards")
+    gathered = 2 * facts.params  # the 16-bit model a gathering save builds
+    blames_gathering = facts.gathers_on_save() and (not gathered or bad[worst] >= 0.5 * gathered)
+    if blames_gathering:
+        cause = ("stage3_gather_16bit_weights_on_model_save is on: each save gathers the full 16-bit model"
+                 + (f" ({mib(gathered)})" if gathered else "") + ", and what it gathered is still referenced afterwards")
     else:
         cause = ("tensors made during the save (gathered parameters, state-dict copies, serialisation "
                  "buffers) are still referenced after it, so the allocator cannot reuse that memory")
+        if facts.gathers_on_save():
+            cause += (f" (more than the whole 16-bit model, {mib(gathered)}, that "
+                      f"stage3_gather_16bit_weights_on_model_save gathers: something else holds it)")
     released = all(r.get("released_cache") for r in records if r.get("phase") == "save")
     if released:
         cause += "; it survives gc.collect() and torch.cuda.empty_cache(), so a live reference holds it"
@@ -259,9 +272,9 @@ def post_save_residue(records: list[dict], facts: RunFacts, device: str) -> list
     else:
         fix = ["release after each save: gc.collect() then torch.cuda.empty_cache() "
                "(for HF Trainer, zerofit.hf.MemoryGuardCallback() does it)"]
-    if facts.gathers_on_save():
-        fix.append("turn off stage3_gather_16bit_weights_on_model_save (zero.gather_16bit_weights_on_save: false) "
-                   "and export at the end with `zerofit export`")
+    if blames_gathering:
+        fix.append(f"{setting(facts, 'zero.gather_16bit_weights_on_save: false')} (no 16-bit model gathered at "
+                   f"each save) and export at the end with `zerofit export`")
     fix.append("find the holder in the allocator snapshot (torch.cuda.memory._record_memory_history, viewed at "
                "pytorch.org/memory_viz)" if device == "gpu" else
                "find the holder with tracemalloc or memray around the save")
@@ -380,10 +393,33 @@ def near_budget(records: list[dict], facts: RunFacts, device: str, near: float =
                      "phase": record["phase"]})]
 
 
+# zerofit's keys as an HF Trainer run sets them (TrainingArguments, the DeepSpeed JSON, the environment)
+HF_NAMES = {
+    "train.micro_batch_size": "per_device_train_batch_size",
+    "grad_accum_steps": "gradient_accumulation_steps",
+    "model.gradient_checkpointing: true": "gradient_checkpointing=True (TrainingArguments)",
+    "zero.offload_param: cpu": 'zero_optimization.offload_param: {"device": "cpu"}',
+    "zero.offload_optimizer: cpu": 'zero_optimization.offload_optimizer: {"device": "cpu"}',
+    "zero.offload_optimizer: nvme, zero.nvme_path: /fast/disk":
+        'zero_optimization.offload_optimizer: {"device": "nvme", "nvme_path": "/fast/disk"}',
+    "zero.pin_memory: false": "pin_memory: false in zero_optimization.offload_optimizer / offload_param",
+    "zero.prefetch_bucket_size": "zero_optimization.stage3_prefetch_bucket_size",
+    "zero.max_live_parameters": "zero_optimization.stage3_max_live_parameters",
+    "zero.sub_group_size: 100000000": "zero_optimization.sub_group_size: 100000000",
+    "zero.gather_16bit_weights_on_save: false": "zero_optimization.stage3_gather_16bit_weights_on_model_save: false",
+    "memory.expandable_segments: true": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+}
+
+
+def setting(facts: RunFacts, key: str) -> str:
+    """`key` (zerofit's name of a setting) as the run's user sets it."""
+    return HF_NAMES.get(key, key) if facts.source == "hf-trainer" else key
+
+
 def expandable_segments_setting(facts: RunFacts) -> str:
     """How to turn expandable segments on: zerofit's key for its runs (on by default), the
     allocator's variable for others (HF Trainer through `zerofit doctor`)."""
-    return "memory.expandable_segments: true" if facts.config else "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    return setting(facts, "memory.expandable_segments: true")
 
 
 def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
@@ -441,29 +477,78 @@ def fragmented_oom_advice(record: dict, facts: RunFacts, phase_fixes: list[str])
 
 
 def events(records: list[dict], facts: RunFacts) -> list[Finding]:
-    """OOM and watchdog records written by the post-mortem and the watchdog."""
+    """OOM, watchdog and failed-save records written by the post-mortem, the watchdog and
+    the checkpointer: one finding each."""
     found = []
     for i, r in enumerate(records):
         if r.get("phase") == "oom":
-            device = r.get("device", "gpu")
-            phase = r.get("failed_phase", "?")
-            cause, fix = phase_advice(phase, device, facts)
-            if device == "gpu" and fragmented_request(r.get("requested_bytes"), r.get("gpu_alloc", 0),
-                                                      r.get("gpu_reserved", 0), facts.gpu_budget):
-                cause, fix = fragmented_oom_advice(r, facts, fix)
-            asked = f", tried to allocate {gib(r['requested_bytes'])}" if r.get("requested_bytes") else ""
-            went_on = any(later.get("phase") == "start" for later in records[i + 1:])
-            found.append(Finding("oom", "error", device, f"{label(device)} out of memory in {phase} of step "
-                                 f"{r['step']}{asked}" + ("; the run resumed afterwards" if went_on else ""),
-                                 cause, fix, r["step"], {k: r[k] for k in r if k != "time"}))
+            found.append(oom_finding(r, records[i + 1:], facts))
         elif r.get("phase") == "watchdog":
             found.append(Finding("watchdog", "warning", r.get("device", "?"),
                                  f"watchdog at step {r['step']}: {r.get('device', '?')} memory at "
                                  f"{r.get('fraction', 0):.0%} of its budget (threshold {r.get('threshold', 0):.0%}), "
                                  f"action {r.get('action', '?')}", "memory use crossed memory.watchdog_threshold",
-                                 ["see the near-budget finding for where the peak comes from"], r["step"],
+                                 ["the timeline's peaks per phase show where it comes from; lower that phase's "
+                                  "memory (see `zerofit plan --explain`) or raise the budget"], r["step"],
                                  {k: r[k] for k in r if k != "time"}))
+        elif r.get("phase") == "checkpoint_failed":
+            found.append(failed_save(r, facts))
     return found
+
+
+def failed_save(record: dict, facts: RunFacts) -> Finding:
+    stopped = facts.config.get("checkpoint", {}).get("on_error", "stop") == "stop"
+    then = "the run stopped there (checkpoint.on_error: stop)" if stopped else \
+        "training went on without it (checkpoint.on_error: continue)"
+    return Finding("checkpoint_failed", "error" if stopped else "warning", "disk",
+                   f"the checkpoint {record.get('checkpoint', '')} of step {record['step']} was not saved: "
+                   f"{record.get('error', '?')}", f"{then}; the checkpoints published before it are intact",
+                   ["free disk space (or lower checkpoint.keep_last), then resume: "
+                    "`zerofit train --config RUN_DIR/config.yaml --resume`"], record["step"],
+                   {k: record[k] for k in record if k != "time"})
+
+
+def oom_finding(record: dict, later: list[dict], facts: RunFacts) -> Finding:
+    """An OOM, advised from the settings that ran out of memory (the record's, when it has
+    them: a retry changes the run's files afterwards); one a retry went past is a warning
+    that says what the retry changed."""
+    device, phase = record.get("device", "gpu"), record.get("failed_phase", "?")
+    then = record.get("settings") or {}
+    cause, fix = phase_advice(phase, device, facts_with(facts, then))
+    if device == "gpu" and fragmented_request(record.get("requested_bytes"), record.get("gpu_alloc", 0),
+                                              record.get("gpu_reserved", 0), facts.gpu_budget):
+        cause, fix = fragmented_oom_advice(record, facts, fix)
+    asked = f", tried to allocate {gib(record['requested_bytes'])}" if record.get("requested_bytes") else ""
+    restart = next((r for r in later if r.get("phase") == "start"), None)
+    went_on = ""
+    if restart is not None:
+        changed = [f"{k} {then[k]} -> {v}" for k, v in (restart.get("settings") or {}).items()
+                   if k in then and then[k] != v]
+        went_on = "; the run resumed afterwards" + (f" with {', '.join(changed)}" if changed else "")
+    return Finding("oom", "warning" if restart else "error", device,
+                   f"{label(device)} out of memory in {phase} of step {record['step']}{asked}{went_on}",
+                   cause, fix, record["step"], {k: record[k] for k in record if k != "time"})
+
+
+def facts_with(facts: RunFacts, settings: dict) -> RunFacts:
+    """`facts` with the zerofit settings of an OOM record (postmortem.MEMORY_SETTINGS) laid
+    over the DeepSpeed config and the config the advice reads."""
+    if not settings:
+        return facts
+    ds = json.loads(json.dumps(facts.ds_config))
+    zero = ds.setdefault("zero_optimization", {})
+    if "train.micro_batch_size" in settings:
+        ds["train_micro_batch_size_per_gpu"] = settings["train.micro_batch_size"]
+    for what in ("param", "optimizer"):
+        if f"zero.offload_{what}" in settings:
+            zero[f"offload_{what}"] = {**(zero.get(f"offload_{what}") or {}), "device": settings[f"zero.offload_{what}"]}
+    if "zero.sub_group_size" in settings:
+        zero["sub_group_size"] = settings["zero.sub_group_size"]
+    if "zero.gather_16bit_weights_on_save" in settings:
+        zero["stage3_gather_16bit_weights_on_model_save"] = settings["zero.gather_16bit_weights_on_save"]
+    config = {**facts.config, "model": {**facts.config.get("model", {}),
+                                        "gradient_checkpointing": settings.get("model.gradient_checkpointing")}}
+    return replace(facts, ds_config=ds, config=config)
 
 
 # ------------------------------------------------------------------------ advice
@@ -483,32 +568,33 @@ def phase_advice(phase: str, device: str, facts: RunFacts) -> tuple[str, list[st
         fix = []
         if facts.zero.get("offload_optimizer", {}).get("pin_memory") or facts.zero.get("offload_param", {}).get(
                 "pin_memory"):
-            fix.append("zero.pin_memory: false (pinned offload buffers can never be swapped out)")
+            fix.append(f"{setting(facts, 'zero.pin_memory: false')} (pinned offload buffers can never be swapped out)")
         if facts.gathers_on_save():
             fix.append("turn off stage3_gather_16bit_weights_on_model_save (it builds the whole 16-bit model "
                        "in host RAM at each save) and export at the end")
-        fix += ["offload to NVMe instead of RAM (zero.offload_optimizer: nvme, zero.nvme_path: /fast/disk)",
+        fix += [f"offload to NVMe instead of RAM ({setting(facts, 'zero.offload_optimizer: nvme, zero.nvme_path: /fast/disk')})",
                 "fewer ranks per node, or more host RAM"]
         return "host RAM holds the offloaded optimizer states and parameters, pinned buffers and save copies", fix
     if phase in ("forward", "backward", "forward_backward", "eval"):
         fix = []
         if micro and micro > 1:
-            fix.append(f"halve train.micro_batch_size ({micro} -> {micro // 2}) and double grad_accum_steps "
-                       f"(same global batch)")
+            fix.append(f"halve {setting(facts, 'train.micro_batch_size')} ({micro} -> {micro // 2}) and double "
+                       f"{setting(facts, 'grad_accum_steps')} (same global batch)")
         if facts.gradient_checkpointing() is False:
-            fix.append("model.gradient_checkpointing: true (recompute activations in backward)")
+            fix.append(f"{setting(facts, 'model.gradient_checkpointing: true')} (recompute activations in backward)")
         if facts.offloaded("param") == "none" and facts.zero.get("stage") == 3:
-            fix.append("zero.offload_param: cpu (parameters live in host RAM between uses)")
-        fix.append("lower zero.prefetch_bucket_size and zero.max_live_parameters (fewer gathered parameters at once)")
+            fix.append(f"{setting(facts, 'zero.offload_param: cpu')} (parameters live in host RAM between uses)")
+        fix.append(f"lower {setting(facts, 'zero.prefetch_bucket_size')} and {setting(facts, 'zero.max_live_parameters')}"
+                   f" (fewer gathered parameters at once)")
         return ("activations (micro batch x sequence length x hidden, and the logits at vocabulary size) "
                 "plus the ZeRO-3 parameters gathered for the current layers"), fix
     if phase == "optimizer_step":
         fix = []
         if facts.sub_group_size() >= 500_000_000:
             fix.append(f"zero_optimization.sub_group_size {facts.sub_group_size():.0e} -> 1e8 "
-                       f"(zero.sub_group_size: 100000000)")
+                       f"({setting(facts, 'zero.sub_group_size: 100000000')})")
         if facts.offloaded("optimizer") == "none":
-            fix.append("zero.offload_optimizer: cpu (fp32 master weights and Adam moments in host RAM)")
+            fix.append(f"{setting(facts, 'zero.offload_optimizer: cpu')} (fp32 master weights and Adam moments in host RAM)")
         if not facts.expandable_segments_on:
             fix.append(expandable_segments_setting(facts))
         return "the optimizer step's fp32 temporaries (per sub group) on top of the held gradients", fix

@@ -36,7 +36,8 @@ import psutil
 
 GPU_KEYS = ("gpu_alloc", "gpu_reserved", "gpu_peak", "gpu_peak_reserved", "gpu_frag", "gpu_inactive_split")
 PEAK_KEYS = ("gpu_peak", "gpu_peak_reserved", "host_peak")  # kept as the max when a phase recurs
-EVENT_PHASES = ("start", "save", "eval", "oom", "watchdog")  # marked on their own, not per micro batch
+# marked on their own, not per micro batch
+EVENT_PHASES = ("start", "save", "eval", "oom", "watchdog", "checkpoint_written", "checkpoint_failed")
 
 
 # ---------------------------------------------------------------------------- readings

@@ -33,13 +33,19 @@ from pathlib import Path
 
 from zerofit import elastic, faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
-from zerofit.doctor import plan_vs_measured, read_json
+from zerofit.doctor import newest_checkpoint_bytes, plan_vs_measured, read_json
 from zerofit.engine import allocator_setting, release as release_engine
 from zerofit.findings import RunFacts, detect, facts_from, fragmented_request, gib, label
 from zerofit.memory import effective_records, gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.progress import say, warn
 
 MAX_RETRIES = 2
+# the settings would_fit changes: recorded with each OOM and each start, so the doctor advises
+# from the settings that ran out of memory and names what a retry changed
+MEMORY_SETTINGS = ("train.micro_batch_size", "train.grad_accum_steps", "model.gradient_checkpointing",
+                   "zero.offload_param", "zero.offload_optimizer", "zero.offload_optimizer_ratio", "zero.pin_memory",
+                   "zero.sub_group_size", "zero.prefetch_bucket_size", "zero.max_live_parameters",
+                   "zero.gather_16bit_weights_on_save", "memory.expandable_segments")
 TRAINING_PHASES = ("forward", "backward", "optimizer_step")
 NEXT_PHASE = {"forward": "backward", "backward": "optimizer_step"}  # the order train_step observes them
 
@@ -123,10 +129,10 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
                      "holds stays in use, and the retry plans with less")
             retries_left -= 1
             faults.disarm("oom", "step", event.step)  # an injected OOM stands for the old settings
-            say(f"[bold]memory.on_oom=retry[/]: restarting from the newest checkpoint with "
-                f"{', '.join(report['changes'])}")
+            say(retry_message(report, retries_left))
             config, resume = validate(safer), None
             continue
+        report["retries_used_up"] = config.memory.on_oom == "retry" and not retries_left
         if event.world_size > 1:  # no rank retries alone: torchrun's next attempt, if any, learns what to do
             retry = config.memory.on_oom == "retry" and safer
             report["handed_over"] = elastic.hand_over(directory_for(Path(config.run_dir), event.rank), event,
@@ -134,6 +140,16 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
                                                       report["changes"] if retry else [],
                                                       "" if retry else why_not_retried(config, safer))
         raise OutOfMemoryStop(explanation(report))
+
+
+def retry_message(report: dict, retries_left: int) -> str:
+    """What happened and what the retry does: the OOM, its post-mortem, where it restarts."""
+    directory = directory_of(Path(report["run_dir"]), report["event"].get("rank", 0))
+    start = f"the newest checkpoint ({Path(report['resume_from']).name})" if report.get("resume_from") else \
+        "step 0 (no checkpoint was saved)"
+    return (f"{headline(report['event'])} (post-mortem: {directory / 'report.md'})\n"
+            f"[bold]memory.on_oom=retry[/]: restarting from {start} with {', '.join(report['changes'])} "
+            f"({retries_left} more retr{'y' if retries_left == 1 else 'ies'} allowed)")
 
 
 def why_not_retried(config: Config, safer: dict | None) -> str:
@@ -278,10 +294,16 @@ def capture(error: BaseException, session: Session) -> OomEvent:
     if timeline:
         try:
             timeline.mark(step, "oom", failed_phase=phase, device=event.device, requested_bytes=event.requested_bytes,
-                          error=message.splitlines()[0][:300])
+                          error=message.splitlines()[0][:300], settings=memory_settings(session.config))
         except (MemoryError, OSError):  # a host OOM may refuse even this; the report still follows
             pass
     return event
+
+
+def memory_settings(config: Config) -> dict:
+    """The values of MEMORY_SETTINGS in `config`."""
+    raw = config.model_dump(mode="json")
+    return {key: raw[key.split(".")[0]][key.split(".")[1]] for key in MEMORY_SETTINGS}
 
 
 def oom_device(error: BaseException, on_gpu: bool) -> str:
@@ -315,14 +337,33 @@ def conclude(event: OomEvent, session: Session) -> dict:
         "event": asdict(event), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(run_dir),
         "emergency_checkpoint": emergency, "emergency_note": emergency_note,
         "last_step": [r for r in records if r.get("step") in (event.step - 1, event.step)],
-        "plan": plan_vs_measured(read_json(run_dir / "plan.json"), records),
+        "plan": plan_vs_measured(read_json(run_dir / "plan.json"), records, newest_checkpoint_bytes(run_dir)),
         "findings": [f.to_dict() for f in detect(records, facts)],
         "changes": changes, "safer_config": safer.model_dump(mode="json") if safer else None,
         "retry_config": str(directory / "retry-config.yaml") if safer else None,
     }
+    report["resume_from"] = newest_checkpoint(run_dir)
+    keep_earlier_report(directory)
     (directory / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (directory / "report.md").write_text(render_markdown(report))
     return report
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    """The newest published checkpoint (the one a retry resumes from), by its `latest` pointer."""
+    latest = run_dir / "checkpoints" / "latest"
+    return str(run_dir / "checkpoints" / latest.read_text().strip()) if latest.is_file() else None
+
+
+def keep_earlier_report(directory: Path) -> None:
+    """An earlier OOM's report.json/.md (a run retried before) become report-step-N.*."""
+    earlier = read_json(directory / "report.json")
+    if not earlier:
+        return
+    step = earlier.get("event", {}).get("step", "unknown")
+    for suffix in (".json", ".md"):
+        if (directory / f"report{suffix}").is_file():
+            (directory / f"report{suffix}").replace(directory / f"report-step-{step}{suffix}")
 
 
 def emergency_checkpoint(event: OomEvent, session: Session) -> tuple[str | None, str]:
@@ -446,6 +487,9 @@ def explanation(report: dict) -> str:
 def retry_line(report: dict) -> str:
     if report.get("handed_over"):
         return f"  retry: {report['handed_over']}"
+    if report.get("retries_used_up") and report["event"]["world_size"] == 1:
+        return (f"  retry: the {MAX_RETRIES} retries memory.on_oom=retry allows are used up; "
+                f"zerofit train --config {report['retry_config']} goes one step safer again")
     how = "memory.on_oom: retry / --on-oom retry" if report["event"]["world_size"] == 1 else \
         "with several ranks: memory.on_oom: retry under torchrun --max-restarts 1 or more"
     return f"  retry: zerofit train --config {report['retry_config']}   (or {how})"

@@ -11,9 +11,11 @@ from pathlib import Path
 from zerofit.findings import gib
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
-                "eval": 0.95, "save": 1.0, "watchdog": 1.0}
+                "eval": 0.95, "save": 1.0, "watchdog": 1.0, "checkpoint_failed": 1.0}
 MARKERS = {"save": ("#2e7d32", "-", "save"), "eval": ("#1565c0", ":", "eval"), "oom": ("#c62828", "-", "OOM"),
-           "watchdog": ("#ef6c00", "--", "watchdog"), "start": ("#757575", "-.", "start / resume")}
+           "watchdog": ("#ef6c00", "--", "watchdog"), "start": ("#757575", "-.", "start / resume"),
+           "checkpoint_written": ("#81c784", ":", "async save published"),
+           "checkpoint_failed": ("#6a1b9a", "-", "save failed")}
 SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 RANK_COLOURS = ("#00897b", "#f9a825", "#5e35b1", "#6d4c41", "#d81b60", "#546e7a", "#7cb342")
 MAX_POINTS = 3000  # beyond this the timeline is drawn per step (the step's highest reading)
@@ -82,7 +84,9 @@ def timeline_png(diagnosis) -> str:
             values = [reading(r, key, facts) for r in training]
             if any(values):
                 name = f"rank 0: {name}" if diagnosis.other_ranks and key != "machine_used" else name
-                ax.plot(xs, [(v or 0) / 2**30 for v in values], style, color=colour, label=name, linewidth=1.4)
+                # a record without the reading (no prediction for it) is a gap, not a fall to zero
+                ax.plot(xs, [v / 2**30 if v is not None else float("nan") for v in values], style, color=colour,
+                        label=name, linewidth=1.4)
                 top = max(top, max(v or 0 for v in values) / 2**30)
         for rank, (rank_xs, peaks) in other_rank_peaks(diagnosis, device).items():
             ax.plot(rank_xs, peaks, "-", color=RANK_COLOURS[rank % len(RANK_COLOURS)], linewidth=1.1,
@@ -165,8 +169,12 @@ def plan_png(diagnosis) -> str:
         if not row["components"]:
             ax.bar(0, (row["predicted_bytes"] or 0) / 2**30, width=0.6, color="#90a4ae")
         ax.bar(1, (row["measured_bytes"] or 0) / 2**30, width=0.6, color="#455a64")
-        if row.get("budget_bytes"):
+        tallest = max(row["predicted_bytes"] or 0, row["measured_bytes"] or 0)
+        if row.get("budget_bytes") and row["budget_bytes"] <= 1.6 * tallest:
             ax.axhline(row["budget_bytes"] / 2**30, color="#b71c1c", linestyle="--", linewidth=1, label="budget")
+            ax.legend(fontsize=8)
+        elif row.get("budget_bytes"):  # a far budget line would flatten the bars to nothing
+            ax.plot([], [], " ", label=f"budget {gib(row['budget_bytes'])} (above the chart)")
             ax.legend(fontsize=8)
         ax.set_xticks([0, 1], ["planned", "measured"])
         ax.set_title(row["device"])

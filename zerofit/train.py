@@ -83,7 +83,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
                            config.train.seed, position=state.micro_batches)
     dog = watchdog.arm(timeline, state.step, dist.on_gpu, config.memory.watchdog_threshold,
-                       config.memory.watchdog_action, config.plan.gpu_mem, config.plan.host_mem, dist.world_size)
+                       config.memory.watchdog_action, config.plan.gpu_mem, config.plan.host_mem, dist.world_size,
+                       settings=postmortem.memory_settings(config))
     metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
     progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
     tokens_per_step = config.train.micro_batch_size * config.train.seq_len * config.train.grad_accum_steps \

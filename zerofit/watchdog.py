@@ -108,16 +108,17 @@ class Watchdog:
 
 
 def arm(timeline, step: int, on_gpu: bool, threshold: float, action: str, gpu_mem: str | None = None,
-        host_mem: str | None = None, world_size: int = 1) -> Watchdog:
+        host_mem: str | None = None, world_size: int = 1, **start_extra) -> Watchdog:
     """Write the timeline's `start` record (the budgets, the allocator settings, the CPU
-    threads the rank runs with: what the doctor measures against) and return the armed watchdog."""
+    threads the rank runs with: what the doctor measures against; `start_extra` too) and
+    return the armed watchdog."""
     import torch
 
     found = budgets(on_gpu, gpu_mem, host_mem)
     cores, local_ranks = node_cores_and_ranks()
     timeline.mark(step, "start", **found, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                   world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads(),
-                  cpu_cores=cores, local_world_size=local_ranks)
+                  cpu_cores=cores, local_world_size=local_ranks, **start_extra)
     facts = RunFacts(gpu_budget=found["gpu_budget"], host_budget=found["host_budget"], host_total=found["host_total"],
                      host_budget_is_machine=found["host_budget_is_machine"])
     return Watchdog(facts, threshold, action, on_gpu)
