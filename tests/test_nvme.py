@@ -15,6 +15,7 @@ from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_conf
 
 from zerofit import checkpoint, hardware, nvme, planview, swaplayout
 from zerofit.config import validate
+from zerofit.export import export
 from zerofit.swaplayout import Aio
 
 LIBAIO_MISSING = nvme.libaio_problem()
@@ -79,6 +80,47 @@ def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
     assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
 
 
+@needs_async_io
+def test_export_reads_the_swapped_masters(nvme_run, cpu_run, tmp_path):
+    """The fp32 masters DeepSpeed swapped to NVMe are empty tensors in the optim file; the
+    export reads them from the checkpoint's copy of the swap files (the save records which
+    file holds which sub group), --verify agrees, and the weights are the CPU-offload run's."""
+    run, _, _, _ = nvme_run
+    step = run / "checkpoints" / "step-000006"
+    record = json.loads((step / "offloaded_tensors" / "rank00" / nvme.SUB_GROUPS_FILE).read_text())["sub_groups"]
+    assert any(group["file"] for group in record)  # the 1.3M-element sub group is swapped
+    exported = export(run, tmp_path / "nvme-model", dtype="fp32", verify=True, progress=False)
+    assert exported.verify["max_abs_diff"] < 1e-5
+    reference = export(cpu_run, tmp_path / "cpu-model", dtype="fp32", progress=False)
+    assert reference.tensors == exported.tensors
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("nvme-model", "cpu-model"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:  # the same Adam on the same numbers (the losses agree to 1e-5)
+        assert (ours[name] - theirs[name]).abs().max() < 1e-4, name
+
+
+@needs_async_io
+def test_moving_the_optimizer_between_nvme_and_ram_on_resume_is_refused(nvme_run, cpu_run, tmp_path):
+    """Either way DeepSpeed's load crashed (a size mismatch, a missing offloaded_tensors/):
+    refused before anything is rewritten, naming the change."""
+    import shutil
+
+    run, config_file, _, _ = nvme_run
+    for source, change, name in ((run, "zero.offload_optimizer=cpu", "to-ram"),
+                                 (cpu_run, f"zero.nvme_path={tmp_path / 'swap'}", "to-nvme")):
+        copy = tmp_path / name
+        shutil.copytree(source, copy)
+        before = (copy / "config.yaml").read_text()
+        sets = [change] + (["zero.offload_optimizer=nvme"] if name == "to-nvme" else [])
+        done = run_zerofit(["train", "--config", str(copy / "config.yaml"), "--run-dir", str(copy), "--resume",
+                            *[arg for s in sets for arg in ("--set", s)]], check=False)
+        said = " ".join(done.stderr.split())
+        assert done.returncode == 1 and "cannot be loaded under this config (zero.offload_optimizer" in said, said
+        assert (copy / "config.yaml").read_text() == before
+
+
 def wide_model(directory: Path) -> dict:
     """The model section of a 2-layer Llama of hidden 256 (vocab 2048) with the demo
     tokenizer, written to `directory`: enough elements for several swapped sub groups at
@@ -104,6 +146,9 @@ def test_two_ranks_resume_their_swapped_state_exactly(tmp_path):
     run_zerofit(["train", "--config", str(config_file)], nproc=2)
     run = tmp_path / "run"
     assert json.loads((run / "plan.json").read_text())["nvme"]["swapped_sub_groups"] >= 2
+    # several swapped sub groups per rank, each read from the swap file recorded for it
+    exported = export(run, tmp_path / "model-out", dtype="fp32", verify=True, progress=False)
+    assert exported.verify["max_abs_diff"] < 1e-5
     assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3, nproc=2)
 
 

@@ -91,6 +91,11 @@ SHAPING_SETTINGS = (("train", "precision"), ("zero", "stage"), ("lora", "enabled
                     ("lora", "target_modules"), ("lora", "modules_to_save"), ("lora", "bias"))
 
 
+def rank_dir(rank: int) -> str:
+    """A rank's folder of DeepSpeed's NVMe copies (engine.save_checkpoint: "rank" + dp_index_to_str)."""
+    return f"rank{rank:0>2d}"
+
+
 def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
     """What `state`'s data position counts in; what an older checkpoint did not record is
     taken from `fallback` (this run's)."""
@@ -109,6 +114,10 @@ def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
         new = fresh.config_values.get(section, {}).get(key)
         if old != new:
             changes.append(f"{section}.{key} {short(old)} -> {short(new)}")
+    old, new = (values.get("zero", {}).get("offload_optimizer") for values in (saved.config_values, fresh.config_values))
+    if saved.config_values and old != new and "nvme" in (old, new):  # DeepSpeed's load neither reads nor writes them
+        changes.append(f"zero.offload_optimizer {old} -> {new} (the NVMe optimizer state is swap files beside the "
+                       f"optimizer file, which a load under the other device cannot convert)")
     return changes
 
 
@@ -270,6 +279,8 @@ class Checkpointer:
             if self.dist.world_size > 1:
                 raise  # the other ranks wait inside DeepSpeed's barrier: only a restart helps
             self.io.error = self.io.error or f"DeepSpeed's save_checkpoint: {e}"
+        if self.config.zero.offload_optimizer == "nvme" and (tmp / NVME_STATE_DIR / rank_dir(self.dist.rank)).is_dir():
+            nvme.record_sub_groups(self.ds_engine.optimizer, tmp / NVME_STATE_DIR / rank_dir(self.dist.rank))
         self.io.save(checkpoint.rng_state(), str(tmp / f"rng_state_rank{self.dist.rank}.pt"))
         # every rank must take the same road (the sync road publishes through collectives now)
         mode = "async" if self.settings.async_save and self._all(self.io.snapshot_fits()) else "sync"

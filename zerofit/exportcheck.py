@@ -40,6 +40,8 @@ def reference_state_dict(checkpoint_dir: Path) -> dict:
     select_accelerator()  # DeepSpeed picks its accelerator at import time
     if universalfiles.is_universal(checkpoint_dir):
         return universal_state_dict(checkpoint_dir)
+    if (checkpoint_dir / "offloaded_tensors").is_dir():
+        return nvme_state_dict(checkpoint_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -64,6 +66,36 @@ def universal_state_dict(directory: Path) -> dict:
     for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
         flat = torch.cat([state["frozen_param_fragments"][name].flatten() for state in states])
         weights[name] = flat[:shape.numel()].view(shape)
+    for alias, owner in (states[0].get("shared_params") or {}).items():
+        weights[alias] = weights[owner]
+    return weights
+
+
+def nvme_state_dict(directory: Path) -> dict:
+    """An NVMe-offloaded optimizer's checkpoint, which DeepSpeed's zero_to_fp32 cannot read (its
+    swapped sub groups are empty tensors in the optim files): each rank's optim file through
+    torch.load, the swapped groups read whole from the swap files zerofit recorded, the flat
+    groups end to end, each parameter the ranks' ceil(N / W) partitions end to end, cut to N
+    (zero_to_fp32's _zero3_merge_trainable_params); buffers and shared parameters as there.
+    Independent of the export's streaming reader, not of the record of which file is which."""
+    import torch
+
+    model_paths, optim_paths, _ = zerofiles.rank_files(directory)
+    states = [torch.load(path, map_location="cpu", weights_only=False) for path in model_paths]
+    flats = []
+    for rank, path in enumerate(optim_paths):
+        groups = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"]
+        swapped = zerofiles.swapped_sub_groups(directory, rank)
+        flats.append(torch.cat([torch.from_file(str(swapped[i][0]), size=swapped[i][1], dtype=torch.float32)
+                                if i in swapped else group.float() for i, group in enumerate(groups)]))
+    world, offset, weights = len(flats), 0, {}
+    for name, shape in ((n, s) for group in states[0]["param_shapes"] for n, s in group.items()):
+        partition = -(-shape.numel() // world)
+        whole = torch.cat([flat[offset:offset + partition] for flat in flats])
+        weights[name] = whole[:shape.numel()].view(shape).clone()
+        offset += partition
+    for name in states[0].get("buffer_names") or []:
+        weights[name] = states[0]["module"][name]
     for alias, owner in (states[0].get("shared_params") or {}).items():
         weights[alias] = weights[owner]
     return weights

@@ -179,12 +179,13 @@ def trainable_tensors(model_state: dict, optim_states: list[dict], world_size: i
     """fp32 master weights: parameter i spans, on every rank, elements
     [offset_i, offset_i + ceil(N_i / world_size)) of that rank's concatenated flat groups."""
     shapes = {name: tuple(shape) for group in model_state["param_shapes"] for name, shape in group.items()}
-    streams = [_stream(state["fp32_flat_groups"]) for state in optim_states]
-    available = sum(ref.numel for _, ref in streams[0])
+    streams = [rank_stream(state["fp32_flat_groups"], files, directory, rank)
+               for rank, state in enumerate(optim_states)]
+    available = sum(segment.numel for segment in streams[0])
     tensors, offset = [], 0
     for name, shape in shapes.items():
         partition = math.ceil(math.prod(shape) / world_size)
-        pieces = [p for stream in streams for p in _slice_stream(stream, offset, partition, files)]
+        pieces = [p for stream in streams for p in _slice_stream(stream, offset, partition)]
         tensors.append(StoredTensor(name, shape, torch.float32, pieces, "trainable"))
         offset += partition
     if offset != available:  # DeepSpeed's own sanity check in _zero3_merge_trainable_params
@@ -193,27 +194,71 @@ def trainable_tensors(model_state: dict, optim_states: list[dict], world_size: i
     return tensors
 
 
-def _stream(groups: list[TensorRef]) -> list[tuple[int, TensorRef]]:
-    """(start element, group) for a rank's flat groups laid end to end."""
+@dataclass(frozen=True)
+class Segment:
+    """One sub group's fp32 masters in a rank's stream: elements [start, start + numel),
+    stored at `offset` bytes into `path` (the optim file, or an NVMe swap file)."""
+    start: int
+    numel: int
+    path: Path
+    offset: int
+    dtype: torch.dtype
+
+
+def rank_stream(groups: list[TensorRef], files: dict[Path, TorchFile], directory: Path, rank: int) -> list[Segment]:
+    """A rank's flat groups laid end to end. A sub group DeepSpeed swapped to NVMe is an
+    empty tensor in the optim file; its masters are in offloaded_tensors/rankRR/, in the
+    swap file zerofit recorded for it at the save (nvme.SUB_GROUPS_FILE)."""
+    swapped = swapped_sub_groups(directory, rank) if any(ref.numel == 0 for ref in groups) else {}
     out, start = [], 0
-    for ref in groups:
-        if not ref.contiguous:
-            raise ZeroCheckpointError(f"{ref.storage.path}: a flat fp32 group is not contiguous")
-        out.append((start, ref))
-        start += ref.numel
+    for index, ref in enumerate(groups):
+        if ref.numel == 0 and index in swapped:
+            path, numel = swapped[index]
+            out.append(Segment(start, numel, path, 0, torch.float32))
+        else:
+            if not ref.contiguous:
+                raise ZeroCheckpointError(f"{ref.storage.path}: a flat fp32 group is not contiguous")
+            out.append(Segment(start, ref.numel, ref.storage.path, files[ref.storage.path].offset(ref), ref.dtype))
+        start += out[-1].numel
     return out
 
 
-def _slice_stream(stream: list[tuple[int, TensorRef]], start: int, numel: int,
-                  files: dict[Path, TorchFile]) -> list[Piece]:
+def swapped_sub_groups(directory: Path, rank: int) -> dict[int, tuple[Path, int]]:
+    """{sub group: (swap file, elements)} of a rank's NVMe-offloaded optimizer; none when the
+    checkpoint has no NVMe copies."""
+    from zerofit.nvme import SUB_GROUPS_FILE  # nvme imports the run's side (DeepSpeed settings, aio)
+
+    rank_dir = directory / "offloaded_tensors" / f"rank{rank:0>2d}"
+    if not rank_dir.is_dir():
+        return {}
+    record = rank_dir / SUB_GROUPS_FILE
+    if not record.is_file():
+        raise ZeroCheckpointError(f"{directory}: the fp32 masters of rank {rank}'s NVMe-offloaded sub groups are in "
+                                  f"{rank_dir.relative_to(directory)}/, named by DeepSpeed parameter ids, and the "
+                                  f"checkpoint does not record which holds which ({SUB_GROUPS_FILE}, written by zerofit "
+                                  f"from this release on); load it in DeepSpeed and save with save_16bit_model, or "
+                                  f"resume it in zerofit for one step and export that checkpoint")
+    swapped = {}
+    for index, group in enumerate(json.loads(record.read_text())["sub_groups"]):
+        if group["file"] is None:
+            continue
+        path = rank_dir / group["file"]
+        if not path.is_file() or path.stat().st_size < 4 * group["numel"]:
+            raise ZeroCheckpointError(f"{path} is missing or shorter than sub group {index}'s {group['numel']:,} fp32 "
+                                      f"elements; the checkpoint is incomplete")
+        swapped[index] = (path, group["numel"])
+    return swapped
+
+
+def _slice_stream(stream: list[Segment], start: int, numel: int) -> list[Piece]:
     """Pieces covering elements [start, start + numel) of a rank's stream (a partition may
     straddle two sub groups, as DeepSpeed's GatheredTensor allows)."""
     pieces, stop = [], start + numel
-    for group_start, ref in stream:
-        a, b = max(start, group_start), min(stop, group_start + ref.numel)
+    for segment in stream:
+        a, b = max(start, segment.start), min(stop, segment.start + segment.numel)
         if a < b:
-            base = files[ref.storage.path].offset(ref)
-            pieces.append(Piece(ref.storage.path, base + (a - group_start) * ref.dtype.itemsize, b - a, ref.dtype))
+            pieces.append(Piece(segment.path, segment.offset + (a - segment.start) * segment.dtype.itemsize, b - a,
+                                segment.dtype))
     if sum(p.numel for p in pieces) != numel:
         raise ZeroCheckpointError("the fp32 groups end before the last parameter's partition")
     return pieces
