@@ -43,6 +43,45 @@ def test_messages_learn_only_assistant_turns_with_chat_template(tokenizer):
     assert decode_learned(tokenizer, ids, labels) == "4</s>\n6</s>\n"
 
 
+MISTRAL_LIKE = ("{{ bos_token }}{% for m in messages if m.role != 'system' %}{% if m.role == 'user' %}[INST] "
+                "{% if loop.last or (loop.revindex == 2 and messages[-1].role == 'assistant') %}"
+                "{% for s in messages if s.role == 'system' %}{{ s.content }}\n\n{% endfor %}{% endif %}"
+                "{{ m.content }} [/INST]{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_chat_template_that_rewrites_earlier_turns_is_a_bad_row(tmp_path, tokenizer):
+    """Mistral's template puts the system prompt into the last user turn: a conversation's
+    prefixes do not render as prefixes of it, so answer spans cannot be found. The row is
+    refused by line (labels once slid off their tokens for every later packed example), and
+    under skip_bad_rows skipped while single-turn rows still train."""
+    tokenizer.chat_template = MISTRAL_LIKE
+    single = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4"}]}
+    multi = {"messages": single["messages"] + [{"role": "user", "content": "3+3?"},
+                                               {"role": "assistant", "content": "6"}]}
+    ids, labels = data.tokenize_row(single, "messages", tokenizer)
+    assert len(ids) == len(labels) and decode_learned(tokenizer, ids, labels) == "4</s>"
+    path = write_jsonl(tmp_path / "d.jsonl", [single] * 30 + [multi])
+    with pytest.raises(DataError, match=r"line 31: field `messages`: the tokenizer's chat template renders the first "
+                                        r"4 turn\(s\) differently"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True), tokenizer, 32)
+    assert seqs.skipped_rows == 1
+    learned = seqs.input_ids[seqs.labels != IGNORE]
+    assert (learned == seqs.labels[seqs.labels != IGNORE]).all()  # every label sits on its own token
+
+
+def test_a_chat_template_that_raises_is_a_bad_row(tmp_path, tokenizer):
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role "
+                               "not supported') }}{% endif %}{{ m.content }}{% endfor %}")
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "system", "content": "s"},
+                                                            {"role": "user", "content": "u"},
+                                                            {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(DataError, match=r"line 1: field `messages`: the tokenizer's chat template refused it: "
+                                        r"System role not supported"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
 def test_messages_without_chat_template(tokenizer):
     tokenizer.chat_template = None
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
@@ -82,6 +121,21 @@ def test_skip_bad_rows_skips_lines_that_are_not_json_objects_too(tmp_path, token
     assert seqs.skipped_reasons[0].endswith("d.jsonl, line 6: not valid JSON (Expecting value, column 32)")
     assert seqs.skipped_reasons[1].endswith("line 7: a row must be a JSON object, got int")
     assert "line 13: field `output`: missing" in seqs.skipped_reasons[2]
+
+
+def test_skip_bad_rows_with_a_bad_line_and_a_value_of_another_type(tmp_path, tokenizer):
+    """Both at once: pyarrow cannot read the file whole, nor build a table from the rows
+    (an int where the column holds strings); each is skipped by its line."""
+    good = '{"instruction": "i", "output": "oooooooooo"}'
+    path = write_jsonl(tmp_path / "d.jsonl", [good] * 5 + ['{"instruction": "i", "output": '] + [good] * 4
+                       + ['{"instruction": "i", "output": 3}'] + [good] * 3)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True, packing=False), tokenizer, 64)
+    assert seqs.skipped_rows == 2 and len(seqs) == 12
+    assert "line 6: not valid JSON" in seqs.skipped_reasons[0]
+    assert "line 11: field `output`: expected a string, got int" in seqs.skipped_reasons[1]
+    with pytest.raises(DataError, match=r"e\.jsonl, line 4: field `output`: expected a string, got int"):
+        data.build_sequences([write_jsonl(tmp_path / "e.jsonl", [good] * 3 + ['{"instruction": "i", "output": 3}'])],
+                             DataConfig(path=str(path)), tokenizer, 64)
 
 
 def test_skip_bad_rows_counts_them(tmp_path, tokenizer):
@@ -187,6 +241,20 @@ def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 128)
     assert len(seqs) == 2 and seqs.prompt_only_rows == 6 and seqs.longest_example > 128
-    with pytest.raises(DataError, match=r"6 rows were dropped because their answer starts beyond train\.seq_len "
+    with pytest.raises(DataError, match=r"dropped 6 rows whose answer starts beyond train\.seq_len 128 "
                                         r"\(the longest example has \d+ tokens\): raise train\.seq_len"):
         data.Batches(seqs, 4, 0, 1, seed=0)
+    packed = data.build_sequences([path], DataConfig(path=str(path), packing=True), tokenizer, 128)
+    assert packed.prompt_only_rows and "turn data.packing on" not in packed.dropped_note(128)  # it is on
+    assert "packed rows of 128 tokens holding no answer token" in packed.dropped_note(128)
+
+
+def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_path, tokenizer):
+    """A tokenizer bigger than the model's embedding: it crashed in the first forward."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "i", "output": "o" * 10}] * 20)
+    config = DataConfig(path=str(path))
+    train, held = data.load_splits(config, tokenizer, 32, seed=0, vocab_size=len(tokenizer))
+    assert len(train) and len(held) == 0
+    with pytest.raises(DataError, match=rf"the data has token id \d+ but the model's vocabulary holds 8 \(the "
+                                        rf"tokenizer has {len(tokenizer)} tokens\)"):
+        data.load_splits(config, tokenizer, 32, seed=0, vocab_size=8)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 
 from zerofit.config import ConfigError, DataConfig
 
@@ -32,8 +33,21 @@ class Sequences:
     labels: np.ndarray
     skipped_rows: int = 0
     skipped_reasons: list[str] = field(default_factory=list)
-    prompt_only_rows: int = 0     # rows whose answer lay beyond seq_len (packing off): nothing to learn
+    prompt_only_rows: int = 0     # rows of seq_len tokens without one answer token: nothing to learn
     longest_example: int = 0      # tokens of the longest example, for the advice on seq_len
+    packed: bool = True           # data.packing: what a prompt-only row is, and the advice about it
+
+    def dropped_note(self, seq_len: int) -> str:
+        """Why `prompt_only_rows` rows were dropped and what would keep them; "" when none were."""
+        if not self.prompt_only_rows:
+            return ""
+        if self.packed:
+            return (f"dropped {self.prompt_only_rows} packed rows of {seq_len} tokens holding no answer token (prompts "
+                    f"longer than train.seq_len; the longest example has {self.longest_example} tokens): raise "
+                    f"train.seq_len to keep their answers' context")
+        return (f"dropped {self.prompt_only_rows} rows whose answer starts beyond train.seq_len {seq_len} (the longest "
+                f"example has {self.longest_example} tokens): raise train.seq_len to learn from them, or turn "
+                f"data.packing on")
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -66,12 +80,20 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     try:
         return datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
-        if file.suffix == ".jsonl":
+        if file.suffix == ".jsonl":  # line by line: a bad line, or a value of another type than its column's
             rows, numbers, bad = _json_lines(file, skip_bad_lines)
-            if bad:
-                return datasets.Dataset.from_list(rows), numbers, bad
+            return JsonRows(rows), numbers, bad
         raise DataError(f"{file}: cannot be read as {SUFFIXES[file.suffix]} ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
+
+
+class JsonRows(list):
+    """A jsonl file's rows parsed line by line, where pyarrow could not read it whole (types
+    are checked row by row, as tokenize_row reads them): what read_examples needs of a Dataset."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(dict.fromkeys(key for row in self for key in row))
 
 
 def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int], list[str]]:
@@ -167,7 +189,10 @@ def _tokenize_messages(row: dict, tokenizer, bos: list[int], eos: list[int]) -> 
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("messages", "no assistant turn to learn from")
     if tokenizer.chat_template:
-        return _chat_template_spans(messages, tokenizer)
+        try:
+            return _chat_template_spans(messages, tokenizer)
+        except TemplateError as e:  # the template's own raise_exception: e.g. Gemma's "System role not supported"
+            raise RowError("messages", f"the tokenizer's chat template refused it: {e}") from None
     # No template: a plain "role: content" layout, assistant turns learned.
     ids, labels = list(bos), [IGNORE] * len(bos)
     for m in messages:
@@ -185,13 +210,23 @@ def _chat_template_spans(messages: list[dict], tokenizer) -> tuple[list[int], li
     def render(upto: int, generation_prompt: bool) -> list[int]:
         return list(tokenizer.apply_chat_template(messages[:upto], tokenize=True, return_dict=False,
                                                   add_generation_prompt=generation_prompt))
+    def extended(rendered: list[int], ids: list[int], turns: int) -> list[int]:
+        if rendered[:len(ids)] != ids:
+            raise RowError("messages", f"the tokenizer's chat template renders the first {turns} turn(s) differently "
+                                       f"from the start of the whole conversation (it rewrites earlier turns when "
+                                       f"one is added, as Mistral's does with a system prompt), so the answer's "
+                                       f"tokens cannot be told apart; use a template that only appends (model."
+                                       f"tokenizer: a directory with its own chat_template.jinja), or drop the "
+                                       f"system turn")
+        return rendered
+
     ids, labels = [], []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            prompt = render(i, True)
+            prompt = extended(render(i, True), ids, i)
             labels += [IGNORE] * (len(prompt) - len(ids))
             ids = prompt
-        full = render(i + 1, False)
+        full = extended(render(i + 1, False), ids, i + 1)
         new = full[len(ids):]
         labels += new if m["role"] == "assistant" else [IGNORE] * len(new)
         ids = full
@@ -243,7 +278,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
     learnable = (labels != IGNORE).any(axis=1)  # a row of prompt only would make a NaN loss
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
-                     max((len(e_ids) for e_ids, _ in examples), default=0))
+                     max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing)
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
@@ -271,13 +306,28 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
     examples, skipped, reasons = read_examples(files, cfg, tokenizer)
     if cfg.eval_path:
-        held = build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len)
-        return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons), held
-    order = np.random.default_rng(seed).permutation(len(examples))
-    n_eval = int(len(examples) * cfg.eval_fraction)
-    held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
-    return (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons),
-            to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len))
+        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons),
+                  build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len))
+    else:
+        order = np.random.default_rng(seed).permutation(len(examples))
+        n_eval = int(len(examples) * cfg.eval_fraction)
+        held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
+        splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons),
+                  to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len))
+    check_vocabulary(splits, len(tokenizer), vocab_size)
+    return splits
+
+
+def check_vocabulary(splits: tuple[Sequences, ...], tokenizer_size: int, vocab_size: int) -> None:
+    """Token ids the model's embedding has rows for: an id at or past vocab_size fails in the
+    first forward ("index out of range"), after the model was built. zerofit does not resize
+    embeddings (under ZeRO-3 the rows are partitioned, and new rows would need training)."""
+    highest = max((int(s.input_ids.max()) for s in splits if s.input_ids.size), default=-1)
+    if highest >= vocab_size:
+        raise DataError(f"the data has token id {highest} but the model's vocabulary holds {vocab_size} "
+                        f"(the tokenizer has {tokenizer_size} tokens): use the model's own tokenizer "
+                        f"(model.tokenizer), or for a model built from a config give it vocab_size >= "
+                        f"{tokenizer_size}")
 
 
 # ------------------------------------------------------------------------ batches
@@ -291,11 +341,9 @@ class Batches:
         self.seqs, self.micro_batch, self.rank, self.world, self.seed = seqs, micro_batch, rank, world, seed
         self.per_epoch = len(seqs) // (micro_batch * world)
         if self.per_epoch == 0:
-            dropped = (f"; {seqs.prompt_only_rows} rows were dropped because their answer starts beyond "
-                       f"train.seq_len (the longest example has {seqs.longest_example} tokens): raise train.seq_len "
-                       f"or turn data.packing on") if seqs.prompt_only_rows else ""
+            dropped = seqs.dropped_note(seqs.input_ids.shape[-1])
             raise DataError(f"the data gives {len(seqs)} sequences, fewer than one micro batch on every rank "
-                            f"({micro_batch} x {world}){dropped or '; add data, or lower train.micro_batch_size'}")
+                            f"({micro_batch} x {world}); " + (dropped or "add data, or lower train.micro_batch_size"))
         self.position = position
         self._order_epoch, self._order = -1, None
 

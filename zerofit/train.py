@@ -298,9 +298,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     if train_set.skipped_rows:
         warn(f"skipped {train_set.skipped_rows} bad rows (data.skip_bad_rows), e.g. {train_set.skipped_reasons[0]}")
     if train_set.prompt_only_rows:
-        warn(f"dropped {train_set.prompt_only_rows} rows whose answer starts beyond train.seq_len "
-             f"{config.train.seq_len} (the longest example has {train_set.longest_example} tokens): raise "
-             f"train.seq_len to learn from them, or turn data.packing on")
+        warn(train_set.dropped_note(config.train.seq_len))
     if len(eval_set) < world_size and (config.eval.every_steps or config.eval.at_end):  # data.eval_batches: none
         warn(f"the eval set has {len(eval_set)} sequence(s) for {world_size} rank(s): no eval loss will be "
              f"measured; raise data.eval_fraction, or set data.eval_path")
