@@ -258,3 +258,25 @@ def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_pa
     with pytest.raises(DataError, match=rf"the data has token id \d+ but the model's vocabulary holds 8 \(the "
                                         rf"tokenizer has {len(tokenizer)} tokens\)"):
         data.load_splits(config, tokenizer, 32, seed=0, vocab_size=8)
+
+
+def test_the_chat_templates_written_for_exports_render_what_training_read(tokenizer):
+    """chat / transformers / vLLM prompt an export with its tokenizer's template: for alpaca
+    rows and for messages rows without a template it is the layout tokenize_row trained on,
+    token for token (chat used the tokenizer's unrelated template and `role: text` lines)."""
+    row = {"instruction": "Reverse the word. abc", "output": "cba"}
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    template = data.trained_chat_template(("alpaca",), tokenizer)
+    conversation = [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": "cba"}]
+    render = lambda turns, prompt: list(tokenizer.apply_chat_template(  # noqa: E731
+        turns, chat_template=template, tokenize=True, return_dict=False, add_generation_prompt=prompt))
+    assert render(conversation, False) == ids
+    assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
+    tokenizer.chat_template = None
+    messages = {"messages": conversation}
+    ids, labels = data.tokenize_row(messages, "messages", tokenizer)
+    template = data.trained_chat_template(("messages",), tokenizer)
+    assert render(conversation, False) == ids
+    assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
+    assert data.trained_chat_template(("text",), tokenizer) is None
+    assert data.trained_chat_template(("alpaca", "messages"), tokenizer) is None

@@ -36,6 +36,12 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert timeline[0]["phase"] == "start" and timeline[0]["cpu_threads"] == 2  # train.cpu_threads over the env
     assert timeline[0]["cpu_cores"] == len(os.sched_getaffinity(0)) and timeline[0]["local_world_size"] == 1
     assert "done: step 6" in done.stderr
+    # the demo data is alpaca: the saved tokenizer (what exports copy) prompts in that layout
+    from transformers import AutoTokenizer
+
+    from zerofit.data import ALPACA_CHAT_TEMPLATE
+
+    assert AutoTokenizer.from_pretrained(run / "model").chat_template == ALPACA_CHAT_TEMPLATE
 
 
 def test_run_records_predicted_next_to_measured(one_rank_run):

@@ -20,6 +20,16 @@ IGNORE = -100  # the label value HF causal-LM losses skip
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
+# into every export) so that `zerofit chat`, transformers and vLLM prompt the model as it was
+# trained. Alpaca: each user turn an instruction, each answer its response and EOS (system turns
+# are not part of the layout and are left out); no template: `role:\n` heads, EOS after each turn.
+ALPACA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
+    "### Response:\n{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:\n{% endif %}")
 
 
 class DataError(ConfigError):
@@ -36,6 +46,7 @@ class Sequences:
     prompt_only_rows: int = 0     # rows of seq_len tokens without one answer token: nothing to learn
     longest_example: int = 0      # tokens of the longest example, for the advice on seq_len
     packed: bool = True           # data.packing: what a prompt-only row is, and the advice about it
+    formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
 
     def dropped_note(self, seq_len: int) -> str:
         """Why `prompt_only_rows` rows were dropped and what would keep them; "" when none were."""
@@ -233,6 +244,17 @@ def _chat_template_spans(messages: list[dict], tokenizer) -> tuple[list[int], li
     return ids, labels
 
 
+def trained_chat_template(formats: tuple[str, ...], tokenizer) -> str | None:
+    """The chat template that prompts the model as `formats` rows trained it; None when the
+    tokenizer's own template is that (messages rows rendered with it) or there is no prompt
+    layout (text rows, or several formats mixed)."""
+    if formats == ("alpaca",):
+        return ALPACA_CHAT_TEMPLATE
+    if formats == ("messages",) and not tokenizer.chat_template:
+        return PLAIN_CHAT_TEMPLATE
+    return None
+
+
 # ------------------------------------------------------------------ packing/padding
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate examples into seq_len rows; the tail that does not fill a row is dropped."""
@@ -252,13 +274,14 @@ def pad(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) 
     return ids, labels
 
 
-def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, int, list[str]]:
-    """Tokenized (input_ids, labels) per row, and the rows skipped with why."""
-    examples, skipped, reasons = [], 0, []
+def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, int, list[str], tuple[str, ...]]:
+    """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read."""
+    examples, skipped, reasons, formats = [], 0, [], {}
     for file in files:
         rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows)
         skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
         fmt = cfg.format if cfg.format != "auto" else detect_format(rows.column_names, file)
+        formats[fmt] = True
         for index, row in enumerate(rows):
             try:
                 examples.append(tokenize_row(row, fmt, tokenizer))
@@ -269,21 +292,21 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 skipped += 1
                 reasons.append(where)
-    return examples, skipped, reasons[:10]
+    return examples, skipped, reasons[:10], tuple(formats)
 
 
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
-                 reasons: list[str] = ()) -> Sequences:
+                 reasons: list[str] = (), formats: tuple[str, ...] = ()) -> Sequences:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
     learnable = (labels != IGNORE).any(axis=1)  # a row of prompt only would make a NaN loss
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
-                     max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing)
+                     max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats)
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
-    examples, skipped, reasons = read_examples(files, cfg, tokenizer)
-    return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons)
+    examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
+    return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats)
 
 
 def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Sequences:
@@ -304,15 +327,15 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     from zerofit.demo import DEMO_DATA
 
     files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
-    examples, skipped, reasons = read_examples(files, cfg, tokenizer)
+    examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
     if cfg.eval_path:
-        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons),
+        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats),
                   build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
         n_eval = int(len(examples) * cfg.eval_fraction)
         held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
-        splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons),
+        splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats),
                   to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len))
     check_vocabulary(splits, len(tokenizer), vocab_size)
     return splits

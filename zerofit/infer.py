@@ -263,7 +263,7 @@ def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampl
              gpu_mem: str | int | None = None, dtype: str = "auto") -> Generation:
     """Complete `prompt` (as raw text: no chat template)."""
     loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
-    input_ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
+    input_ids = prompt_ids(loaded.tokenizer, prompt)
     if input_ids.numel() == 0:
         raise ConfigError("--prompt is empty after tokenization; give some text")
     output, seconds = run(loaded, input_ids, sampling)
@@ -272,16 +272,26 @@ def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampl
 
 
 # ------------------------------------------------------------------------------ chat
+def prompt_ids(tokenizer, prompt: str):
+    """A raw prompt as training began every example: BOS (when the tokenizer has one), then
+    the text, whatever the tokenizer's own add_bos setting."""
+    import torch
+
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return torch.tensor([bos + tokenizer.encode(prompt, add_special_tokens=False)])
+
+
 def chat_input_ids(tokenizer, history: list[dict], limit: int):
-    """The conversation as model input: the tokenizer's chat template when it has one,
-    else `role: text` lines; the oldest turns go first when it outgrows `limit` tokens."""
+    """The conversation as model input: the tokenizer's chat template (a zerofit export's is
+    the layout its data trained), else the layout messages rows train on without one
+    (data.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens."""
+    from zerofit.data import PLAIN_CHAT_TEMPLATE
+
     while True:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)["input_ids"]
-        else:
-            text = "".join(f"{turn['role']}: {turn['content']}\n" for turn in history) + "assistant: "
-            ids = tokenizer(text, return_tensors="pt").input_ids
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True,
+                                            chat_template=getattr(tokenizer, "chat_template", None)
+                                            or PLAIN_CHAT_TEMPLATE)["input_ids"]
         if ids.shape[1] <= limit or len(history) <= 1:
             return ids[:, -limit:]
         del history[:2]

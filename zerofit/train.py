@@ -63,7 +63,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
-        write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record)
+        write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
+                        data.trained_chat_template(train_set.formats, tokenizer))
         report_data(train_set, eval_set, config, dist.world_size)
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
@@ -282,14 +283,25 @@ def usable_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
-def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict) -> None:
+def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict,
+                    chat_template: str | None = None) -> None:
     """config.yaml (resolved, with the planner's choices), ds_config.json (what DeepSpeed
-    gets), plan.json (the prediction) and model/ (the HF config and tokenizer an export needs)."""
+    gets), plan.json (the prediction) and model/ (the HF config and tokenizer an export needs,
+    the tokenizer with `chat_template`, the layout the data trained, when given)."""
     planview.write_plan(run_dir, plan)  # the run dir was made first thing (usable_run_dir)
     (run_dir / "config.yaml").write_text(dump_yaml(config))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     hf_config.save_pretrained(run_dir / "model")
-    tokenizer.save_pretrained(run_dir / "model")
+    own_template = tokenizer.chat_template
+    if chat_template and chat_template != own_template:
+        say(f"model/: the tokenizer's chat template is now the layout the data trains "
+            f"({'alpaca' if chat_template == data.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
+            f"exports prompt the model as it learned")
+    tokenizer.chat_template = chat_template or own_template
+    try:
+        tokenizer.save_pretrained(run_dir / "model")
+    finally:
+        tokenizer.chat_template = own_template
 
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, world_size: int) -> None:
