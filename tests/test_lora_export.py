@@ -131,6 +131,10 @@ def test_changed_base_is_refused(path_run, tmp_path, capsys):
         reason = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"the base at {base_dir} is not the base model the adapters were trained on" in reason, reason
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
+        # an adapter directory names its base for peft and vLLM: the same check, without --verify
+        assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 1
+        assert "is not the base model the adapters were trained on" in capsys.readouterr().err
+        assert not (tmp_path / "adapter").exists()
     finally:
         weights.write_bytes(original)
 
@@ -171,6 +175,17 @@ def test_adapter_only_loads_in_peft_and_generates(path_run, tmp_path):
     done = run_zerofit(["generate", str(out), "--prompt", "Add the two numbers.", "--max-new-tokens", "5",
                         "--min-new-tokens", "5"])
     assert "5 new tokens" in done.stderr and "+ the LoRA adapter" in done.stderr
+    # the base moved: pointing the adapter's base_model_name_or_path at it is enough (still fingerprinted)
+    moved = tmp_path / "moved-base"
+    base_dir.rename(moved)
+    try:
+        adapter_config = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**adapter_config, "base_model_name_or_path": str(moved)}))
+        done = run_zerofit(["generate", str(out), "--prompt", "Add the two numbers.", "--max-new-tokens", "5",
+                            "--min-new-tokens", "5"])
+        assert "5 new tokens" in done.stderr
+    finally:
+        moved.rename(base_dir)
 
 
 def test_adapter_dir_on_a_random_init_base_chats(random_run, tmp_path):

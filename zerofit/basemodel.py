@@ -167,7 +167,8 @@ def check(recipe: BaseRecipe, computed: list[str], base: str) -> bool:
              f"cannot prove {base} is the base the adapters were trained on")
         return False
     if computed != recipe.fingerprint:
-        hint = ("point --base at the model directory the run was trained on (its model.path)" if recipe.path else
+        hint = ("point --base (export) or the adapter's base_model_name_or_path in adapter_config.json (chat, "
+                "generate) at the model directory the run was trained on (its model.path)" if recipe.path else
                 "rebuild on the same kind of device with the same zerofit, transformers and torch versions")
         raise BaseMismatchError(f"{base} is not the base model the adapters were trained on (fingerprint "
                                 f"{computed[0][:12]}..., the checkpoint's {recipe.fingerprint[0][:12]}...): merging "
@@ -293,6 +294,9 @@ def adapter_base(adapter_dir: Path) -> AdapterBase:
         record = json.loads(record_file.read_text())
         recipe = BaseRecipe(**record["recipe"])
         path = Path(recipe.path) if recipe.path else None
+        named = adapter_config.get("base_model_name_or_path")
+        if path is not None and named and Path(named) != path and (Path(named) / "config.json").is_file():
+            path = Path(named)  # repointed after the base moved; its fingerprint is still checked
         fields = dict(record["config"])
         hf_config = CONFIG_MAPPING[fields.pop("model_type")].from_dict(fields)
     else:

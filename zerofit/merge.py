@@ -26,6 +26,7 @@ import torch
 
 from zerofit import adapters, basemodel, zerofiles
 from zerofit.config import ConfigError
+from zerofit.progress import warn
 
 # A product of fewer rows can take BLAS's small-matrix path and round differently from the
 # whole-matrix B @ A peft computes (measured with MKL: fewer than 12 rows or columns);
@@ -334,6 +335,12 @@ def write_adapter_dir(checkpoint_dir: Path, config_dir: Path, directory: Path, d
     adapter_config["base_model_name_or_path"] = recipe.path
     config_file.write_text(json.dumps(adapter_config, indent=2))
     record = {"recipe": asdict(recipe), "config": json.loads((config_dir / "config.json").read_text())}
+    if recipe.path and (Path(recipe.path) / "config.json").is_file():  # the base it will name: the trained one?
+        basemodel.verify_files(recipe, basemodel.hf_config_of(config_dir, recipe.trust_remote_code), adapter_config,
+                               Path(recipe.path))
+    elif recipe.path:
+        warn(f"the base {recipe.path} is not there to check: chat and generate need it there, or the adapter's "
+             f"base_model_name_or_path pointed at it")
     (directory / basemodel.ADAPTER_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     for path in config_dir.iterdir():
         if path.is_file() and path.name != "config.json" and path.suffix not in (".safetensors", ".bin", ".pt"):
