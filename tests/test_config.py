@@ -112,6 +112,18 @@ def test_config_says_which_keys_the_planner_will_choose(tmp_path, capsys):
     assert "# planner" not in capsys.readouterr().out
 
 
+def test_set_without_a_config_replaces_the_demos_model_and_data(tmp_path):
+    """--set over the embedded demo: a model.path is the model (not a second one beside the
+    demo's model.config) and a data.path's format is detected (not the demo's alpaca)."""
+    config = load(None, [f"model.path={tmp_path}", f"data.path={tmp_path / 'd.jsonl'}"])
+    assert config.model.path == str(tmp_path) and config.model.config is None
+    assert config.data.format == "auto"
+    assert load(None, []).data.format == "alpaca"  # the demo itself unchanged
+    with pytest.raises(ConfigError, match="not both"):  # in a config file both are the user's
+        write_config(tmp_path / "c.yaml", {"model": {"config": "tiny", "path": str(tmp_path)}})
+        load(tmp_path / "c.yaml", [])
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     assert cli.main(["train", "--set", "train.lrr=1"]) == 1
     err = capsys.readouterr().err

@@ -397,11 +397,20 @@ DEMO_CONFIG = Path(__file__).parent / "demo" / "config.yaml"
 
 
 # ---------------------------------------------------------------------------- loading
+# With no config file, --set applies over the embedded demo. A key that replaces the demo's model
+# or data drops the demo settings that only describe those: the demo's model.config beside a
+# model.path is refused as two models, and alpaca is the demo data's format, not the default.
+DEMO_ONLY = {"model.path": ("model", "config"), "data.path": ("data", "format")}
+
+
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """YAML file (default: the embedded demo) plus `section.key=value` overrides."""
     raw = read_yaml(Path(path) if path else DEMO_CONFIG)
     for item in overrides:
         key, value = parse_override(item)
+        if path is None and key in DEMO_ONLY:
+            section, demo_key = DEMO_ONLY[key]
+            raw.get(section, {}).pop(demo_key, None)
         set_dotted(raw, key, value)
     return validate(raw)
 
