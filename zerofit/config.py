@@ -299,7 +299,7 @@ class LogConfig(Section):
     every_steps: int = Field(1, ge=1)
     """Progress-bar update cadence in optimizer steps (metrics.jsonl gets every step)."""
     progress: bool = True
-    """Show the progress bar (off automatically when stdout is not a terminal)."""
+    """Show the progress bar (plain lines instead when stderr, where zerofit writes, is not a terminal)."""
     tensorboard: bool = False
     """Also write TensorBoard event files into RUN_DIR/tensorboard."""
 

@@ -1,12 +1,14 @@
 """What a person watches while a run goes: a rich progress bar on a terminal (step, loss,
-tokens/s, memory, ETA), plain log lines otherwise (CI logs, `| tee`), and messages."""
+tokens/s, memory, ETA), plain log lines otherwise (CI logs, `2>&1 | tee`), and messages.
+Everything goes to stderr, as logs do; stdout is left for what a verb prints as its result."""
 from __future__ import annotations
 
 import sys
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(stderr=True, highlight=False)
 
@@ -16,7 +18,7 @@ def say(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}")
+    console.print(f"[yellow]warning:[/] {message}", soft_wrap=True)  # the terminal wraps, not mid-value here
 
 
 class StepProgress:
@@ -29,17 +31,20 @@ class StepProgress:
         self._last_line = 0.0
         self._start_step, self._start_time = start, time.monotonic()
         if self.bar:
+            # one text after the bar, step count and ETA first: a narrow terminal cuts the info's end
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
-            self._task = self._progress.add_task("train", total=total, completed=start, info="")
+                TextColumn("[bold]train", table_column=Column(min_width=5)),
+                BarColumn(bar_width=16, table_column=Column(min_width=16)),
+                TextColumn("{task.fields[line]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+                console=console, transient=False)
+            self._task = self._progress.add_task("train", total=total, completed=start, line=f"{start}/{total}")
             self._progress.start()
 
     def update(self, step: int, info: str) -> None:
         if not self.enabled:
             return
         if self.bar:
-            self._progress.update(self._task, completed=step, info=info)
+            self._progress.update(self._task, completed=step, line=f"{step}/{self.total} ETA {self._eta(step)} {info}")
         elif time.monotonic() - self._last_line > 5 or step == self.total:  # plain logs: every 5 s
             self._last_line = time.monotonic()
             say(f"step {step}/{self.total} {info} ETA {self._eta(step)}")
