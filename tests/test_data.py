@@ -280,3 +280,22 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
     assert data.trained_chat_template(("text",), tokenizer) is None
     assert data.trained_chat_template(("alpaca", "messages"), tokenizer) is None
+
+
+def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
+    """Padded rows: what a step processed is the examples' tokens on every rank, not
+    seq_len per row (tokens/s counted the padding); packed rows are all tokens."""
+    rows = [{"instruction": "i" * (n % 7), "output": "o" * 5} for n in range(40)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    padded = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
+    real = padded.input_ids != tokenizer.pad_token_id
+    assert (padded.lengths == real.sum(axis=1)).all() and padded.lengths.max() < 64
+    two_ranks = [Batches(padded, 2, rank, 2, seed=1) for rank in (0, 1)]
+    served = 0
+    for _ in range(3):
+        for batches in two_ranks:
+            ids, _ = batches.next()
+            served += int((ids != tokenizer.pad_token_id).sum())
+    assert two_ranks[0].tokens_between(0, 3) == served < 3 * 4 * 64
+    packed = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 16)
+    assert packed.lengths is None and Batches(packed, 2, 0, 2, seed=1).tokens_between(0, 3) == 3 * 4 * 16

@@ -47,6 +47,7 @@ class Sequences:
     longest_example: int = 0      # tokens of the longest example, for the advice on seq_len
     packed: bool = True           # data.packing: what a prompt-only row is, and the advice about it
     formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
+    lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: packed, all seq_len)
 
     def dropped_note(self, seq_len: int) -> str:
         """Why `prompt_only_rows` rows were dropped and what would keep them; "" when none were."""
@@ -300,8 +301,10 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
     learnable = (labels != IGNORE).any(axis=1)  # a row of prompt only would make a NaN loss
+    lengths = None if cfg.packing else np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
-                     max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats)
+                     max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats,
+                     lengths[learnable] if lengths is not None else None)
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
@@ -379,6 +382,18 @@ class Batches:
     @property
     def epoch(self) -> float:
         return self.position / self.per_epoch
+
+    def tokens_between(self, start: int, stop: int) -> int:
+        """Tokens, padding left out, of every rank's micro batches at positions [start, stop):
+        what the run processed in that span (tokens/s counts these, not seq_len per row)."""
+        per_batch = self.micro_batch * self.world
+        if self.seqs.lengths is None:
+            return (stop - start) * per_batch * self.seqs.input_ids.shape[-1]
+        total = 0
+        for position in range(start, stop):
+            epoch, index = divmod(position, self.per_epoch)
+            total += int(self.seqs.lengths[self._order_for(epoch)[index * per_batch:(index + 1) * per_batch]].sum())
+        return total
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         epoch, index = divmod(self.position, self.per_epoch)

@@ -88,8 +88,6 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                        settings=postmortem.memory_settings(config))
     metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
     progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
-    tokens_per_step = config.train.micro_batch_size * config.train.seq_len * config.train.grad_accum_steps \
-        * dist.world_size
     train_loss = eval_loss = stop_reason = None
     signalled = False
     session.attach(engine=ds_engine, saver=saver, state=state, timeline=timeline, progress=progress)
@@ -99,6 +97,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     with elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
         while state.step < total_steps:
             started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
+            position = batches.position
             train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
                                     config.train.chunked_loss, config.train.heap_step_temporaries)
             faults.shorten_swap_if_armed(state.step + 1, swap_guard.swapper)
@@ -107,10 +106,11 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             nvme.release_swapped_views(swap_guard.swapper)  # before a checkpoint saves them as state
             state.step += 1
             state.micro_batches = batches.position
-            state.tokens_seen += tokens_per_step
+            tokens = batches.tokens_between(position, batches.position)  # every rank's, padding left out
+            state.tokens_seen += tokens
             seconds = time.perf_counter() - started
             record = {"step": state.step, "loss": train_loss, "lr": lr,
-                      "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds, "epoch": batches.epoch}
+                      "tokens_per_s": tokens / seconds, "step_seconds": seconds, "epoch": batches.epoch}
             step_records = timeline.flush(state.step)
             last = state.step == total_steps
 
