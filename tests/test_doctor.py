@@ -6,9 +6,11 @@ import io
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
@@ -182,6 +184,10 @@ def test_doctor_needs_a_timeline(tmp_path):
     done = run_zerofit(["doctor", str(tmp_path)], check=False)
     assert done.returncode == 1 and "has no memory.jsonl" in done.stderr
     assert run_zerofit(["doctor"], check=False).returncode == 2
+    mixed = run_zerofit(["doctor", "--system", str(tmp_path)], check=False)  # it ignored the run dir
+    assert mixed.returncode == 2 and "takes no RUN_DIR" in mixed.stderr
+    nowhere = run_zerofit(["doctor", str(tmp_path), "--out", str(tmp_path / "no" / "r.html")], check=False)
+    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr  # not a traceback
 
 
 def test_repro_script_runs_standalone(clean_run, tmp_path):
@@ -248,6 +254,21 @@ def test_system_checks(tmp_path, monkeypatch):
     (tmp_path / "a_file").write_text("")
     unusable = syscheck.check_direct_io(tmp_path / "a_file" / "swap", 16)
     assert unusable[0].status == "fail" and "writable directory" in unusable[0].fix
+
+
+@pytest.mark.skipif(nvme.ram_filesystem(Path("/dev/shm")) is None, reason="no tmpfs at /dev/shm here")
+def test_a_ram_backed_nvme_path_is_warned_of(tmp_path):
+    """tmpfs passes every speed check (it is RAM): said, since swap files there take the RAM
+    NVMe offload is meant to free."""
+    shm = Path("/dev/shm") / f"zerofit-test-{os.getpid()}"
+    try:
+        checks = syscheck.check_direct_io(shm, 16)
+        fs = [c for c in checks if c.name.endswith("filesystem")]
+        assert len(fs) == 1 and fs[0].status == "warn" and "tmpfs" in fs[0].detail
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert nvme.ram_filesystem(tmp_path) in (None, "tmpfs")  # whatever the test dir is on, no error
+    assert nvme.ram_filesystem(Path("/proc")) is None
 
 
 def test_memlock_limit_is_judged():

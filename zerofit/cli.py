@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from zerofit.config import Config, ConfigError, Section
 from zerofit.elastic import TerminatedOutsideTheLoop
@@ -346,11 +347,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_doctor_arguments(parser, args) -> None:
+    """doctor's three modes take their own arguments: a mix is a usage error, not one ignored."""
+    if args.system and (args.run_dir or args.repro):
+        parser.error("doctor --system checks this machine; it takes no RUN_DIR or --repro (run those separately)")
+    if not args.system and not args.run_dir:
+        parser.error("doctor needs RUN_DIR (or --system)")
+    if not args.system and (args.nvme_path or args.nvme_mib != 256):
+        parser.error("--nvme-path and --nvme-mib go with doctor --system")
+    if args.out and not Path(args.out).parent.is_dir():
+        parser.error(f"--out {args.out}: the folder {Path(args.out).parent} does not exist")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.verb == "doctor" and not args.system and not args.run_dir:
-        parser.error("doctor needs RUN_DIR (or --system)")
+    if args.verb == "doctor":
+        check_doctor_arguments(parser, args)
     try:
         return args.run(args)
     except ConfigError as e:

@@ -30,6 +30,7 @@ from pathlib import Path
 from zerofit import aiotune, faults, zerostates
 from zerofit.config import Config, ConfigError
 from zerofit.memory import human_bytes
+from zerofit.progress import warn
 from zerofit.swaplayout import Aio, aligned_aio, transfer_problems
 
 LIBAIO_FIX = ("install libaio's headers: `apt-get install libaio-dev` (Debian/Ubuntu) or `yum install "
@@ -146,6 +147,8 @@ def preflight(config: Config, plan, on_gpu: bool, problems: list[str] = ()) -> s
     found = list(problems)
     path = Path(config.zero.nvme_path)
     found += filter(None, [path_problem(path), libaio_problem() or async_io_problem(on_gpu)])
+    if ram_filesystem(path):
+        warn(ram_backed_note(path, ram_filesystem(path)))
     nvme = plan.devices.get("nvme")
     if nvme is not None and path.is_dir():
         full = 0 if faults.armed("nospace", "nvme", 1) else None  # the drill: a full disk
@@ -153,6 +156,28 @@ def preflight(config: Config, plan, on_gpu: bool, problems: list[str] = ()) -> s
     locked = sum(v for k, v in plan.devices["host"].components.items() if k.endswith("_locked"))
     found += filter(None, [memlock_problem(locked)])
     return "\n".join(f"NVMe offload: {p}" for p in found) or None
+
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def ram_filesystem(path: Path) -> str | None:
+    """The filesystem type when `path` lies on one held in RAM (tmpfs, ramfs), from
+    /proc/mounts (the longest mount point that holds it); None otherwise or unknown."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    resolved = str(Path(path).resolve())
+    holding = [(point, kind) for point, kind in mounts
+               if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
+    kind = max(holding, key=lambda m: len(m[0]))[1] if holding else None
+    return kind if kind in RAM_FILESYSTEMS else None
+
+
+def ram_backed_note(path: Path, kind: str) -> str:
+    return (f"zero.nvme_path {path} is on {kind}, which lives in host RAM: the swap files take the RAM that "
+            f"NVMe offload is meant to free (fine for a test); use a directory on a local NVMe drive")
 
 
 def path_problem(path: Path) -> str | None:

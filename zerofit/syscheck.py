@@ -208,10 +208,15 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
     fix = (f"below {GOOD_NVME_GBPS} GB/s NVMe offload makes each step wait on the disk: use a local NVMe drive, "
            f"or several in RAID 0")
     detail = f"{{:.2f}} GB/s over {blocks * block // 2**20} MiB; {gib(free)} free"
-    return [Check(f"{name} write", "pass" if write_gbps >= GOOD_NVME_GBPS else "warn", detail.format(write_gbps),
-                  "" if write_gbps >= GOOD_NVME_GBPS else fix),
-            Check(f"{name} read", "pass" if read_gbps >= GOOD_NVME_GBPS else "warn", detail.format(read_gbps),
-                  "" if read_gbps >= GOOD_NVME_GBPS else fix)]
+    checks = [Check(f"{name} write", "pass" if write_gbps >= GOOD_NVME_GBPS else "warn", detail.format(write_gbps),
+                    "" if write_gbps >= GOOD_NVME_GBPS else fix),
+              Check(f"{name} read", "pass" if read_gbps >= GOOD_NVME_GBPS else "warn", detail.format(read_gbps),
+                    "" if read_gbps >= GOOD_NVME_GBPS else fix)]
+    kind = nvme.ram_filesystem(path)
+    if kind:  # fast because it is RAM: the numbers above say nothing about a disk
+        checks.append(Check(f"NVMe path {path} filesystem", "warn", f"{kind}: held in host RAM",
+                            nvme.ram_backed_note(path, kind).split(": ", 1)[1]))
+    return checks
 
 
 def print_checks(checks: list[Check], console=None) -> None:
