@@ -61,9 +61,10 @@ def test_nvme_offload_trains_like_cpu_offload(nvme_run, cpu_run):
     plan = json.loads((run / "plan.json").read_text())
     manifest = checkpoint.read_manifest(run / "checkpoints" / "step-000006")
     swapped = {name: entry["bytes"] for name, entry in manifest["files"].items()
-               if name.startswith("offloaded_tensors/rank00/")}
+               if name.startswith("offloaded_tensors/rank00/") and name.endswith(".swp")}
     assert sum(swapped.values()) == plan["devices"]["nvme"]["components"]["optimizer_swap"] > 2**20
     assert not list(Path(plan["nvme"]["swap_dir"]).glob("zero_stage_3/*/rank0/*.swp"))
+    assert not Path(plan["nvme"]["swap_dir"]).exists()  # nor the run's empty folders
 
 
 @needs_async_io

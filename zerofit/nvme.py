@@ -81,8 +81,13 @@ def remove_rank_swap(config: Config, rank: int) -> None:
     nothing once the process ends (the checkpoint holds its own copy, a resume copies it
     back) and can be most of the disk: removed, each rank its own folders."""
     if uses_nvme(config):
-        for folder in Path(swap_root(config)).glob(f"zero_stage_*/*/rank{rank}"):
+        root = Path(swap_root(config))
+        for folder in root.glob(f"zero_stage_*/*/rank{rank}"):
             shutil.rmtree(folder, ignore_errors=True)
+        # the folders above them once the last rank's are gone (another rank's still there: kept)
+        for folder in sorted((p for p in root.glob("**/*") if p.is_dir()), key=lambda p: -len(p.parts)) + [root]:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 # --------------------------------------------------------------------- aio settings

@@ -307,8 +307,10 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, world_size: int) -> None:
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
         f"{train_set.trained_tokens} trained tokens")
-    if train_set.skipped_rows:
-        warn(f"skipped {train_set.skipped_rows} bad rows (data.skip_bad_rows), e.g. {train_set.skipped_reasons[0]}")
+    for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
+        if sequences.skipped_rows:
+            warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
+                 f"{sequences.skipped_reasons[0]}")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
     if len(eval_set) < world_size and (config.eval.every_steps or config.eval.at_end):  # data.eval_batches: none
