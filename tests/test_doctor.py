@@ -65,6 +65,9 @@ def test_clean_run_has_no_findings(clean_run):
     # the plan counts every checkpoint on disk at once: the newest measured stands for each (it read +201%)
     disk = next(row for row in diagnosis.plan if row["device"] == "disk")
     assert abs(disk["error"]) < 0.1, disk
+    from zerofit.report import plan_rows
+
+    assert [row["device"] for row in plan_rows(diagnosis)] == ["host", "disk"]  # no all-zero GPU row on a CPU run
 
 
 def test_detectors_find_the_drills_on_a_real_run(drilled_run, clean_run):

@@ -156,7 +156,7 @@ def plan_png(diagnosis) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [row for row in diagnosis.plan if row["predicted_bytes"] or row["measured_bytes"]] or diagnosis.plan
+    rows = plan_rows(diagnosis)
     figure, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
     for ax, row in zip(axes[0], rows):
         bottom = 0.0
@@ -266,18 +266,23 @@ def ranks_html(diagnosis) -> str:
     return table(headers, rows, set(range(1, len(headers))))
 
 
+def plan_rows(diagnosis) -> list[dict]:
+    """The plan's devices that hold anything (a CPU-only run's GPU row is all zeros)."""
+    return [row for row in diagnosis.plan if row["predicted_bytes"] or row["measured_bytes"]] or diagnosis.plan
+
+
 def plan_html(diagnosis) -> str:
     if not diagnosis.plan:
         return f"<p>{esc(' '.join(diagnosis.notes) or 'no plan')}</p>"
     rows = []
-    for row in diagnosis.plan:
+    for row in plan_rows(diagnosis):
         error = f"{row['error']:+.0%}" if row["error"] is not None else "-"
         rows.append([row["device"], "total", gib(row["predicted_bytes"] or 0), gib(row["measured_bytes"] or 0), error,
                      gib(row["budget_bytes"]) if row.get("budget_bytes") else "-"])
         for c in row["components"]:
             measured = gib(c["measured_bytes"]) if c["measured_bytes"] is not None else "not measured alone"
             rows.append(["", c["name"], gib(c["predicted_bytes"]), measured, "", ""])
-        for phase in row["phases"]:
+        for phase in (p for p in row["phases"] if p["predicted_bytes"] or p["measured_bytes"]):
             rows.append(["", f"phase {phase['phase']}", gib(phase["predicted_bytes"]), gib(phase["measured_bytes"]),
                          "", ""])
     return f"<img alt='plan vs measured' src='data:image/png;base64,{plan_png(diagnosis)}'>" + table(
@@ -352,7 +357,7 @@ def print_summary(diagnosis, html_path: Path, console=None) -> None:
         plan = Table(title="plan vs measured", title_justify="left")
         for column in ("device", "planned", "measured", "error"):
             plan.add_column(column, justify="right" if column != "device" else "left")
-        for row in diagnosis.plan:
+        for row in plan_rows(diagnosis):
             plan.add_row(row["device"], gib(row["predicted_bytes"] or 0), gib(row["measured_bytes"] or 0),
                          f"{row['error']:+.0%}" if row["error"] is not None else "-")
         console.print(plan)
