@@ -63,3 +63,13 @@ def test_parse_bytes_and_budgets():
     found = memory.budgets(on_gpu=False, host_mem="8GiB")
     assert found["host_budget"] == 8 * 2**30 and not found["host_budget_is_machine"] and found["gpu_budget"] == 0
     assert memory.budgets(on_gpu=False)["host_budget"] == found["host_total"]
+
+
+def test_the_progress_line_shows_the_steps_gpu_peak_against_the_budget():
+    """The step's phases' peaks (the allocator's own peak is reset at every phase, so reading
+    it after the step gave about the current allocation) against the planned budget."""
+    from zerofit.memory import budget_summary
+
+    records = [{"phase": "forward", "gpu_peak": 3 * 2**30}, {"phase": "backward", "gpu_peak": 5 * 2**30}]
+    assert budget_summary(records, True, 24 * 2**30).startswith("gpu 5.0GiB/24.0GiB host ")
+    assert budget_summary(records, False, 0).startswith("host ")

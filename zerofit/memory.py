@@ -246,14 +246,15 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.1f}GiB"
 
 
-def budget_summary(on_gpu: bool) -> str:
-    """`gpu 5.3/24.0GiB host 36.1GiB` for the progress line."""
+def budget_summary(step_records: list[dict], on_gpu: bool, gpu_budget: int) -> str:
+    """`gpu 5.3/24.0GiB host 36.1GiB` for the progress line: the step's allocated GPU peak
+    (its phases' records: the allocator's own peak is reset at every phase) against the
+    budget the run plans and watches (plan.gpu_mem, else the device), and host RSS now."""
     host = gib(host_rss_bytes())
     if not on_gpu:
         return f"host {host}"
-    import torch
-
-    return f"gpu {gib(torch.cuda.max_memory_allocated())}/{gib(gpu_total_bytes())} host {host}"
+    peak = max((r.get("gpu_peak", 0) for r in step_records), default=0)
+    return f"gpu {gib(peak)}/{gib(gpu_budget or gpu_total_bytes())} host {host}"
 
 
 # Decimal units as Hugging Face writes shard sizes ("5GB"), binary ones as GPUs are sold ("24GiB").

@@ -124,7 +124,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
             metrics.write(record)
             if state.step % config.log.every_steps == 0 or last:
-                progress.update(state.step, progress_info(record, dist.on_gpu))
+                progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
 
             stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
             signalled = saver.stop_requested()  # SIGTERM (every rank agrees): save this step, then stop
@@ -372,9 +372,9 @@ def fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def progress_info(record: dict, on_gpu: bool) -> str:
+def progress_info(record: dict, step_records: list[dict], on_gpu: bool, gpu_budget: int) -> str:
     info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s " \
-           f"{memory.budget_summary(on_gpu)}"
+           f"{memory.budget_summary(step_records, on_gpu, gpu_budget)}"
     if record.get("eval_loss") is not None:
         info += f" eval {record['eval_loss']:.4f}"
     return info
