@@ -123,11 +123,19 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
     missing, unexpected = reference.load_state_dict(reference_state_dict(checkpoint_dir), strict=False)
     tied = {name for name, _ in reference.named_parameters(remove_duplicate=False)} - \
         {name for name, _ in reference.named_parameters()}
+    name = reference_name(checkpoint_dir)
     if set(missing) - tied or unexpected:
-        raise VerifyError(f"DeepSpeed's reconstruction does not fit the config: missing {sorted(set(missing) - tied)}, "
+        raise VerifyError(f"{name} does not fit the config: missing {sorted(set(missing) - tied)}, "
                           f"unexpected {sorted(unexpected)}")
     return compare(exported, reference, rounded_copy(reference, stored_dtype), stored_dtype,
-                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, "DeepSpeed's reconstruction")
+                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, name)
+
+
+def reference_name(checkpoint_dir: Path) -> str:
+    """What reference_state_dict built its reference from, as the verdict names it."""
+    if (checkpoint_dir / "offloaded_tensors").is_dir() and not universalfiles.is_universal(checkpoint_dir):
+        return "the optim and NVMe swap files read through torch.load"
+    return "DeepSpeed's reconstruction"
 
 
 def verify_lora_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path, base_dir=None) -> dict:
