@@ -205,6 +205,12 @@ def esc(text) -> str:
     return html.escape(str(text))
 
 
+def host_budget_kind(diagnosis) -> str:
+    """What the host budget the watchdog measured against is: the machine's RAM, unless
+    plan.host_mem set one (the plan table's budget is what the planner counted free)."""
+    return "machine RAM" if diagnosis.facts.host_budget_is_machine else "plan.host_mem"
+
+
 def cards(diagnosis) -> str:
     s = diagnosis.summary
     items = [(s["steps"], "steps"), (s["saves"], "saves"), (s["evals"], "evals")]
@@ -212,7 +218,7 @@ def cards(diagnosis) -> str:
         budget = f" / {gib(s['gpu_budget'])}" if s["gpu_budget"] else ""
         items.append((gib(s["gpu_peak_reserved"]) + budget, "GPU peak reserved"))
     budget = f" / {gib(s['host_budget'])}" if s["host_budget"] else ""
-    items.append((gib(s["host_peak"]) + budget, "host peak RSS"))
+    items.append((gib(s["host_peak"]) + budget, "host peak RSS / " + host_budget_kind(diagnosis)))
     if s["pinned"]:
         items.append((gib(s["pinned"]), "pinned"))
     if s["nvme_swap"]:
@@ -286,7 +292,7 @@ def plan_html(diagnosis) -> str:
             rows.append(["", f"phase {phase['phase']}", gib(phase["predicted_bytes"]), gib(phase["measured_bytes"]),
                          "", ""])
     return f"<img alt='plan vs measured' src='data:image/png;base64,{plan_png(diagnosis)}'>" + table(
-        ["device", "component", "planned", "measured", "plan error", "budget"], rows, {2, 3, 4, 5})
+        ["device", "component", "planned", "measured", "plan error", "planner's budget"], rows, {2, 3, 4, 5})
 
 
 def postmortem_html(report: dict | None) -> str:
@@ -340,7 +346,7 @@ def print_summary(diagnosis, html_path: Path, console=None) -> None:
                                                                  else "") + ", " if s["on_gpu"] else ""
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
                   f"{s['saves']} saves, {s['evals']} evals, {gpu}host peak {gib(s['host_peak'])}"
-                  + (f" of {gib(s['host_budget'])}" if s["host_budget"] else ""))
+                  + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
     if len(diagnosis.ranks) > 1:
         console.print("ranks: " + "; ".join(
             f"{r['rank']}: " + (f"GPU {gib(r['gpu_peak_reserved'])} reserved, " if s["on_gpu"] else "")
