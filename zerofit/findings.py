@@ -9,7 +9,7 @@ few MiB, hence the larger floor.
 """
 from __future__ import annotations
 
-import json
+import copy
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
@@ -535,7 +535,7 @@ def facts_with(facts: RunFacts, settings: dict) -> RunFacts:
     over the DeepSpeed config and the config the advice reads."""
     if not settings:
         return facts
-    ds = json.loads(json.dumps(facts.ds_config))
+    ds = copy.deepcopy(facts.ds_config)
     zero = ds.setdefault("zero_optimization", {})
     if "train.micro_batch_size" in settings:
         ds["train_micro_batch_size_per_gpu"] = settings["train.micro_batch_size"]
