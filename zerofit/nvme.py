@@ -84,10 +84,11 @@ def remove_rank_swap(config: Config, rank: int) -> None:
         root = Path(swap_root(config))
         for folder in root.glob(f"zero_stage_*/*/rank{rank}"):
             shutil.rmtree(folder, ignore_errors=True)
-        # the folders above them once the last rank's are gone (another rank's still there: kept)
-        for folder in sorted((p for p in root.glob("**/*") if p.is_dir()), key=lambda p: -len(p.parts)) + [root]:
+        # the folders above them once the last rank's are gone (another rank's still there: kept).
+        # Ranks prune at once: os.walk skips a folder another rank removed under it.
+        for folder, _, _ in os.walk(root, topdown=False):
             with contextlib.suppress(OSError):
-                folder.rmdir()
+                os.rmdir(folder)
 
 
 # --------------------------------------------------------------------- aio settings
