@@ -240,6 +240,26 @@ def test_nothing_fits_says_what_would_with_numbers():
     assert any("nvme" in a for a in decision.advice)
 
 
+def test_a_disk_too_small_for_checkpoints_does_not_change_the_configuration():
+    """Short of disk alone, the configuration shown is still the fastest the GPU and host hold
+    (it was the one closest to fitting overall, so it followed this machine's free disk)."""
+    spec = modelspec.from_name("llama-1.5b")
+    saving = config(train={"micro_batch_size": 1}, checkpoint={"save_final": True})
+    roomy = choice.decide(saving, spec, cuda_box("24GiB"), 1)
+    cramped = choice.decide(saving, spec, cuda_box("24GiB", disk=10**9), 1)
+    assert roomy.plan.fits and not cramped.plan.fits and cramped.plan.binding == ["disk"]
+    assert cramped.plan.candidate == roomy.plan.candidate and cramped.plan.shape == roomy.plan.shape
+    assert any(a.startswith("disk:") for a in cramped.advice)
+
+
+def test_a_run_without_periodic_saves_keeps_one_checkpoint_on_disk():
+    once = validate({"model": {"config": "tiny"}, "train": {"epochs": 1}, "checkpoint": {"every_steps": 0}})
+    assert choice.checkpoints_on_disk(once) == 1
+    never = validate({"model": {"config": "tiny"}, "train": {"epochs": 1},
+                      "checkpoint": {"every_steps": 0, "save_final": False}})
+    assert choice.checkpoints_on_disk(never) == 0
+
+
 def test_cpu_machine_plans_against_host_ram():
     spec = modelspec.from_name("tiny")
     decision = choice.decide(validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}}), spec, cpu_box(), 1)

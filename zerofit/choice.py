@@ -78,6 +78,8 @@ def checkpoints_on_disk(config: Config) -> int:
     """Most checkpoints on disk at once: keep_last plus the one being written, or fewer
     when the run saves fewer times (a run with an epoch count may save keep_last + 1)."""
     ckpt, steps = config.checkpoint, config.train.max_steps
+    if not ckpt.every_steps:  # the final save, if any, whatever the run's length
+        return min(ckpt.keep_last + 1, int(ckpt.save_final))
     if steps is None:
         return ckpt.keep_last + 1
     saves = (steps // ckpt.every_steps if ckpt.every_steps else 0) + int(ckpt.save_final)
@@ -229,7 +231,10 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
         if narrowed_window(best):
             best.notes.append(NARROWED_WINDOW_STEP_NOTE)
     else:
-        best = min(plans, key=overflow)
+        # short of disk alone (checkpoints, the same size whatever the candidate): still the fastest
+        # of those the GPU and host hold, so the configuration shown does not depend on this disk
+        memory_fits = [p for p in plans if not overflow(p, exclude=("disk",))]
+        best = min(memory_fits, key=lambda p: p.step_seconds) if memory_fits else min(plans, key=overflow)
         advice = what_would_fit(best, spec, hw)
     if hw.on_gpu and not config.memory.expandable_segments:
         best.notes += [note for note in [fixed_segments_note(best, spec)] if note]
@@ -258,10 +263,11 @@ def fixed_segments_note(plan: Plan, spec: ModelSpec) -> str | None:
             f"expandable segments, zerofit's default, avoid it")
 
 
-def overflow(plan: Plan) -> float:
-    """How far over their budgets the devices are, summed (0 = everything fits)."""
-    devices = [*plan.devices.values(), *plan.save_peak.values(), *plan.start_peak.values(),
-               *plan.first_step_after_save_peak.values()]
+def overflow(plan: Plan, exclude: tuple[str, ...] = ()) -> float:
+    """How far over their budgets the devices are, summed (0 = everything fits); `exclude`
+    leaves those devices out."""
+    peaks = (plan.devices, plan.save_peak, plan.start_peak, plan.first_step_after_save_peak)
+    devices = [device for peak in peaks for name, device in peak.items() if name not in exclude]
     return sum(max(0.0, d.total_bytes / max(d.usable_bytes, 1) - 1) for d in devices)
 
 
