@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -122,6 +124,25 @@ def test_set_without_a_config_replaces_the_demos_model_and_data(tmp_path):
     with pytest.raises(ConfigError, match="not both"):  # in a config file both are the user's
         write_config(tmp_path / "c.yaml", {"model": {"config": "tiny", "path": str(tmp_path)}})
         load(tmp_path / "c.yaml", [])
+
+
+def test_yaml_files_read_as_a_user_means_them(tmp_path, monkeypatch, capsys):
+    """PyYAML's YAML 1.1 reads 1e9 and 3e-4 as strings (a file failed where --set worked),
+    keeps the last of two equal keys silently, and leaves ~ and $VARS in paths."""
+    monkeypatch.setenv("ZEROFIT_TEST_ROOT", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {config: tiny}\nrun_dir: $ZEROFIT_TEST_ROOT/run\ndata: {path: ~/d.jsonl}\n"
+                    "zero: {stage: 3, sub_group_size: 1e8}\ntrain: {lr: 3e-4, max_steps: 5}\n")
+    config = load(path)
+    assert config.zero.sub_group_size == 100_000_000 and config.train.lr == 3e-4
+    assert config.run_dir == f"{tmp_path}/run" and config.data.path == str(Path.home() / "d.jsonl")
+    path.write_text("model: {config: tiny}\ntrain: {max_steps: 5}\ntrain: {lr: 1.0}\n")
+    with pytest.raises(ConfigError, match="line 3, column 1 .* the key 'train' appears twice"):
+        load(path)
+    assert cli.main(["config", "--run-dir", "0755"]) == 0  # a name, not an octal number
+    assert "run_dir: '0755'" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"plan.gpu_mem='24' is 24 bytes; write the unit"):
+        load(None, ["plan.gpu_mem=24"])
 
 
 def test_cli_exit_codes(tmp_path, capsys):

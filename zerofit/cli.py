@@ -6,6 +6,7 @@ first; 2 bad usage (argparse); 143 `train` stopped by SIGTERM (the step saved); 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def load_config(args) -> Config:
     from zerofit.config import load
 
-    overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
+    # as a JSON string, which YAML reads as the text it is (not 2024 the number, 0755 octal)
+    overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
     if getattr(args, "on_oom", None):
         overrides.append(f"memory.on_oom={args.on_oom}")
     return load(args.config, overrides)
@@ -87,13 +89,12 @@ def plan_overrides(args) -> list[str]:
              "offload_optimizer": "zero.offload_optimizer", "offload_param": "zero.offload_param",
              "gpu_mem": "plan.gpu_mem", "host_mem": "plan.host_mem", "nvme_path": "zero.nvme_path",
              "headroom": "plan.headroom"}
-    out = [f"{key}={getattr(args, flag)}" for flag, key in flags.items() if getattr(args, flag, None) is not None]
+    values = {key: getattr(args, flag) for flag, key in flags.items() if getattr(args, flag, None) is not None}
+    out = [f"{key}={json.dumps(value) if isinstance(value, str) else value}" for key, value in values.items()]
     return list(getattr(args, "overrides", [])) + out
 
 
 def cmd_plan(args) -> int:
-    import json
-
     from zerofit.planview import plan, plan_json, render
 
     if args.presets:
@@ -116,8 +117,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    import json
-
     from zerofit import lint, modelspec, planview
     from zerofit.config import validate
 

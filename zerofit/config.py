@@ -13,11 +13,18 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# PyYAML reads YAML 1.1, where 1e9 and 3e-4 (no dot) are strings, not numbers
+EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+# fields that name files or directories: `~` and $VARIABLES expanded, as a shell would
+PATH_FIELDS = ("path", "config", "tokenizer", "eval_path", "nvme_path", "run_dir")
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -29,6 +36,26 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_values(cls, value: Any, info) -> Any:
+        """1e9 written in a YAML file is a number where the field takes one; a path's `~` and
+        $VARIABLES are expanded."""
+        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation in (int, float) or {int, float} & set(get_args(annotation)):
+                return float(value)
+        if info.field_name in PATH_FIELDS:
+            return expand_path(value)
+        return value
+
+
+def expand_path(value: Any) -> Any:
+    """`~` and $VARIABLES in a path (or each of a list of paths) expanded."""
+    if isinstance(value, list):
+        return [expand_path(v) for v in value]
+    return os.path.expanduser(os.path.expandvars(value)) if isinstance(value, str) else value
 
 
 class ModelConfig(Section):
@@ -342,12 +369,19 @@ class PlanConfig(Section):
     headroom: float = Field(0.1, ge=0.0, lt=0.9)
     """Fraction of each budget kept free."""
 
+    @field_validator("gpu_mem", "host_mem", mode="before")
+    @classmethod
+    def _size_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _sizes(self) -> "PlanConfig":
         from zerofit.memory import parse_bytes  # it reads this module's ConfigError: imported here
 
         for key in ("gpu_mem", "host_mem"):  # at load, not once DeepSpeed has started
-            parse_bytes(getattr(self, key), f"plan.{key}")
+            size = parse_bytes(getattr(self, key), f"plan.{key}")
+            if size is not None and size < 2**20:  # `24`: a unit left out, not a 24-byte budget
+                raise ConfigError(f"plan.{key}={getattr(self, key)!r} is {size} bytes; write the unit, e.g. 24GiB")
         return self
 
 
@@ -415,12 +449,27 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     return validate(raw)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (it kept the last
+    silently: a second `train:` section dropped the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping "
+                                                        f"(YAML keeps only the last); merge them", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass --config FILE "
                           f"(`zerofit config --example > zerofit.yaml` writes a starting point)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -440,17 +489,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
-    if isinstance(value, str) and _looks_numeric(value):
-        value = float(value)  # YAML 1.1 reads "3e-4" as a string
-    return key.strip(), value
-
-
-def _looks_numeric(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return key.strip(), value  # "3e-4", a string to YAML 1.1, becomes a number where the field is one (Section)
 
 
 def set_dotted(raw: dict, key: str, value: Any) -> None:
