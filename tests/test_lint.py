@@ -175,3 +175,24 @@ def test_partial_offload_beside_offloaded_parameters_is_flagged(param_device, ra
     assert (warning is not None) == warned
     if warned:
         assert "6.07 s" in warning.message and "offload_param none" in warning.fix
+
+
+def test_what_deepspeed_accepts_and_then_ignores_or_trips_on():
+    """Legacy cpu_offload beside offload_optimizer (DeepSpeed asserts: lint crashed), keys the
+    stage does not read, and a number written as a string (DeepSpeed fails comparing it)."""
+    legacy = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    assert [f.key for f in legacy.errors] == ["zero_optimization"] and "deprecated" in legacy.errors[0].message
+    stage3 = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "allgather_partitions": True, "allgather_bucket_size": 5e8}})
+    assert {f.key for f in stage3.findings if "does not read it" in f.message} == {
+        "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size"}
+    stage2 = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "stage3_prefetch_bucket_size": 5e8}})
+    assert any(f.key == "zero_optimization.stage3_prefetch_bucket_size" for f in stage2.findings)
+    text = lint.lint({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "1.0",
+                      "zero_optimization": {"stage": 3}})
+    assert [f.key for f in text.errors] == ["gradient_clipping"]
+    auto = lint.lint({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                      "zero_optimization": {"stage": 3}})
+    assert not auto.errors  # HF fills "auto" in

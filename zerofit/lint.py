@@ -83,6 +83,8 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
     ds = without_autos(ds)
     check_nvme_paths(ds, result)
     zero = check_zero(ds, result)
+    check_stage_keys(ds, result)
+    check_numbers(ds, result)
     check_top_level(ds, zero is not None, result)
     check_batch(ds, world_size, result)
     check_precision(ds, result)
@@ -129,7 +131,44 @@ def check_zero(ds: dict, result: LintResult):
         result.findings += schema_findings("zero_optimization", e, "not a DeepSpeed ZeRO key",
                                            lambda loc: _nearest(loc, DeepSpeedZeroConfig))
         return None
+    except AssertionError as e:  # its deprecated-field rules assert, e.g. cpu_offload beside offload_optimizer
+        result.findings.append(Finding("error", "zero_optimization", f"DeepSpeed refuses it: {e}",
+                                       'drop the deprecated key (cpu_offload: write "offload_optimizer": '
+                                       '{"device": "cpu"} alone)'))
+        return None
     return zero
+
+
+# Keys one ZeRO stage reads and another ignores (DeepSpeed 0.19.8: engine._configure_zero_optimizer
+# hands allgather_* to stages 1-2 only; stage3_* and offload_param are read by stage 3 alone).
+STAGE_12_ONLY = ("allgather_partitions", "allgather_bucket_size")
+
+
+def check_stage_keys(ds: dict, result: LintResult) -> None:
+    """A key the configured stage does not read: set, and silently without effect."""
+    section = ds.get("zero_optimization")
+    if not isinstance(section, dict) or not isinstance(section.get("stage"), int):
+        return
+    stage = section["stage"]
+    ignored = [k for k in section if (stage == 3 and k in STAGE_12_ONLY) or (stage < 3 and k.startswith("stage3_"))]
+    for key in ignored:
+        result.findings.append(Finding("warning", f"zero_optimization.{key}", f"ZeRO stage {stage} does not read it",
+                                       "remove it" + (" (stage 3 gathers with stage3_prefetch_bucket_size)"
+                                                      if stage == 3 else "")))
+
+
+# Top-level numbers DeepSpeed reads without a type check: a string there ("1.0") fails later,
+# e.g. gradient_clipping in the engine's `> 0.0` comparison.
+NUMERIC_KEYS = ("gradient_clipping", "train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps", "steps_per_print")
+
+
+def check_numbers(ds: dict, result: LintResult) -> None:
+    for key in NUMERIC_KEYS:
+        value = ds.get(key)
+        if isinstance(value, str):  # "auto" was taken out before the checks
+            result.findings.append(Finding("error", key, f"is the string {value!r}: DeepSpeed keeps it as text and "
+                                           f"fails when it first compares it", f'write the number ("{key}": {value})'))
 
 
 def schema_findings(section: str, error, unknown: str, fix_unknown=lambda loc: "remove it") -> list[Finding]:
