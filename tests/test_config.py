@@ -195,3 +195,18 @@ def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     (tmp_path / "afile").touch()
     assert cli.main(["train", "--run-dir", str(tmp_path / "afile")]) == 1
     assert f"run_dir {tmp_path / 'afile'} cannot be made (it is a file)" in capsys.readouterr().err.replace("\n", "")
+
+
+def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build():
+    """Gemma-2 has no SDPA path in transformers: the build failed after planning with a traceback."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    gemma = Gemma2Config(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=128)
+    with pytest.raises(ConfigError, match="Gemma2ForCausalLM has no SDPA attention .* model.attn_implementation: eager"):
+        models.check_attention(ModelConfig(config="tiny"), gemma)
+    models.check_attention(ModelConfig(config="tiny", attn_implementation="eager"), gemma)
+    models.check_attention(ModelConfig(config="tiny"), LlamaConfig())

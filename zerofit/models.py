@@ -56,6 +56,22 @@ def hf_config(model: ModelConfig):
     return config_from_name(model.config, model.trust_remote_code)
 
 
+def check_attention(model: ModelConfig, hf_config) -> None:
+    """Refuse, before anything is built, an attention kernel the architecture's transformers
+    class does not support (Gemma-2 has no SDPA path: the build failed after planning with a
+    traceback)."""
+    if model.attn_implementation != "sdpa":
+        return
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        raise ConfigError(f"{cls.__name__} has no SDPA attention in this transformers: set "
+                          f"model.attn_implementation: eager (which also keeps each layer's attention weights, "
+                          f"sequence x sequence per head, for the backward: the planner counts SDPA's activations, "
+                          f"so leave more headroom or use shorter sequences)")
+
+
 # The HF config fields a checkpoint's tensors take their shapes from.
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
