@@ -93,6 +93,7 @@ def test_example_yaml_documents_every_key_and_loads_back(tmp_path):
     assert config.train.max_steps == 300 and config.model.config == "demo"
     # the planner's keys are left to it: a config started from the example is planned
     assert "  #! offload_optimizer: \"cpu\"" in text and "  #! gradient_checkpointing: true" in text
+    assert '  config: "demo"  # the example\'s; delete this line when you set model.path' in text
     assert not config.zero.model_fields_set & {"offload_optimizer", "offload_param", "reduce_bucket_size"}
     assert "gradient_checkpointing" not in config.model.model_fields_set
 

@@ -561,6 +561,8 @@ def example_yaml() -> str:
     out = ["# zerofit config: every key with its default. Keys commented out with `#!` are the",
            "# planner's to choose (plan.enabled); uncomment one to fix it to your value.", ""]
     example = {"model": {"config": "demo"}, "train": {"max_steps": 300}}
+    # the example's values that exclude another key: say which, so setting that one is not a conflict
+    excludes = {("model", "config"): "model.path", ("train", "max_steps"): "train.epochs"}
     for name, field in Config.model_fields.items():
         if field.annotation in (str, "str"):
             out += [f"# {field.description}", f"{name}: {field.default}", ""]
@@ -572,6 +574,8 @@ def example_yaml() -> str:
             value = example.get(name, {}).get(key, sub.default)
             out.append(f"  # {doc}")
             planners = "#! " if key in DECIDED.get(name, ()) else ""
-            out.append(f"  {planners}{key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}")
+            other = excludes.get((name, key))
+            note = f"  # the example's; delete this line when you set {other}" if other else ""
+            out.append(f"  {planners}{key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}{note}")
         out.append("")
     return "\n".join(out)
