@@ -13,7 +13,7 @@ import pytest
 from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
                       write_config)
 
-from zerofit import checkpoint, hardware, nvme, planview, swaplayout
+from zerofit import checkpoint, hardware, nvme, planner, planview, swaplayout
 from zerofit.config import validate
 from zerofit.export import export
 from zerofit.swaplayout import Aio
@@ -289,6 +289,22 @@ def test_plan_proposes_nvme_when_host_ram_is_short(tmp_path, capsys):
     # with host RAM to spare the faster CPU offload wins
     roomy, _, _ = planned("256GiB", tmp_path)
     assert roomy.plan.fits and roomy.plan.candidate.offload_optimizer == "cpu"
+
+
+def test_swap_files_and_checkpoints_on_one_filesystem_share_its_free_space(tmp_path):
+    """Each was checked against the whole free space: both fitting alone, not together."""
+    decision, spec, hw = planned("40GiB", tmp_path)
+    assert hardware.probe(nvme_path=str(tmp_path / "swap"), disk_path=tmp_path).nvme_shares_disk  # one filesystem
+    shape, candidate = decision.plan.shape, decision.plan.candidate
+    roomy = planner.predict(spec, hw, shape, candidate, 0.1)
+    swap, checkpoints = roomy.devices["nvme"].total_bytes, roomy.devices["disk"].total_bytes
+    assert swap and checkpoints
+    free = int((max(swap, checkpoints) + 1) / 0.9) + 1  # room for either alone, not both
+    tight = hardware.with_overrides(hw, disk_free_bytes=free, nvme_free_bytes=free, nvme_shares_disk=False)
+    apart = planner.predict(spec, tight, shape, candidate, 0.1)
+    shared = planner.predict(spec, hardware.with_overrides(tight, nvme_shares_disk=True), shape, candidate, 0.1)
+    assert apart.devices["nvme"].fits and apart.devices["disk"].fits
+    assert not shared.devices["nvme"].fits and shared.devices["disk"].fits
 
 
 def test_plan_without_nvme_path_says_what_disk_would_fit():

@@ -108,6 +108,7 @@ class Hardware:
     nvme_path: str | None
     nvme_free_bytes: int | None
     overridden: tuple[str, ...] = ()
+    nvme_shares_disk: bool = False   # nvme_path on disk_path's filesystem: one free space for both
     nvme_read_bytes_per_s: float | None = None    # measured by the aio sweep (zerofit.nvme cache)
     nvme_write_bytes_per_s: float | None = None
 
@@ -142,6 +143,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     if accelerator == "cpu":
         name, count, total, gpu_budget = "cpu", 0, 0, 0
     disk = _existing_parent(Path(disk_path))
+    nvme_dir = _existing_parent(Path(nvme_path)) if nvme_path else None
     measured = _nvme_rates(nvme_path)
     return Hardware(
         accelerator=accelerator, device_name=name, gpu_count=count,
@@ -150,7 +152,8 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         pinned_limit_bytes=_memlock_limit(), cpu_cores=_cpu_cores(),
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
-        nvme_free_bytes=shutil.disk_usage(_existing_parent(Path(nvme_path))).free if nvme_path else None,
+        nvme_free_bytes=shutil.disk_usage(nvme_dir).free if nvme_dir else None,
+        nvme_shares_disk=bool(nvme_dir) and os.stat(nvme_dir).st_dev == os.stat(disk).st_dev,
         overridden=tuple(overridden), nvme_read_bytes_per_s=measured.get("read_bytes_per_s"),
         nvme_write_bytes_per_s=measured.get("write_bytes_per_s"))
 

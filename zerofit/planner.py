@@ -414,7 +414,9 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     devices = {"gpu": gpu_device(peak_transient, fragmentation), "host": host_device(host_peak_extra),
                "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk}, disk_free, headroom)}
     if nvme_states:
-        devices["nvme"] = _device(nvme_states, hw.nvme_free_bytes or 0, headroom)
+        # on the checkpoints' filesystem the swap files get what the checkpoints leave
+        shared = ckpt_bytes * shape.checkpoints_on_disk if hw.nvme_shares_disk else 0
+        devices["nvme"] = _device(nvme_states, max(0, (hw.nvme_free_bytes or 0) - shared), headroom)
 
     # Checkpoint save: between steps (no activations). torch.save copies device-resident
     # storages to the host one at a time (largest: an fp32 sub-group tensor); a consolidated
