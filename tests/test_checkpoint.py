@@ -674,3 +674,36 @@ def kill_from_outside(config: Path, run: Path, rng: random.Random) -> None:
     time.sleep(rng.uniform(0, 0.05))
     process.kill()
     process.wait()
+
+
+def test_a_corrupt_newer_checkpoint_is_set_aside_not_kept_by_retention(tmp_path):
+    """step-000008 has a flipped byte (its size unchanged); the resume from step 6 with
+    keep_last 1 saved 7 and 8, and retention once kept the corrupt 8 (it judged by sizes) and
+    deleted every good checkpoint. Now the resume sets it aside and the good ones stay."""
+    config = config_for(tmp_path, "run", max_steps=8)
+    run_zerofit(["train", "--config", str(config)])
+    run = tmp_path / "run"
+    target = run / "checkpoints" / "step-000008" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    done = run_zerofit(["train", "--config", str(config), "--resume", "--set", "checkpoint.every_steps=1",
+                        "--set", "checkpoint.keep_last=1"])
+    said = " ".join(done.stderr.split())
+    assert "resumed from" in said and "step 6" in said and "set aside unusable-step-000008" in said
+    assert valid_steps(run) == [8] and (run / "checkpoints" / "latest").read_text() == "step-000008"
+    assert (run / "checkpoints" / "unusable-step-000008").is_dir()
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_verify_sizes_skips_a_checkpoint_whose_loop_state_is_not_json(tmp_path):
+    """Under --verify sizes a loop_state.json with a changed byte (its size the same) crashed
+    the resume with a traceback instead of falling back to the checkpoint before."""
+    root = tmp_path / "checkpoints"
+    older, newer = make_checkpoint(root, 2), make_checkpoint(root, 4)
+    assert checkpoint.verify(newer, hashes=False) is None
+    text = (newer / checkpoint.LOOP_STATE).read_text()
+    (newer / checkpoint.LOOP_STATE).write_text("!" + text[1:])
+    assert "loop_state.json is not valid JSON" in checkpoint.verify(newer, hashes=False)
+    found, skipped = checkpoint.find_latest_valid(root, hashes=False)
+    assert found == older and skipped[0][0] == "step-000004"
