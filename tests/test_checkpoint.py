@@ -707,3 +707,26 @@ def test_verify_sizes_skips_a_checkpoint_whose_loop_state_is_not_json(tmp_path):
     assert "loop_state.json is not valid JSON" in checkpoint.verify(newer, hashes=False)
     found, skipped = checkpoint.find_latest_valid(root, hashes=False)
     assert found == older and skipped[0][0] == "step-000004"
+
+
+def test_a_second_process_on_the_same_run_dir_is_refused(tmp_path):
+    """Two trains in one run_dir overwrote each other's checkpoints and metrics, and the second
+    removed the first's save in progress as stale: the second now refuses, naming the first."""
+    import subprocess
+    import sys
+
+    from zerofit import runlock
+    from zerofit.config import ConfigError
+
+    holder = subprocess.Popen([sys.executable, "-c", f"from zerofit import runlock; runlock.hold({str(tmp_path)!r}); "
+                               f"print('held', flush=True); import time; time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"in use by another zerofit train \(pid {holder.pid}\)"):
+            runlock.hold(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    runlock.hold(tmp_path)  # released with the process that held it
+    runlock.hold(tmp_path)  # and this process may take it again (an in-process OOM retry)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, elastic, engine, faults, hostalloc, lastword,
-                     lora, loss, memory, models, nvme, planview, postmortem, watchdog)
+                     lora, loss, memory, models, nvme, planview, postmortem, runlock, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -42,6 +42,8 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
     run_dir = usable_run_dir(Path(config.run_dir))
+    if int(os.environ.get("RANK", "0")) == 0:  # before anything in it is read or rewritten
+        runlock.hold(run_dir)
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
     elastic.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
@@ -281,6 +283,9 @@ def usable_run_dir(run_dir: Path) -> Path:
         why = "it is a file" if run_dir.is_file() else e.strerror or str(e)
         raise ConfigError(f"run_dir {run_dir} cannot be made ({why}); set run_dir (or --run-dir) to a "
                           f"directory you can write") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError(f"run_dir {run_dir} is not writable (a read-only filesystem or another user's "
+                          f"directory); set run_dir (or --run-dir) to a directory you can write")
     return run_dir
 
 

@@ -1,0 +1,33 @@
+"""One training process per run directory. Two `zerofit train` on one run_dir overwrite each
+other's checkpoints and metrics (the second even removed the first's save in progress as a
+stale leftover). Global rank 0 holds an flock on RUN_DIR/.zerofit.lock for its lifetime; the
+kernel releases it when the process ends, however it ends, so a crash leaves nothing to clean up."""
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from zerofit.config import ConfigError
+
+LOCK_FILE = ".zerofit.lock"
+_held: dict[Path, int] = {}  # lock file -> the open descriptor holding it (kept open until exit)
+
+
+def hold(run_dir: Path) -> None:
+    """Take run_dir's lock, or refuse naming the process that holds it."""
+    path = (Path(run_dir) / LOCK_FILE).resolve()
+    if path in _held:  # this process holds it already (an in-process OOM retry)
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{run_dir} is in use by another zerofit train (pid {holder}): two runs in one run_dir "
+                          f"overwrite each other's checkpoints and metrics; wait for it to end, stop it, or set "
+                          f"another run_dir (--run-dir)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[path] = fd
