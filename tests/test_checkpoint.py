@@ -730,3 +730,18 @@ def test_a_second_process_on_the_same_run_dir_is_refused(tmp_path):
         holder.wait()
     runlock.hold(tmp_path)  # released with the process that held it
     runlock.hold(tmp_path)  # and this process may take it again (an in-process OOM retry)
+
+
+def test_metrics_stay_one_curve_after_a_kill_at_publish_and_a_torn_line(tmp_path):
+    """A kill after step 4's checkpoint was published but before its metrics line was written
+    left step 4 out for good; a torn last line (a crash mid-write, a full disk) made every
+    resume fail parsing metrics.jsonl."""
+    config = config_for(tmp_path, "run", max_steps=6)
+    killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: "kill@latest:2"}, check=False)
+    assert killed.returncode != 0
+    run = tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes() + b'{"step": 5, "loss": 4.')  # a torn line after the kill
+    run_zerofit(["train", "--config", str(config), "--resume"])
+    assert [m["step"] for m in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
+    assert all(line.startswith("{") and line.endswith("}") for line in metrics.read_text().splitlines())

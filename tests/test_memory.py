@@ -73,3 +73,29 @@ def test_the_progress_line_shows_the_steps_gpu_peak_against_the_budget():
     records = [{"phase": "forward", "gpu_peak": 3 * 2**30}, {"phase": "backward", "gpu_peak": 5 * 2**30}]
     assert budget_summary(records, True, 24 * 2**30).startswith("gpu 5.0GiB/24.0GiB host ")
     assert budget_summary(records, False, 0).startswith("host ")
+
+
+def test_a_full_disk_costs_the_timeline_not_the_run(tmp_path, capsys):
+    """With checkpoint.on_error continue a full disk reached memory.jsonl next, and the run
+    died there with a traceback: now the timeline stops being written, with a warning."""
+    import errno
+
+    from zerofit.memory import Timeline
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    timeline = Timeline(tmp_path, 0, False)
+    timeline.mark(1, "save")
+    timeline._file.close()
+    timeline._file = Full()
+    record = timeline.mark(2, "save")  # no exception
+    assert record["step"] == 2 and timeline.last["step"] == 2
+    timeline.mark(3, "eval")
+    timeline.close()
+    assert capsys.readouterr().err.count("can no longer be written") == 1
+    assert [r["step"] for r in memory.read_jsonl(tmp_path / "memory.jsonl")] == [1]

@@ -710,3 +710,18 @@ def test_allocator_history_is_skipped_where_torch_breaks_checkpointing():
 
     assert history_breaks_checkpointing("2.11.0+cu130") and history_breaks_checkpointing("2.13.0+cpu")
     assert not history_breaks_checkpointing("2.10.1") and not history_breaks_checkpointing("2.4.0")
+
+
+def test_sigterm_outside_the_loop_is_not_swallowed_by_a_librarys_except_exception():
+    """A library's `except Exception` around the code the signal lands in (transformers wraps
+    its probes of installed tools so) swallowed it, and training went on until SIGKILL."""
+    import os
+    import signal
+
+    with pytest.raises(elastic.TerminatedOutsideTheLoop):
+        with elastic.sigterm_ends_by_way_of_python():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)
+            except Exception:  # noqa: BLE001 (the library's)
+                pytest.fail("swallowed")

@@ -332,7 +332,8 @@ def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = N
     if free_bytes >= want:
         return None
     return (f"{free_bytes / 1e9:.2f} GB free under {root}, a checkpoint needs ~{needed_bytes / 1e9:.2f} GB "
-            f"(+10% margin); free disk space or lower checkpoint.keep_last")
+            f"and {want / 1e9:.2f} GB are asked (+10% and {FREE_SPACE_SLACK / 2**20:.0f} MiB of slack for the "
+            f"filesystem); free disk space or lower checkpoint.keep_last")
 
 
 # --------------------------------------------------------------------------- RNG

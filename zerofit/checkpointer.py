@@ -372,8 +372,9 @@ class Checkpointer:
         message = f"checkpoint {name} was not saved: {reason}; {kept}"
         self.timeline.mark(step, "checkpoint_failed", checkpoint=name, error=reason)
         if self.settings.on_error == "stop":
-            raise CheckpointError(f"{message}. Stopped (checkpoint.on_error=stop): fix the cause, then "
-                                  f"{resume_command(self.config)} continues from the newest valid checkpoint")
+            then = (f"{resume_command(self.config)} continues from the newest valid checkpoint" if newest else
+                    f"{resume_command(self.config, resume=False)} starts again (nothing was saved to resume from)")
+            raise CheckpointError(f"{message}. Stopped (checkpoint.on_error=stop): fix the cause, then {then}")
         if self.dist.is_main:
             warn(f"{message}; training continues (checkpoint.on_error=continue)")
 

@@ -238,8 +238,10 @@ def failure_announced(record_path: Path, rank: int):
 _last_word: subprocess.Popen | None = None  # this worker's, while failure_announced runs
 
 
-class TerminatedOutsideTheLoop(Exception):
-    """SIGTERM while no training loop holds it (start-up, wind-down): no step to save."""
+class TerminatedOutsideTheLoop(BaseException):
+    """SIGTERM while no training loop holds it (start-up, wind-down): no step to save. A
+    BaseException, as KeyboardInterrupt is: a library's `except Exception` around the code it
+    lands in (transformers' probes of installed tools) swallowed it, and training went on."""
 
 
 @contextmanager

@@ -160,6 +160,7 @@ class Timeline:
         self._file = self.path.open("a", buffering=1)
         self._pending: dict[str, dict] = {}
         self._after_save = False
+        self._unwritable = False
         self.last: dict = {}
         self.last_phase: str | None = None  # the phase observed most recently (post-mortem reads it)
 
@@ -190,8 +191,7 @@ class Timeline:
         records = [{"step": step, "phase": phase, "time": now, **reading, **per_step, **flags,
                     **self.predictions.get(phase, {}), **extra}
                    for phase, reading in self._pending.items()]
-        for record in records:
-            self._file.write(json.dumps(record) + "\n")
+        self._write(records)
         self._pending.clear()
         if "save" in (r["phase"] for r in records):
             self._after_save = True
@@ -200,13 +200,31 @@ class Timeline:
         self.last = records[-1]
         return records
 
+    def _write(self, records: list[dict]) -> None:
+        """Append the records; a disk that refuses (full) costs the timeline, not the run: a
+        failed save with checkpoint.on_error continue must go on, and the watchdog reads
+        `last`, not the file."""
+        if self._unwritable:
+            return
+        try:
+            self._file.write("".join(json.dumps(record) + "\n" for record in records))
+        except OSError as e:
+            self._unwritable = True
+            from zerofit.progress import warn
+
+            warn(f"{self.path} can no longer be written ({e.strerror or e}); the run goes on without its memory "
+                 f"timeline from here (`zerofit doctor` reads what was written)")
+
     def mark(self, step: int, phase: str, **extra) -> dict:
         """Record a phase that just ended on its own (save, eval) right away."""
         self.observe(phase)
         return self.flush(step, **extra)[-1]
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # what a full disk would not take: said in _write already
+            pass
 
 
 # ---------------------------------------------------------------------------- reading back

@@ -120,12 +120,14 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
                 record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step)
 
+            # the step's line before its checkpoint: a kill after the publish left it unwritten for good
+            # (a resume keeps the lines up to the checkpoint's step), one before it is rolled back
+            metrics.write(record)
             saver.poll(state.step)  # an async save whose writers all finished gets published
             if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
                 saver.save(state)
             faults.hold_memory_if_armed(state.step, ds_engine.device)
 
-            metrics.write(record)
             if state.step % config.log.every_steps == 0 or last:
                 progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
 
@@ -342,9 +344,10 @@ class MetricsLog:
         self._file = self._writer = None
         if not enabled:
             return
-        kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= keep_upto] \
-            if self.path.exists() and keep_upto else []
-        self.path.write_text("".join(line + "\n" for line in kept))
+        # a line torn by a crash (or a full disk) is dropped with the steps after the checkpoint
+        kept = [record for record in memory.read_jsonl(self.path) if record.get("step", 0) <= keep_upto] \
+            if keep_upto else []
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         self._file = self.path.open("a", buffering=1)
         if tensorboard:
             try:
