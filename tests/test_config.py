@@ -211,3 +211,8 @@ def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build(
         models.check_attention(ModelConfig(config="tiny"), gemma)
     models.check_attention(ModelConfig(config="tiny", attn_implementation="eager"), gemma)
     models.check_attention(ModelConfig(config="tiny"), LlamaConfig())
+
+
+def test_lora_module_lists_from_the_command_line():
+    config = load(None, ["lora.enabled=true", "lora.target_modules=q_proj, v_proj", "lora.modules_to_save=lm_head"])
+    assert config.lora.target_modules == ["q_proj", "v_proj"] and config.lora.modules_to_save == ["lm_head"]

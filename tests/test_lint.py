@@ -196,3 +196,9 @@ def test_what_deepspeed_accepts_and_then_ignores_or_trips_on():
     auto = lint.lint({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
                       "zero_optimization": {"stage": 3}})
     assert not auto.errors  # HF fills "auto" in
+
+
+def test_a_value_out_of_range_names_the_range():
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "reduce_bucket_size": -1}})
+    finding = next(f for f in result.errors if f.key == "zero_optimization.reduce_bucket_size")
+    assert finding.fix == "set it > 0"

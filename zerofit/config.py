@@ -110,6 +110,12 @@ class LoraConfig(Section):
     bias: Literal["none", "all", "lora_only"] = "none"
     """Which biases train: none; all biases of the model; only those of adapted modules."""
 
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """`--set lora.target_modules=q_proj,v_proj`: a comma-separated string is the list."""
+        return [name.strip() for name in value.split(",") if name.strip()] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _names(self) -> "LoraConfig":
         if self.target_modules is not None and not [t for t in self.target_modules if t.strip()]:

@@ -192,6 +192,11 @@ def value_finding(key: str, item: dict) -> Finding:
         allowed = list(dict.fromkeys(v.strip(" '") for v in expected.replace(" or ", ", ").split(",")))
         return Finding("error", key, f"must be one of {', '.join(allowed)} (got {item.get('input')!r})",
                        f"set it to one of {', '.join(allowed)}")
+    bound = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+             "less_than": ("lt", "<")}.get(item["type"])
+    if bound and bound[0] in item.get("ctx", {}):  # a range: say the range, not "see the docs"
+        return Finding("error", key, f"{item['msg']} (got {item.get('input')!r})",
+                       f"set it {bound[1]} {item['ctx'][bound[0]]}")
     return Finding("error", key, f"{item['msg']} (got {item.get('input')!r})",
                    "see DeepSpeed's docs for this key's type")
 
