@@ -37,7 +37,10 @@ def key_value(text: str) -> str:
 
 def config_help() -> str:
     """Every config key and its doc, for `zerofit train --help` (generated, never stale)."""
-    lines = ["config keys (YAML sections, or --set section.key=value):"]
+    from zerofit.choice import DECIDED
+
+    lines = ["config keys (YAML sections, or --set section.key=value; [planner]: chosen by the planner when "
+             "unset, so the default shown is not what runs; the micro batch split only of a train.global_batch_size):"]
     for name, field in Config.model_fields.items():
         section = field.annotation
         if not (isinstance(section, type) and issubclass(section, Section)):
@@ -45,8 +48,9 @@ def config_help() -> str:
             continue
         for key, sub in section.model_fields.items():
             doc = " ".join((sub.description or "").split())
-            lines.append(f"  {name}.{key} = {sub.default!r}: {doc}" if sub.default is not None
-                         else f"  {name}.{key}: {doc}")
+            planner = " [planner]" if key in DECIDED.get(name, ()) else ""
+            lines.append(f"  {name}.{key} = {sub.default!r}{planner}: {doc}" if sub.default is not None
+                         else f"  {name}.{key}{planner}: {doc}")
     return "\n".join(lines)
 
 
