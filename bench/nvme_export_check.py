@@ -1,7 +1,7 @@
 """An NVMe-offloaded run exported: train a real model with the optimizer on NVMe, then
 `zerofit export --verify` its checkpoint, whose swapped fp32 masters are empty tensors in
 DeepSpeed's optim files (the export reads them from the checkpoint's swap-file copies, by
-the record zerofit writes at each save: nvme.SUB_GROUPS_FILE).
+the record zerofit writes at each save: zerofiles.SUB_GROUPS_FILE).
 
 GPU machine (llama-0.5b, optimizer on /tmp/nvme, ~3 min; writes $OUT/nvme_export.json):
     source .whl/prelude.sh || exit; python bench/nvme_export_check.py
@@ -58,7 +58,7 @@ def run_config(args, run_dir: Path) -> dict:
 def main() -> None:
     import yaml
 
-    from zerofit import nvme
+    from zerofit import zerofiles
     from zerofit.export import export
 
     args = parse_args()
@@ -79,8 +79,8 @@ def main() -> None:
         result["train_stderr_tail"] = done.stderr[-3000:]
     else:
         step = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-        records = {rank.name: json.loads((rank / nvme.SUB_GROUPS_FILE).read_text())["sub_groups"]
-                   for rank in sorted((step / "offloaded_tensors").iterdir())}
+        records = {rank.name: json.loads((rank / zerofiles.SUB_GROUPS_FILE).read_text())["sub_groups"]
+                   for rank in sorted((step / zerofiles.NVME_COPIES).iterdir())}
         result["sub_groups"] = {rank: {"total": len(groups), "swapped": sum(1 for g in groups if g["file"]),
                                        "swapped_elements": sum(g["numel"] for g in groups if g["file"])}
                                 for rank, groups in records.items()}

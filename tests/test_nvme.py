@@ -13,7 +13,7 @@ import pytest
 from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
                       write_config)
 
-from zerofit import checkpoint, hardware, nvme, planner, planview, swaplayout
+from zerofit import checkpoint, hardware, nvme, planner, planview, swaplayout, zerofiles
 from zerofit.config import validate
 from zerofit.export import export
 from zerofit.swaplayout import Aio
@@ -88,7 +88,7 @@ def test_export_reads_the_swapped_masters(nvme_run, cpu_run, tmp_path):
     file holds which sub group), --verify agrees, and the weights are the CPU-offload run's."""
     run, _, _, _ = nvme_run
     step = run / "checkpoints" / "step-000006"
-    record = json.loads((step / "offloaded_tensors" / "rank00" / nvme.SUB_GROUPS_FILE).read_text())["sub_groups"]
+    record = json.loads((zerofiles.nvme_copies(step, 0) / zerofiles.SUB_GROUPS_FILE).read_text())["sub_groups"]
     assert any(group["file"] for group in record)  # the 1.3M-element sub group is swapped
     exported = export(run, tmp_path / "nvme-model", dtype="fp32", verify=True, progress=False)
     assert exported.verify["max_abs_diff"] < 1e-5

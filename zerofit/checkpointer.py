@@ -20,13 +20,13 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import checkpoint, checkpoint_io, data, engine, faults, lora, memory, nvme, planner, universal
+from zerofit import (checkpoint, checkpoint_io, data, engine, faults, lora, memory, nvme, planner, universal,
+                     zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
-NVME_STATE_DIR = "offloaded_tensors"  # DeepSpeed's copy of the NVMe swap files in a checkpoint (engine.save_checkpoint)
 
 
 @dataclass
@@ -91,11 +91,6 @@ SHAPING_SETTINGS = (("train", "precision"), ("zero", "stage"), ("lora", "enabled
                     ("lora", "target_modules"), ("lora", "modules_to_save"), ("lora", "bias"))
 
 
-def rank_dir(rank: int) -> str:
-    """A rank's folder of DeepSpeed's NVMe copies (engine.save_checkpoint: "rank" + dp_index_to_str)."""
-    return f"rank{rank:0>2d}"
-
-
 def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
     """What `state`'s data position counts in; what an older checkpoint did not record is
     taken from `fallback` (this run's)."""
@@ -142,9 +137,9 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
                        f"the run's own ({resume_command(config, resume=False)}), or start "
                        f"over here with --no-resume (the checkpoints are moved aside, not deleted); the run's "
                        f"config.yaml, model/ and checkpoints are as they were")
-    elif manifest["world_size"] != world_size and (found / NVME_STATE_DIR).is_dir():
+    elif manifest["world_size"] != world_size and (found / zerofiles.NVME_COPIES).is_dir():
         point.error = (f"{found.name} was written by {manifest['world_size']} rank(s) with the optimizer on NVMe; "
-                       f"its optimizer state lives in {NVME_STATE_DIR}/ per rank, which DeepSpeed cannot convert "
+                       f"its optimizer state lives in {zerofiles.NVME_COPIES}/ per rank, which DeepSpeed cannot convert "
                        f"to {world_size} rank(s) (ds_to_universal reads only the optimizer files): resume with "
                        f"{manifest['world_size']} rank(s)")
     elif manifest["world_size"] != world_size and manifest.get("zero_stage", 3) > 0:
@@ -284,8 +279,9 @@ class Checkpointer:
             if self.dist.world_size > 1:
                 raise  # the other ranks wait inside DeepSpeed's barrier: only a restart helps
             self.io.error = self.io.error or f"DeepSpeed's save_checkpoint: {e}"
-        if self.config.zero.offload_optimizer == "nvme" and (tmp / NVME_STATE_DIR / rank_dir(self.dist.rank)).is_dir():
-            nvme.record_sub_groups(self.ds_engine.optimizer, tmp / NVME_STATE_DIR / rank_dir(self.dist.rank))
+        copies = zerofiles.nvme_copies(tmp, self.dist.rank)
+        if self.config.zero.offload_optimizer == "nvme" and copies.is_dir():
+            nvme.record_sub_groups(self.ds_engine.optimizer, copies)
         self.io.save(checkpoint.rng_state(), str(tmp / f"rng_state_rank{self.dist.rank}.pt"))
         # every rank must take the same road (the sync road publishes through collectives now)
         mode = "async" if self.settings.async_save and self._all(self.io.snapshot_fits()) else "sync"

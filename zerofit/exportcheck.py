@@ -40,7 +40,7 @@ def reference_state_dict(checkpoint_dir: Path) -> dict:
     select_accelerator()  # DeepSpeed picks its accelerator at import time
     if universalfiles.is_universal(checkpoint_dir):
         return universal_state_dict(checkpoint_dir)
-    if (checkpoint_dir / "offloaded_tensors").is_dir():
+    if (checkpoint_dir / zerofiles.NVME_COPIES).is_dir():
         return nvme_state_dict(checkpoint_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -133,7 +133,7 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
 
 def reference_name(checkpoint_dir: Path) -> str:
     """What reference_state_dict built its reference from, as the verdict names it."""
-    if (checkpoint_dir / "offloaded_tensors").is_dir() and not universalfiles.is_universal(checkpoint_dir):
+    if (checkpoint_dir / zerofiles.NVME_COPIES).is_dir() and not universalfiles.is_universal(checkpoint_dir):
         return "the optim and NVMe swap files read through torch.load"
     return "DeepSpeed's reconstruction"
 

@@ -27,7 +27,7 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from zerofit import aiotune, faults, zerostates
+from zerofit import aiotune, faults, zerofiles, zerostates
 from zerofit.config import Config, ConfigError
 from zerofit.memory import human_bytes
 from zerofit.progress import warn
@@ -45,13 +45,6 @@ SYSTEM_AIO_DIRS = ("/usr/include", "/usr/local/include", "/usr/lib/x86_64-linux-
                    "/usr/lib64", "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
 FREE_SPACE_FACTOR = 1.10   # filesystem metadata and gradient fragments beyond the planned bytes
 CAP_IPC_LOCK = 14          # linux/capability.h: mlock beyond RLIMIT_MEMLOCK
-
-
-# Written beside DeepSpeed's copy of a rank's swap files in a checkpoint: which swap file holds
-# which optimizer sub group's fp32 masters. DeepSpeed names them by the parameters' ds_ids
-# (`{first}_{last}.tensor.swp`, stage3._create_fp32_partitions), which nothing in the
-# checkpoint maps to a sub group; `zerofit export` reads this.
-SUB_GROUPS_FILE = "zerofit-sub-groups.json"
 
 
 class NvmeError(ConfigError):
@@ -389,13 +382,13 @@ def restore_optimizer_state(ds_engine, load_dir: Path) -> None:
 
 
 def record_sub_groups(optimizer, rank_dir: Path) -> None:
-    """SUB_GROUPS_FILE for this rank: per sub group (the optim file's fp32_flat_groups order),
+    """zerofiles.SUB_GROUPS_FILE for this rank: per sub group (the optim file's fp32_flat_groups order),
     its elements and the swap file holding its fp32 masters (None: kept in RAM, saved in the
     optim file)."""
     groups = [{"numel": int(optimizer.fp16_partitioned_groups_flat_numel[i]),
                "file": f"{flat.ds_id}.tensor.swp" if optimizer._swappable_optimizer_subgroup(i) else None}
               for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat)]
-    (rank_dir / SUB_GROUPS_FILE).write_text(json.dumps({"sub_groups": groups}, indent=1))
+    (rank_dir / zerofiles.SUB_GROUPS_FILE).write_text(json.dumps({"sub_groups": groups}, indent=1))
 
 
 def pipelined(swapper) -> bool:

@@ -41,6 +41,13 @@ SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float3
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# DeepSpeed's copy of each rank's NVMe swap files in a checkpoint (engine.save_checkpoint:
+# offloaded_tensors/"rank" + dp_index_to_str(rank)), and beside them zerofit's record of which
+# swap file holds which optimizer sub group's fp32 masters: DeepSpeed names them by the
+# parameters' ds_ids (`{first}_{last}.tensor.swp`, stage3._create_fp32_partitions), which
+# nothing in the checkpoint maps to a sub group (written by nvme.record_sub_groups).
+NVME_COPIES = "offloaded_tensors"
+SUB_GROUPS_FILE = "zerofit-sub-groups.json"
 
 
 class ZeroCheckpointError(ConfigError):
@@ -208,7 +215,7 @@ class Segment:
 def rank_stream(groups: list[TensorRef], files: dict[Path, TorchFile], directory: Path, rank: int) -> list[Segment]:
     """A rank's flat groups laid end to end. A sub group DeepSpeed swapped to NVMe is an
     empty tensor in the optim file; its masters are in offloaded_tensors/rankRR/, in the
-    swap file zerofit recorded for it at the save (nvme.SUB_GROUPS_FILE)."""
+    swap file zerofit recorded for it at the save (SUB_GROUPS_FILE)."""
     swapped = swapped_sub_groups(directory, rank) if any(ref.numel == 0 for ref in groups) else {}
     out, start = [], 0
     for index, ref in enumerate(groups):
@@ -223,12 +230,15 @@ def rank_stream(groups: list[TensorRef], files: dict[Path, TorchFile], directory
     return out
 
 
+def nvme_copies(directory: Path, rank: int) -> Path:
+    """A rank's folder of DeepSpeed's NVMe swap-file copies in a checkpoint."""
+    return directory / NVME_COPIES / f"rank{rank:0>2d}"
+
+
 def swapped_sub_groups(directory: Path, rank: int) -> dict[int, tuple[Path, int]]:
     """{sub group: (swap file, elements)} of a rank's NVMe-offloaded optimizer; none when the
     checkpoint has no NVMe copies."""
-    from zerofit.nvme import SUB_GROUPS_FILE  # nvme imports the run's side (DeepSpeed settings, aio)
-
-    rank_dir = directory / "offloaded_tensors" / f"rank{rank:0>2d}"
+    rank_dir = nvme_copies(directory, rank)
     if not rank_dir.is_dir():
         return {}
     record = rank_dir / SUB_GROUPS_FILE
