@@ -33,26 +33,28 @@ class VerifyError(ConfigError):
     """The export does not reproduce the checkpoint."""
 
 
-def reference_state_dict(checkpoint_dir: Path) -> dict:
-    """DeepSpeed's reconstruction (its progress output silenced)."""
+def reference_state_dict(checkpoint_dir: Path) -> tuple[dict, str]:
+    """The independent reference's weights, and what they were built from as the verdict
+    names it: DeepSpeed's reconstruction (its progress output silenced), or for a checkpoint
+    DeepSpeed's zero_to_fp32 cannot read (NVMe swap files) the files through torch.load."""
     from zerofit.engine import select_accelerator
 
     select_accelerator()  # DeepSpeed picks its accelerator at import time
     if universalfiles.is_universal(checkpoint_dir):
-        return universal_state_dict(checkpoint_dir)
+        return universal_state_dict(checkpoint_dir), "DeepSpeed's reconstruction"
     if (checkpoint_dir / zerofiles.NVME_COPIES).is_dir():
-        return nvme_state_dict(checkpoint_dir)
+        return nvme_state_dict(checkpoint_dir), "the optim and NVMe swap files read through torch.load"
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
+    return weights, "DeepSpeed's reconstruction"
 
 
 def universal_state_dict(directory: Path) -> dict:
     """What DeepSpeed's universal load reads (load_hp_checkpoint_state in
     runtime/zero/stage3.py): each zero/<name>/fp32.pt through torch.load, a tensor or
-    {"param": tensor}, shaped by param_shapes; with the model states' buffers, frozen
-    fragments (every rank's, end to end, cut to size) and shared parameters."""
+    {"param": tensor}, shaped by param_shapes; with the model states' (with_model_states)."""
     import torch
 
     states = [torch.load(path, map_location="cpu", weights_only=False) for path in zerofiles.model_files(directory)]
@@ -61,14 +63,7 @@ def universal_state_dict(directory: Path) -> dict:
         loaded = torch.load(directory / universalfiles.ZERO_DIR / name / universalfiles.FP32_FILE, map_location="cpu",
                             weights_only=False)
         weights[name] = (loaded[universalfiles.PARAM] if isinstance(loaded, dict) else loaded).view(shape)
-    for name in states[0].get("buffer_names") or []:
-        weights[name] = states[0]["module"][name]
-    for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
-        flat = torch.cat([state["frozen_param_fragments"][name].flatten() for state in states])
-        weights[name] = flat[:shape.numel()].view(shape)
-    for alias, owner in (states[0].get("shared_params") or {}).items():
-        weights[alias] = weights[owner]
-    return weights
+    return with_model_states(weights, states)
 
 
 def nvme_state_dict(directory: Path) -> dict:
@@ -76,7 +71,7 @@ def nvme_state_dict(directory: Path) -> dict:
     swapped sub groups are empty tensors in the optim files): each rank's optim file through
     torch.load, the swapped groups read whole from the swap files zerofit recorded, the flat
     groups end to end, each parameter the ranks' ceil(N / W) partitions end to end, cut to N
-    (zero_to_fp32's _zero3_merge_trainable_params); buffers and shared parameters as there.
+    (zero_to_fp32's _zero3_merge_trainable_params); with the model states' (with_model_states).
     Independent of the export's streaming reader, not of the record of which file is which."""
     import torch
 
@@ -94,8 +89,20 @@ def nvme_state_dict(directory: Path) -> dict:
         whole = torch.cat([flat[offset:offset + partition] for flat in flats])
         weights[name] = whole[:shape.numel()].view(shape).clone()
         offset += partition
+    return with_model_states(weights, states)
+
+
+def with_model_states(weights: dict, states: list[dict]) -> dict:
+    """`weights` (the trainable parameters) completed from every rank's model states: the
+    buffers, the frozen parameters' fragments (every rank's, end to end, cut to size) and
+    the shared parameters."""
+    import torch
+
     for name in states[0].get("buffer_names") or []:
         weights[name] = states[0]["module"][name]
+    for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
+        flat = torch.cat([state["frozen_param_fragments"][name].flatten() for state in states])
+        weights[name] = flat[:shape.numel()].view(shape)
     for alias, owner in (states[0].get("shared_params") or {}).items():
         weights[alias] = weights[owner]
     return weights
@@ -120,22 +127,15 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
 
     exported, load_problems, stored_dtype = load_export(out_dir)
     reference = AutoModelForCausalLM.from_config(exported.config, dtype=torch.float32)
-    missing, unexpected = reference.load_state_dict(reference_state_dict(checkpoint_dir), strict=False)
+    weights, source = reference_state_dict(checkpoint_dir)
+    missing, unexpected = reference.load_state_dict(weights, strict=False)
     tied = {name for name, _ in reference.named_parameters(remove_duplicate=False)} - \
         {name for name, _ in reference.named_parameters()}
-    name = reference_name(checkpoint_dir)
     if set(missing) - tied or unexpected:
-        raise VerifyError(f"{name} does not fit the config: missing {sorted(set(missing) - tied)}, "
+        raise VerifyError(f"{source} does not fit the config: missing {sorted(set(missing) - tied)}, "
                           f"unexpected {sorted(unexpected)}")
     return compare(exported, reference, rounded_copy(reference, stored_dtype), stored_dtype,
-                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, name)
-
-
-def reference_name(checkpoint_dir: Path) -> str:
-    """What reference_state_dict built its reference from, as the verdict names it."""
-    if (checkpoint_dir / zerofiles.NVME_COPIES).is_dir() and not universalfiles.is_universal(checkpoint_dir):
-        return "the optim and NVMe swap files read through torch.load"
-    return "DeepSpeed's reconstruction"
+                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, source)
 
 
 def verify_lora_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path, base_dir=None) -> dict:
