@@ -146,8 +146,8 @@ def preflight(config: Config, plan, on_gpu: bool, problems: list[str] = ()) -> s
     found = list(problems)
     path = Path(config.zero.nvme_path)
     found += filter(None, [path_problem(path), libaio_problem() or async_io_problem(on_gpu)])
-    if ram_filesystem(path):
-        warn(ram_backed_note(path, ram_filesystem(path)))
+    if kind := ram_filesystem(path):
+        warn(f"zero.nvme_path {path} is on {kind}, which lives in host RAM: {RAM_BACKED_FIX} (fine for a test)")
     nvme = plan.devices.get("nvme")
     if nvme is not None and path.is_dir():
         full = 0 if faults.armed("nospace", "nvme", 1) else None  # the drill: a full disk
@@ -174,9 +174,8 @@ def ram_filesystem(path: Path) -> str | None:
     return kind if kind in RAM_FILESYSTEMS else None
 
 
-def ram_backed_note(path: Path, kind: str) -> str:
-    return (f"zero.nvme_path {path} is on {kind}, which lives in host RAM: the swap files take the RAM that "
-            f"NVMe offload is meant to free (fine for a test); use a directory on a local NVMe drive")
+RAM_BACKED_FIX = ("the swap files take the RAM that NVMe offload is meant to free; use a directory on a local "
+                  "NVMe drive")
 
 
 def path_problem(path: Path) -> str | None:

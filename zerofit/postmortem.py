@@ -31,7 +31,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from zerofit import elastic, faults
+from zerofit import checkpoint, elastic, faults
 from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
 from zerofit.doctor import newest_checkpoint_bytes, plan_vs_measured, read_json
 from zerofit.engine import allocator_setting, release as release_engine
@@ -342,17 +342,12 @@ def conclude(event: OomEvent, session: Session) -> dict:
         "changes": changes, "safer_config": safer.model_dump(mode="json") if safer else None,
         "retry_config": str(directory / "retry-config.yaml") if safer else None,
     }
-    report["resume_from"] = newest_checkpoint(run_dir)
+    newest = checkpoint.published(run_dir / "checkpoints")  # what a retry resumes from
+    report["resume_from"] = str(newest[0]) if newest else None
     keep_earlier_report(directory)
     (directory / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (directory / "report.md").write_text(render_markdown(report))
     return report
-
-
-def newest_checkpoint(run_dir: Path) -> str | None:
-    """The newest published checkpoint (the one a retry resumes from), by its `latest` pointer."""
-    latest = run_dir / "checkpoints" / "latest"
-    return str(run_dir / "checkpoints" / latest.read_text().strip()) if latest.is_file() else None
 
 
 def keep_earlier_report(directory: Path) -> None:
@@ -378,8 +373,6 @@ def emergency_checkpoint(event: OomEvent, session: Session) -> tuple[str | None,
         return None, "not written: the OOM hit inside the optimizer step, parameters may be half-updated"
     if state.step == 0:
         return None, "not written: no step had completed"
-    from zerofit import checkpoint
-
     path = saver.root / checkpoint.step_name(state.step)
     if saver.saved_step == state.step:
         saver.close(state.step)  # a save of this step may still be in flight: publish it

@@ -215,7 +215,7 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
     kind = nvme.ram_filesystem(path)
     if kind:  # fast because it is RAM: the numbers above say nothing about a disk
         checks.append(Check(f"NVMe path {path} filesystem", "warn", f"{kind}: held in host RAM",
-                            nvme.ram_backed_note(path, kind).split(": ", 1)[1]))
+                            nvme.RAM_BACKED_FIX))
     return checks
 
 
