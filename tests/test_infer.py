@@ -7,6 +7,7 @@ import torch
 
 from conftest import ROOT
 from zerofit.infer import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load
+from zerofit.config import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +150,9 @@ def test_inference_and_planning_numbers_are_checked_as_usage(capsys):
         with pytest.raises(SystemExit) as exited:
             parser.parse_args(argv)
         assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_empty_prompt_is_refused(loaded):
+    """With the BOS every prompt now starts with, the empty check saw one token and let it pass."""
+    with pytest.raises(ConfigError, match="--prompt is empty after tokenization"):
+        generate(loaded, "", Sampling(max_new_tokens=2))

@@ -172,12 +172,19 @@ def _text(row: dict, key: str, required: bool = True) -> str:
     return value
 
 
+def text_ids(tokenizer, text: str) -> list[int]:
+    """BOS (when the tokenizer has one), then the text: how every training example begins,
+    whatever the tokenizer's own add_bos setting (`zerofit generate` prompts the same way)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
+
+
 def tokenize_row(row: dict, fmt: str, tokenizer) -> tuple[list[int], list[int]]:
     """(input_ids, labels) for one row: the prompt is masked, the response and EOS learned."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "text":
-        ids = bos + tokenizer.encode(_text(row, "text"), add_special_tokens=False) + eos
+        ids = text_ids(tokenizer, _text(row, "text")) + eos
         return ids, list(ids)
     if fmt == "alpaca":
         instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)

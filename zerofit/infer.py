@@ -261,26 +261,22 @@ def run(loaded: Loaded, input_ids, sampling: Sampling, streamer=None) -> tuple[o
 
 def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampling(),
              gpu_mem: str | int | None = None, dtype: str = "auto") -> Generation:
-    """Complete `prompt` (as raw text: no chat template)."""
+    """Complete `prompt` (as raw text: no chat template; BOS first, as training began every example)."""
+    import torch
+
+    from zerofit.data import text_ids
+
     loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
-    input_ids = prompt_ids(loaded.tokenizer, prompt)
-    if input_ids.numel() == 0:
+    ids = text_ids(loaded.tokenizer, prompt)
+    if ids == text_ids(loaded.tokenizer, ""):  # nothing but the BOS (the check saw the BOS as text)
         raise ConfigError("--prompt is empty after tokenization; give some text")
+    input_ids = torch.tensor([ids])
     output, seconds = run(loaded, input_ids, sampling)
     new = output[0, input_ids.shape[1]:].tolist()
     return Generation(loaded.tokenizer.decode(new, skip_special_tokens=True), new, int(input_ids.shape[1]), seconds)
 
 
 # ------------------------------------------------------------------------------ chat
-def prompt_ids(tokenizer, prompt: str):
-    """A raw prompt as training began every example: BOS (when the tokenizer has one), then
-    the text, whatever the tokenizer's own add_bos setting."""
-    import torch
-
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return torch.tensor([bos + tokenizer.encode(prompt, add_special_tokens=False)])
-
-
 def chat_input_ids(tokenizer, history: list[dict], limit: int):
     """The conversation as model input: the tokenizer's chat template (a zerofit export's is
     the layout its data trained), else the layout messages rows train on without one

@@ -93,11 +93,8 @@ def timeline_png(diagnosis) -> str:
                     label=f"rank {rank}, peak")
             top = max(top, max(peaks, default=0))
         top = top * 1.3 or 1.0
-        if budget and budget / 2**30 <= 1.6 * top:
-            ax.axhline(budget / 2**30, color="#b71c1c", linestyle="--", linewidth=1, label=f"budget {gib(budget)}")
+        if draw_budget(ax, budget, top * 2**30):
             top = max(top, budget / 2**30 * 1.08)
-        elif budget:
-            ax.plot([], [], " ", label=f"budget {gib(budget)} (above the chart)")
         ax.set_ylim(0, top)
         draw_markers(ax, records)
         ax.set_ylabel(f"{label} memory (GiB)")
@@ -107,6 +104,19 @@ def timeline_png(diagnosis) -> str:
     figure.suptitle("Memory timeline", fontsize=12)
     figure.tight_layout()
     return png(figure)
+
+
+def draw_budget(ax, budget_bytes: int, reach_bytes: float) -> bool:
+    """The budget as a dashed line when it is within 1.6x of what the chart reaches, else only
+    named in the legend (a far line would flatten what is drawn to nothing); True when drawn."""
+    if not budget_bytes:
+        return False
+    if budget_bytes <= 1.6 * reach_bytes:
+        ax.axhline(budget_bytes / 2**30, color="#b71c1c", linestyle="--", linewidth=1,
+                   label=f"budget {gib(budget_bytes)}")
+        return True
+    ax.plot([], [], " ", label=f"budget {gib(budget_bytes)} (above the chart)")
+    return False
 
 
 def plotted(records: list[dict]) -> list[dict]:
@@ -170,11 +180,8 @@ def plan_png(diagnosis) -> str:
             ax.bar(0, (row["predicted_bytes"] or 0) / 2**30, width=0.6, color="#90a4ae")
         ax.bar(1, (row["measured_bytes"] or 0) / 2**30, width=0.6, color="#455a64")
         tallest = max(row["predicted_bytes"] or 0, row["measured_bytes"] or 0)
-        if row.get("budget_bytes") and row["budget_bytes"] <= 1.6 * tallest:
-            ax.axhline(row["budget_bytes"] / 2**30, color="#b71c1c", linestyle="--", linewidth=1, label="budget")
-            ax.legend(fontsize=8)
-        elif row.get("budget_bytes"):  # a far budget line would flatten the bars to nothing
-            ax.plot([], [], " ", label=f"budget {gib(row['budget_bytes'])} (above the chart)")
+        if row.get("budget_bytes"):
+            draw_budget(ax, row["budget_bytes"], tallest)
             ax.legend(fontsize=8)
         ax.set_xticks([0, 1], ["planned", "measured"])
         ax.set_title(row["device"])
