@@ -35,6 +35,9 @@ def key_value(text: str) -> str:
     return text
 
 
+NVME_TEST_MIB = 256  # doctor --system's direct-I/O test size, unless --nvme-mib says
+
+
 def config_help() -> str:
     """Every config key and its doc, for `zerofit train --help` (generated, never stale)."""
     from zerofit.choice import DECIDED
@@ -277,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--system", action="store_true", help="check this machine: GPU, driver, RAM, ulimit -l, "
                                                               "NVMe direct I/O, libaio / async_io")
     doctor.add_argument("--nvme-path", metavar="DIR", help="with --system: measure direct-I/O bandwidth here")
-    doctor.add_argument("--nvme-mib", type=int, default=256, metavar="N", help="with --nvme-path: MiB to write/read")
+    doctor.add_argument("--nvme-mib", type=int, default=NVME_TEST_MIB, metavar="N",
+                        help="with --nvme-path: MiB to write/read")
     doctor.add_argument("--repro", action="store_true", help="write a standalone reproduction script for RUN_DIR")
     doctor.set_defaults(run=cmd_doctor)
 
@@ -356,7 +360,7 @@ def check_doctor_arguments(parser, args) -> None:
         parser.error("doctor --system checks this machine; it takes no RUN_DIR or --repro (run those separately)")
     if not args.system and not args.run_dir:
         parser.error("doctor needs RUN_DIR (or --system)")
-    if not args.system and (args.nvme_path or args.nvme_mib != 256):
+    if not args.system and (args.nvme_path or args.nvme_mib != NVME_TEST_MIB):
         parser.error("--nvme-path and --nvme-mib go with doctor --system")
     if args.out and not Path(args.out).parent.is_dir():
         parser.error(f"--out {args.out}: the folder {Path(args.out).parent} does not exist")
