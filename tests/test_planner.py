@@ -98,6 +98,67 @@ def test_tiny_offload_pins_powers_of_two():
     assert unpinned["grads_16bit_pinned"] == 2 * TINY and unpinned["fp32_grads_pinned"] == 4 * TINY
 
 
+def saved_for_backward_per_token(attn_implementation: str, seq_len: int) -> float:
+    """What one real decoder block of the tiny preset saves for its backward (autograd's
+    saved-tensor hooks, each storage once), bf16, less its parameters and inputs, per token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.models import config_from_name
+
+    hf = config_from_name("tiny")
+    hf._attn_implementation = attn_implementation
+    model = AutoModelForCausalLM.from_config(hf).to(torch.bfloat16).train()
+    x = torch.randn(1, seq_len, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq_len)[None]
+    cos_sin = model.model.rotary_emb(x, positions)
+    mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)[None, None].to(torch.bfloat16)
+    storages: dict[int, int] = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model.model.layers[0](x, attention_mask=mask if attn_implementation == "eager" else None,
+                              position_embeddings=cos_sin, position_ids=positions)
+    inputs = [x, mask, *cos_sin, *model.parameters()]
+    for t in inputs:
+        storages.pop(t.untyped_storage().data_ptr(), None)
+    return sum(storages.values()) / seq_len
+
+
+@pytest.mark.parametrize("seq_len", [64, 256])
+def test_eager_attention_saves_what_the_planner_counts(seq_len):
+    """Eager attention keeps s x s weights per head (fp32 softmax output + 16-bit copy) and
+    k, v repeated to every head: the planner's per-token count equals a real block's to the
+    byte for the difference, and within 1% whole (RMSNorm's 4-byte rsqrt is not counted)."""
+    spec = modelspec.from_name("tiny")
+    sdpa = activations.layer_activation_bytes_per_token(spec, 2)
+    eager = activations.layer_activation_bytes_per_token(spec, 2, eager_seq_len=seq_len)
+    measured_sdpa = saved_for_backward_per_token("sdpa", seq_len)
+    measured_eager = saved_for_backward_per_token("eager", seq_len)
+    assert eager - sdpa == measured_eager - measured_sdpa
+    assert measured_sdpa == pytest.approx(sdpa, rel=0.01)
+    assert measured_eager == pytest.approx(eager, rel=0.01)
+
+
+def test_eager_attention_is_priced_where_the_run_uses_it():
+    """A config with model.attn_implementation: eager plans its s x s activations: at seq 4096
+    the tiny model's forward and backward need more GPU than under SDPA."""
+    sdpa = validate({"model": {"config": "tiny"}, "train": {"seq_len": 4096, "max_steps": 1}})
+    eager = validate({"model": {"config": "tiny", "attn_implementation": "eager"}, "train": {"seq_len": 4096, "max_steps": 1}})
+    assert choice.shape_of(eager, 1).eager_attention and not choice.shape_of(sdpa, 1).eager_attention
+    spec, candidate = modelspec.from_name("tiny"), Candidate(offload_optimizer="none")
+    phases = {name: activations.device_phases(spec, choice.shape_of(c, 1), candidate, on_gpu=True)
+              for name, c in (("sdpa", sdpa), ("eager", eager))}
+    assert "attention_scores" not in phases["sdpa"]["forward"]
+    # per head 4096 x 4096: (2 + 4) bytes saved per layer's block and (2 + 4) of scores at once
+    per_sequence = 4 * 4096 * 4096
+    assert phases["eager"]["forward"]["attention_scores"] == 6 * per_sequence * choice.shape_of(eager, 1).micro_batch
+    assert sum(phases["eager"]["backward"].values()) > sum(phases["sdpa"]["backward"].values())
+
+
 def test_tiny_activations_by_hand():
     """Per token, bf16, hidden 64, q 64, kv 32, heads 4, intermediate 128, vocab 128:
     2 norms x (4*64 + 2*2*64) + 2*(2*64 + 2*32) + 4*4 + 2*4*128 = 1024 + 384 + 16 + 1024."""

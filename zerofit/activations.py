@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape
 
 
-def layer_activation_bytes_per_token(spec: ModelSpec, a: int) -> int:
-    """Bytes one decoder block saves for backward per token, without recompute.
+def layer_activation_bytes_per_token(spec: ModelSpec, a: int, eager_seq_len: int = 0) -> int:
+    """Bytes one decoder block saves for backward per token, without recompute; with
+    `eager_seq_len`, under eager attention over sequences of that length.
 
     The method is Korthikanti et al. (arXiv:2205.05198, sec. 4.1: sum the tensors each op
     keeps for backward); the tensors are those of HF's Llama-style block with SDPA:
@@ -26,23 +27,39 @@ def layer_activation_bytes_per_token(spec: ModelSpec, a: int) -> int:
       projections keep as their input (a*h);
     - attention keeps q and k after RoPE, v, the SDPA output (flash/efficient kernels keep
       no s x s matrix, only a fp32 logsumexp per head);
+    - eager attention (eager_attention_forward) keeps q, k and v repeated to every query head
+      (repeat_kv), its output, and per head s x s: softmax's fp32 output (softmax(dtype=float32)
+      keeps it for its backward) and the 16-bit weights the value matmul keeps; dropout at p=0
+      keeps no mask. tests/test_planner.py counts what a real block saves, both kernels;
     - the SwiGLU MLP keeps gate, up, silu(gate) and their product (4 x intermediate);
       a 2-matrix MLP keeps the fc1 output and the activation (2 x intermediate);
     - LoRA (peft): each adapter's lora_B keeps lora_A's output (rank wide), and with
       dropout each lora_A keeps its own dropped input and dropout keeps its mask (1 byte)."""
     h, i = spec.hidden_size, spec.intermediate_size
     norm = 4 * h + 2 * a * h
-    attention = a * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
+    if eager_seq_len:
+        attention = a * 4 * spec.q_dim + (4 + a) * spec.num_heads * eager_seq_len
+    else:
+        attention = a * (2 * spec.q_dim + 2 * spec.kv_dim) + 4 * spec.num_heads
     mlp = a * (4 * i if spec.gated_mlp else 2 * i)
     adapters = a * spec.adapter_rank_per_layer + (a + 1) * spec.adapter_inputs_per_layer * spec.adapter_dropout
     return 2 * norm + attention + mlp + adapters
 
 
-def layer_backward_working_per_token(spec: ModelSpec, a: int) -> int:
+def layer_backward_working_per_token(spec: ModelSpec, a: int, eager_seq_len: int = 0) -> int:
     """Gradients alive inside one block's backward: at the MLP, grad of the product, of
-    silu and of up (3 x intermediate) plus the incoming and outgoing hidden gradients."""
+    silu and of up (3 x intermediate) plus the incoming and outgoing hidden gradients; under
+    eager attention the larger is at the softmax: per head s x s, the 16-bit weights' gradient,
+    its fp32 copy and softmax's fp32 input gradient (read in eager_attention_forward)."""
     i = spec.intermediate_size
-    return a * ((3 if spec.gated_mlp else 2) * i + 2 * spec.hidden_size)
+    mlp = a * ((3 if spec.gated_mlp else 2) * i + 2 * spec.hidden_size)
+    return max(mlp, (a + 8) * spec.num_heads * eager_seq_len + 2 * a * spec.hidden_size)
+
+
+def attention_scores_per_token(spec: ModelSpec, a: int, eager_seq_len: int) -> int:
+    """Forward working set of eager attention beyond what it saves, per token: per head s x s,
+    the 16-bit masked scores and softmax's fp32 copy of them (SDPA's kernels: none)."""
+    return (a + 4) * spec.num_heads * eager_seq_len
 
 
 def loss_bytes(spec: ModelSpec, a: int, tokens: int, chunked: bool, backward: bool) -> int:
@@ -112,7 +129,8 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     a, T, W = shape.element_bytes, shape.tokens_per_micro, shape.world_size
     h, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
     ckpt = shape.gradient_checkpointing
-    layer_full = layer_activation_bytes_per_token(spec, a)
+    eager_seq = shape.seq_len if shape.eager_attention else 0
+    layer_full = layer_activation_bytes_per_token(spec, a, eager_seq)
     # Saved for backward: with checkpointing only each block's input (HF's non-reentrant
     # checkpoint per decoder layer), else every block's tensors; the rotary cos/sin are
     # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
@@ -131,6 +149,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
 
     forward = {"activations_saved": blocks_saved + final_norm,
                "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
+               "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
                "gathered_params": gathered.forward}
     backward_options = {
         "loss": {"activations_saved": blocks_saved + final_norm,
@@ -147,7 +166,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
                            "gathered_params": gathered.after_head},
         "last_block": {"activations_saved": blocks_saved,
                        "block_recompute": T * layer_full if ckpt else 0,
-                       "block_grads": T * layer_backward_working_per_token(spec, a),
+                       "block_grads": T * layer_backward_working_per_token(spec, a, eager_seq),
                        "param_grad": a * block_module,
                        "grad_reduce": reduce_transient_bytes(bucket, cand, shape, several=True),
                        "gathered_params": gathered.backward},
@@ -158,7 +177,8 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))
     # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time.
     evaluation = {"logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
-                  "block_working": T * layer_full, "gathered_params": gathered.forward}
+                  "block_working": T * layer_full, "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
+                  "gathered_params": gathered.forward}
     phases = {"forward": forward, "backward": backward,
               "optimizer_step": optimizer_step_device(spec, shape, cand, on_gpu), "eval": evaluation}
     return {name: {k: v for k, v in comps.items() if v} for name, comps in phases.items()} | {"backward_peak_at": at}

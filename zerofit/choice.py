@@ -61,6 +61,7 @@ def shape_of(config: Config, world_size: int, dataset_bytes: int = 0) -> Shape:
     return Shape(seq_len=train.seq_len, micro_batch=train.micro_batch_size, grad_accum=train.grad_accum_steps,
                  world_size=world_size, precision=train.precision,
                  gradient_checkpointing=config.model.gradient_checkpointing, chunked_loss=config.train.chunked_loss,
+                 eager_attention=config.model.attn_implementation == "eager",
                  heap_step_temporaries=config.train.heap_step_temporaries and hostalloc.available(),
                  dataset_bytes=dataset_bytes,
                  checkpoints_on_disk=checkpoints_on_disk(config), async_snapshot_max=async_snapshot_max(config))

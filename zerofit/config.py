@@ -70,7 +70,8 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = True
     """Recompute activations in backward (HF gradient_checkpointing_enable, non-reentrant)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel passed to transformers."""
+    """Attention kernel passed to transformers. eager keeps per layer and head a sequence x sequence
+    matrix for the backward (the planner counts it); for models without SDPA (Gemma-2)."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped inside a local model directory."""
 

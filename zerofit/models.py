@@ -68,8 +68,7 @@ def check_attention(model: ModelConfig, hf_config) -> None:
     if cls is not None and not getattr(cls, "_supports_sdpa", True):
         raise ConfigError(f"{cls.__name__} has no SDPA attention in this transformers: set "
                           f"model.attn_implementation: eager (which also keeps each layer's attention weights, "
-                          f"sequence x sequence per head, for the backward: the planner counts SDPA's activations, "
-                          f"so leave more headroom or use shorter sequences)")
+                          f"sequence x sequence per head, for the backward: the planner counts them)")
 
 
 # The HF config fields a checkpoint's tensors take their shapes from.
