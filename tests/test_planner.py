@@ -365,8 +365,28 @@ def test_plan_cli_json_and_exit_codes():
                        check=False)
     assert over.returncode == 1
     assert "does not fit" in over.stdout and "what would fit" in over.stdout and "GiB of GPU memory per rank" in over.stdout
-    assert "candidates" in over.stdout  # --explain
+    assert "candidates" in over.stdout and "reduce / prefetch / persistence" in over.stdout  # --explain
     assert "max(compute, pcie_params + zero3_hooks, pcie_grads)" in " ".join(over.stdout.split())  # how the terms add up
+
+
+def test_explain_tells_candidates_apart_by_their_buckets():
+    """Candidates differing only in bucket sizes read alike in the configuration column: the
+    buckets column is what tells them apart (llama-1.5b at 24 GiB: three ratio-0.75 rows)."""
+    from rich.console import Console
+
+    from zerofit import planview
+
+    assert [planview.elements(n) for n in (500_000_000, 3_774_873, 640, 262_668_288)] == ["500M", "3.77M", "640", "263M"]
+    spec, hw = modelspec.from_name("llama-1.5b"), cuda_box(host="64GiB")
+    decision = choice.decide(config(train={"micro_batch_size": 1}), spec, hw, 1)
+    alike = {}
+    for p in decision.considered:
+        alike.setdefault(choice.describe(p), set()).add(planview.buckets(p.candidate))
+    assert any(len(b) > 1 for b in alike.values())
+    console = Console(record=True, width=200)
+    planview.render_explain(decision, console)
+    text = console.export_text()
+    assert planview.buckets(decision.plan.candidate) in text
 
 
 def test_sizes_parse_and_bad_ones_name_the_key():

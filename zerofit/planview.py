@@ -167,13 +167,28 @@ def render_explain(decision: Decision, console: Console) -> None:
             if line.strip():
                 console.print(f"  {line.strip()}")
     table = Table(title=f"candidates ({len(decision.considered)}; fastest fitting first)")
-    for column in ("configuration", "fits", "step s", "gpu", "host"):
+    for column in ("configuration", "buckets: reduce / prefetch / persistence", "fits", "step s", "gpu", "host"):
         table.add_column(column)
     ranked = sorted(decision.considered, key=lambda p: (not p.fits, p.step_seconds))
     for p in ranked[:15]:
-        table.add_row(choice.describe(p), "yes" if p.fits else "no", f"{p.step_seconds:.3f}",
+        table.add_row(choice.describe(p), buckets(p.candidate), "yes" if p.fits else "no", f"{p.step_seconds:.3f}",
                       human_bytes(p.devices["gpu"].total_bytes), human_bytes(p.devices["host"].total_bytes))
     console.print(table)
+
+
+def buckets(cand) -> str:
+    """The element counts that tell candidates of one configuration apart: DeepSpeed's
+    reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold."""
+    return " / ".join(elements(n) for n in (cand.reduce_bucket_size, cand.prefetch_bucket_size,
+                                             cand.param_persistence_threshold))
+
+
+def elements(n: int) -> str:
+    """An element count as DeepSpeed's docs write them: 5e8 -> 500M, 3_774_873 -> 3.77M."""
+    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 # ------------------------------------------------------------------ train's call
