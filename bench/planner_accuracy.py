@@ -19,6 +19,8 @@ predicted need), so the whole matrix fits one command; results are rewritten aft
 cell, so a timeout still leaves them.
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/planner_accuracy.py
+Outside the matrix: --modes param_nvme,optimizer_param_nvme (swap files in the cell's directory),
+--attn eager (eager attention's s x s activations), with --models / --seq-lens to pick cells.
 Here (CPU):   python bench/planner_accuracy.py --smoke
 Writes $OUT/planner_accuracy.json (or --out).
 """
@@ -38,9 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GIB = 2**30
-MODES = {"none": ("none", "none"), "optimizer_cpu": ("cpu", "none"), "optimizer_param_cpu": ("cpu", "cpu")}
+MODES = {"none": ("none", "none"), "optimizer_cpu": ("cpu", "none"), "optimizer_param_cpu": ("cpu", "cpu"),
+         # outside the matrix, by --modes: swap files under the cell's own directory
+         "param_nvme": ("cpu", "nvme"), "optimizer_param_nvme": ("nvme", "nvme")}
 FULL = dict(models=["llama-0.5b", "llama-1.5b", "llama-3.6b"], seq_lens=[512, 2048], caps_gib=[8, 24],
-            modes=list(MODES), steps=2, accelerator="cuda")
+            modes=["none", "optimizer_cpu", "optimizer_param_cpu"], steps=2, accelerator="cuda")
 SMOKE = dict(models=["tiny"], seq_lens=[64], caps_gib=[8], modes=["none", "optimizer_cpu", "optimizer_param_cpu"],
              steps=2, accelerator="cpu")
 
@@ -52,26 +56,30 @@ class Cell:
     seq_len: int
     cap_gib: int
     micro_batch: int = 1
+    attn: str = "sdpa"   # model.attn_implementation
     record: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.mode}-s{self.seq_len}-cap{self.cap_gib}"
+        return f"{self.model}-{self.mode}-s{self.seq_len}-cap{self.cap_gib}{'-' + self.attn if self.attn != 'sdpa' else ''}"
 
     def key(self) -> tuple:
         """What decides the allocations: everything but the cap."""
-        return self.model, self.mode, self.seq_len, self.micro_batch
+        return self.model, self.mode, self.seq_len, self.micro_batch, self.attn
 
 
 def run_config(cell: Cell, run_dir: Path, steps: int, host_budget: str) -> dict:
     optimizer, params = MODES[cell.mode]
+    zero = {"stage": 3, "offload_optimizer": optimizer, "offload_param": params, "offload_optimizer_ratio": 1.0}
+    if "nvme" in (optimizer, params):
+        zero["nvme_path"] = str(run_dir.parent / "swap")
     return {
         "run_dir": str(run_dir),
-        "model": {"config": cell.model, "gradient_checkpointing": True},
+        "model": {"config": cell.model, "gradient_checkpointing": True, "attn_implementation": cell.attn},
         "data": {"path": "synthetic", "synthetic_samples": 64, "eval_fraction": 0.0},
         "train": {"seq_len": cell.seq_len, "micro_batch_size": cell.micro_batch, "grad_accum_steps": 1,
                   "max_steps": steps, "precision": "bf16", "warmup_steps": 0},
-        "zero": {"stage": 3, "offload_optimizer": optimizer, "offload_param": params, "offload_optimizer_ratio": 1.0},
+        "zero": zero,
         "checkpoint": {"save_final": False},
         "eval": {"at_end": False},
         "log": {"progress": False},
@@ -144,7 +152,7 @@ def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))
     spec = SPECS.setdefault(cell.model, modelspec.from_config(config))
-    hw = hardware.probe(disk_path=ROOT, gpu_mem=config.plan.gpu_mem if setup["accelerator"] == "cuda" else None,
+    hw = hardware.probe(disk_path=ROOT, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem if setup["accelerator"] == "cuda" else None,
                         host_mem=host_budget, accelerator=setup["accelerator"])
     hw = hardware.with_overrides(hw, cpu_cores=cores, disk_free_bytes=10**13)
     decision, _, _ = planview.plan_config(config, 1, hw=hw, spec=spec, dataset_bytes=0)
@@ -152,13 +160,14 @@ def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
             "predicted_host_rss": decision.plan.host_rss_peak, "advice": decision.advice}
 
 
-def prebuild_ops(accelerator: str) -> None:
+def prebuild_ops(accelerator: str, nvme: bool) -> None:
     """Compile DeepSpeed's cpu_adam (and fused_adam on a GPU: the optimizer of the "none"
-    cells) once, in parallel, before the workers start. TORCH_CUDA_ARCH_LIST is pinned
+    cells; async_io for NVMe modes) once, in parallel, before the workers start. TORCH_CUDA_ARCH_LIST is pinned
     because the arch autodetection there fails on "9.0a" (device README); the workers
     inherit it, so they load these builds instead of rebuilding."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    builders = ["CPUAdamBuilder"] + (["FusedAdamBuilder"] if accelerator == "cuda" else [])
+    builders = ["CPUAdamBuilder"] + (["FusedAdamBuilder"] if accelerator == "cuda" else []) + \
+        (["AsyncIOBuilder"] if nvme else [])
     started = time.time()
     procs = [subprocess.Popen([sys.executable, "-c", f"from deepspeed.ops.op_builder import {b}; {b}().load()"],
                               env={**os.environ, "DS_ACCELERATOR": accelerator}, stdout=subprocess.DEVNULL)
@@ -190,6 +199,7 @@ def main() -> None:
     parser.add_argument("--models", help="comma-separated subset of the matrix's models (a second run's remainder)")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seq-lens", help="comma-separated subset of the matrix's sequence lengths")
+    parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="model.attn_implementation of every cell")
     parser.add_argument("--trace-peak", action="store_true",
                         help="record the allocator's trace and list what is live at the GPU peak (bench/peak_trace.py)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -208,10 +218,11 @@ def main() -> None:
     if args.seq_lens:
         setup["seq_lens"] = [int(s) for s in args.seq_lens.split(",")]
     setup["trace_peak"] = args.trace_peak
-    subset = args.models or args.modes or args.seq_lens or args.trace_peak
+    subset = args.models or args.modes or args.seq_lens or args.trace_peak or args.attn != "sdpa"
     out = Path(args.out) / ("planner_accuracy.json" if not subset else
                             f"planner_accuracy-{args.models or 'all'}-{args.modes or 'all'}"
                             f"{'-s' + args.seq_lens if args.seq_lens else ''}{'-trace' if args.trace_peak else ''}"
+                            f"{'-' + args.attn if args.attn != 'sdpa' else ''}"
                             ".json".replace(",", "_"))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"planner-accuracy-{os.getpid()}"
@@ -219,20 +230,22 @@ def main() -> None:
     host_budget = f"{int(psutil.virtual_memory().available * 0.95) // 2**20}MiB"
     cores = os.cpu_count() or 1
     per_proc_cores = max(1, cores // args.max_procs)
+    nvme_modes = any("nvme" in MODES[mode] for mode in setup["modes"])
+    if setup["accelerator"] == "cuda" or nvme_modes:
+        prebuild_ops(setup["accelerator"], nvme_modes)
     if setup["accelerator"] == "cuda":
-        prebuild_ops("cuda")
         gpu_total = int(subprocess.run([sys.executable, "-c", "import torch;print(torch.cuda.get_device_properties(0)"
                                         ".total_memory)"], capture_output=True, text=True, check=True).stdout)
     else:
         gpu_total = 0
 
-    cells = [Cell(m, mode, s, cap) for m in setup["models"] for mode in setup["modes"] for s in setup["seq_lens"]
+    cells = [Cell(m, mode, s, cap, attn=args.attn) for m in setup["models"] for mode in setup["modes"] for s in setup["seq_lens"]
              for cap in setup["caps_gib"]]
     todo: list[Cell] = []
     first_of: dict[tuple, Cell] = {}
     for cell in cells:
         p = predict(cell, setup, per_proc_cores, host_budget)
-        cell.record = {"model": cell.model, "offload_mode": cell.mode, "seq_len": cell.seq_len,
+        cell.record = {"model": cell.model, "offload_mode": cell.mode, "seq_len": cell.seq_len, "attn": cell.attn,
                        "micro_batch": cell.micro_batch, "cap_gib": cell.cap_gib, "gradient_checkpointing": True,
                        "fits": p["fits"], "predicted_gpu_peak": p["predicted_gpu_peak"],
                        "predicted_host_rss": p["predicted_host_rss"], "status": "pending"}

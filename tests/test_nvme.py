@@ -13,14 +13,17 @@ import pytest
 from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
                       write_config)
 
-from zerofit import checkpoint, hardware, nvme, planner, planview, swaplayout, zerofiles
-from zerofit.config import validate
+from zerofit import checkpoint, dsconfig, hardware, nvme, planner, planview, swaplayout, zerofiles
+from zerofit.config import ConfigError, validate
 from zerofit.export import export
 from zerofit.swaplayout import Aio
 
 LIBAIO_MISSING = nvme.libaio_problem()
 needs_async_io = pytest.mark.skipif(LIBAIO_MISSING is not None, reason=f"libaio-dev is not installed, so "
                                     f"DeepSpeed cannot build its async_io op ({LIBAIO_MISSING}); .ci/run installs it")
+
+
+MINI_EMBEDDING = 4096 * 128  # preset mini's largest parameter: 1 MiB in bf16, so it is swapped
 
 
 def nvme_config(run_dir: Path, nvme_path: Path, **zero) -> dict:
@@ -30,9 +33,11 @@ def nvme_config(run_dir: Path, nvme_path: Path, **zero) -> dict:
 
 @pytest.fixture(scope="module")
 def nvme_run(tmp_path_factory):
-    """Optimizer and parameters on NVMe, 6 steps, checkpoints at 3 and 6."""
+    """Optimizer and parameters on NVMe, 6 steps, checkpoints at 3 and 6; the parameters' swap
+    buffers exactly the largest partition (the embedding, 4096 x 128), as small as DeepSpeed takes."""
     base = tmp_path_factory.mktemp("nvme")
-    run, config_file, done = trained_run(base, nvme_config(base / "run", base / "swap", offload_param="nvme"))
+    run, config_file, done = trained_run(base, nvme_config(base / "run", base / "swap", offload_param="nvme",
+                                                           param_buffer_size=MINI_EMBEDDING))
     return run, config_file, done, base / "swap"
 
 
@@ -51,6 +56,7 @@ def test_nvme_offload_trains_like_cpu_offload(nvme_run, cpu_run):
     assert ds_config["offload_optimizer"]["device"] == ds_config["offload_param"]["device"] == "nvme"
     # one swapped sub group: nothing for a pipelined swap to overlap, the planner keeps DeepSpeed's swapper
     assert "pipeline_read" not in ds_config["offload_optimizer"]
+    assert ds_config["offload_param"]["buffer_size"] == MINI_EMBEDDING
     assert Path(ds_config["offload_optimizer"]["nvme_path"]).parent == swap  # the run's own folder there
     nvme_steps, cpu_steps = read_jsonl(run / "metrics.jsonl"), read_jsonl(cpu_run / "metrics.jsonl")
     assert [m["step"] for m in nvme_steps] == [m["step"] for m in cpu_steps] == [1, 2, 3, 4, 5, 6]
@@ -305,6 +311,30 @@ def test_swap_files_and_checkpoints_on_one_filesystem_share_its_free_space(tmp_p
     shared = planner.predict(spec, hardware.with_overrides(tight, nvme_shares_disk=True), shape, candidate, 0.1)
     assert apart.devices["nvme"].fits and apart.devices["disk"].fits
     assert not shared.devices["nvme"].fits and shared.devices["disk"].fits
+
+
+def test_parameter_swap_buffers_hold_the_largest_partition(tmp_path):
+    """DeepSpeed's default offload_param.buffer_size (1e8 elements) cannot hold llama-0.5b's
+    embedding (128,256 x 1024): zero.Init asserted "More elements 131334144 than buffer size
+    100000000" on the H200 (bench/results/planner_accuracy-nvme-params.json). The plan sizes
+    the buffers to it, counts them pinned on the host, and refuses a smaller one of the user's."""
+    config = {"model": {"config": "llama-0.5b"}, "train": {"seq_len": 512, "micro_batch_size": 1, "max_steps": 2},
+              "zero": {"offload_param": "nvme", "nvme_path": str(tmp_path)}}
+    hw = hardware.with_overrides(hardware.probe(gpu_mem="8GiB", host_mem="64GiB", nvme_path=str(tmp_path)),
+                                 disk_free_bytes=10**13, nvme_free_bytes=10**13)
+    for world, partition in ((1, 128_256 * 1024), (2, 128_256 * 1024 // 2)):
+        decision, _, _ = planview.plan_config(validate(config), world, hw=hw)
+        assert decision.config.zero.param_buffer_size == max(partition, 10**8)
+        assert decision.chosen_fields["zero.param_buffer_size"] == max(partition, 10**8)
+    decision, _, _ = planview.plan_config(validate(config), 1, hw=hw)
+    ds = dsconfig.build(decision.config, 1, on_gpu=True)["zero_optimization"]["offload_param"]
+    assert ds["buffer_size"] == 128_256 * 1024
+    pinned = decision.plan.devices["host"].components["param_swap_buffers_pinned"]
+    assert pinned == 5 * 2 ** (2 * 128_256 * 1024 - 1).bit_length()  # 5 buffers, torch rounds pinned blocks up
+    config["zero"]["param_buffer_size"] = 10**8
+    with pytest.raises(ConfigError, match="param_buffer_size=100,000,000 is smaller than the largest parameter "
+                                          "partition \\(131,334,144 elements\\)"):
+        planview.plan_config(validate(config), 1, hw=hw)
 
 
 def test_plan_without_nvme_path_says_what_disk_would_fit():

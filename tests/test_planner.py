@@ -153,9 +153,15 @@ def test_eager_attention_is_priced_where_the_run_uses_it():
     phases = {name: activations.device_phases(spec, choice.shape_of(c, 1), candidate, on_gpu=True)
               for name, c in (("sdpa", sdpa), ("eager", eager))}
     assert "attention_scores" not in phases["sdpa"]["forward"]
-    # per head 4096 x 4096: (2 + 4) bytes saved per layer's block and (2 + 4) of scores at once
+    # per head 4096 x 4096: (2 + 4) bytes of scores at once, more than the tiny vocabulary's logits
     per_sequence = 4 * 4096 * 4096
     assert phases["eager"]["forward"]["attention_scores"] == 6 * per_sequence * choice.shape_of(eager, 1).micro_batch
+    assert "logits_and_loss" not in phases["eager"]["forward"]  # gone before the logits exist
+    short = validate({"model": {"config": "llama-0.5b", "attn_implementation": "eager"},
+                      "train": {"seq_len": 256, "max_steps": 1}})
+    forward = activations.device_phases(modelspec.from_name("llama-0.5b"), choice.shape_of(short, 1), candidate,
+                                        on_gpu=True)["forward"]
+    assert "logits_and_loss" in forward and "attention_scores" not in forward  # a 128K vocabulary's logits
     assert sum(phases["eager"]["backward"].values()) > sum(phases["sdpa"]["backward"].values())
 
 

@@ -147,10 +147,14 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
 
-    forward = {"activations_saved": blocks_saved + final_norm,
-               "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
-               "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
-               "gathered_params": gathered.forward}
+    # The forward peaks at the loss, or under eager attention possibly inside the last block,
+    # whose scores are gone before the logits exist.
+    forward = max(({"activations_saved": blocks_saved + final_norm,
+                    "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
+                    "gathered_params": gathered.forward},
+                   {"activations_saved": blocks_saved,
+                    "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
+                    "gathered_params": gathered.forward}), key=lambda comps: sum(comps.values()))
     backward_options = {
         "loss": {"activations_saved": blocks_saved + final_norm,
                  "logits_grad": loss_bytes(spec, a, T, shape.chunked_loss, backward=True), "gathered_params": gathered.at_loss},

@@ -23,7 +23,7 @@ from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import Candidate, Plan, Shape, predict
 from zerofit.swaplayout import bandwidth_to_hide
-from zerofit.zerostates import swap_layout
+from zerofit.zerostates import largest_partition_numel, param_buffer_numel, swap_layout
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
 # Reduce-bucket sizes tried beside HF's hidden^2 when the user set none: zerofit's default
@@ -87,10 +87,20 @@ def checkpoints_on_disk(config: Config) -> int:
     return min(ckpt.keep_last + 1, saves)
 
 
-def candidate_of(config: Config) -> Candidate:
+def candidate_of(config: Config, spec: ModelSpec, world_size: int) -> Candidate:
+    """The config's own knobs; NVMe parameters' swap buffers, unless set, sized to the model
+    (not a trade-off: smaller ones fail at start-up), with the planner on or off."""
     zero = config.zero
+    buffer = zero.param_buffer_size if "param_buffer_size" in zero.model_fields_set else \
+        param_buffer_numel(spec, world_size)
+    needed = largest_partition_numel(spec, world_size)
+    if zero.offload_param == "nvme" and buffer < needed:
+        raise ConfigError(f"zero.param_buffer_size={buffer:,} is smaller than the largest parameter partition "
+                          f"({needed:,} elements): DeepSpeed stops at start-up with \"More elements than buffer "
+                          f"size\"; set zero.param_buffer_size to at least {needed:,} or leave it unset")
     return Candidate(stage=zero.stage, offload_optimizer=zero.offload_optimizer,
                      offload_optimizer_ratio=zero.offload_optimizer_ratio, offload_param=zero.offload_param,
+                     param_buffer_size=buffer,
                      pin_memory=zero.pin_memory, reduce_bucket_size=zero.reduce_bucket_size,
                      prefetch_bucket_size=zero.prefetch_bucket_size,
                      param_persistence_threshold=zero.param_persistence_threshold,
@@ -106,6 +116,7 @@ def apply(config: Config, shape: Shape, cand: Candidate) -> Config:
     zero = config.zero.model_copy(update={
         "stage": cand.stage, "offload_optimizer": cand.offload_optimizer,
         "offload_optimizer_ratio": cand.offload_optimizer_ratio, "offload_param": cand.offload_param,
+        "param_buffer_size": cand.param_buffer_size,
         "reduce_bucket_size": cand.reduce_bucket_size, "prefetch_bucket_size": cand.prefetch_bucket_size,
         "param_persistence_threshold": cand.param_persistence_threshold,
         "max_live_parameters": cand.max_live_parameters, "max_reuse_distance": cand.max_reuse_distance,
@@ -150,7 +161,7 @@ def batch_splits(config: Config, world_size: int) -> list[tuple[int, int]]:
 def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
                dataset_bytes: int = 0) -> list[tuple[Shape, Candidate]]:
     zero_set, model_set = config.zero.model_fields_set, config.model.model_fields_set
-    base_shape, base = shape_of(config, world_size, dataset_bytes), candidate_of(config)
+    base_shape, base = shape_of(config, world_size, dataset_bytes), candidate_of(config, spec, world_size)
     base = replace(base, **{k: v for k, v in auto_buckets(spec).items() if k not in zero_set})
     devices = ["none", "cpu"] + (["nvme"] if config.zero.nvme_path else []) if hw.on_gpu else ["none"]
     opt_devices = [base.offload_optimizer] if "offload_optimizer" in zero_set else devices
@@ -167,8 +178,8 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
         persistence = base.param_persistence_threshold
         if par == "none" and world_size == 1 and base.stage == 3 and "param_persistence_threshold" not in zero_set:
             persistence = all_persistent(spec)
-        windows = live_windows(base, spec, zero_set) if par != "none" else [(base.max_live_parameters,
-                                                                             base.max_reuse_distance)]
+        windows = live_windows(base, spec, zero_set, par) if par != "none" else [(base.max_live_parameters,
+                                                                                  base.max_reuse_distance)]
         pipelines = [False, True] if opt == "nvme" and "nvme_pipeline" not in zero_set else [base.nvme_pipeline]
         for ratio, bucket, (live, reuse), pipelined in itertools.product(
                 ratios if opt != "none" else [1.0], reduce_buckets(base, spec, zero_set), windows, pipelines):
@@ -179,12 +190,19 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
     return out
 
 
-def live_windows(base: Candidate, spec: ModelSpec, zero_set: set[str]) -> list[tuple[int, int]]:
+def live_windows(base: Candidate, spec: ModelSpec, zero_set: set[str], device: str) -> list[tuple[int, int]]:
     """(stage3_max_live_parameters, stage3_max_reuse_distance) to try for offloaded
-    parameters: the user's, else DeepSpeed's default and the narrowest, one module."""
+    parameters: the user's, else DeepSpeed's default and the narrowest, one module.
+
+    Parameters on NVMe are released at once (reuse distance 0): each one swapped in holds one
+    of offload_param's 5 swap buffers until released, and with DeepSpeed's reuse distance
+    (1e9) llama-1.5b's forward kept them all and stopped with "Not enough buffers 0 for
+    swapping 1" (bench/results/planner_accuracy-nvme-params.json)."""
     if {"max_live_parameters", "max_reuse_distance"} & zero_set:
         return [(base.max_live_parameters, base.max_reuse_distance)]
     largest_module = max(m.numel for m in spec.modules)  # what ZeRO-3 fetches for one module
+    if device == "nvme":
+        return [(DEEPSPEED_LIVE_WINDOW[0], 0), (largest_module, 0)]
     return [DEEPSPEED_LIVE_WINDOW, (largest_module, 0)]
 
 
@@ -194,7 +212,7 @@ NARROWED_WINDOW_STEP_NOTE = (
 
 
 def narrowed_window(plan: Plan) -> bool:
-    return (plan.candidate.max_live_parameters, plan.candidate.max_reuse_distance) != DEEPSPEED_LIVE_WINDOW
+    return plan.candidate.max_live_parameters != DEEPSPEED_LIVE_WINDOW[0]
 
 
 def reduce_buckets(base: Candidate, spec: ModelSpec, zero_set: set[str]) -> list[int]:
@@ -220,7 +238,7 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
     """The fastest fitting configuration. When plan.enabled is false, the config as given."""
     headroom = config.plan.headroom
     options = candidates(config, spec, hw, world_size, dataset_bytes) if config.plan.enabled else \
-        [(shape_of(config, world_size, dataset_bytes), candidate_of(config))]
+        [(shape_of(config, world_size, dataset_bytes), candidate_of(config, spec, world_size))]
     plans = [predict(spec, hw, shape, cand, headroom) for shape, cand in options]
     fitting = [p for p in plans if p.fits]
     if fitting:
@@ -272,7 +290,7 @@ def overflow(plan: Plan, exclude: tuple[str, ...] = ()) -> float:
     return sum(max(0.0, d.total_bytes / max(d.usable_bytes, 1) - 1) for d in devices)
 
 
-DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "reduce_bucket_size",
+DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "param_buffer_size", "reduce_bucket_size",
                     "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
                     "nvme_pipeline"),
            "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
@@ -289,7 +307,8 @@ def free_choices(before: Config, after: Config) -> dict[str, object]:
         old, new = getattr(before, section), getattr(after, section)
         for key in keys:
             if (key == "offload_optimizer_ratio" and new.offload_optimizer == "none"
-                    or key == "nvme_pipeline" and new.offload_optimizer != "nvme"):
+                    or key == "nvme_pipeline" and new.offload_optimizer != "nvme"
+                    or key == "param_buffer_size" and new.offload_param != "nvme"):
                 continue
             if key not in old.model_fields_set:
                 out[f"{section}.{key}"] = getattr(new, key)

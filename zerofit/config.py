@@ -220,6 +220,10 @@ class ZeroConfig(Section):
     stays on the GPU and steps there."""
     offload_param: OffloadDevice = "none"
     """Where 16-bit parameters live between uses (ZeRO-3 only)."""
+    param_buffer_size: int = Field(100_000_000, ge=1)
+    """NVMe parameters: elements per page-locked swap buffer (offload_param.buffer_size, 5 of
+    them); each must hold the largest parameter partition (DeepSpeed asserts "More elements
+    than buffer size" at start-up). Unset: that partition, at least DeepSpeed's 1e8."""
     nvme_path: str | None = None
     """Directory for NVMe offload swap files (required with nvme), on a local disk that takes
     O_DIRECT; each run keeps its files in its own `zerofit-<hash>` folder there. Setting it

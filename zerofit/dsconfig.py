@@ -74,6 +74,8 @@ def zero_section(config: Config) -> dict:
         )
         if zero.offload_param != "none":
             section["offload_param"] = offload_section(zero.offload_param, config)
+            if zero.offload_param == "nvme":
+                section["offload_param"]["buffer_size"] = zero.param_buffer_size
     return section
 
 

@@ -82,6 +82,7 @@ class Candidate:
     offload_optimizer: str = "cpu"
     offload_optimizer_ratio: float = 1.0
     offload_param: str = "none"
+    param_buffer_size: int = 100_000_000     # NVMe parameters: elements per swap buffer
     pin_memory: bool = True
     reduce_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 50_000_000

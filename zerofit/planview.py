@@ -166,8 +166,9 @@ def render_explain(decision: Decision, console: Console) -> None:
         for line in (function.__doc__ or "").splitlines():
             if line.strip():
                 console.print(f"  {line.strip()}")
-    table = Table(title=f"candidates ({len(decision.considered)}; fastest fitting first)")
-    for column in ("configuration", "buckets: reduce / prefetch / persistence", "fits", "step s", "gpu", "host"):
+    table = Table(title=f"candidates ({len(decision.considered)}; fastest fitting first)",
+                  caption="buckets: reduce / prefetch / persistence threshold, in elements")
+    for column in ("configuration", "buckets", "fits", "step s", "gpu", "host"):
         table.add_column(column)
     ranked = sorted(decision.considered, key=lambda p: (not p.fits, p.step_seconds))
     for p in ranked[:15]:

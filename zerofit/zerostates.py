@@ -24,6 +24,21 @@ if TYPE_CHECKING:
 PARAM_SWAP_BUFFERS, PARAM_SWAP_BUFFER_NUMEL, PARAM_MAX_IN_CPU = 5, 100_000_000, 1_000_000_000
 
 
+def largest_partition_numel(spec: ModelSpec, world_size: int) -> int:
+    """The largest parameter partition: NVMe parameters need a swap buffer that holds it.
+    zero.Init gives every partition of at least 1 MiB a buffer of offload_param.buffer_size
+    elements (partition_parameters.py `_partition_param`, partitioned_param_swapper.py
+    `get_buffer` asserts "More elements than buffer size"): llama-0.5b's embedding,
+    128,256 x 1024 = 131M elements, is over DeepSpeed's default 1e8."""
+    return max((partition_numel(p.numel, world_size) for p in spec.params), default=0)
+
+
+def param_buffer_numel(spec: ModelSpec, world_size: int) -> int:
+    """The offload_param.buffer_size zerofit sets: the largest partition, never below
+    DeepSpeed's default."""
+    return max(PARAM_SWAP_BUFFER_NUMEL, largest_partition_numel(spec, world_size))
+
+
 def pow2_ceil(n: int) -> int:
     """torch's CachingHostAllocator rounds every pinned block up to a power of two."""
     return 1 << max(0, math.ceil(n) - 1).bit_length() if n > 0 else 0
@@ -193,10 +208,13 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
             host["frozen_params_16bit_pinned"] = sum(pinned(a * n, cand, on_gpu) for n in frozen)
         if cand.offload_param == "nvme":
             nvme["params_16bit_swap"] = a * n_rank
-            host["param_swap_buffers_pinned"] = PARAM_SWAP_BUFFERS * pinned(a * PARAM_SWAP_BUFFER_NUMEL, cand, on_gpu)
+            host["param_swap_buffers_pinned"] = PARAM_SWAP_BUFFERS * pinned(a * cand.param_buffer_size, cand, on_gpu)
         # zero.Init pins each parameter's partition on its own; moving the trainable ones into
         # the flat buffer frees those blocks into the CachingHostAllocator's cache, which keeps them.
-        if on_gpu and cand.pin_memory:
+        # On NVMe it puts them in the swap buffers instead (`_partition_param`): no cache;
+        # counting one over-predicted llama-0.5b/1.5b's host RSS by 6-10%
+        # (bench/results/planner_accuracy-nvme-params.json).
+        if on_gpu and cand.pin_memory and cand.offload_param == "cpu":
             host["zero_init_pinned_cache"] = sum(pow2_ceil(a * partition_numel(p.numel, W)) for p in trainable)
         # Persistent (small) parameters stay on the GPU, gathered (parameter_offload.py).
         gpu["params_persistent"] = a * persistent_numel(spec, cand.param_persistence_threshold)
