@@ -326,6 +326,7 @@ def test_parameter_swap_buffers_hold_the_largest_partition(tmp_path):
         decision, _, _ = planview.plan_config(validate(config), world, hw=hw)
         assert decision.config.zero.param_buffer_size == max(partition, 10**8)
         assert decision.chosen_fields["zero.param_buffer_size"] == max(partition, 10**8)
+        assert decision.config.zero.max_reuse_distance == 0  # each swapped-in parameter released at once
     decision, _, _ = planview.plan_config(validate(config), 1, hw=hw)
     ds = dsconfig.build(decision.config, 1, on_gpu=True)["zero_optimization"]["offload_param"]
     assert ds["buffer_size"] == 128_256 * 1024

@@ -61,6 +61,14 @@ def test_parameter_counts_equal_instantiated_numel(name):
         assert spec.modules[-1].name == "lm_head" and spec.modules[-1].params == ("model.embed_tokens.weight",)
 
 
+def test_a_model_directory_named_like_a_preset_is_the_directory(tmp_path, monkeypatch):
+    """`--model tiny` with a ./tiny model directory planned the preset's 90K parameters."""
+    tiny_configs()["qwen2"].save_pretrained(tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    assert modelspec.from_name("tiny").model_type == "qwen2"
+    assert modelspec.from_name("mini").model_type == "llama"  # no such directory: the preset
+
+
 def test_presets_sizes():
     assert modelspec.from_name("tiny").total_params == TINY
     spec = modelspec.from_name("llama-1.5b")
@@ -381,8 +389,10 @@ def test_explain_tells_candidates_apart_by_their_buckets():
     from rich.console import Console
 
     from zerofit import planview
+    from zerofit.memory import human_count
 
-    assert [planview.elements(n) for n in (500_000_000, 3_774_873, 640, 262_668_288)] == ["500M", "3.77M", "640", "263M"]
+    assert [human_count(n) for n in (500_000_000, 3_774_873, 640, 262_668_288, 8_030_261_248, 82_496)] == \
+        ["500M", "3.77M", "640", "263M", "8.03B", "82.5K"]
     spec, hw = modelspec.from_name("llama-1.5b"), cuda_box(host="64GiB")
     decision = choice.decide(config(train={"micro_batch_size": 1}), spec, hw, 1)
     alike = {}

@@ -34,6 +34,7 @@ from pathlib import Path
 from zerofit.adapters import ADAPTER_CONFIG_KEY
 from zerofit.basemodel import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME, quiet_peft
 from zerofit.config import ConfigError, LoraConfig
+from zerofit.memory import human_count
 
 # Projection names per architecture (model_type of the HF config), after the modules the
 # LoRA paper and peft's own defaults adapt: all attention and MLP projections.
@@ -171,7 +172,7 @@ def attach(model, config, target_modules: list[str]):
 
 
 def trainable_summary(model) -> str:
-    """`LoRA on 224 modules: 21.0M trainable of 8.0B parameters (0.26%)`, counting the full
+    """`LoRA on 224 modules: 21M trainable of 8.03B parameters (0.26%)`, counting the full
     sizes of partitioned parameters (ds_numel)."""
     adapted = sum(1 for _, module in model.named_modules() if hasattr(module, "lora_A"))
     trainable = total = 0
@@ -179,15 +180,8 @@ def trainable_summary(model) -> str:
         numel = getattr(p, "ds_numel", p.numel())
         total += numel
         trainable += numel if p.requires_grad else 0
-    return (f"LoRA on {adapted} modules: {_count(trainable)} trainable of {_count(total)} parameters "
+    return (f"LoRA on {adapted} modules: {human_count(trainable)} trainable of {human_count(total)} parameters "
             f"({100 * trainable / total:.2f}%)")
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
 
 
 def adapter_config(model) -> dict:

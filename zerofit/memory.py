@@ -301,6 +301,15 @@ def human_bytes(n: float) -> str:
     return f"{int(n)}B"
 
 
+def human_count(n: int) -> str:
+    """A count of elements or parameters as DeepSpeed's docs write them: 5e8 -> 500M,
+    3_774_873 -> 3.77M, 8_030_261_248 -> 8.03B, 82_496 -> 82.5K."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def peak_rss_bytes() -> int:
     """This process's high-water RSS since it started (the kernel's ru_maxrss, KiB on Linux)."""
     import resource

@@ -81,15 +81,16 @@ def shape_of(hf_config) -> dict:
 
 
 def config_from_name(name: str, trust_remote_code: bool = False):
-    """A preset name, a config.json, or a directory holding one."""
+    """A config.json, a directory holding one, or a preset name. A directory that holds a
+    config.json wins over a preset of the same name (a user's `llama-8b/` folder is theirs)."""
     from transformers import AutoConfig, CONFIG_MAPPING
 
-    if name in PRESETS:
-        fields = dict(PRESETS[name])
-        return CONFIG_MAPPING[fields.pop("model_type")](**fields)
     path = Path(name)
     if path.is_dir():
         path = path / "config.json"
+    if name in PRESETS and not path.is_file():
+        fields = dict(PRESETS[name])
+        return CONFIG_MAPPING[fields.pop("model_type")](**fields)
     if not path.is_file():
         raise ConfigError(f"model.config={name!r} is neither a preset ({', '.join(PRESETS)}) "
                           f"nor an existing config.json or directory")

@@ -17,7 +17,7 @@ from zerofit import choice, dsconfig, hardware, modelspec, nvme
 from zerofit.choice import Decision
 from zerofit.config import Config
 from zerofit.hardware import Hardware
-from zerofit.memory import human_bytes
+from zerofit.memory import human_bytes, human_count
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
@@ -105,7 +105,7 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     plan = decision.plan
     verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     where = f"{hw.device_name}, {human_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
-    console.print(f"[bold]{spec.model_type}[/] {spec.total_params / 1e9:.3f}B parameters on {where}, "
+    console.print(f"[bold]{spec.model_type}[/] {human_count(spec.total_params)} parameters on {where}, "
                   f"host {human_bytes(hw.host_budget_bytes)}, {plan.shape.world_size} rank(s): {verdict}")
     console.print(f"configuration: {choice.describe(plan)}")
     if decision.chosen_fields:
@@ -180,16 +180,8 @@ def render_explain(decision: Decision, console: Console) -> None:
 def buckets(cand) -> str:
     """The element counts that tell candidates of one configuration apart: DeepSpeed's
     reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold."""
-    return " / ".join(elements(n) for n in (cand.reduce_bucket_size, cand.prefetch_bucket_size,
+    return " / ".join(human_count(n) for n in (cand.reduce_bucket_size, cand.prefetch_bucket_size,
                                              cand.param_persistence_threshold))
-
-
-def elements(n: int) -> str:
-    """An element count as DeepSpeed's docs write them: 5e8 -> 500M, 3_774_873 -> 3.77M."""
-    for unit, size in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
 
 
 # ------------------------------------------------------------------ train's call
