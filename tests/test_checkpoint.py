@@ -122,6 +122,19 @@ def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path
     assert checkpointer.resume_command(absolute, resume=False) == f"`zerofit train --config {tmp_path / 'x' / 'config.yaml'}`"
 
 
+def test_a_resume_that_changes_the_global_batch_is_named():
+    from zerofit.checkpointer import global_batch_change
+
+    def state(world, micro, accum):
+        return checkpoint.LoopState(world_size=world, micro_batch_size=micro,
+                                    config_values={"train": {"grad_accum_steps": accum}})
+
+    assert global_batch_change(state(1, 4, 2), state(2, 4, 2)).startswith("8 sequences per optimizer step, this run 16")
+    assert global_batch_change(state(1, 4, 1), state(1, 2, 2)) is None  # an OOM retry's split keeps it
+    assert global_batch_change(state(2, 4, 1), state(1, 4, 2)) is None  # the planner's split of global_batch_size
+    assert global_batch_change(checkpoint.LoopState(), state(1, 4, 1)) is None  # older checkpoints recorded less
+
+
 def test_data_position_on_another_number_of_ranks():
     # 4 steps on 2 ranks of 4 sequences = 32 sequences = 8 micro batches of 4 on one rank
     two_ranks, one_rank = data.BatchShape(2, 4, 4035), data.BatchShape(1, 4, 4035)
@@ -632,6 +645,8 @@ def test_resume_on_fewer_ranks(tmp_path):
     stderr = done.stderr.replace("\n", "")
     assert "converting it to a universal checkpoint" in stderr
     assert "data position: 4 micro batches of 4 on 2 rank(s) -> 8 of 4 on 1" in stderr
+    # micro batch and accumulation fixed: one rank trains half the batch per step, and says so
+    assert "step-000004 trained 8 sequences per optimizer step, this run 4 (ranks 2 -> 1" in stderr
     universal = run / "checkpoints" / "universal-step-000004"
     assert checkpoint.verify(universal, hashes=True) is None
     assert json.loads((universal / "MANIFEST.json").read_text())["source_world_size"] == 2

@@ -98,6 +98,21 @@ def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
                            state.epoch_sequences or fallback.epoch_sequences)
 
 
+def global_batch_change(saved: LoopState, fresh: LoopState) -> str | None:
+    """`16 sequences per optimizer step, this run 8 (...)` when a resume changes the global
+    batch (another rank count with the micro batch and accumulation fixed); None when it
+    keeps it (an OOM retry's halved micro batch doubles the accumulation) or the checkpoint
+    did not record what it was."""
+    def split(state: LoopState) -> tuple[int, int, int]:
+        return state.world_size, state.micro_batch_size, state.config_values.get("train", {}).get("grad_accum_steps", 0)
+
+    (w0, m0, a0), (w1, m1, a1) = split(saved), split(fresh)
+    if not (m0 and a0) or w0 * m0 * a0 == w1 * m1 * a1:
+        return None
+    return (f"{w0 * m0 * a0} sequences per optimizer step, this run {w1 * m1 * a1} (ranks {w0} -> {w1}, micro batch "
+            f"{m0} -> {m1}, accumulation {a0} -> {a1})")
+
+
 def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     """`what old -> new` for each difference a load cannot bridge: the model's architecture
     (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
@@ -207,6 +222,11 @@ class Checkpointer:
         if rng_file.is_file():
             checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))
         state.extra.pop("emergency", None)  # the note an OOM's emergency save carries stays with it
+        change = global_batch_change(state, fresh)
+        if change and self.dist.is_main:
+            warn(f"{directory.name} trained {change}; the learning-rate schedule counts optimizer steps, not "
+                 f"sequences. To keep the checkpoint's batch, set train.global_batch_size and leave "
+                 f"train.micro_batch_size / train.grad_accum_steps to the planner")
         state = self._data_position_carried(state, fresh, directory.name)
         if state.config_fingerprint != fresh.config_fingerprint:
             if self.dist.is_main:
