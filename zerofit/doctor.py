@@ -60,11 +60,11 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
-    every_rank = [record for timeline in per_rank.values() for record in timeline]  # the plan is per rank
+    every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
     return Diagnosis(run_dir, source, records, facts, findings,
-                     plan_vs_measured(plan, every_rank, checkpoint_bytes), phase_peaks(records),
+                     plan_vs_measured(plan, per_rank, checkpoint_bytes), phase_peaks(records),
                      summarize(records, facts, every_rank), newest_postmortem(run_dir),
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank})
 
@@ -147,13 +147,21 @@ def measured_component(device: str, name: str, peaks: dict, checkpoint_bytes: in
     return None
 
 
-def plan_vs_measured(plan: dict | None, records: list[dict], checkpoint_bytes: int = 0) -> list[dict]:
+def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpoint_bytes: int = 0) -> list[dict]:
     """One row per device of plan.json (`devices` -> gpu/host/disk -> total_bytes,
     budget_bytes, components) with the measured peak next to the prediction, and per
-    phase where the records carry the planner's predicted_gpu_peak / predicted_host_rss."""
+    phase where the records carry the planner's predicted_gpu_peak / predicted_host_rss.
+
+    The GPU's and the swap files' figures are per rank; the host's are for the ranks that
+    share it (plan.json `ranks_on_host`): compared with the sum of the given ranks' peaks,
+    scaled to those ranks (a post-mortem gives one rank's timeline)."""
     if not plan:
         return []
+    records = [record for timeline in per_rank.values() for record in timeline]
     peaks = measured_peaks(records)
+    for key in ("host", "pinned"):
+        peaks[key] = sum(measured_peaks(timeline)[key] for timeline in per_rank.values())
+    share = len(per_rank) / (plan.get("ranks_on_host") or plan.get("shape", {}).get("world_size") or 1)
     # the plan counts every checkpoint on disk at once (keep_last + the one being written):
     # the newest one measured stands for each of them
     planned = ((plan.get("devices", {}).get("disk") or {}).get("components") or {}).get("checkpoints", 0)
@@ -162,7 +170,8 @@ def plan_vs_measured(plan: dict | None, records: list[dict], checkpoint_bytes: i
     measured = {"gpu": peaks["gpu"], "host": peaks["host"], "disk": peaks["nvme"] + on_disk}
     rows = []
     for device, entry in plan.get("devices", {}).items():
-        components = [{"name": name, "predicted_bytes": value,
+        scale = share if device == "host" else 1
+        components = [{"name": name, "predicted_bytes": int(value * scale),
                        "measured_bytes": measured_component(device, name, peaks, on_disk)}
                       for name, value in (entry.get("components") or {}).items()]
         key = {"gpu": ("predicted_gpu_peak", "gpu_peak_reserved"), "host": ("predicted_host_rss", "host_peak")}
@@ -175,7 +184,7 @@ def plan_vs_measured(plan: dict | None, records: list[dict], checkpoint_bytes: i
                                "measured_bytes": max(r.get(measured_key, 0) for r in mine)})
         predicted = entry.get("total_bytes") or sum(c["predicted_bytes"] for c in components)
         # the engine's start can be the host's peak (NVMe offload: planner.Plan.start_peak)
-        predicted = max(predicted, ((plan.get("start_peak") or {}).get(device) or {}).get("total_bytes", 0))
+        predicted = int(scale * max(predicted, ((plan.get("start_peak") or {}).get(device) or {}).get("total_bytes", 0)))
         rows.append({"device": device, "predicted_bytes": predicted, "measured_bytes": measured.get(device, 0),
                      "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
                      "components": components, "phases": phases})

@@ -132,6 +132,7 @@ class Plan:
     step_seconds: float
     step_terms: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    ranks_on_host: int = 1                      # the host device's figures are for this many ranks
 
     @property
     def binding(self) -> list[str]:
@@ -152,7 +153,7 @@ class Plan:
             "checkpoint_bytes": self.checkpoint_bytes,
             "export_peak": {k: d.to_json() for k, d in self.export_peak.items()},
             "estimated_step_seconds": self.step_seconds, "step_terms": self.step_terms,
-            "notes": self.notes,
+            "notes": self.notes, "ranks_on_host": self.ranks_on_host,
         }
 
 
@@ -469,7 +470,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
                 devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
                 host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak, start_peak=start_peak,
                 first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes, export_peak=export,
-                step_seconds=seconds, step_terms=terms, notes=notes)
+                step_seconds=seconds, step_terms=terms, notes=notes, ranks_on_host=ranks_here)
 
 
 def _device(components: dict[str, int], budget: int, headroom: float) -> Device:

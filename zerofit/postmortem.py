@@ -337,7 +337,7 @@ def conclude(event: OomEvent, session: Session) -> dict:
         "event": asdict(event), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(run_dir),
         "emergency_checkpoint": emergency, "emergency_note": emergency_note,
         "last_step": [r for r in records if r.get("step") in (event.step - 1, event.step)],
-        "plan": plan_vs_measured(read_json(run_dir / "plan.json"), records, newest_checkpoint_bytes(run_dir)),
+        "plan": plan_vs_measured(read_json(run_dir / "plan.json"), {event.rank: records}, newest_checkpoint_bytes(run_dir)),
         "findings": [f.to_dict() for f in detect(records, facts)],
         "changes": changes, "safer_config": safer.model_dump(mode="json") if safer else None,
         "retry_config": str(directory / "retry-config.yaml") if safer else None,
