@@ -193,6 +193,9 @@ def test_what_deepspeed_accepts_and_then_ignores_or_trips_on():
     text = lint.lint({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "1.0",
                       "zero_optimization": {"stage": 3}})
     assert [f.key for f in text.errors] == ["gradient_clipping"]
+    words = lint.lint({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "one",  # crashed lint
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}})
+    assert [f.key for f in words.errors] == ["gradient_clipping"]
     auto = lint.lint({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
                       "zero_optimization": {"stage": 3}})
     assert not auto.errors  # HF fills "auto" in
@@ -202,3 +205,94 @@ def test_a_value_out_of_range_names_the_range():
     result = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "reduce_bucket_size": -1}})
     finding = next(f for f in result.errors if f.key == "zero_optimization.reduce_bucket_size")
     assert finding.fix == "set it > 0"
+
+
+@pytest.mark.parametrize("key", ["bf16", "fp16"])
+def test_a_precision_flag_written_as_a_bool_is_an_error_not_a_crash(key, tmp_path):
+    """`"bf16": true` made lint crash in precision() ('bool' object has no attribute 'get');
+    DeepSpeed itself fails on it ("argument after ** must be a mapping, not bool")."""
+    ds = {"train_micro_batch_size_per_gpu": 1, key: True, "zero_optimization": {"stage": 3}}
+    result = lint.lint(ds)
+    assert [f.key for f in result.errors] == [key]
+    assert "must be an object" in result.errors[0].message and result.errors[0].fix == f'"{key}": {{"enabled": true}}'
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds))
+    done = run_zerofit(["lint", str(config)], check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and f"error {key}: must be an object" in done.stdout
+
+
+def test_optimizer_and_scheduler_sections_are_checked():
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    typo = lint.lint(base | {"optimizer": {"type": "AdamW", "parms": {"lr": 1e-5}}})
+    assert [f.key for f in typo.errors] == ["optimizer.parms"]
+    assert typo.errors[0].fix == "did you mean params?"
+    text = lint.lint(base | {"optimizer": {"type": "AdamW", "params": {"lr": "1e-5"}}})
+    assert [f.key for f in text.errors] == ["optimizer.params.lr"] and "must be a number" in text.errors[0].message
+    unknown = lint.lint(base | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "adamw_mode": True,
+                                                                          "max_grad_norm": 1.0}}})
+    assert findings(unknown, "error")["optimizer.params.adamw_mode"].fix == "did you mean adam_w_mode?"
+    assert "gradient_clipping" in findings(unknown, "error")["optimizer.params.max_grad_norm"].fix
+    other = lint.lint(base | {"optimizer": {"type": "Lamb", "params": {"lr": "2e-3", "max_coeff": 0.3}}})
+    assert [f.key for f in other.errors] == ["optimizer.params.lr"]  # other types: numbers only
+    sched = lint.lint(base | {"scheduler": {"type": "WarmupDecayLR",
+                                            "params": {"warmup_num_steps": 10, "total_num_step": 100}}})
+    assert [f.key for f in sched.errors] == ["scheduler.params.total_num_step"]  # not also "requires total_num_steps"
+    assert "WarmupDecayLR takes no total_num_step" in sched.errors[0].message
+    assert sched.errors[0].fix == "did you mean total_num_steps?"
+    missing = lint.lint(base | {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "10"}}})
+    assert {f.key for f in missing.errors} == {"scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"}
+
+
+def test_valid_optimizer_and_scheduler_sections_raise_no_alarm():
+    """HF Trainer's documented ZeRO-3 config ("auto" everywhere, filled by HF) and DeepSpeed's
+    own docs examples: Adam with torch_adam's keywords, OneCycle, a torch scheduler."""
+    hf = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+    assert lint.lint(hf).errors == []
+    docs = {"train_batch_size": 8, "gradient_accumulation_steps": 1, "fp16": {"enabled": True, "loss_scale": 0},
+            "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 3e-7, "torch_adam": True, "fused": True}},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_first_step_size": 1000, "cycle_min_lr": 1e-4,
+                                                         "cycle_max_lr": 1e-3, "cycle_min_mom": 0.85}},
+            "zero_optimization": {"stage": 1, "reduce_bucket_size": 1e6}}
+    assert lint.lint(docs).findings == []  # train_batch_size + gradient_accumulation_steps alone: DeepSpeed derives
+    untyped = lint.lint({"train_micro_batch_size_per_gpu": 1, "optimizer": {"params": {"lr": 1e-5}}})
+    assert [f.key for f in untyped.errors] == ["optimizer.type"]
+    torch_sched = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                   "scheduler": {"type": "StepLR", "params": {"step_size": 10, "gamma": 0.5}}}
+    assert lint.lint(torch_sched).findings == []
+
+
+# LLaMA-Factory's examples/deepspeed/ds_z0_config.json
+LLAMA_FACTORY_Z0 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                    "zero_allow_untested_optimizer": True,
+                    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                             "hysteresis": 2, "min_loss_scale": 1}, "bf16": {"enabled": "auto"},
+                    "zero_optimization": {"stage": 0, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                                          "contiguous_gradients": True, "round_robin_gradients": True}}
+
+
+@pytest.mark.parametrize("ds, warned", [(LLAMA_FACTORY_Z0, False), ({}, False),
+                                        ({"train_micro_batch_size_per_gpu": 1,
+                                          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}, True)])
+def test_reduce_bucket_is_not_warned_of_where_the_stage_never_allocates_it(ds, warned):
+    """Stage 0 never reads reduce_bucket_size (engine.py hands it to the stage 1-3 optimizers)."""
+    assert ("zero_optimization.reduce_bucket_size" in findings(lint.lint(ds), "warning")) == warned
+
+
+def test_legacy_cpu_offload_is_warned_of_with_its_replacement():
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert result.errors == []
+    warning = findings(result, "warning")["zero_optimization.cpu_offload"]
+    assert "deprecated" in warning.message and warning.fix == 'use "offload_optimizer": {"device": "cpu"}'
+
+
+def test_a_stage_written_as_a_string_gets_its_stage_checks():
+    result = lint.lint({"train_micro_batch_size_per_gpu": 1,
+                        "zero_optimization": {"stage": "3", "allgather_bucket_size": 5e8}})
+    warning = findings(result, "warning")["zero_optimization.allgather_bucket_size"]
+    assert warning.message == "ZeRO stage 3 does not read it"

@@ -81,14 +81,18 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
             "fine under HF Trainer / LLaMA-Factory; elsewhere write numbers (`zerofit plan --model M --json` "
             "prints a fully resolved deepspeed_config)"))
     ds = without_autos(ds)
+    check_section_objects(ds, result)
     check_nvme_paths(ds, result)
     zero = check_zero(ds, result)
     check_stage_keys(ds, result)
     check_numbers(ds, result)
+    check_optimizer(ds, result)
+    check_scheduler(ds, result, autos)
     check_top_level(ds, zero is not None, result)
     check_batch(ds, world_size, result)
     check_precision(ds, result)
     if zero is not None:
+        check_deprecated_zero_keys(ds, result)
         check_risky(ds, zero, spec, hw, result, autos)
         check_step_overlap(ds, zero, spec, result, autos)
         check_partial_offload(zero, result)
@@ -113,6 +117,24 @@ def without_autos(node):
     if isinstance(node, dict):
         return {k: without_autos(v) for k, v in node.items() if v != "auto"}
     return copy.deepcopy(node)
+
+
+# Sections DeepSpeed unpacks with ** or reads with .keys(): anything but an object there raises
+# before training ("argument after ** must be a mapping, not bool": precision_config.py
+# get_bfloat16_config; config.py get_optimizer_name).
+OBJECT_SECTIONS = {"fp16": '{"enabled": true}', "bf16": '{"enabled": true}', "bfloat16": '{"enabled": true}',
+                   "optimizer": '{"type": "AdamW", "params": {"lr": 1e-5}}',
+                   "scheduler": '{"type": "WarmupLR", "params": {"warmup_num_steps": 100}}'}
+
+
+def check_section_objects(ds: dict, result: LintResult) -> None:
+    for key, example in OBJECT_SECTIONS.items():
+        if key in ds and not isinstance(ds[key], dict):
+            fix = f'"{key}": {example}'
+            if key in ("fp16", "bf16", "bfloat16") and isinstance(ds[key], bool):
+                fix = f'"{key}": {{"enabled": {json.dumps(ds[key])}}}'
+            result.findings.append(Finding("error", key, f"must be an object, not {json.dumps(ds[key])}: "
+                                           "DeepSpeed fails reading it", fix))
 
 
 def check_zero(ds: dict, result: LintResult):
@@ -147,14 +169,51 @@ STAGE_12_ONLY = ("allgather_partitions", "allgather_bucket_size")
 def check_stage_keys(ds: dict, result: LintResult) -> None:
     """A key the configured stage does not read: set, and silently without effect."""
     section = ds.get("zero_optimization")
-    if not isinstance(section, dict) or not isinstance(section.get("stage"), int):
+    stage = zero_stage(section)
+    if stage is None:
         return
-    stage = section["stage"]
     ignored = [k for k in section if (stage == 3 and k in STAGE_12_ONLY) or (stage < 3 and k.startswith("stage3_"))]
     for key in ignored:
         result.findings.append(Finding("warning", f"zero_optimization.{key}", f"ZeRO stage {stage} does not read it",
                                        "remove it" + (" (stage 3 gathers with stage3_prefetch_bucket_size)"
                                                       if stage == 3 else "")))
+
+
+def zero_stage(section) -> int | None:
+    """The stage as DeepSpeed's pydantic model reads it: "3" and 3.0 coerce to 3 (ZeroStageEnum);
+    None when absent or not a stage at all (check_zero reports that)."""
+    stage = section.get("stage") if isinstance(section, dict) else None
+    if isinstance(stage, bool):
+        return None
+    if isinstance(stage, str) and stage.strip().isdigit():
+        return int(stage)
+    if isinstance(stage, float) and stage.is_integer():
+        return int(stage)
+    return stage if isinstance(stage, int) else None
+
+
+def check_deprecated_zero_keys(ds: dict, result: LintResult) -> None:
+    """Deprecated ZeRO keys DeepSpeed still maps with only a log line (zero/config.py: cpu_offload,
+    cpu_offload_param, ...; json_schema_extra "deprecated"). Beside their replacement it asserts:
+    check_zero reports that one as an error."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    section = ds.get("zero_optimization", {})
+    for name, info in DeepSpeedZeroConfig.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        key = next((k for k in (name, info.alias) if k and k in section), None)
+        if key is None or not extra.get("deprecated"):
+            continue
+        replacement = extra.get("new_param", "")
+        fix = DEPRECATED_ZERO_FIXES.get(key, f"use {replacement}") if section[key] else "remove it"
+        result.findings.append(Finding("warning", f"zero_optimization.{key}",
+                                       f"deprecated: DeepSpeed maps it to {replacement} with only a log line, "
+                                       "and asserts if both are set", fix))
+
+
+DEPRECATED_ZERO_FIXES = {"cpu_offload": 'use "offload_optimizer": {"device": "cpu"}',
+                         "cpu_offload_param": 'use "offload_param": {"device": "cpu"}',
+                         "cpu_offload_use_pin_memory": 'use "pin_memory": true inside offload_optimizer / offload_param'}
 
 
 # Top-level numbers DeepSpeed reads without a type check: a string there ("1.0") fails later,
@@ -169,6 +228,164 @@ def check_numbers(ds: dict, result: LintResult) -> None:
         if isinstance(value, str):  # "auto" was taken out before the checks
             result.findings.append(Finding("error", key, f"is the string {value!r}: DeepSpeed keeps it as text and "
                                            f"fails when it first compares it", f'write the number ("{key}": {value})'))
+
+
+# The optimizer and scheduler sections: config.py get_optimizer_name/params and
+# get_scheduler_name/params read "type" and "params" (and the optimizer's legacy_fusion);
+# any other key there is ignored without a word.
+OPTIMIZER_SECTION_KEYS = ("type", "params", "legacy_fusion")
+SCHEDULER_SECTION_KEYS = ("type", "params")
+# Keys engine._configure_basic_optimizer / get_optimizer_configuration pop before it builds
+# Adam or AdamW; the rest go as keyword arguments to the Adam it builds (adam_family_keys).
+ADAM_POPPED_KEYS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "foreach")
+ADAM_NUMBERS = ("lr", "eps", "weight_decay")
+
+
+def check_optimizer(ds: dict, result: LintResult) -> None:
+    section = ds.get("optimizer")
+    if not isinstance(section, dict):  # absent, or check_section_objects said so
+        return
+    check_section_keys("optimizer", section, OPTIMIZER_SECTION_KEYS, result)
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        result.findings.append(Finding("error", "optimizer.params", f"must be an object, not {json.dumps(params)}",
+                                       '"params": {"lr": 1e-5}'))
+        return
+    if "type" not in section:  # config.py get_optimizer_params: no type, no params read
+        result.findings.append(Finding("error", "optimizer.type", "missing: DeepSpeed ignores the optimizer "
+                                       "section without it", '"type": "AdamW"'))
+    kind = str(section.get("type", "")).lower()
+    if kind in ("adam", "adamw"):  # DeepSpeed lower-cases its own optimizer names (config.py)
+        check_adam_params(params, result)
+    check_numeric_strings("optimizer.params", params, result)
+
+
+def check_adam_params(params: dict, result: LintResult) -> None:
+    if "max_grad_norm" in params:  # engine._configure_basic_optimizer raises ValueError on it
+        result.findings.append(Finding("error", "optimizer.params.max_grad_norm", "DeepSpeed refuses it in the "
+                                       "optimizer (ValueError)", 'remove it; set top-level "gradient_clipping"'))
+    valid = adam_family_keys()
+    for key in params:
+        if key not in valid and key != "max_grad_norm":
+            near = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+            result.findings.append(Finding("error", f"optimizer.params.{key}",
+                                           "not an argument of DeepSpeed's Adam/AdamW: it fails building it",
+                                           f"did you mean {near[0]}?" if near else f"valid keys: {', '.join(sorted(valid))}"))
+    for key in ADAM_NUMBERS:
+        if key in params and not _is_number(params[key]):
+            result.findings.append(number_finding(f"optimizer.params.{key}", params[key]))
+    betas = params.get("betas")
+    if "betas" in params and not (isinstance(betas, list) and len(betas) == 2 and all(map(_is_number, betas))):
+        result.findings.append(Finding("error", "optimizer.params.betas", f"must be two numbers (got {betas!r})",
+                                       '"betas": [0.9, 0.999]'))
+
+
+def adam_family_keys() -> set[str]:
+    """Every keyword one of the Adams DeepSpeed may build for type Adam/AdamW takes: FusedAdam
+    (GPU), DeepSpeedCPUAdam (offload_optimizer cpu), torch's Adam/AdamW (torch_adam), plus the
+    keys the engine pops. A key none of them takes fails whichever is built. adamw_mode is
+    passed by the engine itself to the CPU Adam: set by the user it is a duplicate argument."""
+    import inspect
+
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    keys = {name for cls in (FusedAdam, DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)
+            for name in inspect.signature(cls.__init__).parameters}
+    return (keys - {"self", "params", "model_params", "adamw_mode"}) | set(ADAM_POPPED_KEYS)
+
+
+def check_scheduler(ds: dict, result: LintResult, autos: list[str] = ()) -> None:
+    """The scheduler's params are keyword arguments of lr_schedules.<type> (or torch's
+    lr_scheduler.<type>): engine._scheduler_from_config calls it as scheduler(optimizer, **params)."""
+    section = ds.get("scheduler")
+    if not isinstance(section, dict):
+        return
+    check_section_keys("scheduler", section, SCHEDULER_SECTION_KEYS, result)
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        result.findings.append(Finding("error", "scheduler.params", f"must be an object, not {json.dumps(params)}",
+                                       '"params": {"warmup_num_steps": 100}'))
+        return
+    arguments = scheduler_arguments(str(section.get("type", "")))
+    if arguments is not None:
+        check_scheduler_params(str(section["type"]), params, arguments, result, autos)
+    check_numeric_strings("scheduler.params", params, result)
+
+
+def scheduler_arguments(name: str) -> dict | None:
+    """The scheduler's keyword arguments (inspect.Parameter by name), without self and the
+    optimizer the engine passes; None for a type DeepSpeed looks up nowhere we can read."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, name, None) if name else None
+    if cls is None and name:
+        cls = getattr(torch.optim.lr_scheduler, name, None)
+    if not isinstance(cls, type):
+        return None
+    parameters = inspect.signature(cls.__init__).parameters
+    return {n: p for n, p in parameters.items()
+            if n not in ("self", "optimizer") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def check_scheduler_params(name: str, params: dict, arguments: dict, result: LintResult, autos) -> None:
+    meant = set()
+    for key in params:
+        if key in arguments:
+            continue
+        near = difflib.get_close_matches(key, sorted(arguments), n=1, cutoff=0.6)
+        meant.update(near)
+        result.findings.append(Finding("error", f"scheduler.params.{key}",
+                                       f"{name} takes no {key}: DeepSpeed fails building the scheduler",
+                                       f"did you mean {near[0]}?" if near else f"valid keys: {', '.join(sorted(arguments))}"))
+    for key, argument in arguments.items():
+        required = argument.default is argument.empty
+        filled = key in params or f"scheduler.params.{key}" in autos  # HF Trainer fills "auto"
+        if required and not filled and key not in meant:  # a misspelt one is named above
+            result.findings.append(Finding("error", f"scheduler.params.{key}", f"{name} requires it: DeepSpeed "
+                                           "fails building the scheduler", f'add "{key}" to scheduler.params'))
+        numeric = argument.annotation in (int, float) or (_is_number(argument.default) and argument.default is not None)
+        if key in params and numeric and not _is_number(params[key]):
+            result.findings.append(number_finding(f"scheduler.params.{key}", params[key]))
+
+
+def check_section_keys(section: str, node: dict, known: tuple, result: LintResult) -> None:
+    for key in node:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            result.findings.append(Finding("error", f"{section}.{key}", f"DeepSpeed never reads it in {section} "
+                                           "and ignores it silently", f"did you mean {near[0]}?" if near
+                                           else f"{section} takes only {', '.join(known)}"))
+
+
+def check_numeric_strings(section: str, params: dict, result: LintResult) -> None:
+    """Any optimizer: a number written as a string ("1e-5") reaches the optimizer as text and
+    fails its first comparison, at the latest in the first step. Keys already named are skipped."""
+    named = {f.key for f in result.findings}
+    for key, value in params.items():
+        if f"{section}.{key}" not in named and isinstance(value, str) and _parses_as_number(value):
+            result.findings.append(number_finding(f"{section}.{key}", value))
+
+
+def number_finding(key: str, value) -> Finding:
+    fix = f"write the number ({key.rsplit('.', 1)[-1]}: {value})" if _parses_as_number(value) else "write a number"
+    return Finding("error", key, f"must be a number (got {value!r}): DeepSpeed passes it on as it is and fails "
+                   "when it is first used", fix)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parses_as_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, str)
 
 
 def schema_findings(section: str, error, unknown: str, fix_unknown=lambda loc: "remove it") -> list[Finding]:
@@ -262,12 +479,13 @@ def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
     neutralised first so the parse runs to the end and every read is seen."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    probe = dict(ds)
+    probe = {k: v for k, v in ds.items() if k not in OBJECT_SECTIONS or isinstance(v, dict)}  # named already
     if not zero_ok:
         probe["zero_optimization"] = {}
-    batch = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if isinstance(ds.get(k), int)]
-    if batch:
-        probe.pop("train_batch_size", None)  # check_batch judges it against the world size
+    # check_batch judges train_batch_size against the world size when the micro batch is set;
+    # with only gradient_accumulation_steps beside it, DeepSpeed derives the micro batch from it
+    if isinstance(ds.get("train_micro_batch_size_per_gpu"), int):
+        probe.pop("train_batch_size", None)
     elif "train_batch_size" not in probe:
         probe["train_micro_batch_size_per_gpu"] = 1
     recorder = _RecordingDict(probe)
@@ -312,8 +530,9 @@ def check_batch(ds: dict, world_size: int, result: LintResult) -> None:
 
 
 def check_precision(ds: dict, result: LintResult) -> None:
-    fp16, bf16 = ds.get("fp16", {}), ds.get("bf16", {})
-    if isinstance(fp16, dict) and fp16.get("enabled") is True:
+    # a section that is not an object was named by check_section_objects: nothing more to say of it
+    fp16, bf16 = ({} if not isinstance(ds.get(k), dict) else ds[k] for k in ("fp16", "bf16"))
+    if fp16.get("enabled") is True:
         if bf16.get("enabled") is True:
             result.findings.append(Finding("error", "fp16.enabled, bf16.enabled", "both enabled; DeepSpeed refuses",
                                            "enable one (bf16 on Ampere and newer)"))
@@ -350,7 +569,9 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
                 "(stage3.py _prepare_fp32_grad_for_sub_group), on top of the training peak and most often "
                 "fatal in the first step after a save", 'set "sub_group_size": 1e8'))
     budget = hw.gpu_budget_bytes if hw is not None and hw.on_gpu else None
-    for key, numel in (("reduce_bucket_size", zero.reduce_bucket_size),
+    # engine._configure_zero_optimizer hands reduce_bucket_size to the stage 1-3 optimizers only:
+    # stage 0 never allocates the bucket.
+    for key, numel in (("reduce_bucket_size", zero.reduce_bucket_size if zero.stage >= 1 else 0),
                        ("stage3_prefetch_bucket_size", zero.prefetch_bucket_size if zero.stage == 3 else 0)):
         nbytes = a * numel
         limit = BUCKET_SHARE_OF_BUDGET * budget if budget else LARGE_BUCKET_BYTES
@@ -369,7 +590,8 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
 def check_step_overlap(ds: dict, zero, spec, result: LintResult, autos: list[str] = ()) -> None:
     """DeepSpeed 0.19.8's two ways to overlap the CPU optimizer step with the GPU, as measured
     on an H200 with PCIe (bench/results/README.md, 2026-11-30 fourth session)."""
-    clipping = "gradient_clipping" in autos or float(ds.get("gradient_clipping") or 0) > 0  # HF's auto: 1.0
+    clip = ds.get("gradient_clipping")  # text that is no number was named by check_numbers
+    clipping = "gradient_clipping" in autos or (_parses_as_number(clip) or _is_number(clip)) and float(clip) > 0
     offload = zero.offload_optimizer
     if zero.stage == 3 and offload is not None and getattr(offload, "super_offload", False):
         speed = ("with gradient_clipping > 0 (here) it steps every sub group after the backward, one by one: 0.48x"
@@ -468,9 +690,16 @@ def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref:
 def precision(ds: dict) -> str:
     """bf16 when its section is there and not disabled ("auto" counts: HF turns it on with
     --bf16), fp16 when enabled, fp32 otherwise."""
-    if ds.get("bf16", {}).get("enabled", "bf16" in ds):
+    if _section(ds, "bf16").get("enabled", "bf16" in ds):
         return "bf16"
-    return "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    return "fp16" if _section(ds, "fp16").get("enabled") else "fp32"
+
+
+def _section(ds: dict, key: str) -> dict:
+    """A section as an object; one that is not (`"bf16": true`, an error check_section_objects
+    reports) reads as its value for "enabled", the way its writer meant it."""
+    value = ds.get(key, {})
+    return value if isinstance(value, dict) else {"enabled": value}
 
 
 def _device(offload) -> str:
