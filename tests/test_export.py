@@ -324,8 +324,13 @@ def test_deepspeed_checkpoint_without_manifest(one_rank, tmp_path, capsys):
     for f in (one_rank / "checkpoints" / "step-000002").glob("*_states.pt"):
         shutil.copy(f, trainer / "global_step2" / f.name)
     (trainer / "latest").write_text("global_step2")
+    for name in ("trainer_state.json", "training_args.bin", "zero_to_fp32.py", "rng_state_0.pth", "scheduler.pt"):
+        (trainer / name).write_text("training state")  # what the Trainer leaves there
     assert main(["export", str(trainer), "--out", str(tmp_path / "out")]) == 0
     assert "no zerofit MANIFEST.json" in capsys.readouterr().err
+    exported = {p.name for p in (tmp_path / "out").iterdir()}
+    assert "tokenizer_config.json" in exported and not exported & {
+        "latest", "trainer_state.json", "training_args.bin", "zero_to_fp32.py", "rng_state_0.pth", "scheduler.pt"}
     assert_logits_match(tmp_path / "out", trainer / "global_step2")
 
 

@@ -486,6 +486,12 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy())
 
 
+# What an HF Trainer checkpoint-N/ holds beside the model's files that WEIGHT_PATTERNS does not
+# already leave out (training_args.bin, rng_state*.pth, scheduler.pt): training state, not
+# model; `latest` in a model directory would make DeepSpeed's loaders take it for a checkpoint.
+TRAINING_STATE_PATTERNS = ("latest", "trainer_state.json", "zero_to_*.py")
+
+
 def write_model_files(directory: Path, config_dir: Path, model_config: dict, dtype: str) -> None:
     """config.json (dtype set to the export's), generation_config.json, and every
     tokenizer/chat-template file of the run's model directory."""
@@ -500,9 +506,9 @@ def write_model_files(directory: Path, config_dir: Path, model_config: dict, dty
                       if config.get(key) is not None}
         (directory / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **generation},
                                                                      indent=2) + "\n")
-    weights = {p.name for pattern in WEIGHT_PATTERNS for p in config_dir.glob(pattern)}
+    skipped = {p.name for pattern in WEIGHT_PATTERNS + TRAINING_STATE_PATTERNS for p in config_dir.glob(pattern)}
     for path in config_dir.iterdir():
-        if path.is_file() and path.name != "config.json" and path.name not in weights:
+        if path.is_file() and path.name != "config.json" and path.name not in skipped:
             shutil.copy2(path, directory / path.name)
     for path in directory.iterdir():
         checkpoint.fsync_file(path)
