@@ -1,6 +1,7 @@
 """The planner's arithmetic: parameter counts against instantiated models, model states
 against DeepSpeed's own estimator, bytes worked out by hand for the tiny model, and the
 choice among candidates. Pure functions: no DeepSpeed engine is built here."""
+import json
 import os
 from dataclasses import replace
 
@@ -403,6 +404,19 @@ def test_explain_tells_candidates_apart_by_their_buckets():
     planview.render_explain(decision, console)
     text = console.export_text()
     assert planview.buckets(decision.plan.candidate) in text
+
+
+def test_plan_for_another_machine_takes_its_free_disk(capsys):
+    """Checkpoints were judged against this machine's free disk even with every other figure
+    given for another machine: --disk-free stands in for it."""
+    from zerofit.cli import main
+
+    flags = ["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "256GiB", "--json"]
+    assert main(flags + ["--disk-free", "50GB"]) == 1
+    small = json.loads(capsys.readouterr().out)
+    assert small["devices"]["disk"]["budget_bytes"] == 50 * 10**9 and not small["devices"]["disk"]["fits"]
+    assert main(flags + ["--disk-free", "2TB"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"]["disk"]["budget_bytes"] == 2 * 10**12
 
 
 def test_sizes_parse_and_bad_ones_name_the_key():

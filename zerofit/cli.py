@@ -115,7 +115,7 @@ def cmd_plan(args) -> int:
                   f"vocabulary {fields.get('vocab_size')}")
         return 0
     decision, spec, hw = plan(args.model, args.config, plan_overrides(args), args.world_size, args.accelerator,
-                              args.cpu_cores)
+                              args.cpu_cores, args.disk_free)
     if args.json:
         print(json.dumps(plan_json(decision, spec, hw), indent=2))
     else:
@@ -132,7 +132,7 @@ def cmd_lint(args) -> int:
         spec = modelspec.from_name(args.model)
         raw = {"model": {"config": args.model}, "train": {"max_steps": 1}, "plan": {"gpu_mem": args.gpu_mem,
                                                                                    "host_mem": args.host_mem}}
-        hw = planview.probe_for(validate(raw), args.accelerator, args.cpu_cores)
+        hw = planview.probe_for(validate(raw), args.accelerator, args.cpu_cores, args.disk_free)
     result = lint.lint(lint.read(args.file), args.file, spec, hw, args.world_size, args.seq_len or 1024,
                        args.micro_batch, args.model or "")
     if args.json:
@@ -147,6 +147,8 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
     parser.add_argument("--host-mem", metavar="SIZE", help="host RAM budget, e.g. 64GiB (default: available RAM)")
     parser.add_argument("--cpu-cores", type=int, metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
+    parser.add_argument("--disk-free", metavar="SIZE", help="free disk for checkpoints, e.g. 2TB (default: measured "
+                        "where run_dir is, on this machine)")
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], help="plan for this accelerator (default: what is here)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, metavar="N", help="sequences per rank per forward/backward")

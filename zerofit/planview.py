@@ -17,17 +17,22 @@ from zerofit import choice, dsconfig, hardware, modelspec, nvme
 from zerofit.choice import Decision
 from zerofit.config import Config
 from zerofit.hardware import Hardware
-from zerofit.memory import human_bytes, human_count
+from zerofit.memory import human_bytes, human_count, parse_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
 PHASE_FIELDS = ("predicted_gpu_peak", "predicted_host_rss")
 
 
-def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None) -> Hardware:
+def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
+              disk_free: str | None = None) -> Hardware:
+    """This machine as the config describes it; `cpu_cores` and `disk_free` (free space for
+    checkpoints, e.g. 2TB) stand in for what is measured here when planning another machine."""
     hw = hardware.probe(disk_path=config.run_dir, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem,
                         host_mem=config.plan.host_mem, accelerator=accelerator)
-    return hardware.with_overrides(hw, cpu_cores=cpu_cores) if cpu_cores else hw
+    overrides = {"cpu_cores": cpu_cores, "disk_free_bytes": parse_bytes(disk_free, "--disk-free")}
+    overrides = {key: value for key, value in overrides.items() if value}
+    return hardware.with_overrides(hw, **overrides) if overrides else hw
 
 
 def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None, spec: ModelSpec | None = None,
@@ -219,7 +224,7 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
 # ----------------------------------------------------------- the verb as a function
 def plan(model: str | None = None, config_path: str | None = None, overrides: list[str] = (),
          world_size: int = 1, accelerator: str | None = None, cpu_cores: int | None = None,
-         ) -> tuple[Decision, ModelSpec, Hardware]:
+         disk_free: str | None = None) -> tuple[Decision, ModelSpec, Hardware]:
     """`zerofit plan`: a model (preset, config.json, directory) with a default run around
     it, or a run config; `overrides` are `section.key=value` as for train's --set."""
     from zerofit.config import load, parse_override, set_dotted, validate
@@ -235,5 +240,5 @@ def plan(model: str | None = None, config_path: str | None = None, overrides: li
         for item in overrides:
             set_dotted(raw, *parse_override(item))
         config = validate(raw)
-    hw = probe_for(config, accelerator, cpu_cores)
+    hw = probe_for(config, accelerator, cpu_cores, disk_free)
     return plan_config(config, world_size, hw=hw)
