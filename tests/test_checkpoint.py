@@ -122,6 +122,15 @@ def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path
     assert checkpointer.resume_command(absolute, resume=False) == f"`zerofit train --config {tmp_path / 'x' / 'config.yaml'}`"
 
 
+def test_printed_commands_start_the_run_as_it_ran():
+    from zerofit.elastic import launcher, running_launcher
+
+    assert launcher(1) == "zerofit" and launcher(2) == "torchrun --nproc_per_node 2 -m zerofit"
+    assert launcher(16, 8) == "torchrun --nnodes 2 <rendezvous flags> --nproc_per_node 8 -m zerofit"
+    assert running_launcher({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}) == launcher(4)
+    assert running_launcher({}) == "zerofit"
+
+
 def test_a_resume_that_changes_the_global_batch_is_named():
     from zerofit.checkpointer import global_batch_change
 
@@ -522,6 +531,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     out = stdout + stderr
     assert "stopped by SIGTERM at step" in out, out[-3000:]
     assert "leaving now" not in out and "forcefully exiting" not in out
+    # the command it names resumes on the same two ranks (one process would halve the batch)
+    assert f"`torchrun --nproc_per_node 2 -m zerofit train --config {tmp_path / 'run' / 'config.yaml'} --resume`" in out
     stopped_at = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
     assert 5 <= stopped_at < 400
     assert valid_steps(tmp_path / "run")[-1] == stopped_at  # saved where both stopped

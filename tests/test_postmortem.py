@@ -533,6 +533,7 @@ def test_handover_needs_a_restart_left_and_stays_with_its_torchrun(tmp_path, mon
     assert elastic.take_over(elastic.agent_store()) is None
     report = {"event": {"world_size": 2}, "retry_config": "r.yaml"}
     assert "under torchrun --max-restarts 1 or more" in retry_line(report)
+    assert "retry: torchrun --nproc_per_node 2 -m zerofit train --config r.yaml" in retry_line(report)
     del server, other_torchrun
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import (checkpoint, checkpoint_io, data, engine, faults, lora, memory, nvme, planner, universal,
+from zerofit import (checkpoint, checkpoint_io, data, elastic, engine, faults, lora, memory, nvme, planner, universal,
                      zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
@@ -43,7 +43,8 @@ class ResumePoint:
 def resume_command(config: Config, resume: bool = True) -> str:
     """The command that continues this run, as messages name it: the run's own config.yaml,
     whose relative paths (run_dir, data) hold from the directory it was started in."""
-    command = f"`zerofit train --config {Path(config.run_dir) / 'config.yaml'}{' --resume' if resume else ''}`"
+    command = (f"`{elastic.running_launcher()} train --config {Path(config.run_dir) / 'config.yaml'}"
+               f"{' --resume' if resume else ''}`")
     return command if Path(config.run_dir).is_absolute() else f"{command} (from {os.getcwd()})"
 
 

@@ -78,6 +78,22 @@ class Attempt:
         return self.max_restarts - self.restart
 
 
+def launcher(world_size: int, per_node: int | None = None) -> str:
+    """How the commands zerofit prints start it: `zerofit` for one rank, torchrun with the
+    run's rank count for several (a one-process resume of a 2-rank run changes its batch)."""
+    per_node = per_node or world_size
+    if world_size <= 1:
+        return "zerofit"
+    nodes = f"--nnodes {world_size // per_node} <rendezvous flags> " if per_node < world_size else ""
+    return f"torchrun {nodes}--nproc_per_node {per_node} -m zerofit"
+
+
+def running_launcher(environ=os.environ) -> str:
+    """`launcher` for this process's own run (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)."""
+    world = int(environ.get("WORLD_SIZE", "1"))
+    return launcher(world, int(environ.get("LOCAL_WORLD_SIZE", world)))
+
+
 def current(environ=os.environ) -> Attempt | None:
     """The torchrun attempt this process belongs to; None without a torchrun agent."""
     if "TORCHELASTIC_RESTART_COUNT" not in environ:

@@ -480,12 +480,13 @@ def explanation(report: dict) -> str:
 def retry_line(report: dict) -> str:
     if report.get("handed_over"):
         return f"  retry: {report['handed_over']}"
+    command = f"{elastic.launcher(report['event']['world_size'])} train --config {report['retry_config']}"
     if report.get("retries_used_up") and report["event"]["world_size"] == 1:
         return (f"  retry: the {MAX_RETRIES} retries memory.on_oom=retry allows are used up; "
-                f"zerofit train --config {report['retry_config']} goes one step safer again")
+                f"{command} goes one step safer again")
     how = "memory.on_oom: retry / --on-oom retry" if report["event"]["world_size"] == 1 else \
         "with several ranks: memory.on_oom: retry under torchrun --max-restarts 1 or more"
-    return f"  retry: zerofit train --config {report['retry_config']}   (or {how})"
+    return f"  retry: {command}   (or {how})"
 
 
 def render_markdown(report: dict) -> str:
@@ -512,7 +513,8 @@ def render_markdown(report: dict) -> str:
     out += ["", "## What would fit", ""]
     if report["changes"]:
         out += [f"- `{c}`" for c in report["changes"]]
-        out += ["", f"Retry with `zerofit train --config {report['retry_config']}`, or set `memory.on_oom: retry`."]
+        out += ["", f"Retry with `{elastic.launcher(event['world_size'])} train --config {report['retry_config']}`, "
+                f"or set `memory.on_oom: retry`."]
     else:
         out.append("No safer setting is left to try automatically; see the findings' fixes.")
     out += ["", "## Emergency checkpoint", "", f"{report['emergency_checkpoint'] or '-'}: {report['emergency_note']}",
