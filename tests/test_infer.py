@@ -156,3 +156,19 @@ def test_an_empty_prompt_is_refused(loaded):
     """With the BOS every prompt now starts with, the empty check saw one token and let it pass."""
     with pytest.raises(ConfigError, match="--prompt is empty after tokenization"):
         generate(loaded, "", Sampling(max_new_tokens=2))
+
+
+def test_a_completion_the_model_ended_says_so(loaded):
+    """An empty completion read as a broken model: the result says when the model ended the
+    sequence (here: its first greedy token made the end-of-sequence token) and when the token
+    budget did."""
+    budget = generate(loaded, "Reverse the word.", Sampling(max_new_tokens=3, min_new_tokens=3))
+    assert not budget.ended_at_eos and budget.new_tokens == 3
+    config = loaded.model.generation_config
+    eos = config.eos_token_id
+    config.eos_token_id = budget.token_ids[0]
+    try:
+        ended = generate(loaded, "Reverse the word.", Sampling(max_new_tokens=3))
+    finally:
+        config.eos_token_id = eos
+    assert ended.ended_at_eos and ended.token_ids == budget.token_ids[:1]

@@ -202,6 +202,10 @@ def cmd_generate(args) -> int:
     print(result.text)
     say(f"{result.new_tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s "
         f"(prompt {result.prompt_tokens} tokens; {describe(loaded)})")
+    if result.ended_at_eos:
+        say("the model ended the sequence (end-of-sequence token)"
+            + ("" if result.text.strip() else " at once, so the completion is empty; --min-new-tokens N makes it "
+               "go on, or give a prompt in the layout it was trained on (`zerofit chat` applies its template)"))
     return 0
 
 

@@ -70,6 +70,7 @@ class Generation:
     token_ids: list[int]
     prompt_tokens: int
     seconds: float
+    ended_at_eos: bool = False      # the model ended the sequence (else max_new_tokens did)
 
     @property
     def new_tokens(self) -> int:
@@ -273,7 +274,16 @@ def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampl
     input_ids = torch.tensor([ids])
     output, seconds = run(loaded, input_ids, sampling)
     new = output[0, input_ids.shape[1]:].tolist()
-    return Generation(loaded.tokenizer.decode(new, skip_special_tokens=True), new, int(input_ids.shape[1]), seconds)
+    return Generation(loaded.tokenizer.decode(new, skip_special_tokens=True), new, int(input_ids.shape[1]), seconds,
+                      ended_at_eos=bool(new) and new[-1] in eos_ids(loaded))
+
+
+def eos_ids(loaded: Loaded) -> set[int]:
+    """The token ids that end generation: the generation config's (one or a list), else the tokenizer's."""
+    eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = loaded.tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
 # ------------------------------------------------------------------------------ chat
