@@ -320,6 +320,12 @@ def test_zip_crc32_on_or_off_the_file_loads_and_its_hash_holds(tmp_path, crc):
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(torchfile.TorchFileError, match="CRC-32"):
             torchfile.TorchFile(path).load()
+    # a flipped byte in the archive's directory (a member's UTF-8 name): said, not a UnicodeDecodeError
+    raw = path.read_bytes()
+    name_at = raw.rindex(b"data.pkl")
+    path.write_bytes(raw[:name_at] + b"\xff" + raw[name_at + 1:])
+    with pytest.raises(torchfile.TorchFileError, match="damaged or truncated"):
+        torchfile.TorchFile(path)
 
 
 def test_direct_writer_hashes_every_byte_once_across_random_writes_and_flushes(tmp_path, monkeypatch):
@@ -720,6 +726,25 @@ def test_a_corrupt_newer_checkpoint_is_set_aside_not_kept_by_retention(tmp_path)
     assert valid_steps(run) == [8] and (run / "checkpoints" / "latest").read_text() == "step-000008"
     assert (run / "checkpoints" / "unusable-step-000008").is_dir()
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_a_damaged_file_read_without_hashes_is_named_with_the_fix(tmp_path):
+    """--verify sizes cannot see a changed byte: DeepSpeed's load then failed with a traceback
+    ("Expected hasRecord(version)"). Now the error names the checkpoint and --verify full, which
+    sets it aside and resumes from the one before."""
+    config = config_for(tmp_path, "run", max_steps=4)
+    run_zerofit(["train", "--config", str(config)])
+    target = tmp_path / "run" / "checkpoints" / "step-000004" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    raw = target.read_bytes()
+    name_at = raw.rindex(b"data.pkl")  # in the archive's directory, where torch.load looks first
+    target.write_bytes(raw[:name_at - 3] + bytes([raw[name_at - 3] ^ 0xFF]) + raw[name_at - 2:])
+    more = ["--set", "train.max_steps=5", "--resume"]
+    failed = run_zerofit(["train", "--config", str(config), "--verify", "sizes", *more], check=False)
+    said = " ".join(failed.stderr.split())
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    assert "step-000004 cannot be read on rank 0" in said and "Resume with --verify full" in said
+    done = run_zerofit(["train", "--config", str(config), "--verify", "full", *more])
+    assert "set aside unusable-step-000004" in " ".join(done.stderr.split())
 
 
 def test_verify_sizes_skips_a_checkpoint_whose_loop_state_is_not_json(tmp_path):

@@ -99,6 +99,19 @@ def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
                            state.epoch_sequences or fallback.epoch_sequences)
 
 
+def damaged_file_error(error: Exception) -> bool:
+    """What torch.load raises on a torch.save file whose bytes were changed (a checkpoint
+    read without its hashes, `--verify sizes`), as against every other failure of a load."""
+    import pickle
+    import zipfile
+
+    if isinstance(error, (pickle.UnpicklingError, EOFError, UnicodeDecodeError, zipfile.BadZipFile)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        sign in text for sign in ("PytorchStreamReader", "hasRecord", "zip archive", "invalid header"))
+
+
 def global_batch_change(saved: LoopState, fresh: LoopState) -> str | None:
     """`16 sequences per optimizer step, this run 8 (...)` when a resume changes the global
     batch (another rank count with the micro batch and accumulation fixed); None when it
@@ -209,9 +222,17 @@ class Checkpointer:
         if self.config.lora.enabled:  # LoRA checkpoints hold the adapters, not the frozen base
             lora.check_adapter_shapes(self.ds_engine.module, directory)
             custom_load_fn = lora.load_trainable_only
-        path, _ = self.ds_engine.load_checkpoint(str(load_dir.parent), tag=load_dir.name,
-                                                 load_optimizer_states=True, load_lr_scheduler_states=True,
-                                                 custom_load_fn=custom_load_fn)
+        try:
+            path, _ = self.ds_engine.load_checkpoint(str(load_dir.parent), tag=load_dir.name,
+                                                     load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                     custom_load_fn=custom_load_fn)
+        except Exception as e:
+            if not damaged_file_error(e):
+                raise
+            raise CheckpointError(f"{load_dir} cannot be read on rank {self.dist.rank} ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200]}): one of its files is damaged. Resume with "
+                                  f"--verify full: the hash check sets a damaged checkpoint aside and resumes from the "
+                                  f"one before it") from None
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {load_dir}")
         engine.apply_hyperparameters(self.ds_engine, self.config)  # the saved ones are restored over them

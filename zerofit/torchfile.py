@@ -161,9 +161,10 @@ class TorchFile:
         try:
             with zipfile.ZipFile(self.path) as archive:
                 members = archive.infolist()
-        except (zipfile.BadZipFile, OSError) as e:
-            raise TorchFileError(f"{self.path} is not a readable torch.save archive ({e}); "
-                                 f"the file is truncated or was written by torch < 1.6") from None
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:  # ValueError: a damaged name's UTF-8
+            raise TorchFileError(f"{self.path} is not a readable torch.save archive ({type(e).__name__}: {e}); the "
+                                 f"file is damaged or truncated (its checkpoint's hashes would have caught it: "
+                                 f"export without --no-hashes), or was written by torch < 1.6") from None
         pickles = [m for m in members if m.filename.endswith("/data.pkl") and m.filename.count("/") == 1]
         if not pickles:
             raise TorchFileError(f"{self.path} holds no data.pkl; it is not a torch.save file")
