@@ -111,3 +111,27 @@ def test_bad_arguments_are_named():
         MemoryGuardCallback(watchdog_action="panic")
     with pytest.raises(ValueError, match="watchdog_threshold=1.5"):
         MemoryGuardCallback(watchdog_threshold=1.5)
+
+
+def test_plan_writes_a_deepspeed_config_hf_trainer_takes(tmp_path, capsys):
+    """The plan's deepspeed_config fixed lr, betas and the batch: HF Trainer refused it against
+    default TrainingArguments ("ds optimizer.params.betas=[0.9, 0.95] vs hf adam_beta1+adam_beta2").
+    --ds-config writes those keys "auto"; the Trainer fills them without a mismatch."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from zerofit.cli import main
+
+    path = tmp_path / "ds.json"
+    flags = ["plan", "--model", "tiny", "--micro-batch", "2", "--grad-accum", "4", "--precision", "fp32"]
+    assert main(flags + ["--json", "--ds-config", str(path)]) == 0
+    out = capsys.readouterr()
+    resolved, written = json.loads(out.out)["deepspeed_config"], json.loads(path.read_text())
+    assert written["zero_optimization"] == resolved["zero_optimization"]  # the plan's ZeRO settings
+    assert "--per_device_train_batch_size 2 --gradient_accumulation_steps 4" in " ".join(out.err.split())
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, learning_rate=1e-3, use_cpu=True, report_to=[])
+    for ds, mismatches in ((resolved, True), (written, False)):
+        hf = HfTrainerDeepSpeedConfig(json.loads(json.dumps(ds)))
+        hf.trainer_config_process(args)
+        assert bool(hf.mismatches) is mismatches, hf.mismatches
+    assert hf.config["optimizer"]["params"]["lr"] == 1e-3 and hf.config["train_batch_size"] == 8

@@ -120,7 +120,24 @@ def cmd_plan(args) -> int:
         print(json.dumps(plan_json(decision, spec, hw), indent=2))
     else:
         render(decision, spec, hw, explain=args.explain)
+    if args.ds_config:
+        write_trainer_ds_config(decision, Path(args.ds_config), hw.on_gpu)
     return 0 if decision.plan.fits else 1
+
+
+def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
+    """The plan's DeepSpeed config as HF Trainer takes it, and the Trainer arguments that
+    carry the plan's batch split and precision (the config leaves them "auto")."""
+    from zerofit import dsconfig
+    from zerofit.progress import say
+
+    config, shape = decision.config, decision.plan.shape
+    ds = dsconfig.for_hf_trainer(dsconfig.build(config, shape.world_size, on_gpu))
+    path.write_text(json.dumps(ds, indent=2) + "\n")
+    flags = [f"--per_device_train_batch_size {shape.micro_batch}", f"--gradient_accumulation_steps {shape.grad_accum}"]
+    flags += ["--gradient_checkpointing"] if shape.gradient_checkpointing else []
+    flags += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(shape.precision, [])
+    say(f"wrote {path}: HF Trainer / LLaMA-Factory `--deepspeed {path}` with the plan's {' '.join(flags)}")
 
 
 def cmd_lint(args) -> int:
@@ -309,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (makes NVMe offload a candidate)")
     plan.add_argument("--headroom", type=float, metavar="F", help="fraction of each budget kept free (default 0.1)")
     plan.add_argument("--explain", action="store_true", help="show the cost terms and the candidates")
+    plan.add_argument("--ds-config", metavar="FILE", help="write the plan's DeepSpeed config for HF Trainer / "
+                      "LLaMA-Factory (deepspeed=FILE; the keys the Trainer fills are \"auto\")")
     plan.set_defaults(run=cmd_plan)
 
     lint = verbs.add_parser("lint", help="validate a DeepSpeed JSON with DeepSpeed's own schema; flag risky values")

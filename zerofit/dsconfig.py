@@ -6,6 +6,8 @@ deepspeed/runtime/zero/offload_config.py, deepspeed/runtime/config.py).
 """
 from __future__ import annotations
 
+import copy
+
 from zerofit import nvme
 from zerofit.config import Config
 from zerofit.swaplayout import PIPELINED_BUFFER_COUNT
@@ -92,3 +94,24 @@ def aio_section(config: Config) -> dict:
     """DeepSpeed async I/O settings for NVMe swap (runtime/swap_tensor/aio_config.py): the
     zero.aio_* fields as resolved by nvme.resolve_aio, DeepSpeed's defaults where unset."""
     return nvme.aio_of(config).to_json()
+
+
+# The keys HF Trainer fills from TrainingArguments and refuses to see differ from them
+# (transformers integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_process).
+TRAINER_TOP_LEVEL = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                     "gradient_clipping")
+TRAINER_OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+def for_hf_trainer(ds: dict) -> dict:
+    """`ds` as HF Trainer / LLaMA-Factory take it (deepspeed=FILE): the keys the Trainer fills
+    from its arguments are "auto" (a number there that differs from the arguments is an error,
+    e.g. betas [0.9, 0.95] against adam_beta2's default 0.999); the ZeRO section keeps the plan's."""
+    out = copy.deepcopy(ds)
+    out.update({key: "auto" for key in TRAINER_TOP_LEVEL})
+    params = out.get("optimizer", {}).get("params", {})
+    params.update({key: "auto" for key in TRAINER_OPTIMIZER_PARAMS if key in params})
+    for section in ("bf16", "fp16"):
+        if section in out:
+            out[section]["enabled"] = "auto"
+    return out
