@@ -275,3 +275,24 @@ def test_hf_target_names_the_base_weight():
     assert adapters.hf_target("base_model.model.gpt_neox.layers.0.attention.dense.base_layer.bias") == \
         ("gpt_neox.layers.0.attention.dense.bias", "replace")
     assert adapters.scaling(8, 32) == 4.0
+
+
+def test_lora_on_a_base_whose_files_hold_other_names_is_refused_before_training(tmp_path):
+    """Mixtral: transformers 5 fuses the experts on load (mlp.experts.gate_up_proj) that its files
+    hold one by one (block_sparse_moe.experts.N.w1): the run trained, then no export could read
+    the base. Refused before training now, naming a missing weight; a Llama base passes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    for name, hf_config in (("llama", LlamaConfig(**common)),
+                            ("mixtral", MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))):
+        AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / name)
+    lora.check_base_files(validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "llama"),
+                                                                        "config": None})))
+    mixtral = validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "mixtral"), "config": None}))
+    with pytest.raises(ConfigError, match=r"its files do not hold 6 of the weights .*mlp\.gate\.weight.*lora.enabled: false"):
+        lora.check_base_files(mixtral)
+    fully = validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "mixtral"), "config": None},
+                                 lora={"enabled": False}))
+    lora.check_base_files(fully)  # full fine-tuning reads no base files

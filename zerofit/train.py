@@ -57,6 +57,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     tokenizer = models.load_tokenizer(config.model)
     hf_config = models.hf_config(config.model)
     models.check_attention(config.model, hf_config)
+    lora.check_base_files(config)
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size)
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
