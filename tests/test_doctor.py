@@ -124,6 +124,30 @@ def test_report_html_and_terminal_summary(drilled_run, tmp_path):
     assert "no plan.json" not in html and "No out-of-memory error" in html
 
 
+def test_a_run_whose_process_group_is_killed_is_explained(tmp_path):
+    """torchrun ends a hung worker with SIGKILL to its whole process group: the last word died
+    with it, and the doctor said "no findings" of a run that ended at step 5 of 12."""
+    import signal
+
+    from conftest import child_env, zerofit_command
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 400}))
+    process = subprocess.Popen(zerofit_command(["train", "--config", str(config)]), env=child_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline and len(read_jsonl(metrics) if metrics.exists() else []) < 2:
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)  # the worker and everything in its group
+    process.wait()
+    record = tmp_path / "run" / "postmortem" / "ended-without-a-word.json"
+    deadline = time.monotonic() + 30
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]
+    assert len(found) == 1 and found[0].title.startswith("rank 0 was killed outright")
+
+
 def test_two_ranks_one_leaking(tmp_path):
     """A 2-rank run (gloo) where only rank 1 leaks (ZEROFIT_FAULT_RANKS=1): the doctor reads
     both ranks' timelines, says which rank grows and that it peaks above the other, lists each

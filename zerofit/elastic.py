@@ -280,8 +280,12 @@ def sigterm_ends_by_way_of_python():
 
 
 def start_last_word(record_path: Path, rank: int) -> subprocess.Popen:
+    """In a session of its own: torchrun ends a worker that ignores SIGTERM with SIGKILL to its
+    whole process group (a hung rank, 30 s on), which killed the last word with it and left
+    a run that ended nowhere said. It ends on its own when the worker's pipe closes."""
     return subprocess.Popen([sys.executable, "-m", "zerofit.lastword", str(record_path), str(rank)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 def say_done() -> None:
