@@ -4,6 +4,7 @@ with an uninterrupted run."""
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -525,6 +526,22 @@ def test_sigterm_while_starting_ends_by_way_of_python(tmp_path):
     assert "zerofit: stopped by SIGTERM outside the training loop (start-up or wind-down)" in stderr
     time.sleep(1)  # a last word would have written by now
     assert not list(run.glob("postmortem/**/*.json"))
+
+
+def test_a_rank_killed_in_a_save_leaves_its_peer_a_message_not_a_traceback(tmp_path):
+    """Rank 1 killed outright in the save of step 4: rank 0, inside the save's collective, got
+    gloo's "Connection closed by peer" as a 60-line traceback. Now one line: a peer is gone,
+    the published checkpoints stand, and the command that resumes on both ranks."""
+    config = config_for(tmp_path, "run", max_steps=8)
+    done = run_zerofit(["train", "--config", str(config)], nproc=2, check=False,
+                       env={faults.VARIABLE: "kill@save:2", "ZEROFIT_FAULT_RANKS": "1", "COLUMNS": "400"})
+    assert done.returncode != 0
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "[rank0]: Traceback" not in said and "[rank0]:" not in said, said[-3000:]
+    # gloo says closed or reset, as the kill lands; the peer watcher may see it first and say so
+    assert re.search(r'zerofit: error: rank 0: another rank of this run is gone \("Connection (closed|reset) by peer" '
+                     r'in a collective\)', said) or "leaving now" in said, said[-3000:]
+    assert valid_steps(tmp_path / "run") == [2]
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from zerofit import elastic
 from zerofit.config import Config, ConfigError, Section
 from zerofit.elastic import TerminatedOutsideTheLoop
 
@@ -82,7 +83,12 @@ def cmd_train(args) -> int:
     config = load_config(args)
     if args.verify:
         config.checkpoint.verify = args.verify
-    result = train(config, resume=args.resume)
+    try:
+        result = train(config, resume=args.resume)
+    except RuntimeError as e:
+        if not elastic.peer_gone(e):
+            raise
+        raise ConfigError(elastic.peer_gone_message(e, Path(config.run_dir))) from None
     code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
     engine.finish_distributed(code)  # every rank finished (an error raised past this)
     return code
@@ -407,3 +413,4 @@ def main(argv: list[str] | None = None) -> int:
     except TerminatedOutsideTheLoop as e:
         print(f"zerofit: {e}", file=sys.stderr)
         return 143
+

@@ -78,6 +78,24 @@ class Attempt:
         return self.max_restarts - self.restart
 
 
+# What a collective raises on a rank whose peer is gone (killed outright between the watcher's
+# looks: gloo's tcp pair.cc, NCCL's abort), as against a rank's own failure.
+PEER_GONE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+                   "remote process exited or there was a network error")
+
+
+def peer_gone(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_GONE_SIGNS)
+
+
+def peer_gone_message(error: BaseException, run_dir: Path, environ=os.environ) -> str:
+    sign = next(sign for sign in PEER_GONE_SIGNS if sign in str(error))
+    return (f"rank {environ.get('RANK', '0')}: another rank of this run is gone (\"{sign}\" in a collective); "
+            f"the checkpoints published before are intact: `{running_launcher(environ)} train --config "
+            f"{run_dir / 'config.yaml'} --resume` continues from the newest (torchrun --max-restarts N does it by "
+            f"itself); why the other rank ended is in its own output and `zerofit doctor {run_dir}`")
+
+
 def launcher(world_size: int, per_node: int | None = None) -> str:
     """How the commands zerofit prints start it: `zerofit` for one rank, torchrun with the
     run's rank count for several (a one-process resume of a 2-rank run changes its batch)."""
