@@ -241,16 +241,26 @@ ADAM_POPPED_KEYS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "forea
 ADAM_NUMBERS = ("lr", "eps", "weight_decay")
 
 
-def check_optimizer(ds: dict, result: LintResult) -> None:
-    section = ds.get("optimizer")
-    if not isinstance(section, dict):  # absent, or check_section_objects said so
-        return
-    check_section_keys("optimizer", section, OPTIMIZER_SECTION_KEYS, result)
+def section_params(ds: dict, name: str, known: tuple, example: str, result: LintResult) -> tuple[dict, dict] | None:
+    """The optimizer's or scheduler's section and its params, their keys checked; None when
+    either is not an object (absent, or named as such here or by check_section_objects)."""
+    section = ds.get(name)
+    if not isinstance(section, dict):
+        return None
+    check_section_keys(name, section, known, result)
     params = section.get("params", {})
     if not isinstance(params, dict):
-        result.findings.append(Finding("error", "optimizer.params", f"must be an object, not {json.dumps(params)}",
-                                       '"params": {"lr": 1e-5}'))
+        result.findings.append(Finding("error", f"{name}.params", f"must be an object, not {json.dumps(params)}",
+                                       f'"params": {example}'))
+        return None
+    return section, params
+
+
+def check_optimizer(ds: dict, result: LintResult) -> None:
+    found = section_params(ds, "optimizer", OPTIMIZER_SECTION_KEYS, '{"lr": 1e-5}', result)
+    if found is None:
         return
+    section, params = found
     if "type" not in section:  # config.py get_optimizer_params: no type, no params read
         result.findings.append(Finding("error", "optimizer.type", "missing: DeepSpeed ignores the optimizer "
                                        "section without it", '"type": "AdamW"'))
@@ -298,15 +308,10 @@ def adam_family_keys() -> set[str]:
 def check_scheduler(ds: dict, result: LintResult, autos: list[str] = ()) -> None:
     """The scheduler's params are keyword arguments of lr_schedules.<type> (or torch's
     lr_scheduler.<type>): engine._scheduler_from_config calls it as scheduler(optimizer, **params)."""
-    section = ds.get("scheduler")
-    if not isinstance(section, dict):
+    found = section_params(ds, "scheduler", SCHEDULER_SECTION_KEYS, '{"warmup_num_steps": 100}', result)
+    if found is None:
         return
-    check_section_keys("scheduler", section, SCHEDULER_SECTION_KEYS, result)
-    params = section.get("params", {})
-    if not isinstance(params, dict):
-        result.findings.append(Finding("error", "scheduler.params", f"must be an object, not {json.dumps(params)}",
-                                       '"params": {"warmup_num_steps": 100}'))
-        return
+    section, params = found
     arguments = scheduler_arguments(str(section.get("type", "")))
     if arguments is not None:
         check_scheduler_params(str(section["type"]), params, arguments, result, autos)
