@@ -152,7 +152,13 @@ def test_two_ranks_resume_their_swapped_state_exactly(tmp_path):
     config_file = write_config(tmp_path / "c.yaml", config)
     run_zerofit(["train", "--config", str(config_file)], nproc=2)
     run = tmp_path / "run"
-    assert json.loads((run / "plan.json").read_text())["nvme"]["swapped_sub_groups"] >= 2
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["nvme"]["swapped_sub_groups"] >= 2
+    # both ranks' swap files share the one path: the plan (and the free-space check) counts them together
+    manifest = checkpoint.read_manifest(run / "checkpoints" / "step-000006")
+    swapped = sum(entry["bytes"] for name, entry in manifest["files"].items()
+                  if name.startswith("offloaded_tensors/rank") and name.endswith(".swp"))
+    assert swapped == plan["devices"]["nvme"]["components"]["optimizer_swap"]
     # several swapped sub groups per rank, each read from the swap file recorded for it
     exported = export(run, tmp_path / "model-out", dtype="fp32", verify=True, progress=False)
     assert exported.verify["max_abs_diff"] < 1e-5

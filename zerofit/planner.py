@@ -417,9 +417,11 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     devices = {"gpu": gpu_device(peak_transient, fragmentation), "host": host_device(host_peak_extra),
                "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk}, disk_free, headroom)}
     if nvme_states:
-        # on the checkpoints' filesystem the swap files get what the checkpoints leave
+        # on the checkpoints' filesystem the swap files get what the checkpoints leave; every
+        # rank on this host writes its own swap files under the one zero.nvme_path
         shared = ckpt_bytes * shape.checkpoints_on_disk if hw.nvme_shares_disk else 0
-        devices["nvme"] = _device(nvme_states, max(0, (hw.nvme_free_bytes or 0) - shared), headroom)
+        devices["nvme"] = _device({k: v * ranks_here for k, v in nvme_states.items()},
+                                  max(0, (hw.nvme_free_bytes or 0) - shared), headroom)
 
     # Checkpoint save: between steps (no activations). torch.save copies device-resident
     # storages to the host one at a time (largest: an fp32 sub-group tensor); a consolidated
