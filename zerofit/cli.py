@@ -88,7 +88,9 @@ def cmd_train(args) -> int:
     except RuntimeError as e:
         if not elastic.peer_gone(e):
             raise
-        raise ConfigError(elastic.peer_gone_message(e, Path(config.run_dir))) from None
+        from zerofit.checkpointer import resume_command
+
+        raise ConfigError(elastic.peer_gone_message(e, resume_command(config), config.run_dir)) from None
     code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
     engine.finish_distributed(code)  # every rank finished (an error raised past this)
     return code

@@ -88,12 +88,13 @@ def peer_gone(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_GONE_SIGNS)
 
 
-def peer_gone_message(error: BaseException, run_dir: Path, environ=os.environ) -> str:
+def peer_gone_message(error: BaseException, resume_command: str, run_dir: str, environ=os.environ) -> str:
+    """`resume_command`: checkpointer.resume_command's, as every message names it."""
     sign = next(sign for sign in PEER_GONE_SIGNS if sign in str(error))
     return (f"rank {environ.get('RANK', '0')}: another rank of this run is gone (\"{sign}\" in a collective); "
-            f"the checkpoints published before are intact: `{running_launcher(environ)} train --config "
-            f"{run_dir / 'config.yaml'} --resume` continues from the newest (torchrun --max-restarts N does it by "
-            f"itself); why the other rank ended is in its own output and `zerofit doctor {run_dir}`")
+            f"the checkpoints published before are intact: {resume_command} continues from the newest (torchrun "
+            f"--max-restarts N does it by itself); why the other rank ended is in its own output and "
+            f"`zerofit doctor {run_dir}`")
 
 
 def launcher(world_size: int, per_node: int | None = None) -> str:
