@@ -477,10 +477,15 @@ def explanation(report: dict) -> str:
     return "\n".join(lines)
 
 
+def retry_command(report: dict) -> str:
+    """The command that runs the retry config, on as many ranks as the run had."""
+    return f"{elastic.launcher(report['event']['world_size'])} train --config {report['retry_config']}"
+
+
 def retry_line(report: dict) -> str:
     if report.get("handed_over"):
         return f"  retry: {report['handed_over']}"
-    command = f"{elastic.launcher(report['event']['world_size'])} train --config {report['retry_config']}"
+    command = retry_command(report)
     if report.get("retries_used_up") and report["event"]["world_size"] == 1:
         return (f"  retry: the {MAX_RETRIES} retries memory.on_oom=retry allows are used up; "
                 f"{command} goes one step safer again")
@@ -513,8 +518,7 @@ def render_markdown(report: dict) -> str:
     out += ["", "## What would fit", ""]
     if report["changes"]:
         out += [f"- `{c}`" for c in report["changes"]]
-        out += ["", f"Retry with `{elastic.launcher(event['world_size'])} train --config {report['retry_config']}`, "
-                f"or set `memory.on_oom: retry`."]
+        out += ["", f"Retry with `{retry_command(report)}`, or set `memory.on_oom: retry`."]
     else:
         out.append("No safer setting is left to try automatically; see the findings' fixes.")
     out += ["", "## Emergency checkpoint", "", f"{report['emergency_checkpoint'] or '-'}: {report['emergency_note']}",
