@@ -46,7 +46,8 @@ def test_only_adapters_have_optimizer_state_and_checkpoint_files(lora_run):
     model = meta_model()
     adapted = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in LLAMA_DEFAULT]
     expected = sum(8 * (m.in_features + m.out_features) for m in adapted)  # A: r x in, B: out x r
-    assert f"LoRA on {len(adapted)} modules" in done.stderr
+    assert f"LoRA on {len(adapted)} modules" in done.stderr and "frozen and without adapters" not in done.stderr
+    assert "is_gradient_checkpointing" not in done.stderr  # peft's deprecated question, in the planner's build too
     step = run / "checkpoints" / "step-000012"
     optim = torch.load(step / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
     inner = optim["optimizer_state_dict"]
@@ -296,3 +297,25 @@ def test_lora_on_a_base_whose_files_hold_other_names_is_refused_before_training(
     fully = validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "mixtral"), "config": None},
                                  lora={"enabled": False}))
     lora.check_base_files(fully)  # full fine-tuning reads no base files
+
+
+def test_experts_lora_cannot_wrap_are_named():
+    """transformers 5 holds an MoE layer's experts as fused parameters (MixtralExperts.gate_up_proj),
+    which LoRA's target_modules cannot wrap: the default targets adapt attention alone, and the
+    run says how much of the model stays frozen (the router, MixtralTopKRouter, too). A Llama leaves
+    nothing out."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    mixtral = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    config = validate(lora_config("unused"))
+    peft_model = lora.attach(AutoModelForCausalLM.from_config(mixtral), config,
+                             lora.resolve(config, mixtral))
+    experts = 2 * 4 * (2 * 128 * 64 + 64 * 128 + 64)  # layers x experts x (gate_up + down + the router's row)
+    total = sum(p.numel() for p in peft_model.parameters())
+    message = lora.unadaptable_warning(peft_model)
+    assert message.startswith(f"LoRA leaves {lora.human_count(experts)} of the {lora.human_count(total)} parameters "
+                              f"({100 * experts / total:.0f}%) frozen")
+    assert "experts.gate_up_proj, experts.down_proj, gate.weight are weights outside" in message
+    llama = lora.attach(meta_model(), config, LLAMA_DEFAULT)
+    assert lora.unadaptable_warning(llama) is None

@@ -207,6 +207,33 @@ def trainable_summary(model) -> str:
             f"({100 * trainable / total:.2f}%)")
 
 
+def unadaptable_warning(model) -> str | None:
+    """Name the weights that stay frozen because they sit outside any layer LoRA can wrap: an
+    MoE model's experts under transformers 5 are one fused parameter per layer
+    (`mlp.experts.gate_up_proj`, shape experts x out x in, in MixtralExperts), not Linear
+    layers, so the default targets adapt attention alone and most of the model never trains.
+    Norms and other 1-D weights are left out: LoRA never adapts them."""
+    groups: dict[str, int] = {}
+    total = 0
+    for name, module in model.named_modules():
+        for param_name, p in module.named_parameters(recurse=False):
+            numel = getattr(p, "ds_numel", p.numel())
+            total += numel
+            shape = getattr(p, "ds_shape", p.shape)
+            if type(module).__name__ in WRAPPABLE or len(shape) < 2 or p.requires_grad:
+                continue
+            key = f"{name.rsplit('.', 1)[-1]}.{param_name}"
+            groups[key] = groups.get(key, 0) + numel
+    frozen = sum(groups.values())
+    if not frozen:
+        return None
+    names = ", ".join(sorted(groups, key=groups.get, reverse=True))
+    return (f"LoRA leaves {human_count(frozen)} of the {human_count(total)} parameters "
+            f"({100 * frozen / total:.0f}%) frozen and without adapters: {names} are weights outside any "
+            f"layer LoRA can wrap (it wraps {', '.join(WRAPPABLE)}; an MoE model's experts are fused "
+            f"parameters under transformers 5). To train them, fine-tune fully (lora.enabled: false)")
+
+
 def adapter_config(model) -> dict:
     """peft's adapter_config.json content for the model's adapter, as plain JSON values."""
     import json

@@ -103,6 +103,7 @@ def from_config(config: Config) -> ModelSpec:
     from transformers import AutoModelForCausalLM
 
     from zerofit import lora
+    from zerofit.basemodel import quiet_peft
     from zerofit.models import hf_config
 
     hf = hf_config(config.model)
@@ -110,7 +111,7 @@ def from_config(config: Config) -> ModelSpec:
     peft_config = lora.peft_config(config.lora, targets)
     import peft
 
-    with torch.device("meta"), _zero3_off():
+    with torch.device("meta"), _zero3_off(), quiet_peft():
         model = AutoModelForCausalLM.from_config(hf, trust_remote_code=config.model.trust_remote_code)
         model = peft.get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     spec = from_module(model, hf)

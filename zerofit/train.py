@@ -75,6 +75,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     model = engine.build_model(config, ds_config)
     if config.lora.enabled and dist.is_main:
         say(lora.trainable_summary(model))
+        if (frozen := lora.unadaptable_warning(model)) is not None:
+            warn(frozen)
     ds_engine = engine.build_engine(model, config, ds_config, total_steps)
     timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu,
                                nvme_path=nvme.swap_root(config) if nvme.uses_nvme(config) else None,
