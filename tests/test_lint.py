@@ -243,6 +243,52 @@ def test_optimizer_and_scheduler_sections_are_checked():
     assert {f.key for f in missing.errors} == {"scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"}
 
 
+ADAM_BUILD_SCRIPT = """
+import json, sys
+import torch
+from zerofit import engine
+import deepspeed
+
+engine.init_distributed()
+for params in json.loads(sys.argv[1]):
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+          "optimizer": {"type": "AdamW", "params": params}}
+    try:
+        built, optimizer, _, _ = deepspeed.initialize(model=torch.nn.Linear(8, 8), config=ds)
+        print(json.dumps(type(built.optimizer.optimizer).__name__), flush=True)
+    except Exception as e:
+        print(json.dumps("failed: " + type(e).__name__), flush=True)
+"""
+
+
+def test_what_lint_says_of_adam_params_is_what_deepspeed_does():
+    """With the optimizer offloaded DeepSpeed builds DeepSpeedCPUAdam, which takes none of torch's
+    extra keywords (foreach) and raises on AMSGrad; "torch_adam" written as text is true to it.
+    Each case is built by real DeepSpeed and linted: an error exactly where the build fails."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    cases = [{"lr": 1e-3, "bias_correction": False}, {"lr": 1e-3, "foreach": True}, {"lr": 1e-3, "amsgrad": True},
+             {"lr": 1e-3, "set_grad_none": True}, {"lr": 1e-3, "torch_adam": True, "foreach": False, "amsgrad": True},
+             {"lr": 1e-3, "torch_adam": "false"}]
+    done = subprocess.run([sys.executable, "-c", ADAM_BUILD_SCRIPT, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=600, env=child_env(), cwd=ROOT)
+    built = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('"')]
+    assert built == ["DeepSpeedCPUAdam", "failed: TypeError", "failed: RuntimeError", "failed: TypeError",
+                     "AdamW", "AdamW"], done.stderr[-3000:]
+    offload = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    linted = [[f.key for f in lint.lint(offload | {"optimizer": {"type": "AdamW", "params": p}}).errors] for p in cases]
+    assert linted == [[], ["optimizer.params.foreach"], ["optimizer.params.amsgrad"], ["optimizer.params.set_grad_none"],
+                      [], ["optimizer.params.torch_adam"]]
+    foreach = lint.lint(offload | {"optimizer": {"type": "AdamW", "params": cases[1]}}).errors[0]
+    assert foreach.fix.startswith('only torch\'s Adam takes it: add "torch_adam": true')
+    on_gpu = lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                        "optimizer": {"type": "AdamW", "params": {"set_grad_none": True}}})
+    assert on_gpu.errors == []  # FusedAdam's own keyword, where the optimizer stays on the GPU
+
+
 def test_valid_optimizer_and_scheduler_sections_raise_no_alarm():
     """HF Trainer's documented ZeRO-3 config ("auto" everywhere, filled by HF) and DeepSpeed's
     own docs examples: Adam with torch_adam's keywords, OneCycle, a torch scheduler."""

@@ -236,9 +236,12 @@ def check_numbers(ds: dict, result: LintResult) -> None:
 OPTIMIZER_SECTION_KEYS = ("type", "params", "legacy_fusion")
 SCHEDULER_SECTION_KEYS = ("type", "params")
 # Keys engine._configure_basic_optimizer / get_optimizer_configuration pop before it builds
-# Adam or AdamW; the rest go as keyword arguments to the Adam it builds (adam_family_keys).
+# Adam or AdamW; the rest go as keyword arguments to the Adam it builds (built_adam).
 ADAM_POPPED_KEYS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "foreach")
 ADAM_NUMBERS = ("lr", "eps", "weight_decay")
+TORCH_ADAM = "torch's Adam"
+ADAM_BOOLEANS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "bias_correction", "amsgrad", "set_grad_none",
+                 "foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
 def section_params(ds: dict, name: str, known: tuple, example: str, result: LintResult) -> tuple[dict, dict] | None:
@@ -266,21 +269,35 @@ def check_optimizer(ds: dict, result: LintResult) -> None:
                                        "section without it", '"type": "AdamW"'))
     kind = str(section.get("type", "")).lower()
     if kind in ("adam", "adamw"):  # DeepSpeed lower-cases its own optimizer names (config.py)
-        check_adam_params(params, result)
+        check_adam_params(ds, params, result)
     check_numeric_strings("optimizer.params", params, result)
 
 
-def check_adam_params(params: dict, result: LintResult) -> None:
+def check_adam_params(ds: dict, params: dict, result: LintResult) -> None:
     if "max_grad_norm" in params:  # engine._configure_basic_optimizer raises ValueError on it
         result.findings.append(Finding("error", "optimizer.params.max_grad_norm", "DeepSpeed refuses it in the "
                                        "optimizer (ValueError)", 'remove it; set top-level "gradient_clipping"'))
-    valid = adam_family_keys()
+    for key in ADAM_BOOLEANS:
+        if isinstance(params.get(key), str):  # the engine tests it with `if`: "false" is a true value
+            result.findings.append(Finding("error", f"optimizer.params.{key}", f"is the text {params[key]!r}, which "
+                                           "DeepSpeed reads as true (any non-empty text is)",
+                                           f"write {params[key].strip().lower()} without quotes"))
+    built, valid = built_adam(ds, params)
+    torch_only = torch_adam_keys() - valid
     for key in params:
-        if key not in valid and key != "max_grad_norm":
+        if key in valid or key == "max_grad_norm":
+            continue
+        if key in torch_only:
+            fix = f'only torch\'s Adam takes it: add "torch_adam": true (slower than {built}) or remove it'
+        else:
             near = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
-            result.findings.append(Finding("error", f"optimizer.params.{key}",
-                                           "not an argument of DeepSpeed's Adam/AdamW: it fails building it",
-                                           f"did you mean {near[0]}?" if near else f"valid keys: {', '.join(sorted(valid))}"))
+            fix = f"did you mean {near[0]}?" if near else f"valid keys: {', '.join(sorted(valid))}"
+        result.findings.append(Finding("error", f"optimizer.params.{key}",
+                                       f"not an argument of {built}, the Adam DeepSpeed builds for this config: "
+                                       "it fails building it", fix))
+    if params.get("amsgrad") is True and built != TORCH_ADAM:
+        result.findings.append(Finding("error", "optimizer.params.amsgrad", f"{built} raises on it (no AMSGrad "
+                                       "variant)", 'remove it, or add "torch_adam": true for torch\'s AMSGrad'))
     for key in ADAM_NUMBERS:
         if key in params and not _is_number(params[key]):
             result.findings.append(number_finding(f"optimizer.params.{key}", params[key]))
@@ -290,19 +307,36 @@ def check_adam_params(params: dict, result: LintResult) -> None:
                                        '"betas": [0.9, 0.999]'))
 
 
-def adam_family_keys() -> set[str]:
-    """Every keyword one of the Adams DeepSpeed may build for type Adam/AdamW takes: FusedAdam
-    (GPU), DeepSpeedCPUAdam (offload_optimizer cpu), torch's Adam/AdamW (torch_adam), plus the
-    keys the engine pops. A key none of them takes fails whichever is built. adamw_mode is
-    passed by the engine itself to the CPU Adam: set by the user it is a duplicate argument."""
+def built_adam(ds: dict, params: dict) -> tuple[str, set[str]]:
+    """The Adam DeepSpeed builds for type Adam/AdamW and the keys its params may hold
+    (engine.get_optimizer_configuration, 0.19.8): torch's with "torch_adam" (tested for truth),
+    else DeepSpeedCPUAdam when the optimizer is offloaded to cpu or nvme (ZenFlow's wraps it),
+    else FusedAdam. The engine pops ADAM_POPPED_KEYS first and passes the mode itself:
+    adamw_mode set by the user is a duplicate argument of the CPU Adam."""
+    import inspect
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    if params.get("torch_adam"):
+        return TORCH_ADAM, torch_adam_keys()
+    section = ds.get("zero_optimization")
+    section = section if isinstance(section, dict) else {}
+    offload = section.get("offload_optimizer")
+    offloaded = section.get("cpu_offload") is True or (isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme"))
+    cls, own = (DeepSpeedCPUAdam, {"self", "model_params", "adamw_mode"}) if offloaded else \
+        (FusedAdam, {"self", "params", "adam_w_mode"})
+    keys = set(inspect.signature(cls.__init__).parameters) - own
+    return cls.__name__, keys | set(ADAM_POPPED_KEYS) - {"foreach"}  # foreach is popped for torch's Adam alone
+
+
+def torch_adam_keys() -> set[str]:
+    """What torch's Adam and AdamW take, with the keys the engine pops (foreach among them)."""
     import inspect
 
     import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-    keys = {name for cls in (FusedAdam, DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)
-            for name in inspect.signature(cls.__init__).parameters}
-    return (keys - {"self", "params", "model_params", "adamw_mode"}) | set(ADAM_POPPED_KEYS)
+    keys = {name for cls in (torch.optim.Adam, torch.optim.AdamW) for name in inspect.signature(cls.__init__).parameters}
+    return (keys - {"self", "params"}) | set(ADAM_POPPED_KEYS)
 
 
 def check_scheduler(ds: dict, result: LintResult, autos: list[str] = ()) -> None:
