@@ -432,6 +432,8 @@ def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, t
     survivors = [2] if fault.startswith("kill@save") else [2, 4]
     assert valid_steps(run) == survivors
     assert list((run / "checkpoints").glob(".tmp-step-*"))  # the killed save's leftovers
+    summary = diagnose(run).summary  # the async save cut short is counted as such, not as a save
+    assert (summary["saves"], summary["saves_unfinished"]) == (len(survivors), 1 if async_save else 0)
     done = run_zerofit(["train", "--config", str(config)])
     assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(survivors[-1])}" in done.stderr.replace("\n", "")
     assert "removed 1 unfinished save" in done.stderr
@@ -483,6 +485,8 @@ def test_save_failures_with_on_error_continue(tmp_path):
     assert valid_steps(run) == [2] and (run / "checkpoints" / "latest").read_text() == "step-000002"
     failures = [r for r in read_jsonl(run / "memory.jsonl") if r["phase"] == "checkpoint_failed"]
     assert [r["checkpoint"] for r in failures] == ["step-000004", "step-000006"]
+    summary = diagnose(run).summary  # save 2 failed writing after its stall was marked: not counted as a save
+    assert (summary["saves"], summary["saves_failed"], summary["saves_unfinished"]) == (1, 2, 0)
 
 
 def sigterm_once_there(args: list[str], path: Path, env: dict, nproc: int = 1) -> tuple[int, str, str]:

@@ -230,12 +230,43 @@ def summarize(records: list[dict], facts: RunFacts, every_rank: list[dict] | Non
     phases = [r["phase"] for r in records]
     peaks = measured_peaks(every_rank or records)
     training = [r for r in records if r["phase"] not in EVENT_PHASES]
-    return {"steps": max((r["step"] for r in training), default=0), "saves": phases.count("save"),
+    saves = save_outcomes(records)
+    return {"steps": max((r["step"] for r in training), default=0), **saves,
             "evals": phases.count("eval"), "ooms": phases.count("oom"), "watchdog": phases.count("watchdog"),
             "resumes": max(0, phases.count("start") - 1), "on_gpu": any(r.get("gpu_reserved") for r in records),
             "gpu_peak_reserved": peaks["gpu"], "gpu_peak": peaks["gpu_alloc"], "host_peak": peaks["host"],
             "pinned": peaks["pinned"], "nvme_swap": peaks["nvme"], "gpu_budget": facts.gpu_budget,
             "host_budget": facts.host_budget}
+
+
+def save_outcomes(records: list[dict]) -> dict:
+    """Saves that were published, that failed, and that never finished. A "save" record marks
+    the training's stall (checkpointer.save): a sync save is published by then, unless its
+    checkpoint_failed came just before it; an async one is published at its later
+    checkpoint_written or lost at a checkpoint_failed, and with neither it was still being
+    written when the timeline ends (the run killed mid-write, or still running).
+    HF Trainer's timelines mark saves without a mode: published."""
+    published = failed = 0
+    in_flight: set[str] = set()
+    failed_since_save: set[str] = set()
+    for record in records:
+        phase, name = record.get("phase"), record.get("checkpoint")
+        if phase == "checkpoint_failed":
+            failed += 1
+            if name in in_flight:
+                in_flight.discard(name)
+            else:
+                failed_since_save.add(name)
+        elif phase == "checkpoint_written" and name in in_flight:
+            in_flight.discard(name)
+            published += 1
+        elif phase == "save":
+            if record.get("mode") == "async":
+                in_flight.add(name)
+            elif name not in failed_since_save:
+                published += 1
+            failed_since_save.clear()
+    return {"saves": published, "saves_failed": failed, "saves_unfinished": len(in_flight)}
 
 
 # ---------------------------------------------------------------------------- the verb

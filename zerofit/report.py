@@ -218,9 +218,20 @@ def host_budget_kind(diagnosis) -> str:
     return "machine RAM" if diagnosis.facts.host_budget_is_machine else "plan.host_mem"
 
 
+def saves_phrase(summary: dict) -> str:
+    """`4 saves`, `3 saves (1 failed, 1 unfinished: being written when the timeline ends)`."""
+    extra = [f"{summary['saves_failed']} failed"] if summary["saves_failed"] else []
+    if summary["saves_unfinished"]:
+        extra.append(f"{summary['saves_unfinished']} unfinished: being written when the timeline ends")
+    return f"{summary['saves']} saves" + (f" ({', '.join(extra)})" if extra else "")
+
+
 def cards(diagnosis) -> str:
     s = diagnosis.summary
-    items = [(s["steps"], "steps"), (s["saves"], "saves"), (s["evals"], "evals")]
+    items = [(s["steps"], "steps"), (s["saves"], "saves")]
+    items += [(s[key], label) for key, label in (("saves_failed", "saves failed"),
+                                                 ("saves_unfinished", "saves unfinished")) if s[key]]
+    items.append((s["evals"], "evals"))
     if s["on_gpu"]:
         budget = f" / {gib(s['gpu_budget'])}" if s["gpu_budget"] else ""
         items.append((gib(s["gpu_peak_reserved"]) + budget, "GPU peak reserved"))
@@ -352,7 +363,7 @@ def print_summary(diagnosis, html_path: Path, console=None) -> None:
     gpu = f"GPU peak {gib(s['gpu_peak_reserved'])} reserved" + (f" of {gib(s['gpu_budget'])}" if s["gpu_budget"]
                                                                  else "") + ", " if s["on_gpu"] else ""
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
-                  f"{s['saves']} saves, {s['evals']} evals, {gpu}host peak {gib(s['host_peak'])}"
+                  f"{saves_phrase(s)}, {s['evals']} evals, {gpu}host peak {gib(s['host_peak'])}"
                   + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
     if len(diagnosis.ranks) > 1:
         console.print("ranks: " + "; ".join(
