@@ -299,3 +299,127 @@ def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
     assert two_ranks[0].tokens_between(0, 3) == served < 3 * 4 * 64
     packed = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 16)
     assert packed.lengths is None and Batches(packed, 2, 0, 2, seed=1).tokens_between(0, 3) == 3 * 4 * 16
+
+
+# ------------------------------------------------- what LLaMA-Factory users bring
+def test_a_packed_row_whose_only_label_is_its_first_token_is_dropped():
+    """The loss predicts token t+1 from t: a row whose one learned token is at position 0 (an
+    answer's EOS spilled into the next packed row) counts nothing, and its mean loss was 0/0 =
+    NaN, stopping the run as "diverged"."""
+    import torch
+
+    examples = [([1, 7, 7, 7, 9], [IGNORE] * 4 + [9]), ([1, 8, 8, 8], [IGNORE] * 4), ([1, 5, 6, 2], [IGNORE, 5, 6, 2])]
+    seqs = data.to_sequences(examples, DataConfig(), tokenizer=type("T", (), {"pad_token_id": 0})(), seq_len=4)
+    assert seqs.input_ids.tolist() == [[8, 1, 5, 6]] and seqs.prompt_only_rows == 2
+    labels = torch.as_tensor(seqs.labels)
+    loss = torch.nn.functional.cross_entropy(torch.zeros(3, 16), labels[0, 1:], ignore_index=IGNORE)
+    assert torch.isfinite(loss)
+
+
+def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(tokenizer):
+    row = {"instruction": "And times 3?", "input": "", "output": "0", "system": "You are a calculator.",
+           "history": [["What is 0*2?", "0"]]}
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    assert tokenizer.decode(ids) == ("<s>You are a calculator.\n\n### Instruction:\nWhat is 0*2?\n\n### Response:\n0</s>"
+                                     "### Instruction:\nAnd times 3?\n\n### Response:\n0</s>")
+    assert decode_learned(tokenizer, ids, labels) == "0</s>0</s>"  # both answers, prompts and system masked
+    conversation = [{"role": "system", "content": row["system"]}, {"role": "user", "content": "What is 0*2?"},
+                    {"role": "assistant", "content": "0"}, {"role": "user", "content": row["instruction"]},
+                    {"role": "assistant", "content": "0"}]
+    rendered = tokenizer.apply_chat_template(conversation, chat_template=data.ALPACA_CHAT_TEMPLATE, tokenize=True,
+                                             return_dict=False)
+    assert list(rendered) == ids  # the exported template prompts as training read it
+    with pytest.raises(data.RowError, match="history.*pairs"):
+        data.tokenize_row(row | {"history": ["What is 0*2?"]}, "alpaca", tokenizer)
+
+
+def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
+    """LLaMA-Factory's sharegpt: {conversations: [{from, value}], system?}, human/gpt/observation/
+    function_call; the same speaker names inside `messages` are read the same way."""
+    share = {"system": "be brief", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"},
+                                                      {"from": "human", "value": "3+3?"}, {"from": "gpt", "value": "6"}]}
+    plain = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
+                          {"role": "assistant", "content": "6"}]}
+    assert data.tokenize_row(share, "sharegpt", tokenizer) == data.tokenize_row(plain, "messages", tokenizer)
+    named = {"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]}
+    assert decode_learned(tokenizer, *data.tokenize_row(named, "messages", tokenizer)) == "4</s>\n"
+    path = write_jsonl(tmp_path / "d.jsonl", [share] * 3)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
+    assert len(seqs) == 3 and seqs.formats == ("sharegpt",)
+    tools = {"messages": [{"role": "user", "content": "weather?"}, {"role": "function_call", "content": "get()"},
+                          {"role": "observation", "content": "sun"}, {"role": "assistant", "content": "sunny"}]}
+    tokenizer.chat_template = None
+    assert decode_learned(tokenizer, *data.tokenize_row(tools, "messages", tokenizer)) == "get()</s>sunny</s>"
+
+
+def test_a_conversation_opening_with_the_assistant_is_a_bad_row(tmp_path, tokenizer):
+    """With a chat template, nothing prompts an opening assistant turn (and templates add their
+    default system prompt before it): a row error by line, not apply_chat_template's traceback."""
+    good = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    odd = {"messages": [{"role": "assistant", "content": "Hi!"}] + good["messages"]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, good, odd])
+    with pytest.raises(DataError, match=r"d.jsonl, line 3: field `messages`: the conversation opens with an assistant "
+                                        r"turn.*\(messages format\); fix the row"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True, packing=False), tokenizer, 32)
+    assert (len(seqs), seqs.skipped_rows) == (2, 1)
+
+
+def test_rows_of_several_formats_in_one_file(tmp_path, tokenizer):
+    """Each row is read by its own fields; a row that fits none is read as the file's usual
+    format, so the error names what it lacks (it named line 1, the first of the usual rows)."""
+    alpaca = {"instruction": "i", "output": "o"}
+    rows = [alpaca] * 5 + [{"text": "plain"}, {"messages": [{"role": "user", "content": "q"},
+                                                             {"role": "assistant", "content": "a"}]}] + [alpaca] * 3
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
+    assert len(seqs) == 10 and seqs.formats == ("alpaca", "text", "messages")
+    write_jsonl(path, rows + [{"instruction": "no answer"}])
+    with pytest.raises(DataError, match=r"line 11: field `output`: missing \(alpaca format\)"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 64)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.jsonl", b"", r"empty.jsonl is empty"),
+    ("blank.jsonl", b"\n  \n", r"blank.jsonl is empty"),
+    ("empty.json", b"", r"empty.json is empty"),
+    ("none.json", b"[]", r"none.json holds no rows \(an empty list\)"),
+    ("cut.json", b'[{"text": "a"},\n {"text": "b"', r"cut.json, line 2, column \d+: not valid JSON"),
+    ("latin1.jsonl", '{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"), r"latin1.jsonl, line 2: not UTF-8 text"),
+])
+def test_files_that_hold_no_rows_or_no_text_are_named(tmp_path, tokenizer, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
+def test_directories_and_saved_datasets(tmp_path, tokenizer):
+    import datasets
+
+    rows = [{"text": f"row {i}"} for i in range(6)]
+    (tmp_path / "dir" / "sub").mkdir(parents=True)
+    write_jsonl(tmp_path / "dir" / "a.jsonl", rows[:3])
+    write_jsonl(tmp_path / "dir" / "sub" / "b.jsonl", rows[3:])
+    (tmp_path / "dir" / "notes.txt").write_text("not data")
+    files = data.data_files(str(tmp_path / "dir"))
+    assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl"]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                          "test": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(tmp_path / "splits"))
+    for path, count in (("dir", 6), ("saved", 6), ("splits", 4)):
+        cfg = DataConfig(path=str(tmp_path / path), packing=False)
+        seqs = data.build_sequences(data.data_files(cfg.path), cfg, tokenizer, 16)
+        assert len(seqs) == count and tokenizer.decode(seqs.input_ids[1][1:6]) == "row 1"
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(DataError, match="holds no .jsonl, .json or .parquet files"):
+        data.data_files(str(tmp_path / "nothing"))
+
+
+def test_eval_path_takes_several_files(tmp_path, tokenizer):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}"} for i in range(8)])
+    held = [write_jsonl(tmp_path / f"e{n}.jsonl", [{"text": "held"}] * 2) for n in (1, 2)]
+    cfg = DataConfig(path=str(train), eval_path=[str(p) for p in held], packing=False)
+    _, eval_set = data.load_splits(cfg, tokenizer, 16, seed=0, vocab_size=128)
+    assert len(eval_set) == 4

@@ -130,14 +130,16 @@ class LoraConfig(Section):
 
 class DataConfig(Section):
     path: str | list[str] = "demo"
-    """Training data: local .jsonl/.json/.parquet file(s); `demo` for the bundled synthetic
-    instruction set; `synthetic` for random tokens (throughput benchmarks)."""
-    format: Literal["auto", "text", "alpaca", "messages"] = "auto"
-    """Row format: `text` {text}; `alpaca` {instruction, input?, output}; `messages`
-    {messages: [{role, content}]}; `auto` picks by the file's columns (every row's keys: a
-    file that mixes formats needs them split, or `format` set and the odd rows skipped)."""
-    eval_path: str | None = None
-    """Held-out data file(s). Default: `eval_fraction` of the training rows."""
+    """Training data: local .jsonl/.json/.parquet file(s) or directories of them (or of a
+    `datasets` save_to_disk); `demo` for the bundled synthetic instruction set; `synthetic`
+    for random tokens (throughput benchmarks)."""
+    format: Literal["auto", "text", "alpaca", "messages", "sharegpt"] = "auto"
+    """Row format: `text` {text}; `alpaca` {instruction, input?, output, system?, history?:
+    [[instruction, output], ...]}; `messages` {messages: [{role, content}]}; `sharegpt`
+    {conversations: [{from, value}], system?} (LLaMA-Factory's: human/gpt/observation/
+    function_call); `auto` picks per row by its fields."""
+    eval_path: str | list[str] | None = None
+    """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
     """Fraction of training rows held out for eval when no eval_path is given."""
     packing: bool = True

@@ -6,8 +6,10 @@ resumed run continues the very same stream, on any number of ranks.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +22,15 @@ IGNORE = -100  # the label value HF causal-LM losses skip
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
+SAVED_DATASET_DICT_FILE = "dataset_dict.json"  # ... and above the splits' directories for a DatasetDict
 # The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
 # into every export) so that `zerofit chat`, transformers and vLLM prompt the model as it was
-# trained. Alpaca: each user turn an instruction, each answer its response and EOS (system turns
-# are not part of the layout and are left out); no template: `role:\n` heads, EOS after each turn.
+# trained. Alpaca: the system text and a blank line first, each user turn an instruction, each
+# answer its response and EOS; no template: `role:\n` heads, EOS after each turn.
 ALPACA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
     "### Response:\n{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -71,13 +76,34 @@ class Sequences:
 
 # ------------------------------------------------------------------------ reading
 def data_files(path: str | list[str]) -> list[Path]:
-    files = [Path(p) for p in ([path] if isinstance(path, str) else path)]
-    for f in files:
-        if not f.is_file():
-            raise DataError(f"data file {f} does not exist; set data.path to local .jsonl/.json/.parquet files")
-        if f.suffix not in SUFFIXES:
+    """The files (and saved datasets) data.path names: a directory stands for the data files
+    under it, in name order, or for the dataset `datasets.save_to_disk` wrote there."""
+    files = []
+    for f in [Path(p) for p in ([path] if isinstance(path, str) else path)]:
+        if f.is_dir():
+            files += [f] if is_saved_dataset(f) else files_under(f)
+        elif not f.is_file():
+            raise DataError(f"data file {f} does not exist; set data.path to local .jsonl/.json/.parquet files "
+                            f"or a directory of them")
+        elif f.suffix not in SUFFIXES:
             raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
+        else:
+            files.append(f)
     return files
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    return (all((directory / name).is_file() for name in SAVED_DATASET_FILES)
+            or (directory / SAVED_DATASET_DICT_FILE).is_file())
+
+
+def files_under(directory: Path) -> list[Path]:
+    found = sorted(f for f in directory.rglob("*") if f.is_file() and f.suffix in SUFFIXES
+                   and not any(part.startswith(".") for part in f.relative_to(directory).parts))
+    if not found:
+        raise DataError(f"data directory {directory} holds no .jsonl, .json or .parquet files (nor a dataset "
+                        f"saved with datasets' save_to_disk); point data.path at the data files")
+    return found
 
 
 def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
@@ -87,16 +113,73 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     import datasets
 
     datasets.disable_progress_bars()
+    if file.is_dir():
+        return saved_dataset(file), None, []
+    if file.suffix != ".parquet":
+        check_text(file)
     # its "Failed to load JSON ... in row N" (rows counted its own way) would precede our line number
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     try:
-        return datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
+        rows, numbers, bad = datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
         if file.suffix == ".jsonl":  # line by line: a bad line, or a value of another type than its column's
             rows, numbers, bad = _json_lines(file, skip_bad_lines)
-            return JsonRows(rows), numbers, bad
-        raise DataError(f"{file}: cannot be read as {SUFFIXES[file.suffix]} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
+            rows = JsonRows(rows)
+        else:
+            raise DataError(json_array_problem(file) or f"{file}: cannot be read as {SUFFIXES[file.suffix]} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
+    if len(rows) == 0 and not bad:
+        raise DataError(f"{file} holds no rows; add data or leave the file out of data.path")
+    return rows, numbers, bad
+
+
+def saved_dataset(directory: Path):
+    """What datasets.save_to_disk wrote: one Dataset, or a DatasetDict's "train" split."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(directory))
+    except Exception as e:  # noqa: BLE001 - datasets raises several kinds for a damaged directory
+        raise DataError(f"{directory}: cannot be read as a saved dataset ({type(e).__name__}: {e}); save it again "
+                        f"with save_to_disk, or export it to .jsonl") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{directory} holds the splits {sorted(loaded)} and no `train`; point data.path at "
+                            f"{directory}/<split> (data.eval_path at another)")
+        loaded = loaded["train"]
+    return loaded
+
+
+def check_text(file: Path) -> None:
+    """A json/jsonl file must be UTF-8 and hold something: pyarrow raises a bare
+    UnicodeDecodeError mid-iteration, and an empty file reads as `columns []`."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, blank = 1, True
+    with file.open("rb") as chunks:
+        while chunk := chunks.read(1 << 24):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:  # e.start counts from this chunk (a cut character's first bytes aside)
+                line += chunk[:e.start].count(b"\n")
+                raise DataError(f"{file}, line {line}: not UTF-8 text (byte 0x{chunk[e.start]:02x}); save the file "
+                                f"as UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+            line += chunk.count(b"\n")
+            blank = blank and not chunk.strip()
+    if blank:
+        raise DataError(f"{file} is empty; add data or leave the file out of data.path")
+
+
+def json_array_problem(file: Path) -> str | None:
+    """Where a .json file that datasets could not load goes wrong: its JSON error's line and
+    column, or an empty list; None when it parses (the loader's own message is kept)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as e:
+        return (f"{file}, line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the file (a .json "
+                f"file is one JSON array of rows; one row per line is .jsonl)")
+    if value == []:
+        return f"{file} holds no rows (an empty list); add data or leave the file out of data.path"
+    return None
 
 
 class JsonRows(list):
@@ -111,7 +194,7 @@ class JsonRows(list):
 def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int], list[str]]:
     """The rows of a jsonl file whose parse failed, their line numbers, and the bad lines."""
     rows, numbers, bad = [], [], []
-    with file.open() as lines:
+    with file.open(encoding="utf-8-sig") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -136,7 +219,7 @@ def line_of_row(file: Path, row_index: int) -> str:
     if file.suffix != ".jsonl":
         return f"row {row_index + 1}"
     seen = -1
-    with file.open() as lines:
+    with file.open(encoding="utf-8-sig") as lines:
         for number, line in enumerate(lines, 1):
             seen += bool(line.strip())
             if seen == row_index:
@@ -144,21 +227,37 @@ def line_of_row(file: Path, row_index: int) -> str:
     return f"row {row_index + 1}"
 
 
-def detect_format(columns: list[str], file: Path) -> str:
-    if "messages" in columns:
+def row_format(row: dict) -> str | None:
+    """A row's format by the fields it fills (a Dataset gives every row every column of its
+    file, None where the row lacks it), None when they fit no format."""
+    fields = {key for key, value in row.items() if value is not None}
+    if "messages" in fields:
         return "messages"
-    if "instruction" in columns and "output" in columns:
+    if "conversations" in fields:
+        return "sharegpt"
+    if "instruction" in fields and "output" in fields:
         return "alpaca"
-    if "text" in columns:
+    if "text" in fields:
         return "text"
-    raise DataError(f"{file}: cannot tell the format from columns {columns}; expected `text`, "
-                    f"`instruction`+`output` (alpaca) or `messages`, or set data.format")
+    return None
+
+
+def row_formats(rows, file: Path) -> tuple[list[str | None], str]:
+    """Each row's format, and the file's most common one: rows of several formats may share a
+    file; a row that fits none is read as the file's format, so its error names the field it lacks."""
+    found = [row_format(row) for row in rows]
+    counts = Counter(fmt for fmt in found if fmt)
+    if not counts:
+        raise DataError(f"{file}: cannot tell the format from its fields {rows.column_names}; "
+                        f"expected `text`, `instruction`+`output` (alpaca), `messages`, or `conversations` "
+                        f"(sharegpt), or set data.format")
+    return found, counts.most_common(1)[0][0]
 
 
 # --------------------------------------------------------------------- tokenizing
 class RowError(ValueError):
-    def __init__(self, field_name: str, problem: str):
-        super().__init__(f"field `{field_name}`: {problem}")
+    def __init__(self, field_name: str | None, problem: str):
+        super().__init__(f"field `{field_name}`: {problem}" if field_name else problem)
 
 
 def _text(row: dict, key: str, required: bool = True) -> str:
@@ -187,30 +286,83 @@ def tokenize_row(row: dict, fmt: str, tokenizer) -> tuple[list[int], list[int]]:
         ids = text_ids(tokenizer, _text(row, "text")) + eos
         return ids, list(ids)
     if fmt == "alpaca":
-        instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
-        template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
-        prompt = bos + tokenizer.encode(template.format(instruction=instruction, input=extra),
-                                        add_special_tokens=False)
-        answer = tokenizer.encode(_text(row, "output"), add_special_tokens=False) + eos
-        return prompt + answer, [IGNORE] * len(prompt) + answer
+        return _tokenize_alpaca(row, tokenizer, bos, eos)
     if fmt == "messages":
-        return _tokenize_messages(row, tokenizer, bos, eos)
+        return _tokenize_messages(_messages(row), tokenizer, bos, eos)
+    if fmt == "sharegpt":
+        return _tokenize_messages(sharegpt_messages(row), tokenizer, bos, eos)
     raise ValueError(f"unknown format {fmt}")
 
 
-def _tokenize_messages(row: dict, tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
+def _tokenize_alpaca(row: dict, tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
+    """LLaMA-Factory's alpaca row: the system text opens the prompt, each `history` pair is an
+    earlier instruction and response (learned, as every assistant turn of a conversation is),
+    then the row's own instruction (with its input) and output."""
+    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
+    turns = [(ALPACA_PROMPT.format(instruction=q), a) for q, a in _history(row)]
+    turns.append(((ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra),
+                  _text(row, "output")))
+    system = _text(row, "system", required=False)
+    ids, labels = list(bos), [IGNORE] * len(bos)
+    for n, (prompt_text, answer_text) in enumerate(turns):
+        prompt = tokenizer.encode((f"{system}\n\n" if system and n == 0 else "") + prompt_text,
+                                  add_special_tokens=False)
+        answer = tokenizer.encode(answer_text, add_special_tokens=False) + eos
+        ids += prompt + answer
+        labels += [IGNORE] * len(prompt) + answer
+    return ids, labels
+
+
+def _history(row: dict) -> list[tuple[str, str]]:
+    history = row.get("history") or []
+    if not isinstance(history, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair) for pair in history):
+        raise RowError("history", "expected a list of [instruction, response] pairs of strings")
+    return [tuple(pair) for pair in history]
+
+
+# ShareGPT's speaker names (LLaMA-Factory's defaults) and the chat roles they are: a function
+# call is the assistant's output (learned); an observation is a tool's answer (masked).
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
+
+
+def _messages(row: dict) -> list[dict]:
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RowError("messages", "expected a non-empty list of {role, content}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowError(f"messages[{i}]", "expected {role: str, content: str}")
+    return [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+
+
+def sharegpt_messages(row: dict) -> list[dict]:
+    """A ShareGPT row ({conversations: [{from, value}], system?}) as chat messages."""
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise RowError("conversations", "expected a non-empty list of {from, value}")
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+            raise RowError(f"conversations[{i}]", "expected {from: str, value: str}")
+    system = _text(row, "system", required=False)
+    return [{"role": "system", "content": system}] * bool(system) + \
+        [{"role": ROLE_ALIASES.get(t["from"], t["from"]), "content": t["value"]} for t in turns]
+
+
+def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
     if not any(m["role"] == "assistant" for m in messages):
-        raise RowError("messages", "no assistant turn to learn from")
+        roles = sorted({m["role"] for m in messages})
+        raise RowError("messages", f"no assistant turn to learn from (roles: {', '.join(roles)}; the answers' role "
+                                   f"is `assistant`, or `gpt` in ShareGPT's naming)")
     if tokenizer.chat_template:
+        if messages[0]["role"] == "assistant":  # nothing prompts it, and templates add their default system prompt
+            raise RowError("messages", "the conversation opens with an assistant turn; start it with a user (or "
+                                       "system) turn, or drop the opening assistant turn")
         try:
             return _chat_template_spans(messages, tokenizer)
-        except TemplateError as e:  # the template's own raise_exception: e.g. Gemma's "System role not supported"
+        except RowError:
+            raise
+        except (TemplateError, ValueError) as e:  # the template's raise_exception: Gemma's "System role not supported"
             raise RowError("messages", f"the tokenizer's chat template refused it: {e}") from None
     # No template: a plain "role: content" layout, assistant turns learned.
     ids, labels = list(bos), [IGNORE] * len(bos)
@@ -258,7 +410,7 @@ def trained_chat_template(formats: tuple[str, ...], tokenizer) -> str | None:
     layout (text rows, or several formats mixed)."""
     if formats == ("alpaca",):
         return ALPACA_CHAT_TEMPLATE
-    if formats == ("messages",) and not tokenizer.chat_template:
+    if formats and set(formats) <= {"messages", "sharegpt"} and not tokenizer.chat_template:
         return PLAIN_CHAT_TEMPLATE
     return None
 
@@ -288,11 +440,12 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
     for file in files:
         rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows)
         skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
-        fmt = cfg.format if cfg.format != "auto" else detect_format(rows.column_names, file)
-        formats[fmt] = True
+        found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
         for index, row in enumerate(rows):
+            fmt = found[index] or usual
             try:
                 examples.append(tokenize_row(row, fmt, tokenizer))
+                formats[fmt] = True
             except RowError as e:
                 line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
                 where = f"{file}, {line}: {e} ({fmt} format)"
@@ -307,7 +460,10 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
                  reasons: list[str] = (), formats: tuple[str, ...] = ()) -> Sequences:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
-    learnable = (labels != IGNORE).any(axis=1)  # a row of prompt only would make a NaN loss
+    # A row must hold a learned token past its first: the loss predicts token t+1 from t, so a label
+    # at position 0 (an answer's last token spilled into the next packed row) is never counted,
+    # and a row without another would make the mean loss 0/0, a NaN.
+    learnable = (labels[:, 1:] != IGNORE).any(axis=1)
     lengths = None if cfg.packing else np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats,
