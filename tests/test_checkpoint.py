@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, wait_for, write_config, zerofit_command
+from conftest import (ROOT, child_env, read_jsonl, run_zerofit, tiny_config, wait_for, write_config, write_jsonl,
+                      zerofit_command)
 from zerofit import checkpoint, checkpointer, data, faults
 from zerofit.doctor import diagnose
 
@@ -577,6 +578,24 @@ def test_resume_with_another_config_names_what_changed(tmp_path):
                 f"continuing with the current one") in done.stderr
     unchanged = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=8", "--resume"])
     assert "different config" not in unchanged.stderr and "is complete at step 8" in unchanged.stderr.replace("\n", " ")
+
+
+def test_a_resume_on_data_changed_under_the_same_path_is_named(tmp_path):
+    """The same file, rows reordered and rewritten, the same number of sequences: the
+    position carried over no longer means the rows trained (and the eval split may hold
+    trained rows). Named once; the checkpoints then carry the new data's fingerprint."""
+    rows = [{"instruction": f"spell {i}", "output": "x" * (i % 5 + 3)} for i in range(64)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", data_path=str(path),
+                                                           train={"max_steps": 2}, checkpoint={"every_steps": 2},
+                                                           data={"packing": False}))
+    run_zerofit(["train", "--config", str(config)])
+    write_jsonl(path, [{"instruction": r["instruction"].upper(), "output": r["output"]} for r in reversed(rows)])
+    changed = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=4", "--resume"],
+                          env={"COLUMNS": "400"})
+    assert "the data's tokens differ from those step-000002 trained on" in changed.stderr
+    again = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=6", "--resume"])
+    assert "the data's tokens differ" not in again.stderr and "resumed from" in again.stderr
 
 
 def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewritten(reference, tmp_path):

@@ -249,6 +249,13 @@ class Checkpointer:
             warn(f"{directory.name} trained {change}; the learning-rate schedule counts optimizer steps, not "
                  f"sequences. To keep the checkpoint's batch, set train.global_batch_size and leave "
                  f"train.micro_batch_size / train.grad_accum_steps to the planner")
+        if self.dist.is_main and state.data_fingerprint and state.data_fingerprint != fresh.data_fingerprint \
+                and state.epoch_sequences == fresh.epoch_sequences:  # another count is named with the position
+            warn(f"the data's tokens differ from those {directory.name} trained on (the files under data.path, the "
+                 f"tokenizer or the data settings changed; the same number of sequences): the position carries "
+                 f"over, but the rows before it are not the ones trained, and the eval split may hold rows "
+                 f"trained on. Start afresh (--no-resume) to train on the new data from its beginning")
+        state = dataclasses.replace(state, data_fingerprint=fresh.data_fingerprint)  # what its saves train on now
         state = self._data_position_carried(state, fresh, directory.name)
         if state.config_fingerprint != fresh.config_fingerprint:
             if self.dist.is_main:

@@ -507,6 +507,19 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     return splits
 
 
+def fingerprint(*splits: Sequences) -> str:
+    """xxh3-128 of every split's token ids and labels: the same files, tokenizer and data
+    settings give the same value, so a resume can tell that the data under a path changed
+    (a few GB/s: seconds for a billion tokens)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for seqs in splits:
+        for array in (seqs.input_ids, seqs.labels):
+            digest.update(np.ascontiguousarray(array).data)
+    return digest.hexdigest()
+
+
 def check_vocabulary(splits: tuple[Sequences, ...], tokenizer_size: int, vocab_size: int) -> None:
     """Token ids the model's embedding has rows for: an id at or past vocab_size fails in the
     first forward ("index out of range"), after the model was built. zerofit does not resize

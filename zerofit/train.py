@@ -63,7 +63,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
-    fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set))
+    fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set),
+                        data_fingerprint=data.fingerprint(train_set, eval_set))
     resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
@@ -329,9 +330,10 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
              f"measured; raise data.eval_fraction, or set data.eval_path")
 
 
-def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0) -> checkpoint.LoopState:
+def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0,
+                data_fingerprint: str = "") -> checkpoint.LoopState:
     return checkpoint.LoopState(world_size=dist.world_size, micro_batch_size=config.train.micro_batch_size,
-                                epoch_sequences=epoch_sequences,
+                                epoch_sequences=epoch_sequences, data_fingerprint=data_fingerprint,
                                 config_fingerprint=config.fingerprint(), config_values=config.fingerprinted(),
                                 model_shape=models.shape_of(hf_config) if hf_config is not None else {})
 
