@@ -73,6 +73,11 @@ class RandomBatches:
         self.rng, self.shape, self.vocab = np.random.default_rng(0), (micro_batch, seq_len), vocab
         self.position = 0
 
+    def step_targets(self, accum: int):
+        """Every token after each row's first is learned (zerofit.data.Batches.step_targets); one rank."""
+        per_batch = self.shape[0] * (self.shape[1] - 1)
+        return [per_batch] * accum, per_batch * accum
+
     def next(self):
         ids = self.rng.integers(0, self.vocab, size=self.shape, dtype="int64")
         self.position += 1

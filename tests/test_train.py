@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
+from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +129,28 @@ def test_hf_loss_trains_the_same_steps(one_rank_run, tmp_path):
         if "eval_loss" in theirs:
             assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-3)
     assert chunked[-1]["loss"] < chunked[0]["loss"]
+
+
+def test_a_step_trains_on_the_mean_over_its_tokens_however_it_is_split(tmp_path):
+    """The same 4 padded sequences per step (answers of 1 to 60 tokens) as 4 x 1, 1 x 4
+    accumulated, and 2 per rank on 2 ranks: each step's loss is the mean over the step's
+    tokens, and its gradient that mean's, so the runs agree step for step (fp32). A plain mean
+    of micro-batch means (DeepSpeed's accumulation alone) weighted a 1-token answer like a
+    60-token one: the 1 x 4 run's losses differed from the 4 x 1 run's."""
+    rows = [{"instruction": f"say {i}", "output": "ab" * (1 + (i * 7) % 30)} for i in range(64)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    losses = {}
+    for name, micro, accum, ranks in (("4x1", 4, 1, 1), ("1x4", 1, 4, 1), ("2x1x2ranks", 2, 1, 2)):
+        config = write_config(tmp_path / f"{name}.yaml", tiny_config(
+            tmp_path / name, data_path=str(path), data={"packing": False, "eval_fraction": 0.0},
+            train={"max_steps": 3, "micro_batch_size": micro, "grad_accum_steps": accum, "precision": "fp32",
+                   "seq_len": 96}, eval={"every_steps": 0, "at_end": False}, checkpoint={"every_steps": 0,
+                                                                                      "save_final": False}))
+        run_zerofit(["train", "--config", str(config)], nproc=ranks)
+        losses[name] = [m["loss"] for m in read_jsonl(tmp_path / name / "metrics.jsonl")]
+    assert losses["1x4"] == pytest.approx(losses["4x1"], rel=1e-5)
+    assert losses["2x1x2ranks"] == pytest.approx(losses["4x1"], rel=1e-5)
+    assert len(losses["4x1"]) == 3 and losses["4x1"][2] < losses["4x1"][0]
 
 
 def test_finished_run_is_not_retrained(one_rank_run):

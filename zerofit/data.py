@@ -463,7 +463,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     # A row must hold a learned token past its first: the loss predicts token t+1 from t, so a label
     # at position 0 (an answer's last token spilled into the next packed row) is never counted,
     # and a row without another would make the mean loss 0/0, a NaN.
-    learnable = (labels[:, 1:] != IGNORE).any(axis=1)
+    learnable = targets(labels, per_row=True) > 0
     lengths = None if cfg.packing else np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats,
@@ -533,6 +533,12 @@ def check_vocabulary(splits: tuple[Sequences, ...], tokenizer_size: int, vocab_s
 
 
 # ------------------------------------------------------------------------ batches
+def targets(labels: np.ndarray, per_row: bool = False):
+    """The labels a causal-LM loss counts: each row's past its first (token t predicts t+1)."""
+    counted = (labels[:, 1:] != IGNORE).sum(axis=1)
+    return counted if per_row else int(counted.sum())
+
+
 class Batches:
     """Micro batches for one rank. Global micro batch j takes sequences
     [j*B*W, (j+1)*B*W) of the epoch's seeded permutation, rank r its slice r*B:(r+1)*B,
@@ -548,6 +554,7 @@ class Batches:
                             f"({micro_batch} x {world}); " + (dropped or "add data, or lower train.micro_batch_size"))
         self.position = position
         self._order_epoch, self._order = -1, None
+        self._targets = None  # per sequence, the labels the loss counts (target_counts)
 
     def _order_for(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
@@ -570,6 +577,22 @@ class Batches:
             epoch, index = divmod(position, self.per_epoch)
             total += int(self.seqs.lengths[self._order_for(epoch)[index * per_batch:(index + 1) * per_batch]].sum())
         return total
+
+    def step_targets(self, accum: int) -> tuple[list[int], int]:
+        """The tokens the loss counts (labels past each row's first) in this rank's next `accum`
+        micro batches, and in every rank's: what one optimizer step's token-weighted mean divides
+        by. The order is a pure function of (seed, position), so every rank knows every rank's
+        count without a collective; the position does not move."""
+        if self._targets is None:
+            self._targets = targets(self.seqs.labels, per_row=True)
+        per_batch, mine, total = self.micro_batch * self.world, [], 0
+        for position in range(self.position, self.position + accum):
+            epoch, index = divmod(position, self.per_epoch)
+            rows = self._order_for(epoch)[index * per_batch:(index + 1) * per_batch]
+            start = self.rank * self.micro_batch
+            mine.append(int(self._targets[rows[start:start + self.micro_batch]].sum()))
+            total += int(self._targets[rows].sum())
+        return mine, total
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         epoch, index = divmod(self.position, self.per_epoch)

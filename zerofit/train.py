@@ -180,24 +180,34 @@ def refuse_non_finite(loss: float, step: int, saver: checkpointer.Checkpointer) 
 # ------------------------------------------------------------------------ one step
 def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist,
                step: int, chunked_loss: bool = True, heap_step_temporaries: bool = False) -> float:
-    """One optimizer step of `accum` micro batches; the loss averaged over them and ranks.
-    DeepSpeed scales each micro loss by 1/accum and steps the optimizer on the last."""
+    """One optimizer step of `accum` micro batches; returns its loss, the mean over every token
+    the step trained on, on every rank.
+
+    The gradient is that mean's too, whatever the split into micro batches and ranks: each
+    micro batch's mean loss is weighted by its share of the step's tokens. DeepSpeed divides
+    each backward by accum (scale_wrt_gas) and averages gradients over ranks, so the weight is
+    tokens / step_tokens x accum x ranks. A plain mean of micro-batch means (what DeepSpeed alone
+    gives) over-weights the tokens of micro batches with few answer tokens: the gradient
+    accumulation bug transformers fixed with num_items_in_batch (v4.46). An OOM retry that
+    changes micro batch x accumulation so keeps the same objective."""
     import torch
 
-    losses = []
-    for _ in range(accum):
+    mine, step_tokens = batches.step_targets(accum)
+    weight = accum * dist.world_size / step_tokens
+    summed = []
+    for tokens in mine:
         input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
         postmortem.inject_oom_if_armed(step)
         faults.stall_or_kill_if_armed(step)
         micro_loss = forward_loss(ds_engine, input_ids, labels, chunked_loss)
         timeline.observe("forward")
-        ds_engine.backward(micro_loss)
+        ds_engine.backward(micro_loss * (tokens * weight))
         timeline.observe("backward")
         with hostalloc.heap_temporaries(heap_step_temporaries):
             ds_engine.step()
         timeline.observe("optimizer_step")
-        losses.append(micro_loss.detach().float())
-    return mean_over_ranks(torch.stack(losses).mean(), dist)
+        summed.append(micro_loss.detach().float() * tokens)
+    return sum_over_ranks(torch.stack(summed).sum(), dist) / step_tokens
 
 
 def forward_loss(ds_engine, input_ids, labels, chunked: bool):
@@ -207,12 +217,11 @@ def forward_loss(ds_engine, input_ids, labels, chunked: bool):
     return loss.causal_lm_loss(ds_engine(input_ids=input_ids).logits, labels)
 
 
-def mean_over_ranks(value, dist: engine.Dist) -> float:
+def sum_over_ranks(value, dist: engine.Dist) -> float:
     import torch.distributed as torch_dist
 
     if dist.world_size > 1:
         torch_dist.all_reduce(value)
-        value = value / dist.world_size
     return float(value)
 
 
@@ -247,13 +256,15 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
     if not batches:
         return None
     ds_engine.eval()
-    with torch.no_grad():
-        losses = [forward_loss(ds_engine, torch.from_numpy(ids).to(ds_engine.device),
-                               torch.from_numpy(labels).to(ds_engine.device), config.train.chunked_loss).float()
-                  for ids, labels in batches]
+    counted = [data.targets(labels) for _, labels in batches]
+    with torch.no_grad():  # the mean over every token evaluated, as the training loss is
+        summed = [forward_loss(ds_engine, torch.from_numpy(ids).to(ds_engine.device),
+                               torch.from_numpy(labels).to(ds_engine.device), config.train.chunked_loss).float() * n
+                  for (ids, labels), n in zip(batches, counted)]
     ds_engine.train()
     timeline.mark(step, "eval")
-    return mean_over_ranks(torch.stack(losses).mean(), dist)
+    tokens = torch.tensor(float(sum(counted)), device=ds_engine.device)
+    return sum_over_ranks(torch.stack(summed).sum(), dist) / sum_over_ranks(tokens, dist)
 
 
 # -------------------------------------------------------------------------- set-up
