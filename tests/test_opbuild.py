@@ -72,3 +72,22 @@ def test_training_goes_on_past_a_killed_build(tmp_path):
     assert "removed DeepSpeed's op build lock" in done.stdout + done.stderr
     assert str(lock) in (done.stdout + done.stderr).replace("\n", "")
     assert not lock.exists() and (tmp_path / "run" / "metrics.jsonl").exists()
+    assert "building DeepSpeed's" not in done.stderr  # both ops are there: nothing to announce
+    assert "built successfully" not in done.stdout  # DeepSpeed's print at every start: stdout is the verb's
+
+
+def test_a_first_build_is_announced(tmp_path, monkeypatch, capsys):
+    """A first cpu_adam build is minutes without a word (7 min on the 2-core CI machine, read as a
+    hang): said before it starts, and only while the op's library is not there."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert not opbuild.built("cpu_adam")
+    with opbuild.ops_unblocked(("cpu_adam",)):
+        pass
+    assert "building DeepSpeed's cpu_adam op (first use" in capsys.readouterr().err
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert opbuild.built("cpu_adam")
+    with opbuild.ops_unblocked(("cpu_adam",)):
+        pass
+    assert "building" not in capsys.readouterr().err

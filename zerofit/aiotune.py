@@ -74,7 +74,7 @@ def load_aio_op():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    with opbuild.ops_unblocked():
+    with opbuild.ops_unblocked(("async_io",)):
         return AsyncIOBuilder().load(verbose=False)
 
 

@@ -6,6 +6,8 @@ DS_ACCELERATOR). Without a launcher, one process sets RANK/WORLD_SIZE/MASTER_* i
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import socket
@@ -139,7 +141,9 @@ def init_distributed() -> Dist:
             device = {"device_id": torch.device("cuda", local_rank)} if on_gpu else {}  # as DeepSpeed's own init
             torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                                  world_size=int(os.environ["WORLD_SIZE"]), **device)
-        with opbuild.ops_unblocked():  # the CPU accelerator builds its shm comm op here
+        # the CPU accelerator builds its shm comm op here, and prints that it did on every start
+        with opbuild.ops_unblocked(() if on_gpu else ("deepspeed_shm_comm",)), \
+                contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
 
@@ -342,6 +346,15 @@ def apply_hyperparameters(ds_engine, config: Config) -> None:
     scheduler._last_lr = [group["lr"] for group in groups]
 
 
+def loaded_ops(ds_config: dict) -> tuple[str, ...]:
+    """The ops deepspeed.initialize loads for `ds_config`: CPU-Adam for an offloaded optimizer,
+    async_io for anything on NVMe."""
+    zero = ds_config.get("zero_optimization", {})
+    optimizer, params = ((zero.get(name) or {}).get("device") for name in ("offload_optimizer", "offload_param"))
+    return (("cpu_adam",) if optimizer in ("cpu", "nvme") else ()) + \
+        (("async_io",) if "nvme" in (optimizer, params) else ())
+
+
 def build_engine(model, config: Config, ds_config: dict, total_steps: int):
     """deepspeed.initialize with our param groups and LR schedule; DeepSpeed builds the
     optimizer from ds_config (CPU-Adam when offloaded) and saves the schedule with it."""
@@ -351,7 +364,7 @@ def build_engine(model, config: Config, ds_config: dict, total_steps: int):
     def scheduler(optimizer):
         return LambdaLR(optimizer, lr_lambda(config, total_steps))
 
-    with opbuild.ops_unblocked():  # CPU-Adam and async_io load here
+    with opbuild.ops_unblocked(loaded_ops(ds_config)):  # CPU-Adam and async_io load here
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler,
                                           model_parameters=param_groups(model, config.train.weight_decay))
     return engine

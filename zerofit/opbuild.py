@@ -107,15 +107,34 @@ def stale_locks_cleared(on_clear: Callable[[BuildLock], None], enabled: bool = T
         sweeper.join()
 
 
-def ops_unblocked():
+@contextmanager
+def ops_unblocked(ops: tuple[str, ...] = ()) -> Iterator[None]:
     """DeepSpeed's op loads (engine build, NVMe preflight, aio sweep), with build locks left
-    by killed builds cleared and reported."""
-    from zerofit.progress import warn
+    by killed builds cleared and reported, and the first build of each op in `ops` announced
+    (a first cpu_adam build is minutes of silence on a few cores)."""
+    from zerofit.progress import say, warn
 
     def on_clear(lock: BuildLock) -> None:
         warn(f"removed DeepSpeed's op build lock {lock.describe()} (a load would wait on it forever)")
 
-    return stale_locks_cleared(on_clear, enabled=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+    first_rank = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    unbuilt = [op for op in ops if not built(op)] if first_rank else []
+    if unbuilt:
+        say(f"building DeepSpeed's {', '.join(unbuilt)} op{'s' * (len(unbuilt) > 1)} (first use with this torch: "
+            f"one to several minutes, more on few cores; cached under {build_root()} for every later run)")
+    with stale_locks_cleared(on_clear, enabled=first_rank):
+        yield
+
+
+def built(op: str) -> bool:
+    """Whether loading `op` finds it built: installed with DeepSpeed (DS_BUILD_OPS), or a
+    just-in-time build's library under build_root() (ROOT/op or ROOT/py311_cpu/op)."""
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(op, False):
+        return True
+    root = build_root()
+    return any(root.glob(f"{op}/{op}*.so")) or any(root.glob(f"*/{op}/{op}*.so"))
 
 
 def _files_open_on_this_machine() -> set[str]:
