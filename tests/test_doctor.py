@@ -285,6 +285,10 @@ def test_system_checks(tmp_path, monkeypatch):
     (tmp_path / "a_file").write_text("")
     unusable = syscheck.check_direct_io(tmp_path / "a_file" / "swap", 16)
     assert unusable[0].status == "fail" and "writable directory" in unusable[0].fix
+    typo = syscheck.check_direct_io(tmp_path / "no" / "such" / "swap", 16)  # mkdir -p measured the disk of /
+    assert typo[0].status == "fail" and f"{tmp_path / 'no' / 'such'} does not exist (a typo?" in typo[0].detail
+    assert not (tmp_path / "no").exists()
+    assert f"free on {nvme.mount_point(disk)}" in by_end["write"].detail
 
 
 @pytest.mark.skipif(nvme.ram_filesystem(Path("/dev/shm")) is None, reason="no tmpfs at /dev/shm here")

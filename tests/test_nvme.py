@@ -222,10 +222,12 @@ def small_disk(tmp_path: Path) -> tuple[Path, dict]:
     return mount, ({} if done.returncode == 0 else {"ZEROFIT_FAULT": "nospace@nvme:1"})
 
 
-@pytest.mark.parametrize("problem", ["not_writable", "free_space", "libaio"])
+@pytest.mark.parametrize("problem", ["not_writable", "typo", "free_space", "libaio"])
 def test_preflight_refuses_before_training(problem, tmp_path):
     nvme_path, env = tmp_path / "swap", {}
-    if problem == "not_writable":
+    if problem == "typo":  # its parent missing: mkdir -p would have put the swap files on another disk
+        nvme_path = tmp_path / "nvme" / "zerofti"
+    elif problem == "not_writable":
         (tmp_path / "a_file").write_text("")
         nvme_path = tmp_path / "a_file" / "swap"
     elif problem == "free_space":
@@ -241,6 +243,7 @@ def test_preflight_refuses_before_training(problem, tmp_path):
             subprocess.run(["umount", str(nvme_path)], check=True)
     assert done.returncode == 1, done.stderr[-3000:]
     expected = {"not_writable": ["is not usable", "Not a directory", "writable directory on a local"],
+                "typo": ["is not usable", f"{tmp_path / 'nvme'} does not exist (a typo?"],
                 "free_space": ["free under", "the swap files need", "pick another zero.nvme_path"],
                 "libaio": ["libaio.h and libaio.so not found", "apt-get install libaio-dev"]}[problem]
     for text in expected:

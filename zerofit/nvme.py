@@ -18,6 +18,7 @@ So, on the run's side:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -178,9 +179,27 @@ RAM_BACKED_FIX = ("the swap files take the RAM that NVMe offload is meant to fre
                   "NVMe drive")
 
 
+def make_swap_dir(path: Path) -> None:
+    """Create zero.nvme_path's directory itself, not its parents: a path whose parent does not
+    exist is most likely a typo (/nvme/zerofti), and `mkdir -p` would put the swap files, and
+    the disk measured for them, on whatever disk holds the nearest existing parent (often /)."""
+    if not path.is_dir() and not path.parent.exists():
+        raise OSError(errno.ENOENT, f"{path.parent} does not exist (a typo? the swap directory is created, its parents "
+                                    f"are not: create them first if this is the path meant)")
+    path.mkdir(exist_ok=True)
+
+
+def mount_point(path: Path) -> Path:
+    """The mount the path's files land on (what a free-space figure and a bandwidth are of)."""
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
 def path_problem(path: Path) -> str | None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_swap_dir(path)
         aiotune.probe_dio_alignment(path)
     except OSError as e:
         return (f"zero.nvme_path={path} is not usable: {e.strerror or e}; DeepSpeed opens its swap files with "

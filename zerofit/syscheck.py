@@ -172,7 +172,7 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
     DeepSpeed's async I/O sees, the page cache bypassed."""
     name = f"NVMe path {path} direct I/O"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        nvme.make_swap_dir(path)
     except OSError as e:
         return [Check(name, "fail", f"cannot create it: {e.strerror}", "a writable directory on a local NVMe drive")]
     free = shutil.disk_usage(path).free
@@ -207,7 +207,7 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
         file.unlink(missing_ok=True)
     fix = (f"below {GOOD_NVME_GBPS} GB/s NVMe offload makes each step wait on the disk: use a local NVMe drive, "
            f"or several in RAID 0")
-    detail = f"{{:.2f}} GB/s over {blocks * block // 2**20} MiB; {gib(free)} free"
+    detail = f"{{:.2f}} GB/s over {blocks * block // 2**20} MiB; {gib(free)} free on {nvme.mount_point(path)}"
     checks = [Check(f"{name} write", "pass" if write_gbps >= GOOD_NVME_GBPS else "warn", detail.format(write_gbps),
                     "" if write_gbps >= GOOD_NVME_GBPS else fix),
               Check(f"{name} read", "pass" if read_gbps >= GOOD_NVME_GBPS else "warn", detail.format(read_gbps),
