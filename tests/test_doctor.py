@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 from conftest import read_jsonl, run_zerofit, tiny_config, write_config
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit import nvme, syscheck
+from zerofit import hardware, nvme, syscheck
 from zerofit.doctor import diagnose, doctor
 from zerofit.findings import end_of_step, gib
 from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
@@ -311,10 +311,12 @@ def test_memlock_limit_is_judged():
     try:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
         check = syscheck.check_memlock()
-        if nvme.has_ipc_lock():  # root in most containers: mlock is not bound by the limit
+        if hardware.has_ipc_lock():  # root in most containers: mlock is not bound by the limit
             assert check.status == "pass" and "64 KiB" in check.detail and "CAP_IPC_LOCK" in check.detail
         else:
             assert check.status == "warn" and "64 KiB" in check.detail and "ulimit -l unlimited" in check.fix
+        # the planner judges the same limit the same way (it noted a limit CAP_IPC_LOCK lifts)
+        assert (hardware._memlock_limit() is None) == hardware.has_ipc_lock()
     finally:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 

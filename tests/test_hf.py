@@ -135,3 +135,13 @@ def test_plan_writes_a_deepspeed_config_hf_trainer_takes(tmp_path, capsys):
         hf.trainer_config_process(args)
         assert bool(hf.mismatches) is mismatches, hf.mismatches
     assert hf.config["optimizer"]["params"]["lr"] == 1e-3 and hf.config["train_batch_size"] == 8
+
+
+def test_plan_writes_no_deepspeed_config_when_nothing_fits(tmp_path, capsys):
+    """It wrote one (and the Trainer flags to run it) while saying nothing fits, exit 1."""
+    from zerofit.cli import main
+
+    path = tmp_path / "ds.json"
+    assert main(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "8GiB", "--accelerator", "cuda",
+                 "--ds-config", str(path)]) == 1
+    assert not path.exists() and "ds.json not written: nothing fits" in " ".join(capsys.readouterr().err.split())

@@ -128,8 +128,13 @@ def cmd_plan(args) -> int:
         print(json.dumps(plan_json(decision, spec, hw), indent=2))
     else:
         render(decision, spec, hw, explain=args.explain)
-    if args.ds_config:
+    if args.ds_config and decision.plan.fits:
         write_trainer_ds_config(decision, Path(args.ds_config), hw.on_gpu)
+    elif args.ds_config:
+        from zerofit.progress import warn
+
+        warn(f"{args.ds_config} not written: nothing fits (above); a DeepSpeed config of this plan would run out "
+             f"of memory")
     return 0 if decision.plan.fits else 1
 
 

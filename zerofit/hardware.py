@@ -194,8 +194,23 @@ def _nvme_rates(nvme_path: str | None) -> dict:
 
 
 def _memlock_limit() -> int | None:
+    """What this process may lock; None when unbounded: no limit, or CAP_IPC_LOCK, which lets
+    mlock go past RLIMIT_MEMLOCK (root in most containers)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else soft
+    return None if soft == resource.RLIM_INFINITY or has_ipc_lock() else soft
+
+
+CAP_IPC_LOCK = 14  # linux/capability.h: mlock beyond RLIMIT_MEMLOCK
+
+
+def has_ipc_lock() -> bool:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except OSError:
+        pass
+    return False
 
 
 def _cpu_cores() -> int:

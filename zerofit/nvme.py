@@ -30,6 +30,7 @@ from pathlib import Path
 
 from zerofit import aiotune, faults, zerofiles, zerostates
 from zerofit.config import Config, ConfigError
+from zerofit.hardware import has_ipc_lock
 from zerofit.memory import human_bytes
 from zerofit.progress import warn
 from zerofit.swaplayout import Aio, aligned_aio, transfer_problems
@@ -45,7 +46,6 @@ SEARCH_DIRS_VARIABLE = "ZEROFIT_AIO_SEARCH_DIRS"
 SYSTEM_AIO_DIRS = ("/usr/include", "/usr/local/include", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
                    "/usr/lib64", "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
 FREE_SPACE_FACTOR = 1.10   # filesystem metadata and gradient fragments beyond the planned bytes
-CAP_IPC_LOCK = 14          # linux/capability.h: mlock beyond RLIMIT_MEMLOCK
 
 
 class NvmeError(ConfigError):
@@ -226,16 +226,6 @@ def memlock_problem(locked_bytes: int) -> str | None:
     return (f"the swap buffers lock {human_bytes(locked_bytes)} of RAM, `ulimit -l` allows {human_bytes(soft)}: "
             f"raise it (`ulimit -l unlimited`, `* - memlock unlimited` in /etc/security/limits.conf, or "
             f"`docker run --ulimit memlock=-1`)")
-
-
-def has_ipc_lock() -> bool:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
-    except OSError:
-        pass
-    return False
 
 
 def aio_search_dirs() -> list[Path]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import aiotune, nvme, opbuild
+from zerofit import aiotune, hardware, nvme, opbuild
 from zerofit.memory import gib
 
 DIRECT_IO_ALIGN = 4096
@@ -89,7 +89,7 @@ def check_memlock() -> Check:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         return Check("pinned-memory limit (ulimit -l)", "pass", "unlimited")
-    if nvme.has_ipc_lock():
+    if hardware.has_ipc_lock():
         return Check("pinned-memory limit (ulimit -l)", "pass", f"{soft // 1024} KiB, but this process has "
                      f"CAP_IPC_LOCK: mlock is not limited by it")
     fix = ("raise it: `ulimit -l unlimited` in the launching shell, `* - memlock unlimited` in "
