@@ -342,3 +342,16 @@ def test_a_stage_written_as_a_string_gets_its_stage_checks():
                         "zero_optimization": {"stage": "3", "allgather_bucket_size": 5e8}})
     warning = findings(result, "warning")["zero_optimization.allgather_bucket_size"]
     assert warning.message == "ZeRO stage 3 does not read it"
+
+
+def test_each_problem_is_named_once_with_a_fix_that_is_json():
+    """fp16 and bf16 both on: one error (DeepSpeed's own refusal of it was a second, "fix the
+    setting it names"); a number written as a word gets "write a number", not `"key": two`."""
+    both = lint.lint({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}, "bf16": {"enabled": True},
+                      "zero_optimization": {"stage": 3}})
+    assert [f.key for f in both.errors] == ["fp16.enabled, bf16.enabled"]
+    worded = lint.lint({"train_micro_batch_size_per_gpu": "two", "zero_optimization": {"stage": 3}})
+    assert findings(worded, "error")["train_micro_batch_size_per_gpu"].fix == "write a number"
+    quoted = lint.lint({"train_micro_batch_size_per_gpu": "2", "zero_optimization": {"stage": 3}})
+    assert findings(quoted, "error")["train_micro_batch_size_per_gpu"].fix == \
+        'write the number ("train_micro_batch_size_per_gpu": 2)'

@@ -254,8 +254,10 @@ class ZeroConfig(Section):
     max_reuse_distance: int = Field(1_000_000_000, ge=0)
     """Keep a released parameter if it is reused within this many elements (stage3_max_reuse_distance)."""
     sub_group_size: int = Field(100_000_000, ge=1)
-    """Elements per optimizer-step sub group. 1e9 (DeepSpeed's default) allocates
-    multi-GB fp32 temporaries in the step; 1e8 is the safe default."""
+    """Elements per optimizer-step sub group. Without optimizer offload DeepSpeed's default 1e9
+    allocates up to 6 bytes per element of gradient temporaries on the GPU in the step (most
+    often fatal in the first step after a save); offloaded, each sub group's 16-bit copy passes
+    through host RAM (2 bytes per element). 1e8 is the safe default."""
     gather_16bit_weights_on_save: bool = False
     """Also write a consolidated 16-bit model at each save (a host-RAM and time spike);
     `zerofit export` does it afterwards instead."""

@@ -88,9 +88,9 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
     check_numbers(ds, result)
     check_optimizer(ds, result)
     check_scheduler(ds, result, autos)
+    check_precision(ds, result)  # before DeepSpeed's own parse: its refusal of what this names is not repeated
     check_top_level(ds, zero is not None, result)
     check_batch(ds, world_size, result)
-    check_precision(ds, result)
     if zero is not None:
         check_deprecated_zero_keys(ds, result)
         check_risky(ds, zero, spec, hw, result, autos)
@@ -226,8 +226,9 @@ def check_numbers(ds: dict, result: LintResult) -> None:
     for key in NUMERIC_KEYS:
         value = ds.get(key)
         if isinstance(value, str):  # "auto" was taken out before the checks
+            fix = f'write the number ("{key}": {value})' if _parses_as_number(value) else "write a number"
             result.findings.append(Finding("error", key, f"is the string {value!r}: DeepSpeed keeps it as text and "
-                                           f"fails when it first compares it", f'write the number ("{key}": {value})'))
+                                           f"fails when it first compares it", fix))
 
 
 # The optimizer and scheduler sections: config.py get_optimizer_name/params and
@@ -531,7 +532,9 @@ def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
     try:
         DeepSpeedConfig(recorder)
     except Exception as e:  # DeepSpeed raises assertion and value errors of many kinds
-        result.findings += rejection_findings(e)
+        named = {f.key for f in result.findings}
+        result.findings += [f for f in rejection_findings(e)
+                            if not any(text in f.message and key in named for text, key in NAMED_REJECTIONS)]
         recorder = _RecordingDict({"train_micro_batch_size_per_gpu": 1})  # the keys it reads, from a parse
         DeepSpeedConfig(recorder)  # that runs to its end: the unknown keys are still named below
     known = sorted(recorder.seen | {"scheduler", "optimizer"})
@@ -543,6 +546,10 @@ def check_top_level(ds: dict, zero_ok: bool, result: LintResult) -> None:
                 fix = 'move it into "zero_optimization"'
             result.findings.append(Finding("error", key, "DeepSpeed never reads this top-level key and ignores it silently",
                                            fix))
+
+
+# DeepSpeed's refusals a check here already names with its own fix: (its words, the finding's key).
+NAMED_REJECTIONS = (("bfloat16 and fp16 modes cannot be simultaneously enabled", "fp16.enabled, bf16.enabled"),)
 
 
 def rejection_findings(error: Exception) -> list[Finding]:
