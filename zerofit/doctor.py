@@ -63,10 +63,19 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
+    report = newest_postmortem(run_dir)
+    if report and resumed_after(per_rank.get(report["event"].get("rank", 0), records), report["event"].get("step")):
+        report["resumed_afterwards"] = True  # its retry line would ask for what has happened
     return Diagnosis(run_dir, source, records, facts, findings,
                      plan_vs_measured(plan, per_rank, checkpoint_bytes), phase_peaks(records),
-                     summarize(records, facts, every_rank), newest_postmortem(run_dir),
+                     summarize(records, facts, every_rank), report,
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank})
+
+
+def resumed_after(records: list[dict], oom_step: int | None) -> bool:
+    """Whether the run started again after its OOM at `oom_step` (a retry, or a resume by hand)."""
+    ooms = [i for i, r in enumerate(records) if r.get("phase") == "oom" and r.get("step") == oom_step]
+    return bool(ooms) and any(r.get("phase") == "start" for r in records[ooms[-1] + 1:])
 
 
 def newest_postmortem(run_dir: Path) -> dict | None:

@@ -483,6 +483,8 @@ def retry_command(report: dict) -> str:
 
 
 def retry_line(report: dict) -> str:
+    if report.get("resumed_afterwards"):  # set by the doctor, which reads the timeline after the OOM
+        return "  retry: the run started again after this OOM (the doctor's OOM finding says with which settings)"
     if report.get("handed_over"):
         return f"  retry: {report['handed_over']}"
     command = retry_command(report)
