@@ -8,6 +8,7 @@ import torch
 from conftest import ROOT
 from zerofit.infer import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load
 from zerofit.config import ConfigError
+from zerofit.progress import counted
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,14 @@ def test_sampling_follows_its_seed(loaded):
     assert greedy == generate(loaded, "Reverse the word.", Sampling(max_new_tokens=12, min_new_tokens=12)).token_ids
 
 
-def test_chat_keeps_the_history_and_uses_the_template(loaded):
+def test_chat_keeps_the_history_and_uses_the_template(loaded, capsys):
     out = io.StringIO()
     history = chat(loaded, Sampling(max_new_tokens=6, min_new_tokens=6),
                    stdin=io.StringIO("hello\n\n/reset\nhi there\nand again?\n/exit\nnever read\n"), stdout=out)
     assert [turn["role"] for turn in history] == ["user", "assistant", "user", "assistant"]
     assert [turn["content"] for turn in history[::2]] == ["hi there", "and again?"]
+    assert capsys.readouterr().err.count("(history cleared)") == 1  # /reset says it did
+    assert (counted(1, "token"), counted(6, "token")) == ("1 token", "6 tokens")  # was "1 tokens"
     # three answers streamed, one line each; /reset forgot the first exchange
     assert out.getvalue().endswith(f"\n{history[1]['content']}\n{history[3]['content']}\n")
     # The second answer is what greedy decoding gives for the whole conversation so far.

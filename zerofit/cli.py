@@ -225,13 +225,13 @@ def sampling_from(args):
 
 def cmd_generate(args) -> int:
     from zerofit.infer import describe, generate, load
-    from zerofit.progress import say
+    from zerofit.progress import counted, say
 
     loaded = load(args.model_dir, args.gpu_mem, args.dtype)
     result = generate(loaded, args.prompt, sampling_from(args))
     print(result.text)
-    say(f"{result.new_tokens} new tokens in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s "
-        f"(prompt {result.prompt_tokens} tokens; {describe(loaded)})")
+    say(f"{counted(result.new_tokens, 'new token')} in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s "
+        f"(prompt {counted(result.prompt_tokens, 'token')}; {describe(loaded)})")
     if result.ended_at_eos:
         say("the model ended the sequence (end-of-sequence token)"
             + ("" if result.text.strip() else " at once, so the completion is empty; --min-new-tokens N makes it "
@@ -247,14 +247,19 @@ def cmd_chat(args) -> int:
 
 
 def add_inference_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a model directory (what `zerofit export` writes)")
+    parser.add_argument("model_dir", metavar="MODEL_OR_ADAPTER_DIR",
+                        help="a model directory (what `zerofit export` writes), or a peft adapter directory "
+                             "(`export --adapter-only`), run on its base")
     parser.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="tokens to generate (128)")
     parser.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
                         help="generate at least N tokens even past end-of-sequence (benchmarks)")
     parser.add_argument("--temperature", type=at_least(0.0, float), metavar="T",
-                        help="sample at temperature T (default, or 0: greedy)")
-    parser.add_argument("--top-p", type=at_least(0.0, float), metavar="P", help="nucleus sampling (default: greedy)")
-    parser.add_argument("--top-k", type=at_least(1), metavar="K", help="top-k sampling (default: greedy)")
+                        help="sample at temperature T (0: greedy). Without --temperature, --top-p and --top-k "
+                             "decoding is greedy")
+    parser.add_argument("--top-p", type=at_least(0.0, float), metavar="P",
+                        help="sample from the likeliest tokens holding probability P (alone: at temperature 1)")
+    parser.add_argument("--top-k", type=at_least(1), metavar="K",
+                        help="sample from the K likeliest tokens (alone: at temperature 1)")
     parser.add_argument("--seed", type=int, help="sampling seed")
     parser.add_argument("--gpu-mem", metavar="SIZE",
                         help="GPU budget, e.g. 12GiB: layers beyond it run from CPU RAM (default: the whole GPU)")
@@ -319,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nvme-mib", type=int, default=NVME_TEST_MIB, metavar="N",
                         help="with --nvme-path: MiB to write/read")
     doctor.add_argument("--repro", action="store_true", help="write a standalone reproduction script for RUN_DIR")
-    doctor.set_defaults(run=cmd_doctor)
+    doctor.set_defaults(run=cmd_doctor, verb_parser=doctor)  # its usage errors show its own usage
 
     plan = verbs.add_parser("plan", help="predict GPU, host and disk peaks and choose the fastest DeepSpeed config that fits")
     source = plan.add_mutually_exclusive_group(required=True)
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb == "doctor":
-        check_doctor_arguments(parser, args)
+        check_doctor_arguments(args.verb_parser, args)
     try:
         return args.run(args)
     except ConfigError as e:

@@ -22,7 +22,7 @@ from typing import TextIO
 from zerofit.adapters import ADAPTER_CONFIG_FILE
 from zerofit.config import ConfigError
 from zerofit.memory import human_bytes, parse_bytes
-from zerofit.progress import say, warn
+from zerofit.progress import counted, say, warn
 
 RUNTIME_RESERVE = 512 << 20  # CUDA kernels' workspace, logits, sampling temporaries
 DEFAULT_CONTEXT = 4096       # tokens the KV-cache reserve is sized for
@@ -324,6 +324,7 @@ def chat(model: str | Path | Loaded, sampling: Sampling = Sampling(), gpu_mem: s
         text = line.strip()
         if text == "/reset":
             history.clear()
+            say("(history cleared)")
             continue
         if not text:
             continue
@@ -353,5 +354,5 @@ def chat(model: str | Path | Loaded, sampling: Sampling = Sampling(), gpu_mem: s
         stdout.flush()
         history.append({"role": "assistant", "content": "".join(pieces)})
         new_tokens = int(done["output"].shape[1] - input_ids.shape[1])
-        say(f"[{new_tokens} tokens, {new_tokens / done['seconds']:.1f} tokens/s]")
+        say(f"[{counted(new_tokens, 'token')}, {new_tokens / done['seconds']:.1f} tokens/s]")
     return history

@@ -17,6 +17,11 @@ def say(message: str) -> None:
     console.print(message, soft_wrap=True)
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 token`, `2 tokens`."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def warn(message: str) -> None:
     console.print(f"[yellow]warning:[/] {message}", soft_wrap=True)  # the terminal wraps, not mid-value here
 
