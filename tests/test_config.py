@@ -6,7 +6,7 @@ import yaml
 from zerofit import cli
 from zerofit.config import Config, ConfigError, changed_settings, example_yaml, load, parse_override, validate
 
-from conftest import tiny_config, write_config
+from conftest import run_zerofit, tiny_config, write_config
 
 
 def test_demo_config_is_the_default():
@@ -96,6 +96,15 @@ def test_example_yaml_documents_every_key_and_loads_back(tmp_path):
     assert '  config: "demo"  # the example\'s; delete this line when you set model.path' in text
     assert not config.zero.model_fields_set & {"offload_optimizer", "offload_param", "reduce_bucket_size"}
     assert "gradient_checkpointing" not in config.model.model_fields_set
+    # doing what its header says (delete the `#! `) fixes a key: removing only the `#` left `! key:`, a YAML tag
+    assert "delete the `#! ` to fix one" in text
+    path.write_text(text.replace('  #! offload_optimizer: "cpu"', '  offload_optimizer: "cpu"'))
+    assert "offload_optimizer" in load(path).zero.model_fields_set
+
+
+def test_config_example_refuses_a_config_it_would_ignore(tmp_path):
+    done = run_zerofit(["config", "--example", "--config", str(tmp_path / "c.yaml")], check=False)
+    assert done.returncode == 1 and "config --example prints every key with its default" in done.stderr
 
 
 def test_config_says_which_keys_the_planner_will_choose(tmp_path, capsys):
@@ -216,3 +225,11 @@ def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build(
 def test_lora_module_lists_from_the_command_line():
     config = load(None, ["lora.enabled=true", "lora.target_modules=q_proj, v_proj", "lora.modules_to_save=lm_head"])
     assert config.lora.target_modules == ["q_proj", "v_proj"] and config.lora.modules_to_save == ["lm_head"]
+
+
+def test_a_size_flag_with_a_typo_is_a_usage_error_naming_the_flag(capsys):
+    """It read "invalid config: plan: plan.gpu_mem='24GB2' ...", a key the user never wrote."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--model", "tiny", "--gpu-mem", "24GB2"])
+    assert exited.value.code == 2
+    assert "argument --gpu-mem: '24GB2' is not a size" in capsys.readouterr().err

@@ -28,6 +28,18 @@ def at_least(minimum, kind=int):
     return parse
 
 
+def size(text: str) -> str:
+    """An argparse type for SIZE flags: checked as the config will read it (memory.parse_bytes),
+    so a typo is a usage error naming the flag, not the config key it becomes; kept as written."""
+    from zerofit.memory import parse_bytes
+
+    try:
+        parse_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size=")) from None
+    return text
+
+
 def key_value(text: str) -> str:
     """An argparse type for --set: KEY=VALUE (else a usage error, exit 2)."""
     key, sep, _ = text.partition("=")
@@ -174,10 +186,10 @@ def cmd_lint(args) -> int:
 
 def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=at_least(1), default=1, metavar="N", help="ranks (GPUs) to plan for (default 1)")
-    parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
-    parser.add_argument("--host-mem", metavar="SIZE", help="host RAM budget, e.g. 64GiB (default: available RAM)")
+    parser.add_argument("--gpu-mem", metavar="SIZE", type=size, help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
+    parser.add_argument("--host-mem", metavar="SIZE", type=size, help="host RAM budget, e.g. 64GiB (default: available RAM)")
     parser.add_argument("--cpu-cores", type=int, metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
-    parser.add_argument("--disk-free", metavar="SIZE", help="free disk for checkpoints, e.g. 2TB (default: measured "
+    parser.add_argument("--disk-free", metavar="SIZE", type=size, help="free disk for checkpoints, e.g. 2TB (default: measured "
                         "where run_dir is, on this machine)")
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], help="plan for this accelerator (default: what is here)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
@@ -189,6 +201,9 @@ def cmd_config(args) -> int:
     from zerofit.config import dump_yaml, example_yaml
 
     if args.example:
+        if args.config or args.overrides:  # every key with its default: no config of yours goes into it
+            raise ConfigError("config --example prints every key with its default; without --example, "
+                              "`zerofit config --config FILE [--set k=v]` prints your config resolved")
         print(example_yaml(), end="")
         return 0
     config = load_config(args)
@@ -261,7 +276,7 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=at_least(1), metavar="K",
                         help="sample from the K likeliest tokens (alone: at temperature 1)")
     parser.add_argument("--seed", type=int, help="sampling seed")
-    parser.add_argument("--gpu-mem", metavar="SIZE",
+    parser.add_argument("--gpu-mem", metavar="SIZE", type=size,
                         help="GPU budget, e.g. 12GiB: layers beyond it run from CPU RAM (default: the whole GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                         help="compute dtype (auto: the saved dtype on a GPU, fp32 on a CPU)")
@@ -364,9 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory (its newest complete checkpoint) or one checkpoint directory")
     export.add_argument("--out", required=True, metavar="DIR", help="the model directory to write")
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights dtype (bf16)")
-    export.add_argument("--max-ram", metavar="SIZE",
+    export.add_argument("--max-ram", metavar="SIZE", type=size,
                         help="peak host RAM of the export process (default 2GiB; it reads in blocks that fit)")
-    export.add_argument("--shard-size", metavar="SIZE", help="largest safetensors file (default 5GB)")
+    export.add_argument("--shard-size", metavar="SIZE", type=size, help="largest safetensors file (default 5GB)")
     export.add_argument("--verify", action="store_true",
                         help="load the export and compare its logits with DeepSpeed's own reconstruction; for "
                              "LoRA with peft's merge_and_unload of the same weights (holds the model twice in RAM); "

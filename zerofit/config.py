@@ -574,7 +574,7 @@ def example_yaml() -> str:
     from zerofit.choice import DECIDED  # the planner reads this module: imported here
 
     out = ["# zerofit config: every key with its default. Keys commented out with `#!` are the",
-           "# planner's to choose (plan.enabled); uncomment one to fix it to your value.", ""]
+           "# planner's to choose (plan.enabled); delete the `#! ` to fix one to your value.", ""]
     example = {"model": {"config": "demo"}, "train": {"max_steps": 300}}
     # the example's values that exclude another key: say which, so setting that one is not a conflict
     excludes = {("model", "config"): "model.path", ("train", "max_steps"): "train.epochs"}
