@@ -16,6 +16,7 @@ MARKERS = {"save": ("#2e7d32", "-", "save"), "eval": ("#1565c0", ":", "eval"), "
            "watchdog": ("#ef6c00", "--", "watchdog"), "start": ("#757575", "-.", "start / resume"),
            "checkpoint_written": ("#81c784", ":", "async save published"),
            "checkpoint_failed": ("#6a1b9a", "-", "save failed")}
+PLAN_ERROR = "error (planned - measured) / measured"  # + : the plan counted more than the run used
 SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 RANK_COLOURS = ("#00897b", "#f9a825", "#5e35b1", "#6d4c41", "#d81b60", "#546e7a", "#7cb342")
 MAX_POINTS = 3000  # beyond this the timeline is drawn per step (the step's highest reading)
@@ -310,7 +311,7 @@ def plan_html(diagnosis) -> str:
             rows.append(["", f"phase {phase['phase']}", gib(phase["predicted_bytes"]), gib(phase["measured_bytes"]),
                          "", ""])
     return f"<img alt='plan vs measured' src='data:image/png;base64,{plan_png(diagnosis)}'>" + table(
-        ["device", "component", "planned", "measured", "plan error", "planner's budget"], rows, {2, 3, 4, 5})
+        ["device", "component", "planned", "measured", PLAN_ERROR, "planner's budget"], rows, {2, 3, 4, 5})
 
 
 def postmortem_html(report: dict | None) -> str:
@@ -379,7 +380,7 @@ def print_summary(diagnosis, html_path: Path, console=None) -> None:
         console.print("[green]no findings[/]: no residue after saves, no growth, no fragmentation, within budget")
     if diagnosis.plan:
         plan = Table(title="plan vs measured", title_justify="left")
-        for column in ("device", "planned", "measured", "error"):
+        for column in ("device", "planned", "measured", PLAN_ERROR):
             plan.add_column(column, justify="right" if column != "device" else "left")
         for row in plan_rows(diagnosis):
             plan.add_row(row["device"], gib(row["predicted_bytes"] or 0), gib(row["measured_bytes"] or 0),

@@ -29,6 +29,10 @@ import argparse
 import json
 import os
 import socket
+import warnings
+
+# DeepSpeed calls collectives torch 2.13 deprecated, one warning per step otherwise
+warnings.filterwarnings("ignore", message=r"`torch\\.distributed\\.\\w+` is deprecated", category=FutureWarning)
 
 MODEL_CONFIG = json.loads(r"""{model_config}""")
 
