@@ -423,3 +423,24 @@ def test_eval_path_takes_several_files(tmp_path, tokenizer):
     cfg = DataConfig(path=str(train), eval_path=[str(p) for p in held], packing=False)
     _, eval_set = data.load_splits(cfg, tokenizer, 16, seed=0, vocab_size=128)
     assert len(eval_set) == 4
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_model_that_would_not_learn_to_stop_is_named(tokenizer):
+    """A ChatML template ends a turn with <|im_end|>: with EOS </s> and no generation config
+    that lists <|im_end|>, the trained model talks past its turn; a tokenizer without EOS trains
+    answers without an end. The demo's own layouts end every answer with EOS."""
+    assert data.stop_problem(tokenizer, ("messages",)) is None and data.stop_problem(tokenizer, ("alpaca",)) is None
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    problem = data.stop_problem(tokenizer, ("messages",))
+    assert problem.startswith("the tokenizer's chat template ends an assistant turn with") and "'</s>'" in problem
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert data.stop_problem(tokenizer, ("messages",), generation_eos={end_of_turn}) is None
+    tokenizer.eos_token = "<|im_end|>"
+    assert data.stop_problem(tokenizer, ("sharegpt",)) is None
+    tokenizer.eos_token = None
+    assert data.stop_problem(tokenizer, ("text",)).startswith("the tokenizer has no EOS token")

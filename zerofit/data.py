@@ -415,6 +415,30 @@ def trained_chat_template(formats: tuple[str, ...], tokenizer) -> str | None:
     return None
 
 
+def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] = frozenset()) -> str | None:
+    """Why a model trained on these rows would not stop generating, or None: the tokenizer has
+    no EOS (answers are trained without an end, packed examples run into each other), or its
+    chat template ends an assistant turn with a token that neither is EOS nor is one of the
+    generation config's end tokens (`generation_eos`), so generation runs past the turn."""
+    if tokenizer.eos_token_id is None:
+        return ("the tokenizer has no EOS token: answers are trained without an end, so the model does not learn to "
+                "stop, and packed examples run into each other; give it one (eos_token in tokenizer_config.json)")
+    if not formats or not set(formats) <= {"messages", "sharegpt"} or not tokenizer.chat_template:
+        return None  # the alpaca and `role:` layouts end every answer with EOS themselves
+    try:
+        ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello"}], tokenizer)
+    except (RowError, TemplateError, ValueError):
+        return None  # a template that refuses a plain exchange: its rows said so already
+    learned = [t for t, label in zip(ids, labels) if label != IGNORE]
+    if {tokenizer.eos_token_id, *generation_eos} & set(learned):
+        return None
+    return (f"the tokenizer's chat template ends an assistant turn with {tokenizer.decode(learned[-3:])!r}, never with "
+            f"the EOS token {tokenizer.eos_token!r}: a model trained on it stops only where generation lists its turn's "
+            f"end token; add that token's id to eos_token_id in the model's generation_config.json, or set the "
+            f"tokenizer's eos_token to it")
+
+
 # ------------------------------------------------------------------ packing/padding
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate examples into seq_len rows; the tail that does not fill a row is dropped."""

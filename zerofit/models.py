@@ -104,6 +104,18 @@ def config_from_name(name: str, trust_remote_code: bool = False):
                                       local_files_only=True, trust_remote_code=trust_remote_code)
 
 
+def generation_eos(model: ModelConfig) -> set[int]:
+    """The end tokens model.path's generation_config.json lists (one id or a list); none without one."""
+    path = Path(model.path) / "generation_config.json" if model.path else None
+    if path is None or not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return set()
+    return set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+
+
 def load_tokenizer(model: ModelConfig):
     """The model's tokenizer; the demo's character tokenizer for presets without one."""
     from transformers import AutoTokenizer

@@ -70,7 +70,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
                         data.trained_chat_template(train_set.formats, tokenizer))
-        report_data(train_set, eval_set, config, dist.world_size)
+        report_data(train_set, eval_set, config, dist.world_size, tokenizer)
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
     model = engine.build_model(config, ds_config)
@@ -327,7 +327,8 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
         tokenizer.chat_template = own_template
 
 
-def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, world_size: int) -> None:
+def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, world_size: int,
+                tokenizer) -> None:
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
         f"{train_set.trained_tokens} trained tokens")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
@@ -336,6 +337,9 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
                  f"{sequences.skipped_reasons[0]}")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
+    stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model))
+    if stop:
+        warn(stop)
     if len(eval_set) < world_size and (config.eval.every_steps or config.eval.at_end):  # data.eval_batches: none
         warn(f"the eval set has {len(eval_set)} sequence(s) for {world_size} rank(s): no eval loss will be "
              f"measured; raise data.eval_fraction, or set data.eval_path")
