@@ -56,6 +56,25 @@ def test_timeline_records_every_field(clean_run):
     assert not any(r.get("after_save") for r in records if r["phase"] in ("save", "eval"))
 
 
+def test_the_host_plan_compared_is_the_highest_the_run_went_through(clean_run):
+    """The plan's save staging can be the host's peak (0.5B under 24 GiB on the H200: 2.78 GiB
+    planned for the save, 2.12 for training; the save measured 2.98): the doctor compared the
+    measured peak, the save's, with training's plan alone (-29%). A run that never saved is
+    compared without it."""
+    from zerofit.doctor import plan_vs_measured, rank_timelines
+
+    run, _, _ = clean_run
+    plan = json.loads((run / "plan.json").read_text())
+    training = plan["devices"]["host"]["total_bytes"]
+    plan["save_peak"]["host"]["total_bytes"] = training + GiB
+    per_rank = rank_timelines(run)
+    host = next(row for row in plan_vs_measured(plan, per_rank) if row["device"] == "host")
+    assert host["predicted_bytes"] == training + GiB
+    unsaved = {0: [r for r in per_rank[0] if r["phase"] != "save"]}
+    host = next(row for row in plan_vs_measured(plan, unsaved) if row["device"] == "host")
+    assert host["predicted_bytes"] == max(training, plan["start_peak"]["host"]["total_bytes"])
+
+
 def test_clean_run_has_no_findings(clean_run):
     run, _, _ = clean_run
     diagnosis = diagnose(run)

@@ -192,12 +192,20 @@ def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpo
                 phases.append({"phase": phase, "predicted_bytes": max(r[predicted_key] for r in mine),
                                "measured_bytes": max(r.get(measured_key, 0) for r in mine)})
         predicted = entry.get("total_bytes") or sum(c["predicted_bytes"] for c in components)
-        # the engine's start can be the host's peak (NVMe offload: planner.Plan.start_peak)
-        predicted = int(scale * max(predicted, ((plan.get("start_peak") or {}).get(device) or {}).get("total_bytes", 0)))
+        # the engine's start can be the host's peak (NVMe offload: planner.Plan.start_peak), a save's
+        # staging another (the plan's save and first-step-after peaks: counted where the run saved)
+        predicted = int(scale * max([predicted] + [((plan.get(peak) or {}).get(device) or {}).get("total_bytes", 0)
+                                                   for peak in peaks_run(records)]))
         rows.append({"device": device, "predicted_bytes": predicted, "measured_bytes": measured.get(device, 0),
                      "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
                      "components": components, "phases": phases})
     return rows
+
+
+def peaks_run(records: list[dict]) -> tuple[str, ...]:
+    """The plan's peaks besides training's that this run went through (plan.json keys)."""
+    saved = any(r.get("phase") == "save" for r in records)
+    return ("start_peak",) + (("save_peak", "first_step_after_save_peak") if saved else ())
 
 
 def relative_error(predicted: int | None, measured: int | None) -> float | None:
