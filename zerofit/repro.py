@@ -33,6 +33,7 @@ import warnings
 
 # DeepSpeed calls collectives torch 2.13 deprecated, one warning per step otherwise
 warnings.filterwarnings("ignore", message=r"`torch\\.distributed\\.\\w+` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"barrier\\(\\): using the device under current context", category=UserWarning)
 
 MODEL_CONFIG = json.loads(r"""{model_config}""")
 
