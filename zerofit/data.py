@@ -327,26 +327,25 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant
 
 
 def _messages(row: dict) -> list[dict]:
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RowError("messages", "expected a non-empty list of {role, content}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RowError(f"messages[{i}]", "expected {role: str, content: str}")
-    return [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+    return _turns(row, "messages", "role", "content")
 
 
 def sharegpt_messages(row: dict) -> list[dict]:
     """A ShareGPT row ({conversations: [{from, value}], system?}) as chat messages."""
-    turns = row.get("conversations")
-    if not isinstance(turns, list) or not turns:
-        raise RowError("conversations", "expected a non-empty list of {from, value}")
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
-            raise RowError(f"conversations[{i}]", "expected {from: str, value: str}")
     system = _text(row, "system", required=False)
-    return [{"role": "system", "content": system}] * bool(system) + \
-        [{"role": ROLE_ALIASES.get(t["from"], t["from"]), "content": t["value"]} for t in turns]
+    return [{"role": "system", "content": system}] * bool(system) + _turns(row, "conversations", "from", "value")
+
+
+def _turns(row: dict, field_name: str, role: str, content: str) -> list[dict]:
+    """row[field_name], a non-empty list of {role: str, content: str} under the format's own key
+    names, as chat messages with ShareGPT's speaker names read as roles."""
+    turns = row.get(field_name)
+    if not isinstance(turns, list) or not turns:
+        raise RowError(field_name, f"expected a non-empty list of {{{role}, {content}}}")
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or not isinstance(t.get(role), str) or not isinstance(t.get(content), str):
+            raise RowError(f"{field_name}[{i}]", f"expected {{{role}: str, {content}: str}}")
+    return [{"role": ROLE_ALIASES.get(t[role], t[role]), "content": t[content]} for t in turns]
 
 
 def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
