@@ -36,6 +36,9 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert timeline[0]["phase"] == "start" and timeline[0]["cpu_threads"] == 2  # train.cpu_threads over the env
     assert timeline[0]["cpu_cores"] == len(os.sched_getaffinity(0)) and timeline[0]["local_world_size"] == 1
     assert "done: step 6" in done.stderr
+    # every eval has its line (plain lines come every 5 s: an eval between them went unsaid)
+    evals = [f"step {m['step']}/6 eval loss {m['eval_loss']:.4f}" for m in metrics if "eval_loss" in m]
+    assert len(evals) == 2 and all(line in done.stderr for line in evals)
     # the demo data is alpaca: the saved tokenizer (what exports copy) prompts in that layout
     from transformers import AutoTokenizer
 
@@ -352,3 +355,11 @@ def test_zenflow_is_refused_before_the_build_where_deepspeed_would_fail(tmp_path
     assert recomputing.returncode == 3 and "set model.gradient_checkpointing: false" in recomputing.stdout
     unguarded = run_zenflow(tmp_path, bucket=100 * largest, checkpointing=True, guarded=False)
     assert "mat1 and mat2 shapes cannot be multiplied" in unguarded.stderr, unguarded.stderr[-4000:]
+
+
+def test_an_eta_past_a_day_keeps_its_days():
+    from zerofit.progress import clock
+
+    assert clock(3 * 3600 + 45 * 60) == "03:45:00"
+    assert clock(27.75 * 3600) == "1d 03:45:00"  # it read 03:45:00 (gmtime's hours wrap)
+    assert clock(11.6 * 86400) == "11d 14:24:00"

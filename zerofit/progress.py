@@ -54,16 +54,26 @@ class StepProgress:
             self._last_line = time.monotonic()
             say(f"step {step}/{self.total} {info} ETA {self._eta(step)}")
 
+    def note(self, step: int, text: str) -> None:
+        """A line of its own, whatever the bar or the 5 s cadence of plain lines show (an eval)."""
+        if self.enabled:
+            say(f"step {step}/{self.total} {text}")
+
     def _eta(self, step: int) -> str:
         done = step - self._start_step
         if done <= 0:
             return "?"
-        seconds = (time.monotonic() - self._start_time) / done * (self.total - step)
-        return time.strftime("%H:%M:%S", time.gmtime(seconds))
+        return clock((time.monotonic() - self._start_time) / done * (self.total - step))
 
     def close(self) -> None:
         if self._progress:
             self._progress.stop()
+
+
+def clock(seconds: float) -> str:
+    """`03:45:00`, `1d 03:45:00`: a duration past a day keeps its days (gmtime's %H wrapped)."""
+    days, rest = divmod(int(seconds), 86400)
+    return (f"{days}d " if days else "") + time.strftime("%H:%M:%S", time.gmtime(rest))
 
 
 class ByteProgress:

@@ -134,6 +134,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
             if state.step % config.log.every_steps == 0 or last:
                 progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
+            if record.get("eval_loss") is not None:  # every eval in the log, not only one a progress line shows
+                progress.note(state.step, f"eval loss {record['eval_loss']:.4f}")
 
             stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
             signalled = saver.stop_requested()  # SIGTERM (every rank agrees): save this step, then stop
@@ -404,6 +406,4 @@ def fmt(value: float | None) -> str:
 def progress_info(record: dict, step_records: list[dict], on_gpu: bool, gpu_budget: int) -> str:
     info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s " \
            f"{memory.budget_summary(step_records, on_gpu, gpu_budget)}"
-    if record.get("eval_loss") is not None:
-        info += f" eval {record['eval_loss']:.4f}"
     return info
