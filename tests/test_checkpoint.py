@@ -122,6 +122,8 @@ def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path
     assert checkpointer.resume_command(relative) == f"`zerofit train --config runs/x/config.yaml --resume` (from {tmp_path})"
     absolute = validate(tiny_config(tmp_path / "x"))
     assert checkpointer.resume_command(absolute, resume=False) == f"`zerofit train --config {tmp_path / 'x' / 'config.yaml'}`"
+    spaced = validate(tiny_config(Path("runs/my run ü")))  # pasted unquoted: "unrecognized arguments: run ü/..."
+    assert checkpointer.resume_command(spaced).startswith("`zerofit train --config 'runs/my run ü/config.yaml' --resume`")
 
 
 def test_printed_commands_start_the_run_as_it_ran():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import shlex
 import shutil
 import signal
 import threading
@@ -43,7 +44,7 @@ class ResumePoint:
 def resume_command(config: Config, resume: bool = True) -> str:
     """The command that continues this run, as messages name it: the run's own config.yaml,
     whose relative paths (run_dir, data) hold from the directory it was started in."""
-    command = (f"`{elastic.running_launcher()} train --config {Path(config.run_dir) / 'config.yaml'}"
+    command = (f"`{elastic.running_launcher()} train --config {shlex.quote(str(Path(config.run_dir) / 'config.yaml'))}"
                f"{' --resume' if resume else ''}`")
     return command if Path(config.run_dir).is_absolute() else f"{command} (from {os.getcwd()})"
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def peer_gone_message(error: BaseException, resume_command: str, run_dir: str, e
     return (f"rank {environ.get('RANK', '0')}: another rank of this run is gone (\"{sign}\" in a collective); "
             f"the checkpoints published before are intact: {resume_command} continues from the newest (torchrun "
             f"--max-restarts N does it by itself); why the other rank ended is in its own output and "
-            f"`zerofit doctor {run_dir}`")
+            f"`zerofit doctor {shlex.quote(str(run_dir))}`")
 
 
 def launcher(world_size: int, per_node: int | None = None) -> str:

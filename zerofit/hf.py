@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shlex
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -112,7 +113,7 @@ class MemoryGuardCallback(TrainerCallback):
         if residue > floor:
             warn(f"{gib(residue)} of {device} memory is still held after the save at step {state.global_step} "
                  f"(above the pre-save baseline{', after emptying the cache' if self.release else ''}); "
-                 f"`zerofit doctor {self.output_dir or args.output_dir}` shows where")
+                 f"`zerofit doctor {shlex.quote(str(self.output_dir or args.output_dir))}` shows where")
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.timeline:

@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import re
+import shlex
 import time
 import traceback
 import weakref
@@ -471,7 +472,7 @@ def explanation(report: dict) -> str:
     elif oom and oom["fix"]:
         lines.append(f"  fix: {'; '.join(oom['fix'][:2])}")
     directory = directory_of(Path(report["run_dir"]), event.get("rank", 0))
-    lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {report['run_dir']}` renders the timeline")
+    lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {shlex.quote(str(report['run_dir']))}` renders the timeline")
     if event.get("snapshot"):
         lines.append(f"  allocator snapshot: {event['snapshot']} ({event['snapshot_note']})")
     return "\n".join(lines)
@@ -479,7 +480,7 @@ def explanation(report: dict) -> str:
 
 def retry_command(report: dict) -> str:
     """The command that runs the retry config, on as many ranks as the run had."""
-    return f"{elastic.launcher(report['event']['world_size'])} train --config {report['retry_config']}"
+    return f"{elastic.launcher(report['event']['world_size'])} train --config {shlex.quote(str(report['retry_config']))}"
 
 
 def retry_line(report: dict) -> str:

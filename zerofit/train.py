@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,7 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
     if action != "stop":
         return None
     why = crossing.message() if crossing else "watchdog: another rank crossed memory.watchdog_threshold"
-    return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor {config.run_dir}` "
+    return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor {shlex.quote(str(config.run_dir))}` "
             f"names the phase and the fix): {checkpointer.resume_command(config, resume=False)}")
 
 
