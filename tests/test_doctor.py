@@ -380,3 +380,17 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     assert any("dmesg" in fix for fix in found[0].fix)
     run_zerofit(["train", "--config", str(config), "--resume"])
     assert not [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]
+
+
+def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):
+    """A colleague's run on a read-only mount: doctor raised OSError before printing anything.
+    (Root writes through file modes, so the report's path is taken by a directory here.)"""
+    run, _, _ = clean_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    (copy / "report.html").unlink(missing_ok=True)
+    (copy / "report.html").mkdir()
+    done = run_zerofit(["doctor", str(copy)], env={"COLUMNS": "300"})
+    assert "12 steps" in done.stdout and "report: not written" in done.stdout and "--out FILE" in done.stdout
+    elsewhere = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "r.html")])
+    assert (tmp_path / "r.html").is_file() and f"report: {tmp_path / 'r.html'}" in elsewhere.stdout

@@ -294,6 +294,12 @@ def doctor(run_dir: str | Path, html: str | Path | None = None, console=None) ->
 
     diagnosis = diagnose(run_dir)
     out = Path(html) if html else Path(run_dir) / "report.html"
-    out.write_text(report.render_html(diagnosis))
-    report.print_summary(diagnosis, out, console)
+    try:
+        out.write_text(report.render_html(diagnosis))
+        written = str(out)
+    except OSError as e:  # someone else's run on a shared disk, a read-only mount: the summary still helps
+        if html:
+            raise ConfigError(f"cannot write {out}: {e.strerror or e}; give --out a writable path") from None
+        written = f"not written ({out}: {e.strerror or e}); --out FILE writes it elsewhere"
+    report.print_summary(diagnosis, written, console)
     return diagnosis

@@ -354,7 +354,7 @@ Vertical lines: saves, evals, resumes, watchdog actions and the OOM.</p>
 
 
 # ---------------------------------------------------------------------------- terminal
-def print_summary(diagnosis, html_path: Path, console=None) -> None:
+def print_summary(diagnosis, html_path: str, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
