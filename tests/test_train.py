@@ -363,3 +363,17 @@ def test_an_eta_past_a_day_keeps_its_days():
     assert clock(3 * 3600 + 45 * 60) == "03:45:00"
     assert clock(27.75 * 3600) == "1d 03:45:00"  # it read 03:45:00 (gmtime's hours wrap)
     assert clock(11.6 * 86400) == "11d 14:24:00"
+
+
+def test_epochs_are_passes_over_the_data_as_the_loader_counts_them(tmp_path):
+    """57 sequences, 4 x 3 accumulated: the loader's epoch is 14 micro batches (4.67 steps);
+    counted in whole steps, `epochs: 2` ran 8 steps, 1.71 epochs."""
+    from zerofit.config import validate
+    from zerofit.train import total_optimizer_steps
+
+    config = validate(tiny_config(tmp_path, train={"max_steps": None, "epochs": 2, "micro_batch_size": 4,
+                                                   "grad_accum_steps": 3}))
+    steps = total_optimizer_steps(config, 57, world_size=1)
+    assert steps == 10 and 2 <= steps * 3 / 14 < 2 + 3 / 14  # at least 2 epochs, at most one step more
+    assert total_optimizer_steps(config.model_copy(update={"train": config.train.model_copy(update={"epochs": 1})}),
+                                 48, world_size=2) == 2  # 48 // 8 = 6 micro batches of 4 on 2 ranks, 3 a step

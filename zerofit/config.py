@@ -181,7 +181,8 @@ class TrainConfig(Section):
     torchrun has set OMP_NUM_THREADS=1 (its default for several ranks, which leaves the CPU
     optimizer one core); any other OMP_NUM_THREADS is kept."""
     epochs: float | None = Field(None, gt=0)
-    """Passes over the training data (converted to max_steps)."""
+    """Passes over the training data, converted to the fewest optimizer steps that make them (the
+    last step may run into the next pass by less than one step)."""
     lr: float = Field(2e-5, gt=0)
     """Peak learning rate."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"

@@ -280,14 +280,19 @@ def seed_everything(seed: int) -> None:
 
 
 def total_optimizer_steps(config: Config, sequences: int, world_size: int) -> int:
+    """train.max_steps, or the fewest steps that take train.epochs passes over the data. An epoch
+    is counted in micro batches, as data.Batches serves them (sequences // (micro x ranks)), and
+    a step may straddle two: counted in whole steps (sequences // step's sequences), 57
+    sequences at 4 x 3 made 4 steps an epoch where the loader's epoch is 4.67, so `epochs: 2`
+    ended at 1.71 epochs."""
     if config.train.max_steps:
         return config.train.max_steps
     per_step = config.train.micro_batch_size * config.train.grad_accum_steps * world_size
-    steps_per_epoch = sequences // per_step
-    if steps_per_epoch == 0:
+    if sequences < per_step:
         raise ConfigError(f"{sequences} training sequences make no full optimizer step of {per_step}; "
                           f"add data or lower train.micro_batch_size / grad_accum_steps")
-    return max(1, math.ceil(config.train.epochs * steps_per_epoch))
+    micro_batches = config.train.epochs * (sequences // (config.train.micro_batch_size * world_size))
+    return max(1, math.ceil(micro_batches / config.train.grad_accum_steps))
 
 
 def held_bytes(*sets: data.Sequences) -> int:
