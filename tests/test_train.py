@@ -1,6 +1,7 @@
 """End-to-end runs of `zerofit train` on real DeepSpeed ZeRO-3 (CPU accelerator, gloo)."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -377,3 +378,28 @@ def test_epochs_are_passes_over_the_data_as_the_loader_counts_them(tmp_path):
     assert steps == 10 and 2 <= steps * 3 / 14 < 2 + 3 / 14  # at least 2 epochs, at most one step more
     assert total_optimizer_steps(config.model_copy(update={"train": config.train.model_copy(update={"epochs": 1})}),
                                  48, world_size=2) == 2  # 48 // 8 = 6 micro batches of 4 on 2 ranks, 3 a step
+
+
+def test_tensorboard_curves_follow_resumes_and_starts_over(tmp_path):
+    """A resume from step 2 of a run that reached 4 wrote steps 3-4 twice into the event files
+    (metrics.jsonl dropped them); --no-resume added a new run's steps 1.. to the old curves."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 4},
+                                                           checkpoint={"every_steps": 2, "keep_last": 3},
+                                                           log={"tensorboard": True, "progress": False}))
+    run_zerofit(["train", "--config", str(config)])
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-000004")
+    run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=5", "--resume"])
+
+    def steps(directory):
+        events = EventAccumulator(str(directory))
+        events.Reload()
+        return [event.step for event in events.Scalars("loss")]
+
+    assert steps(tmp_path / "run" / "tensorboard") == [1, 2, 3, 4, 5]
+    again = run_zerofit(["train", "--config", str(config), "--no-resume"])
+    assert steps(tmp_path / "run" / "tensorboard") == [1, 2, 3, 4]
+    moved = next((tmp_path / "run" / "checkpoints").glob("earlier-*"))
+    assert steps(moved / "tensorboard") == [1, 2, 3, 4, 5] and "moved" in again.stderr

@@ -70,8 +70,9 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
         if resume is not False:
             point = _pick(root, config, dist.world_size, fresh)
         elif moved := checkpoint.set_aside(root):
-            for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl")]:
-                if record.is_file():  # the new run would write over them: they go with their checkpoints
+            for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"),
+                           root.parent / "tensorboard"]:
+                if record.exists():  # the new run would write over them (or add to them): they go with their checkpoints
                     os.replace(record, moved.path / record.name)
             warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics "
                  f"and memory records to {moved.path}; delete that directory when you no longer need them")

@@ -344,7 +344,18 @@ class LogConfig(Section):
     progress: bool = True
     """Show the progress bar (plain lines instead when stderr, where zerofit writes, is not a terminal)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files into RUN_DIR/tensorboard."""
+    """Also write TensorBoard event files into RUN_DIR/tensorboard (needs `pip install tensorboard`)."""
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _installed(cls, value: bool) -> bool:
+        """Said when the config is read, not once the data is loaded and the engine built."""
+        import importlib.util
+
+        if value and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("log.tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or zerofit[tensorboard])")
+        return value
 
 
 class MemoryConfig(Section):

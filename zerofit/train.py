@@ -383,7 +383,8 @@ class MetricsLog:
             except ImportError:
                 raise ConfigError("log.tensorboard needs the tensorboard package: pip install tensorboard") from None
 
-            self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+            # a resume drops the events past the checkpoint's step, as metrics.jsonl drops its lines
+            self._writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=keep_upto + 1 if keep_upto else None)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
