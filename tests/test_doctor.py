@@ -394,3 +394,22 @@ def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_
     assert "12 steps" in done.stdout and "report: not written" in done.stdout and "--out FILE" in done.stdout
     elsewhere = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "r.html")])
     assert (tmp_path / "r.html").is_file() and f"report: {tmp_path / 'r.html'}" in elsewhere.stdout
+
+
+def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):
+    """The run's lock held (here by this process, as a zerofit train holds it for its lifetime):
+    the doctor's figures are up to the newest record, and it says so; free, it says nothing."""
+    from zerofit import runlock
+
+    run, _, _ = clean_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    quiet = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "a.html")], env={"COLUMNS": "300"})
+    assert "still going" not in quiet.stdout
+    runlock.hold(copy)
+    try:
+        going = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "b.html")], env={"COLUMNS": "300"})
+    finally:
+        os.close(runlock._held.pop((copy / runlock.LOCK_FILE).resolve()))
+    assert f"the run is still going (zerofit train, pid {os.getpid()})" in going.stdout
+    assert "the run is still going" in (tmp_path / "b.html").read_text()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from zerofit import runlock
 from zerofit.config import ConfigError
 from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, read_timeline
@@ -35,6 +36,12 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     ranks: list[dict] = field(default_factory=list)  # per rank: steps, GPU / host peaks (rank_peaks)
     other_ranks: dict[int, list[dict]] = field(default_factory=dict)  # ranks > 0: their effective timelines
+    running_pid: int | None = None  # the zerofit train still holding the run's lock
+
+    @property
+    def running_note(self) -> str:
+        return "" if self.running_pid is None else \
+            f"the run is still going (zerofit train, pid {self.running_pid}): figures up to its newest record"
 
 
 # ---------------------------------------------------------------------------- reading
@@ -63,13 +70,15 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
+
     report = newest_postmortem(run_dir)
     if report and resumed_after(per_rank.get(report["event"].get("rank", 0), records), report["event"].get("step")):
         report["resumed_afterwards"] = True  # its retry line would ask for what has happened
     return Diagnosis(run_dir, source, records, facts, findings,
                      plan_vs_measured(plan, per_rank, checkpoint_bytes), phase_peaks(records),
                      summarize(records, facts, every_rank), report,
-                     checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank})
+                     checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank},
+                     runlock.holder(run_dir))
 
 
 def resumed_after(records: list[dict], oom_step: int | None) -> bool:

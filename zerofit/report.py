@@ -338,6 +338,7 @@ def render_html(diagnosis) -> str:
 <style>{CSS}</style></head><body>
 <h1>zerofit doctor: {esc(diagnosis.run_dir.name)}</h1>
 <p class=sub>{esc(source)} in <code>{esc(diagnosis.run_dir)}</code>, {esc(device)}</p>
+{f"<p class=sub>{esc(diagnosis.running_note)}</p>" if diagnosis.running_note else ""}
 {cards(diagnosis)}
 <h2>Findings</h2>{findings_html(diagnosis.findings)}
 <h2>Memory timeline</h2>
@@ -366,6 +367,8 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
                   f"{saves_phrase(s)}, {s['evals']} evals, {gpu}host peak {gib(s['host_peak'])}"
                   + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
+    if diagnosis.running_note:
+        console.print(f"[yellow]{escape(diagnosis.running_note)}[/]")
     if len(diagnosis.ranks) > 1:
         console.print("ranks: " + "; ".join(
             f"{r['rank']}: " + (f"GPU {gib(r['gpu_peak_reserved'])} reserved, " if s["on_gpu"] else "")

@@ -31,3 +31,20 @@ def hold(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[path] = fd
+
+
+def holder(run_dir: Path) -> int | None:
+    """The pid of the zerofit train that holds run_dir's lock now (the run is still going), else None."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)  # closing drops the shared lock taken when nobody held it
+    return None
