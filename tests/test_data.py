@@ -219,18 +219,27 @@ def test_too_little_data_for_one_batch():
         Batches(data.synthetic_sequences(3, 8, 100, seed=0), micro_batch=2, rank=0, world=2, seed=0)
 
 
-def test_an_eval_set_smaller_than_a_micro_batch_is_still_evaluated(tmp_path, tokenizer):
-    """One held-out sequence at micro batch 4 gave no eval batch at all (eval loss n/a, said
-    nowhere): it is evaluated in a smaller batch, every rank the same number of them."""
-    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i} " * 20} for i in range(3)])
+def test_an_eval_set_is_evaluated_whole_however_the_run_is_split(tmp_path, tokenizer):
+    """One held-out sequence at micro batch 4 gave no eval batch at all; a set that did not fill
+    the last global batch lost its tail (1 and 2 ranks evaluated 4 and 8 sequences of one set).
+    Every split evaluates the same sequences; every rank runs as many forwards, a rank without
+    a sequence on a row whose labels are all ignored."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i} " * 20} for i in range(11)])
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 16)
-    assert len(seqs) == 3
-    alone = list(data.eval_batches(seqs, 4, 0, 1, limit=10))
-    assert [len(ids) for ids, _ in alone] == [3]
-    per_rank = [list(data.eval_batches(seqs, 4, rank, 2, limit=10)) for rank in (0, 1)]
-    assert [[len(ids) for ids, _ in batches] for batches in per_rank] == [[1], [1]]
-    assert (per_rank[0][0][0] != per_rank[1][0][0]).any()  # each rank its own sequence
-    assert list(data.eval_batches(seqs, 4, 0, 4, limit=10)) == []  # fewer sequences than ranks: none (warned)
+    assert len(seqs) == 11
+
+    def evaluated(micro, world, limit=10):
+        per_rank = [list(data.eval_batches(seqs, micro, rank, world, limit)) for rank in range(world)]
+        assert len({len(batches) for batches in per_rank}) == 1  # the same number of forwards on every rank
+        rows = [row.tobytes() for batches in per_rank for ids, labels in batches
+                for row, row_labels in zip(ids, labels) if data.targets(row_labels[None]) > 0]
+        return sorted(rows)
+
+    whole = sorted(row.tobytes() for row in seqs.input_ids)
+    for micro, world in ((4, 1), (2, 2), (1, 4), (4, 4), (16, 1)):
+        assert evaluated(micro, world) == whole, (micro, world)
+    assert len(evaluated(2, 2, limit=2)) == 8  # the cap: the first 2 x 2 x 2 sequences
+    assert list(data.eval_batches(seqs, 4, 0, 1, limit=10))[-1][0].shape[0] == 3  # the tail, not dropped
 
 
 def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_raise_it(tmp_path, tokenizer):

@@ -189,12 +189,12 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     model = PeftModel.from_pretrained(base, out, autocast_adapter_dtype=False).eval()
     config = load(run / "config.yaml")
     _, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed, 128)
-    with torch.no_grad():
-        losses = [model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss.float()
-                  for ids, labels in data.eval_batches(eval_set, config.train.micro_batch_size, 0, 1,
-                                                       config.eval.max_batches)]
-    assert float(torch.stack(losses).mean()) == pytest.approx(read_jsonl(run / "metrics.jsonl")[-1]["eval_loss"],
-                                                              abs=1e-4)
+    batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, 0, 1, config.eval.max_batches))
+    with torch.no_grad():  # the eval loss is the mean over every token evaluated
+        summed = sum(model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss.float()
+                     * data.targets(labels) for ids, labels in batches)
+    tokens = sum(data.targets(labels) for _, labels in batches)
+    assert float(summed / tokens) == pytest.approx(read_jsonl(run / "metrics.jsonl")[-1]["eval_loss"], abs=1e-4)
     assert any(float(v.abs().sum()) > 0 for k, v in adapters.read_adapter(run / "checkpoints" / "step-000004").items()
                if ".lora_B." in k)  # B moved away from its zero init
 

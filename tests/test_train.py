@@ -143,18 +143,20 @@ def test_a_step_trains_on_the_mean_over_its_tokens_however_it_is_split(tmp_path)
     60-token one: the 1 x 4 run's losses differed from the 4 x 1 run's."""
     rows = [{"instruction": f"say {i}", "output": "ab" * (1 + (i * 7) % 30)} for i in range(64)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
+    held = write_jsonl(tmp_path / "e.jsonl", rows[:7])  # 7: no split fills its last global batch
     losses = {}
     for name, micro, accum, ranks in (("4x1", 4, 1, 1), ("1x4", 1, 4, 1), ("2x1x2ranks", 2, 1, 2)):
         config = write_config(tmp_path / f"{name}.yaml", tiny_config(
-            tmp_path / name, data_path=str(path), data={"packing": False, "eval_fraction": 0.0},
+            tmp_path / name, data_path=str(path), data={"packing": False, "eval_path": str(held)},
             train={"max_steps": 3, "micro_batch_size": micro, "grad_accum_steps": accum, "precision": "fp32",
-                   "seq_len": 96}, eval={"every_steps": 0, "at_end": False}, checkpoint={"every_steps": 0,
-                                                                                      "save_final": False}))
+                   "seq_len": 96}, eval={"every_steps": 0, "at_end": True, "max_batches": 50},
+            checkpoint={"every_steps": 0, "save_final": False}))
         run_zerofit(["train", "--config", str(config)], nproc=ranks)
-        losses[name] = [m["loss"] for m in read_jsonl(tmp_path / name / "metrics.jsonl")]
+        metrics = read_jsonl(tmp_path / name / "metrics.jsonl")
+        losses[name] = [m["loss"] for m in metrics] + [m["eval_loss"] for m in metrics if "eval_loss" in m]
     assert losses["1x4"] == pytest.approx(losses["4x1"], rel=1e-5)
-    assert losses["2x1x2ranks"] == pytest.approx(losses["4x1"], rel=1e-5)
-    assert len(losses["4x1"]) == 3 and losses["4x1"][2] < losses["4x1"][0]
+    assert losses["2x1x2ranks"] == pytest.approx(losses["4x1"], rel=1e-5)  # the eval too: the same 7 sequences
+    assert len(losses["4x1"]) == 4 and losses["4x1"][2] < losses["4x1"][0]
 
 
 def test_finished_run_is_not_retrained(one_rank_run):

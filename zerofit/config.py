@@ -333,7 +333,8 @@ class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Evaluate every N optimizer steps; 0 only at the end."""
     max_batches: int = Field(50, ge=1)
-    """Micro batches per evaluation."""
+    """Caps an evaluation at the eval set's first max_batches x micro batch x ranks sequences; a
+    smaller eval set is evaluated whole, the same sequences however the run is split."""
     at_end: bool = True
     """Evaluate once more when training ends."""
 

@@ -652,11 +652,18 @@ def carried_position(position: int, old: BatchShape, new: BatchShape) -> int:
 
 
 def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int):
-    """The first `limit` micro batches of the eval set, in file order, this rank's slice; an
-    eval set smaller than one micro batch per rank is evaluated in smaller ones (every rank
-    the same number: ZeRO-3's forward is collective), one with fewer sequences than ranks not."""
-    size = min(micro_batch, len(seqs) // world)
-    count = min(limit, len(seqs) // (size * world)) if size else 0
-    for j in range(count):
-        start = (j * world + rank) * size
-        yield seqs.input_ids[start: start + size], seqs.labels[start: start + size]
+    """This rank's micro batches of the eval set's first `limit` x micro_batch x world sequences,
+    in file order: a set smaller than that is evaluated whole, the same sequences however it is
+    split into micro batches and ranks (the tail that did not fill a global batch was dropped:
+    1 and 2 ranks evaluated 4 and 8 sequences of one set). A global batch's sequences are shared
+    out evenly; a rank left without one runs a forward anyway (ZeRO-3's forward is collective) on
+    a row whose labels are all ignored, which the token-weighted eval loss does not count."""
+    total = min(len(seqs), limit * micro_batch * world)
+    for start in range(0, total, micro_batch * world):
+        share = -(-(min(start + micro_batch * world, total) - start) // world)
+        lo = min(start + rank * share, total)
+        hi = min(lo + share, start + micro_batch * world, total)
+        if hi > lo:
+            yield seqs.input_ids[lo:hi], seqs.labels[lo:hi]
+        else:
+            yield seqs.input_ids[:1], np.full_like(seqs.labels[:1], IGNORE)

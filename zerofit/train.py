@@ -71,7 +71,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
                         data.trained_chat_template(train_set.formats, tokenizer))
-        report_data(train_set, eval_set, config, dist.world_size, tokenizer)
+        report_data(train_set, eval_set, config, tokenizer)
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
     model = engine.build_model(config, ds_config)
@@ -260,10 +260,12 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
         return None
     ds_engine.eval()
     counted = [data.targets(labels) for _, labels in batches]
+    summed = []
     with torch.no_grad():  # the mean over every token evaluated, as the training loss is
-        summed = [forward_loss(ds_engine, torch.from_numpy(ids).to(ds_engine.device),
-                               torch.from_numpy(labels).to(ds_engine.device), config.train.chunked_loss).float() * n
-                  for (ids, labels), n in zip(batches, counted)]
+        for (ids, labels), n in zip(batches, counted):
+            loss_value = forward_loss(ds_engine, torch.from_numpy(ids).to(ds_engine.device),
+                                      torch.from_numpy(labels).to(ds_engine.device), config.train.chunked_loss).float()
+            summed.append(loss_value * n if n else torch.zeros((), device=ds_engine.device))  # a stand-in row: 0/0
     ds_engine.train()
     timeline.mark(step, "eval")
     tokens = torch.tensor(float(sum(counted)), device=ds_engine.device)
@@ -335,8 +337,7 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
         tokenizer.chat_template = own_template
 
 
-def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, world_size: int,
-                tokenizer) -> None:
+def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
         f"{train_set.trained_tokens} trained tokens")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
@@ -348,9 +349,8 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model))
     if stop:
         warn(stop)
-    if len(eval_set) < world_size and (config.eval.every_steps or config.eval.at_end):  # data.eval_batches: none
-        warn(f"the eval set has {len(eval_set)} sequence(s) for {world_size} rank(s): no eval loss will be "
-             f"measured; raise data.eval_fraction, or set data.eval_path")
+    if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
+        warn("the eval set is empty: no eval loss will be measured; raise data.eval_fraction, or set data.eval_path")
 
 
 def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0,
