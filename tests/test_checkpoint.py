@@ -136,7 +136,7 @@ def test_printed_commands_start_the_run_as_it_ran():
 
 
 def test_a_resume_that_changes_the_global_batch_is_named():
-    from zerofit.checkpointer import global_batch_change
+    from zerofit.checkpointer import global_batch_change, keep_batch_advice
 
     def state(world, micro, accum):
         return checkpoint.LoopState(world_size=world, micro_batch_size=micro,
@@ -146,6 +146,10 @@ def test_a_resume_that_changes_the_global_batch_is_named():
     assert global_batch_change(state(1, 4, 1), state(1, 2, 2)) is None  # an OOM retry's split keeps it
     assert global_batch_change(state(2, 4, 1), state(1, 4, 2)) is None  # the planner's split of global_batch_size
     assert global_batch_change(checkpoint.LoopState(), state(1, 4, 1)) is None  # older checkpoints recorded less
+    # advice a run's own config.yaml can follow (it pins micro batch and accumulation: "leave them to the
+    # planner" ended in "global_batch_size=4 cannot be split as micro_batch_size=2 x grad_accum_steps=1 x 1")
+    assert keep_batch_advice(state(2, 2, 1), state(1, 2, 1)).endswith("--set train.grad_accum_steps=2")
+    assert keep_batch_advice(state(1, 3, 1), state(2, 2, 1)).startswith("No accumulation keeps the checkpoint's 3")
 
 
 def test_data_position_on_another_number_of_ranks():
@@ -706,6 +710,7 @@ def test_resume_on_fewer_ranks(tmp_path):
     assert "data position: 4 micro batches of 4 on 2 rank(s) -> 8 of 4 on 1" in stderr
     # micro batch and accumulation fixed: one rank trains half the batch per step, and says so
     assert "step-000004 trained 8 sequences per optimizer step, this run 4 (ranks 2 -> 1" in stderr
+    assert "--set train.grad_accum_steps=2" in stderr
     universal = run / "checkpoints" / "universal-step-000004"
     assert checkpoint.verify(universal, hashes=True) is None
     assert json.loads((universal / "MANIFEST.json").read_text())["source_world_size"] == 2

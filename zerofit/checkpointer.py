@@ -129,6 +129,19 @@ def global_batch_change(saved: LoopState, fresh: LoopState) -> str | None:
             f"{m0} -> {m1}, accumulation {a0} -> {a1})")
 
 
+def keep_batch_advice(saved: LoopState, fresh: LoopState) -> str:
+    """How to keep the checkpoint's global batch on this run's ranks: the accumulation that
+    makes it with this micro batch (the run's config.yaml pins both, as the planner chose them
+    for the old rank count, so "leave them to the planner" cannot be followed with it)."""
+    batch = saved.world_size * saved.micro_batch_size * saved.config_values.get("train", {}).get("grad_accum_steps", 0)
+    accum, rest = divmod(batch, fresh.world_size * fresh.micro_batch_size)
+    if accum and not rest:
+        return f"To keep the checkpoint's {batch} sequences a step: --set train.grad_accum_steps={accum}"
+    return (f"No accumulation keeps the checkpoint's {batch} sequences a step at micro batch {fresh.micro_batch_size} "
+            f"on {fresh.world_size} rank(s); set train.micro_batch_size and train.grad_accum_steps so that their "
+            f"product x ranks is {batch}")
+
+
 def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     """`what old -> new` for each difference a load cannot bridge: the model's architecture
     (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
@@ -249,8 +262,7 @@ class Checkpointer:
         change = global_batch_change(state, fresh)
         if change and self.dist.is_main:
             warn(f"{directory.name} trained {change}; the learning-rate schedule counts optimizer steps, not "
-                 f"sequences. To keep the checkpoint's batch, set train.global_batch_size and leave "
-                 f"train.micro_batch_size / train.grad_accum_steps to the planner")
+                 f"sequences. {keep_batch_advice(state, fresh)}")
         if self.dist.is_main and state.data_fingerprint and state.data_fingerprint != fresh.data_fingerprint \
                 and state.epoch_sequences == fresh.epoch_sequences:  # another count is named with the position
             warn(f"the data's tokens differ from those {directory.name} trained on (the files under data.path, the "
