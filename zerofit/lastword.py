@@ -40,9 +40,11 @@ def main() -> None:
     from zerofit.checkpoint import write_atomic
     from zerofit.elastic import announce_failure
 
-    announce_failure()  # first: a peer waiting in a collective needs it most
+    # the record first: it takes milliseconds, while the announcement waits up to elastic's timeout
+    # for a store that is gone when torchrun has already ended (the doctor found no record for 10 s)
     Path(record_path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(record_path), json.dumps({"rank": rank, "time": died}))
+    announce_failure()  # then the peers waiting in a collective
 
 
 if __name__ == "__main__":
