@@ -364,7 +364,7 @@ def test_png_is_a_real_image(clean_run):
 def test_a_run_killed_outright_is_explained(tmp_path):
     """A run SIGKILLed in step 4 (as the kernel's OOM killer ends one; no Python runs): its last
     word leaves a record, and the doctor names the kill, the last memory record before it and
-    whether host RAM was short then. A resumed run that trains past it is not blamed again."""
+    whether host RAM was short then. A resumed run that trains past it lists it as history."""
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 5}))
     killed = run_zerofit(["train", "--config", str(config)], env={"ZEROFIT_FAULT": "kill@step:4"}, check=False)
     assert killed.returncode == -9
@@ -379,7 +379,8 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     assert f"available of {gib(found[0].evidence['host_total'])}" in found[0].cause and found[0].evidence["host_total"]
     assert any("dmesg" in fix for fix in found[0].fix)
     run_zerofit(["train", "--config", str(config), "--resume"])
-    assert not [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]
+    history = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]  # listed, not blamed
+    assert len(history) == 1 and history[0].severity == "info" and "the run started again after it" in history[0].title
 
 
 def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):
@@ -413,3 +414,15 @@ def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):
         os.close(runlock._held.pop((copy / runlock.LOCK_FILE).resolve()))
     assert f"the run is still going (zerofit train, pid {os.getpid()})" in going.stdout
     assert "the run is still going" in (tmp_path / "b.html").read_text()
+
+
+def test_a_rank_of_an_earlier_attempt_on_more_ranks_is_left_out(clean_run, tmp_path):
+    """A run that resumed on one rank after two: memory-rank1.jsonl is the earlier attempt's; it
+    was added to this run's host peak and listed as a rank (its kill blamed on the finished run)."""
+    run, _, _ = clean_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    shutil.copy(copy / "memory.jsonl", copy / "memory-rank1.jsonl")  # an earlier rank 1's timeline
+    diagnosis = diagnose(copy)
+    assert [r["rank"] for r in diagnosis.ranks] == [0] and not diagnosis.other_ranks
+    assert diagnosis.summary["host_peak"] == diagnose(run).summary["host_peak"]

@@ -106,7 +106,9 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
     for path in rank_files(run_dir, RECORD):
         record = read_json(path) or {}
         rank = int(record.get("rank", 0))
-        finding = killed_outright(rank, float(record.get("time", 0)), per_rank.get(rank, []))
+        died_at = float(record.get("time", 0))
+        went_on = any(r["time"] > died_at for timeline in per_rank.values() for r in timeline)
+        finding = killed_outright(rank, died_at, per_rank.get(rank, []) or per_rank.get(0, []), resumed=went_on)
         if finding:
             found.append(finding)
     return found
@@ -117,7 +119,10 @@ def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
     ranks = [0] + sorted(int(p.stem.removeprefix("memory-rank")) for p in run_dir.glob("memory-rank*.jsonl")
                          if p.stem.removeprefix("memory-rank").isdigit())
     timelines = {rank: read_timeline(run_dir, rank) for rank in ranks}
-    return {rank: effective_records(raw) for rank, raw in timelines.items() if raw}
+    # a rank of an earlier attempt on more ranks (the run resumed on fewer) is history, not this run
+    newest = next((r for r in reversed(timelines.get(0, [])) if r.get("phase") == "start"), {})
+    world = newest.get("world_size") or len(ranks)
+    return {rank: effective_records(raw) for rank, raw in timelines.items() if raw and rank < world}
 
 
 def read_json(path: Path) -> dict | None:

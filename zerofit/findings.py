@@ -176,20 +176,26 @@ def rank_imbalance(peaks: list[dict], facts: RunFacts, uneven: float = 0.10) -> 
     return found
 
 
-def killed_outright(rank: int, died_at: float, timeline: list[dict], short: float = 0.10) -> Finding | None:
+def killed_outright(rank: int, died_at: float, timeline: list[dict], short: float = 0.10,
+                    resumed: bool = False) -> Finding | None:
     """A rank its last word (zerofit/lastword.py) found dead without Python's knowing: SIGKILL
-    or a crash in native code. Its last memory record says whether host RAM was short then
-    (under `short` of the machine available): the kernel's OOM killer is then the likely hand,
-    the one OOM no process can catch. None when the rank recorded more after it (a resumed run)."""
-    last = timeline[-1] if timeline else None
-    if last is None or last["time"] > died_at:
+    or a crash in native code. Its last memory record before it says whether host RAM was short
+    then (under `short` of the machine available): the kernel's OOM killer is then the likely
+    hand, the one OOM no process can catch. A kill the run started again after (`resumed`, or
+    this rank's records going on) stays listed as history, at info level, as an OOM a retry went
+    past does; None without a record before it."""
+    before = [r for r in timeline if r["time"] <= died_at]
+    last = before[-1] if before else None
+    if last is None:
         return None
+    resumed = resumed or len(before) < len(timeline)
     avail = last.get("host_avail") or 0
     total = next((r["host_total"] for r in timeline if r.get("host_total")), 0)  # the start record's
     host_short = bool(total) and avail < short * total
     where = f"step {last['step']}, {last['phase']}"
     title = (f"rank {rank} was killed outright {died_at - last['time']:.1f} s after its last memory record ({where}): "
-             f"SIGKILL or a crash in native code, nothing Python could catch")
+             f"SIGKILL or a crash in native code, nothing Python could catch"
+             + ("; the run started again after it" if resumed else ""))
     cause = (f"host RAM was short at that record ({gib(avail)} available of {gib(total)}, this rank's RSS "
              f"{gib(last.get('host_rss') or 0)}): the kernel's OOM killer is the likely hand" if host_short else
              f"host RAM was not short at that record ({gib(avail)} available of {gib(total)}): a kill from outside "
@@ -199,7 +205,7 @@ def killed_outright(rank: int, died_at: float, timeline: list[dict], short: floa
         fix += ["lower the host peak: `zerofit plan --host-mem SIZE` with what the machine can spare, or fewer "
                 "ranks per node", "arm memory.watchdog_threshold with watchdog_action save or stop, which acts "
                 "before the kernel does"]
-    return Finding("killed", "error", "host", title, cause, fix, last["step"],
+    return Finding("killed", "info" if resumed else "error", "host", title, cause, fix, last["step"],
                    {"rank": rank, "died_at": died_at, "last_record_time": last["time"], "host_avail": avail,
                     "host_total": total})
 
