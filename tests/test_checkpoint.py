@@ -843,3 +843,18 @@ def test_metrics_stay_one_curve_after_a_kill_at_publish_and_a_torn_line(tmp_path
     run_zerofit(["train", "--config", str(config), "--resume"])
     assert [m["step"] for m in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
     assert all(line.startswith("{") and line.endswith("}") for line in metrics.read_text().splitlines())
+
+
+def test_ctrl_c_names_the_checkpoint_to_go_on_from(tmp_path):
+    """Ctrl-C said only "zerofit: interrupted": the steps since the newest checkpoint are lost,
+    and which one that is, and the command that continues from it, were left to find."""
+    config = config_for(tmp_path, "run", max_steps=400)
+    process = subprocess.Popen(zerofit_command(["train", "--config", str(config)]), cwd=ROOT, env=child_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "run" / "checkpoints" / "step-000002", process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    said = " ".join(stderr.split())
+    assert process.returncode == 130, stderr[-2000:]
+    assert "zerofit: interrupted; the newest checkpoint is step-0000" in said
+    assert f"`zerofit train --config {tmp_path / 'run' / 'config.yaml'} --resume` continues from it" in said

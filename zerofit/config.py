@@ -188,9 +188,11 @@ class TrainConfig(Section):
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps from 0 to `lr`."""
+    """Linear warmup: optimizer step s (counted from 1) runs at s / warmup_steps of `lr`, so the
+    first step is not wasted at 0 and step warmup_steps reaches `lr`."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    """Final learning rate as a fraction of `lr` (cosine and linear)."""
+    """The decay's floor as a fraction of `lr` (cosine and linear): reached one step past the
+    last, which runs just above it."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
