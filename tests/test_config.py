@@ -233,3 +233,21 @@ def test_a_size_flag_with_a_typo_is_a_usage_error_naming_the_flag(capsys):
         cli.main(["plan", "--model", "tiny", "--gpu-mem", "24GB2"])
     assert exited.value.code == 2
     assert "argument --gpu-mem: '24GB2' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: {config: tiny}\ntrain:\n  max_steps: 3\nlr: 1e-4\n",
+     "unknown key lr; it is a key of train: move it under `train:`"),  # it read "did you mean lora?"
+    ("model: {config: tiny}\ntrain:\n  max_steps: 3\n  offload_param: cpu\n",
+     "unknown key train.offload_param; it is a key of zero: move it under `zero:`"),
+    ("model: {config: tiny}\ntrain:\n\tmax_steps: 3\n", "line 3, column 1 is not valid YAML: found character '\\t' "
+     "that cannot start any token; YAML indents with spaces, not tabs"),
+    ("model: {config: tiny}\ntrain:\n  max_steps: 3\n     lr: 1\n", "line 4, column 8 is not valid YAML: mapping "
+     "values are not allowed here; a key is indented deeper than the keys beside it"),
+])
+def test_a_misplaced_key_or_a_yaml_slip_gets_the_fix(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load(path)
+    assert message in str(refused.value)

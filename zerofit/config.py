@@ -494,6 +494,12 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# PyYAML's words for the usual slips, and what to do about them
+YAML_HINTS = (("'\\t'", "; YAML indents with spaces, not tabs: replace the tab"),
+              ("mapping values are not allowed here", "; a key is indented deeper than the keys beside it, or a "
+               "value holds `: ` (quote it)"))
+
+
 def read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass --config FILE "
@@ -503,7 +509,9 @@ def read_yaml(path: Path) -> dict:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+        problem = str(getattr(e, "problem", e))
+        hint = next((fix for text, fix in YAML_HINTS if text in problem), "")
+        raise ConfigError(f"{path}{where} is not valid YAML: {problem}{hint}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model:, train:, ...), "
                           f"got {type(raw).__name__}")
@@ -561,6 +569,11 @@ def _unknown_key(loc: tuple) -> str:
     for part in parents:
         model = model.model_fields[part].annotation
     valid = list(model.model_fields)
+    elsewhere = [section for section, field in Config.model_fields.items() if isinstance(field.annotation, type)
+                 and issubclass(field.annotation, BaseModel) and name in field.annotation.model_fields]
+    if elsewhere and name not in valid:  # `lr:` dedented out of `train:` read "did you mean lora?"
+        return (f"unknown key {'.'.join(parents + [name])}; it is a key of {' and '.join(elsewhere)}: move it "
+                f"under `{elsewhere[0]}:`")
     near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     where = ".".join(parents) or "top level"
     hint = f"; did you mean {'.'.join(parents + near)}?" if near else f"; valid keys in {where}: {', '.join(valid)}"
