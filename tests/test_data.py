@@ -149,6 +149,8 @@ def test_skip_bad_rows_counts_them(tmp_path, tokenizer):
 def test_missing_file_and_bad_suffix(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         data.data_files(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match=r"nope.jsonl does not exist \(a relative path is read from the working dir"):
+        data.data_files("nope.jsonl")
     (tmp_path / "d.csv").write_text("a\n")
     with pytest.raises(DataError, match="unsupported suffix '.csv'"):
         data.data_files(str(tmp_path / "d.csv"))

@@ -83,8 +83,9 @@ def data_files(path: str | list[str]) -> list[Path]:
         if f.is_dir():
             files += [f] if is_saved_dataset(f) else files_under(f)
         elif not f.is_file():
-            raise DataError(f"data file {f} does not exist; set data.path to local .jsonl/.json/.parquet files "
-                            f"or a directory of them")
+            relative = "" if f.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+            raise DataError(f"data file {f} does not exist{relative}; set data.path to local .jsonl/.json/.parquet "
+                            f"files or a directory of them")
         elif f.suffix not in SUFFIXES:
             raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
         else:
