@@ -72,7 +72,7 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
         elif moved := checkpoint.set_aside(root):
             for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"),
                            root.parent / "tensorboard"]:
-                if record.exists():  # the new run would write over them (or add to them): they go with their checkpoints
+                if record.exists():  # the new run would write over (or add to) them: they go with their checkpoints
                     os.replace(record, moved.path / record.name)
             warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics "
                  f"and memory records to {moved.path}; delete that directory when you no longer need them")

@@ -200,10 +200,13 @@ def cmd_lint(args) -> int:
 
 def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=at_least(1), default=1, metavar="N", help="ranks (GPUs) to plan for (default 1)")
-    parser.add_argument("--gpu-mem", metavar="SIZE", type=size, help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
-    parser.add_argument("--host-mem", metavar="SIZE", type=size, help="host RAM budget, e.g. 64GiB (default: available RAM)")
+    parser.add_argument("--gpu-mem", metavar="SIZE", type=size,
+                        help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
+    parser.add_argument("--host-mem", metavar="SIZE", type=size,
+                        help="host RAM budget, e.g. 64GiB (default: available RAM)")
     parser.add_argument("--cpu-cores", type=int, metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
-    parser.add_argument("--disk-free", metavar="SIZE", type=size, help="free disk for checkpoints, e.g. 2TB (default: measured "
+    parser.add_argument("--disk-free", metavar="SIZE", type=size,
+                        help="free disk for checkpoints, e.g. 2TB (default: measured "
                         "where run_dir is, on this machine)")
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], help="plan for this accelerator (default: what is here)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")

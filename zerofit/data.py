@@ -433,10 +433,10 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
     learned = [t for t, label in zip(ids, labels) if label != IGNORE]
     if {tokenizer.eos_token_id, *generation_eos} & set(learned):
         return None
-    return (f"the tokenizer's chat template ends an assistant turn with {tokenizer.decode(learned[-3:])!r}, never with "
-            f"the EOS token {tokenizer.eos_token!r}: a model trained on it stops only where generation lists its turn's "
-            f"end token; add that token's id to eos_token_id in the model's generation_config.json, or set the "
-            f"tokenizer's eos_token to it")
+    return (f"the tokenizer's chat template ends an assistant turn with {tokenizer.decode(learned[-3:])!r}, never "
+            f"with the EOS token {tokenizer.eos_token!r}: a model trained on it stops only where generation lists "
+            f"its turn's end token; add that token's id to eos_token_id in the model's generation_config.json, or "
+            f"set the tokenizer's eos_token to it")
 
 
 # ------------------------------------------------------------------ packing/padding

@@ -126,7 +126,8 @@ def init_distributed() -> Dist:
     # DeepSpeed still calls collectives torch deprecated; the user can do nothing about it.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     # ... and barriers on a group it formed without device_id; the device is set before either
-    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
+                            category=UserWarning)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -323,7 +323,8 @@ def built_adam(ds: dict, params: dict) -> tuple[str, set[str]]:
     section = ds.get("zero_optimization")
     section = section if isinstance(section, dict) else {}
     offload = section.get("offload_optimizer")
-    offloaded = section.get("cpu_offload") is True or (isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme"))
+    offloaded = section.get("cpu_offload") is True or (isinstance(offload, dict)
+                                                        and offload.get("device") in ("cpu", "nvme"))
     cls, own = (DeepSpeedCPUAdam, {"self", "model_params", "adamw_mode"}) if offloaded else \
         (FusedAdam, {"self", "params", "adam_w_mode"})
     keys = set(inspect.signature(cls.__init__).parameters) - own
@@ -336,7 +337,8 @@ def torch_adam_keys() -> set[str]:
 
     import torch
 
-    keys = {name for cls in (torch.optim.Adam, torch.optim.AdamW) for name in inspect.signature(cls.__init__).parameters}
+    keys = {name for cls in (torch.optim.Adam, torch.optim.AdamW)
+            for name in inspect.signature(cls.__init__).parameters}
     return (keys - {"self", "params"}) | set(ADAM_POPPED_KEYS)
 
 

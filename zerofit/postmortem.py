@@ -472,7 +472,8 @@ def explanation(report: dict) -> str:
     elif oom and oom["fix"]:
         lines.append(f"  fix: {'; '.join(oom['fix'][:2])}")
     directory = directory_of(Path(report["run_dir"]), event.get("rank", 0))
-    lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {shlex.quote(str(report['run_dir']))}` renders the timeline")
+    lines.append(f"  details: {directory / 'report.md'}; `zerofit doctor {shlex.quote(str(report['run_dir']))}` "
+                 f"renders the timeline")
     if event.get("snapshot"):
         lines.append(f"  allocator snapshot: {event['snapshot']} ({event['snapshot_note']})")
     return "\n".join(lines)
@@ -480,7 +481,8 @@ def explanation(report: dict) -> str:
 
 def retry_command(report: dict) -> str:
     """The command that runs the retry config, on as many ranks as the run had."""
-    return f"{elastic.launcher(report['event']['world_size'])} train --config {shlex.quote(str(report['retry_config']))}"
+    config = shlex.quote(str(report["retry_config"]))
+    return f"{elastic.launcher(report['event']['world_size'])} train --config {config}"
 
 
 def retry_line(report: dict) -> str:

@@ -246,8 +246,9 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
     if action != "stop":
         return None
     why = crossing.message() if crossing else "watchdog: another rank crossed memory.watchdog_threshold"
-    return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor {shlex.quote(str(config.run_dir))}` "
-            f"names the phase and the fix): {checkpointer.resume_command(config, resume=False)}")
+    return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor "
+            f"{shlex.quote(str(config.run_dir))}` names the phase and the fix): "
+            f"{checkpointer.resume_command(config, resume=False)}")
 
 
 def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,
