@@ -60,10 +60,11 @@ def test_training_goes_on_past_a_killed_build(tmp_path):
     """The CI failure this guards against: a build killed at 13:18 left cpu_adam/lock and
     every later `zerofit train` hung in FileBaton.wait()."""
     extensions = tmp_path / "torch_extensions"
-    built = opbuild.build_root() / "py311_cpu"  # reuse this machine's builds: no minute-long compile
-    for op in ("cpu_adam", "deepspeed_shm_comm"):
-        if (built / op).is_dir():
-            shutil.copytree(built / op, extensions / op, ignore=shutil.ignore_patterns("lock"))
+    root = opbuild.build_root()  # reuse this machine's builds: no minute-long compile
+    for op in ("cpu_adam", "deepspeed_shm_comm"):  # ROOT/py311_cpu/op by default, ROOT/op with TORCH_EXTENSIONS_DIR
+        built = next((d for d in (root / "py311_cpu" / op, root / op) if d.is_dir()), None)
+        if built is not None:
+            shutil.copytree(built, extensions / op, ignore=shutil.ignore_patterns("lock"))
     lock = _lock(extensions, "cpu_adam", HOUR)
     config = tiny_config(tmp_path / "run", train={"max_steps": 1}, eval={"every_steps": 0},
                          checkpoint={"every_steps": 0, "save_final": False})
