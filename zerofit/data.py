@@ -22,6 +22,7 @@ IGNORE = -100  # the label value HF causal-LM losses skip
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+CHAT_FORMATS = {"messages", "sharegpt"}  # the row formats read as conversations of chat messages
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
 SAVED_DATASET_DICT_FILE = "dataset_dict.json"  # ... and above the splits' directories for a DatasetDict
 # The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
@@ -410,7 +411,7 @@ def trained_chat_template(formats: tuple[str, ...], tokenizer) -> str | None:
     layout (text rows, or several formats mixed)."""
     if formats == ("alpaca",):
         return ALPACA_CHAT_TEMPLATE
-    if formats and set(formats) <= {"messages", "sharegpt"} and not tokenizer.chat_template:
+    if formats and set(formats) <= CHAT_FORMATS and not tokenizer.chat_template:
         return PLAIN_CHAT_TEMPLATE
     return None
 
@@ -423,7 +424,7 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
     if tokenizer.eos_token_id is None:
         return ("the tokenizer has no EOS token: answers are trained without an end, so the model does not learn to "
                 "stop, and packed examples run into each other; give it one (eos_token in tokenizer_config.json)")
-    if not formats or not set(formats) <= {"messages", "sharegpt"} or not tokenizer.chat_template:
+    if not formats or not set(formats) <= CHAT_FORMATS or not tokenizer.chat_template:
         return None  # the alpaca and `role:` layouts end every answer with EOS themselves
     try:
         ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
@@ -578,7 +579,7 @@ class Batches:
                             f"({micro_batch} x {world}); " + (dropped or "add data, or lower train.micro_batch_size"))
         self.position = position
         self._order_epoch, self._order = -1, None
-        self._targets = None  # per sequence, the labels the loss counts (target_counts)
+        self._targets = None  # per sequence, the labels the loss counts (targets)
 
     def _order_for(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
@@ -590,17 +591,22 @@ class Batches:
     def epoch(self) -> float:
         return self.position / self.per_epoch
 
+    def _rows(self, position: int) -> np.ndarray:
+        """Every rank's sequences of the global micro batch at `position`, this rank's the
+        slice [rank x micro, (rank + 1) x micro)."""
+        epoch, index = divmod(position, self.per_epoch)
+        per_batch = self.micro_batch * self.world
+        return self._order_for(epoch)[index * per_batch:(index + 1) * per_batch]
+
+    def _mine(self, rows: np.ndarray) -> np.ndarray:
+        return rows[self.rank * self.micro_batch:(self.rank + 1) * self.micro_batch]
+
     def tokens_between(self, start: int, stop: int) -> int:
         """Tokens, padding left out, of every rank's micro batches at positions [start, stop):
         what the run processed in that span (tokens/s counts these, not seq_len per row)."""
-        per_batch = self.micro_batch * self.world
         if self.seqs.lengths is None:
-            return (stop - start) * per_batch * self.seqs.input_ids.shape[-1]
-        total = 0
-        for position in range(start, stop):
-            epoch, index = divmod(position, self.per_epoch)
-            total += int(self.seqs.lengths[self._order_for(epoch)[index * per_batch:(index + 1) * per_batch]].sum())
-        return total
+            return (stop - start) * self.micro_batch * self.world * self.seqs.input_ids.shape[-1]
+        return sum(int(self.seqs.lengths[self._rows(position)].sum()) for position in range(start, stop))
 
     def step_targets(self, accum: int) -> tuple[list[int], int]:
         """The tokens the loss counts (labels past each row's first) in this rank's next `accum`
@@ -609,19 +615,12 @@ class Batches:
         count without a collective; the position does not move."""
         if self._targets is None:
             self._targets = targets(self.seqs.labels, per_row=True)
-        per_batch, mine, total = self.micro_batch * self.world, [], 0
-        for position in range(self.position, self.position + accum):
-            epoch, index = divmod(position, self.per_epoch)
-            rows = self._order_for(epoch)[index * per_batch:(index + 1) * per_batch]
-            start = self.rank * self.micro_batch
-            mine.append(int(self._targets[rows[start:start + self.micro_batch]].sum()))
-            total += int(self._targets[rows].sum())
-        return mine, total
+        batches = [self._rows(position) for position in range(self.position, self.position + accum)]
+        return ([int(self._targets[self._mine(rows)].sum()) for rows in batches],
+                sum(int(self._targets[rows].sum()) for rows in batches))
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        epoch, index = divmod(self.position, self.per_epoch)
-        start = (index * self.world + self.rank) * self.micro_batch
-        rows = self._order_for(epoch)[start: start + self.micro_batch]
+        rows = self._mine(self._rows(self.position))
         self.position += 1
         return self.seqs.input_ids[rows], self.seqs.labels[rows]
 
