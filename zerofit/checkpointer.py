@@ -53,6 +53,14 @@ def checkpoints_root(config: Config) -> Path:
     return Path(config.run_dir) / "checkpoints"
 
 
+def where_to_go_on(config: Config) -> str:
+    """What a run that stopped early (SIGTERM, Ctrl-C) can go on from, and the command."""
+    published = checkpoint.published(checkpoints_root(config))
+    if not published:
+        return f"no checkpoint was saved; {resume_command(config, resume=False)} starts again"
+    return f"the newest checkpoint is {published[0].name}; {resume_command(config)} continues from it"
+
+
 def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -> ResumePoint:
     """Rank 0 removes stale `.tmp-*`, picks the newest checkpoint that verifies (reporting
     each one skipped and why), refuses one this config cannot load (`unloadable_changes`) and
@@ -119,21 +127,24 @@ def global_batch_change(saved: LoopState, fresh: LoopState) -> str | None:
     batch (another rank count with the micro batch and accumulation fixed); None when it
     keeps it (an OOM retry's halved micro batch doubles the accumulation) or the checkpoint
     did not record what it was."""
-    def split(state: LoopState) -> tuple[int, int, int]:
-        return state.world_size, state.micro_batch_size, state.config_values.get("train", {}).get("grad_accum_steps", 0)
-
-    (w0, m0, a0), (w1, m1, a1) = split(saved), split(fresh)
+    (w0, m0, a0), (w1, m1, a1) = batch_split(saved), batch_split(fresh)
     if not (m0 and a0) or w0 * m0 * a0 == w1 * m1 * a1:
         return None
     return (f"{w0 * m0 * a0} sequences per optimizer step, this run {w1 * m1 * a1} (ranks {w0} -> {w1}, micro batch "
             f"{m0} -> {m1}, accumulation {a0} -> {a1})")
 
 
+def batch_split(state: LoopState) -> tuple[int, int, int]:
+    """(ranks, micro batch, accumulation) a loop state trained with; 0 where it did not record it."""
+    return state.world_size, state.micro_batch_size, state.config_values.get("train", {}).get("grad_accum_steps", 0)
+
+
 def keep_batch_advice(saved: LoopState, fresh: LoopState) -> str:
     """How to keep the checkpoint's global batch on this run's ranks: the accumulation that
     makes it with this micro batch (the run's config.yaml pins both, as the planner chose them
     for the old rank count, so "leave them to the planner" cannot be followed with it)."""
-    batch = saved.world_size * saved.micro_batch_size * saved.config_values.get("train", {}).get("grad_accum_steps", 0)
+    world, micro, accum = batch_split(saved)
+    batch = world * micro * accum
     accum, rest = divmod(batch, fresh.world_size * fresh.micro_batch_size)
     if accum and not rest:
         return f"To keep the checkpoint's {batch} sequences a step: --set train.grad_accum_steps={accum}"

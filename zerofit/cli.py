@@ -98,7 +98,9 @@ def cmd_train(args) -> int:
     try:
         result = train(config, resume=args.resume)
     except KeyboardInterrupt:  # the steps since the newest checkpoint are lost: say which one that is
-        print(f"zerofit: interrupted; {interrupted_note(config)}", file=sys.stderr)
+        from zerofit.checkpointer import where_to_go_on
+
+        print(f"zerofit: interrupted; {where_to_go_on(config)}", file=sys.stderr)
         return 130
     except RuntimeError as e:
         if not elastic.peer_gone(e):
@@ -109,17 +111,6 @@ def cmd_train(args) -> int:
     code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
     engine.finish_distributed(code)  # every rank finished (an error raised past this)
     return code
-
-
-def interrupted_note(config: Config) -> str:
-    """Where an interrupted run can go on from (a save cut short is removed at the next start)."""
-    from zerofit import checkpoint
-    from zerofit.checkpointer import checkpoints_root, resume_command
-
-    published = checkpoint.published(checkpoints_root(config))
-    if not published:
-        return f"no checkpoint was saved; {resume_command(config, resume=False)} starts again"
-    return f"the newest checkpoint is {published[0].name}; {resume_command(config)} continues from it"
 
 
 def plan_overrides(args) -> list[str]:
