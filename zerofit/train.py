@@ -64,8 +64,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
+    # rank 0 alone writes loop_state.json and compares on resume: the other ranks need not hash the data
     fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set),
-                        data_fingerprint=data.fingerprint(train_set, eval_set))
+                        data_fingerprint=data.fingerprint(train_set, eval_set) if dist.is_main else "")
     resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
@@ -153,10 +154,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
     if dist.is_main and signalled:
-        newest = saver.newest()
-        saved = f"the newest checkpoint is {newest}" if newest else "no checkpoint was saved"
-        say(f"stopped by SIGTERM at step {state.step}, {saved}; {checkpointer.resume_command(config)} "
-            f"continues from it")
+        say(f"stopped by SIGTERM at step {state.step}, {checkpointer.where_to_go_on(config)}")
     elif dist.is_main:
         say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
