@@ -1,0 +1,31 @@
+# A smoke run of every verb on the GPU machine (not a benchmark: exit codes, --verify, the doctor's
+# plan vs measured). From the project root there:
+#   source .whl/prelude.sh || exit; export TORCH_CUDA_ARCH_LIST=9.0 CUDA_VISIBLE_DEVICES=0; bash bench/gpu_smoke.sh
+# Logs go to $OUT (bench/results/gpu-smoke-15/ holds the fifteenth session's).
+set -x
+python - <<'PY'
+import json, random
+random.seed(0)
+with open("/tmp/sft.jsonl", "w") as f:
+    for i in range(2000):
+        f.write(json.dumps({"instruction": f"Repeat {i} times the word ok.", "output": " ok" * (1 + i % 97)}) + "\n")
+    for i in range(200):
+        f.write(json.dumps({"conversations": [{"from": "human", "value": f"hi {i}"}, {"from": "gpt", "value": "hello " * (i % 13 + 1)}]}) + "\n")
+PY
+python -m zerofit train --run-dir $OUT/demo --set train.max_steps=40 > $OUT/demo.log 2>&1; echo "demo rc $?"
+tail -5 $OUT/demo.log
+cat > /tmp/c.yaml <<YAML
+run_dir: $OUT/r05
+model: {config: llama-0.5b, tokenizer: /tmp/tok}
+data: {path: /tmp/sft.jsonl, packing: false}
+train: {seq_len: 512, global_batch_size: 16, max_steps: 20, lr: 1e-4, warmup_steps: 2}
+eval: {every_steps: 10, max_batches: 4}
+checkpoint: {every_steps: 10, keep_last: 2}
+plan: {gpu_mem: 24GiB}
+YAML
+python -c "from zerofit.demo import build_tokenizer; build_tokenizer().save_pretrained('/tmp/tok')"
+python -m zerofit train --config /tmp/c.yaml > $OUT/r05.log 2>&1; echo "r05 rc $?"
+grep -v "^\[20" $OUT/r05.log | tail -25
+python -m zerofit export $OUT/r05 --out /tmp/exp --verify > $OUT/export.log 2>&1; echo "export rc $?"; tail -4 $OUT/export.log
+python -m zerofit doctor $OUT/r05 --out $OUT/report.html > $OUT/doctor.log 2>&1; echo "doctor rc $?"; head -30 $OUT/doctor.log
+python -m zerofit generate /tmp/exp --prompt "hi" --max-new-tokens 8 2>&1 | tail -3
