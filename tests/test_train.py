@@ -236,6 +236,25 @@ def test_a_launched_rank_exits_at_once_with_its_code():
         assert (done.returncode, done.stdout) == (code, printed), done.stderr
 
 
+def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
+    """engine.end_after_error: a process in a process group (one rank here, as a refused
+    resume leaves it) ends with the error's code and no interpreter teardown, where gloo
+    could abort the exit (-6 instead of 1); a process that joined none returns the code."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    join = ("import torch.distributed as d; d.init_process_group('gloo', init_method='file://{store}', rank=0, "
+            "world_size=1); ")
+    program = ("import atexit; from zerofit import engine; atexit.register(print, 'teardown ran'); {join}"
+               "print('refused', end=''); code = engine.end_after_error(3); print(' returned', code)")
+    for joined, code, printed in ((True, 3, "refused"), (False, 0, "refused returned 3\nteardown ran\n")):
+        source = program.format(join=join.format(store=tmp_path / f"store-{joined}") if joined else "")
+        done = subprocess.run([sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout) == (code, printed), done.stderr
+
+
 def test_demo_learns(tmp_path):
     """The embedded default, shortened: eval loss clearly falls."""
     run_zerofit(["train", "--run-dir", str(tmp_path / "demo"), "--set", "train.max_steps=60",

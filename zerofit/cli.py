@@ -13,6 +13,7 @@ from pathlib import Path
 from zerofit import elastic
 from zerofit.config import Config, ConfigError, Section
 from zerofit.elastic import TerminatedOutsideTheLoop
+from zerofit.engine import end_after_error
 
 
 def at_least(minimum, kind=int):
@@ -101,7 +102,7 @@ def cmd_train(args) -> int:
         from zerofit.checkpointer import where_to_go_on
 
         print(f"zerofit: interrupted; {where_to_go_on(config)}", file=sys.stderr)
-        return 130
+        return end_after_error(130)
     except RuntimeError as e:
         if not elastic.peer_gone(e):
             raise
@@ -441,11 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as e:
         print(f"zerofit: error: {e}", file=sys.stderr)
-        return 1
+        return end_after_error(1)
     except KeyboardInterrupt:
         print("zerofit: interrupted", file=sys.stderr)
-        return 130
+        return end_after_error(130)
     except TerminatedOutsideTheLoop as e:
         print(f"zerofit: {e}", file=sys.stderr)
-        return 143
+        return end_after_error(143)
 

@@ -103,7 +103,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if state.step >= total_steps and dist.is_main:
         say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
-    with elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
+    # metrics closed however the loop ends: an error's exit skips the interpreter's teardown (end_after_error)
+    with metrics, elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
         while state.step < total_steps:
             started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
             position = batches.position
@@ -150,7 +151,6 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     nvme.remove_rank_swap(config, dist.rank)
     progress.close()
     timeline.close()
-    metrics.close()
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
     if dist.is_main and signalled:
@@ -394,7 +394,10 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and key != "step":
                     self._writer.add_scalar(key, value, record["step"])
 
-    def close(self) -> None:
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self._file:
             self._file.close()
         if self._writer:
