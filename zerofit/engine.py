@@ -172,6 +172,16 @@ def finish_distributed(code: int) -> None:
         os._exit(code)
 
 
+def enable_checkpointing(model) -> None:
+    """HF's activation checkpointing per decoder layer, non-reentrant: transformers 5.x renamed
+    gradient_checkpointing_enable (whose every call now warns that it goes in v6)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def end_after_error(code: int) -> int:
     """The exit `code` of a train that stopped on an error it explained; a process that joined
     a process group ends here, skipping the interpreter's teardown. That teardown can abort
@@ -281,7 +291,7 @@ def build_model(config: Config, ds_config: dict):
         model = AutoModelForCausalLM.from_config(hf_config(config.model), **common)
     model.config.use_cache = False
     if config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model._zerofit_ds_holder = holder  # keeps the weakref'd HfDeepSpeedConfig alive
     if lora_targets:
         model = lora.attach(model, config, lora_targets)

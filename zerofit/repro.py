@@ -100,7 +100,9 @@ def main():
         torch.float16 if ds.get("fp16", {{}}).get("enabled") else torch.float32)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
-    if GRADIENT_CHECKPOINTING:
+    if GRADIENT_CHECKPOINTING and hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={{"use_reentrant": False}})
+    elif GRADIENT_CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
     if LORA:  # after the base's partitioned build, as the run did
         import peft
