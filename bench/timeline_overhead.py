@@ -79,9 +79,11 @@ class RandomBatches:
         return [per_batch] * accum, per_batch * accum
 
     def next(self):
+        from zerofit.data import MicroBatch
+
         ids = self.rng.integers(0, self.vocab, size=self.shape, dtype="int64")
         self.position += 1
-        return ids, ids.copy()
+        return MicroBatch(ids, ids.copy())
 
 
 def build(args, run_dir: Path):

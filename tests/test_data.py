@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from zerofit import data
-from zerofit.config import DataConfig
+from zerofit.config import ConfigError, DataConfig, validate
 from zerofit.data import IGNORE, Batches, DataError
 
 from conftest import write_jsonl
@@ -177,12 +177,58 @@ def test_parquet_and_json_read_through_datasets(tmp_path, tokenizer):
 
 def test_packing_fills_rows_and_padding_pads_them():
     examples = [([1, 5, 6, 2], [IGNORE, 5, 6, 2]), ([1, 7, 2], [IGNORE, 7, 2]), ([1, 8, 8, 8, 8, 2], [1, 8, 8, 8, 8, 2])]
-    ids, labels = data.pack(examples, 4, pad_id=0)
+    ids, labels = data.pack(examples, 4)
     assert ids.tolist() == [[1, 5, 6, 2], [1, 7, 2, 1], [8, 8, 8, 8]]
     assert labels.tolist()[1] == [IGNORE, 7, 2, 1]
     ids, labels = data.pad(examples, 5, pad_id=0)
     assert ids.tolist()[1] == [1, 7, 2, 0, 0] and labels.tolist()[1] == [IGNORE, 7, 2, IGNORE, IGNORE]
     assert ids.tolist()[2] == [1, 8, 8, 8, 8]  # truncated
+
+
+def test_neat_packing_restarts_positions_at_every_example_and_row():
+    """Position ids restart where an example starts and where a row does (a carried tail sees
+    nothing of its head); an example's first label is not predicted from the one before it."""
+    examples = [([1, 5, 6, 2], [1, 5, 6, 2]), ([1, 7, 2], [IGNORE, 7, 2]), ([1, 8, 8, 8, 8, 2], [1, 8, 8, 8, 8, 2])]
+    ids, labels = data.pack(examples, 4)
+    positions = data.isolate_examples(examples, labels)
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+    assert labels.tolist() == [[IGNORE, 5, 6, 2], [IGNORE, 7, 2, IGNORE], [8, 8, 8, 8]]
+
+
+def test_neat_packing_reaches_every_batch(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i} " * (1 + i % 4)} for i in range(40)])
+    for neat in (False, True):
+        seqs = data.build_sequences([path], DataConfig(path=str(path), neat_packing=neat), tokenizer, 32)
+        batch = data.Batches(seqs, 2, 0, 1, seed=0).next()
+        evaluated = list(data.eval_batches(seqs, 2, 1, 2, limit=100))
+        one_row = data.Sequences(seqs.input_ids[:1], seqs.labels[:1], positions=seqs.positions[:1] if neat else None)
+        stand_in = list(data.eval_batches(one_row, 1, 1, 2, limit=1))  # rank 1 of 2 gets no row of one
+        assert data.targets(stand_in[0].labels) == 0
+        if not neat:
+            assert batch.position_ids is None and seqs.positions is None and stand_in[0].position_ids is None
+            continue
+        assert batch.position_ids.shape == batch.input_ids.shape and (batch.position_ids == 0).sum() > 2
+        assert all(b.position_ids.shape == b.input_ids.shape for b in evaluated + stand_in)
+
+
+def test_neat_packing_needs_packing_and_a_masking_architecture():
+    from transformers import LlamaConfig, MambaConfig, PretrainedConfig
+
+    from zerofit.models import check_neat_packing
+
+    with pytest.raises(ConfigError, match="data.packing is false"):
+        validate({"model": {"config": "tiny"}, "data": {"packing": False, "neat_packing": True}})
+    neat = DataConfig(neat_packing=True)
+    check_neat_packing(neat, LlamaConfig())
+    check_neat_packing(DataConfig(), MambaConfig())  # not asked for: nothing to refuse
+    with pytest.raises(ConfigError, match="MambaForCausalLM does not build its attention mask from position ids"):
+        check_neat_packing(neat, MambaConfig())
+
+    class RemoteConfig(PretrainedConfig):
+        model_type = "remote-only"
+
+    with pytest.raises(ConfigError, match="RemoteConfig's model \\(remote code\\)"):
+        check_neat_packing(neat, RemoteConfig())
 
 
 def test_rows_without_learnable_tokens_are_dropped(tmp_path, tokenizer):
@@ -201,7 +247,10 @@ def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
     texts = lambda seqs: {tokenizer.decode(r, skip_special_tokens=True) for r in seqs.input_ids}
     assert texts(train).isdisjoint(texts(held)) and len(texts(train) | texts(held)) == 100
     packed_train, packed_held = data.load_splits(cfg.model_copy(update={"packing": True}), tokenizer, 16, 1, 128)
-    assert packed_held.trained_tokens == held.trained_tokens // 16 * 16  # the same rows, packed, tail dropped
+    labelled = lambda seqs: int((seqs.labels != IGNORE).sum())
+    assert labelled(packed_held) == labelled(held) // 16 * 16  # the same rows, packed, tail dropped
+    # what the data line reports: the labels the loss counts, a row's first never (token t predicts t + 1)
+    assert (held.trained_tokens, packed_held.trained_tokens) == (labelled(held) - 10, labelled(packed_held) - 4)
 
 
 def test_batches_resume_mid_stream_and_shard_by_rank():
@@ -233,7 +282,7 @@ def test_an_eval_set_is_evaluated_whole_however_the_run_is_split(tmp_path, token
     def evaluated(micro, world, limit=10):
         per_rank = [list(data.eval_batches(seqs, micro, rank, world, limit)) for rank in range(world)]
         assert len({len(batches) for batches in per_rank}) == 1  # the same number of forwards on every rank
-        rows = [row.tobytes() for batches in per_rank for ids, labels in batches
+        rows = [row.tobytes() for batches in per_rank for ids, labels, _ in batches
                 for row, row_labels in zip(ids, labels) if data.targets(row_labels[None]) > 0]
         return sorted(rows)
 
@@ -305,7 +354,7 @@ def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
     served = 0
     for _ in range(3):
         for batches in two_ranks:
-            ids, _ = batches.next()
+            ids = batches.next().input_ids
             served += int((ids != tokenizer.pad_token_id).sum())
     assert two_ranks[0].tokens_between(0, 3) == served < 3 * 4 * 64
     packed = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 16)

@@ -192,8 +192,8 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, 0, 1, config.eval.max_batches))
     with torch.no_grad():  # the eval loss is the mean over every token evaluated
         summed = sum(model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss.float()
-                     * data.targets(labels) for ids, labels in batches)
-    tokens = sum(data.targets(labels) for _, labels in batches)
+                     * data.targets(labels) for ids, labels, _ in batches)
+    tokens = sum(data.targets(batch.labels) for batch in batches)
     assert float(summed / tokens) == pytest.approx(read_jsonl(run / "metrics.jsonl")[-1]["eval_loss"], abs=1e-4)
     assert any(float(v.abs().sum()) > 0 for k, v in adapters.read_adapter(run / "checkpoints" / "step-000004").items()
                if ".lora_B." in k)  # B moved away from its zero init

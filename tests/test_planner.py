@@ -174,6 +174,37 @@ def test_eager_attention_is_priced_where_the_run_uses_it():
     assert sum(phases["eager"]["backward"].values()) > sum(phases["sdpa"]["backward"].values())
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_neat_packing_mask_is_what_the_model_builds(attn_implementation):
+    """data.neat_packing: the block-diagonal mask transformers builds from restarting position
+    ids, as every decoder layer receives it, has the bytes the planner counts in the forward,
+    the backward's activation phases and the eval (not in the optimizer step)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.models import config_from_name
+
+    hf = config_from_name("tiny")
+    hf.use_cache = False  # as engine.build_model sets it: a cache turns the packed-sequence mask off
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation=attn_implementation).to(torch.bfloat16)
+    micro, seq_len = 2, 96
+    positions = torch.cat([torch.arange(40), torch.arange(56)]).repeat(micro, 1)
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
+    model(input_ids=torch.zeros(micro, seq_len, dtype=torch.long), position_ids=positions)
+    built = seen[0].untyped_storage().nbytes()
+    config = validate({"model": {"config": "tiny", "attn_implementation": attn_implementation},
+                       "data": {"neat_packing": True}, "train": {"seq_len": seq_len, "micro_batch_size": micro,
+                                                                  "max_steps": 1}})
+    phases = activations.device_phases(modelspec.from_name("tiny"), choice.shape_of(config, 1),
+                                       Candidate(offload_optimizer="none"), on_gpu=True)
+    assert phases["forward"]["attention_mask"] == phases["eval"]["attention_mask"] == built
+    assert phases["backward"]["attention_mask"] == built and "attention_mask" not in phases["optimizer_step"]
+    plain = validate({"model": {"config": "tiny"}, "train": {"seq_len": seq_len, "max_steps": 1}})
+    assert "attention_mask" not in activations.device_phases(modelspec.from_name("tiny"), choice.shape_of(plain, 1),
+                                                             Candidate(offload_optimizer="none"), on_gpu=True)["forward"]
+
+
 def test_tiny_activations_by_hand():
     """Per token, bf16, hidden 64, q 64, kv 32, heads 4, intermediate 128, vocab 128:
     2 norms x (4*64 + 2*2*64) + 2*(2*64 + 2*32) + 4*4 + 2*4*128 = 1024 + 384 + 16 + 1024."""

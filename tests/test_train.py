@@ -159,6 +159,64 @@ def test_a_step_trains_on_the_mean_over_its_tokens_however_it_is_split(tmp_path)
     assert len(losses["4x1"]) == 4 and losses["4x1"][2] < losses["4x1"][0]
 
 
+def isolated_loss(model, batches) -> float:
+    """The mean next-token loss over `batches` (data.MicroBatch) with each packed example run
+    through `model` alone: a row is cut where its position ids restart."""
+    import numpy as np
+    import torch
+
+    summed, counted = 0.0, 0
+    for batch in batches:
+        for ids, labels, positions in zip(batch.input_ids, batch.labels, batch.position_ids):
+            for segment in np.split(np.arange(len(ids)), np.flatnonzero(positions == 0)[1:]):
+                with torch.no_grad():
+                    logits = model(input_ids=torch.from_numpy(ids[segment])[None]).logits[0, :-1]
+                targets = torch.from_numpy(labels[segment][1:])
+                summed += float(torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum",
+                                                                  ignore_index=-100))
+                counted += int((targets != -100).sum())
+    return summed / counted
+
+
+def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
+    """data.neat_packing: a packed row's examples do not see each other. The step's loss and the
+    eval loss of a run are what the model gives each example on its own (fp32; the LR so small
+    that the step leaves the weights as they were); packing without it sees across them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zerofit import data
+    from zerofit.config import load
+    from zerofit.models import config_from_name
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    rows = [{"text": f"{i}:" + "ab" * (1 + (i * 5) % 9)} for i in range(60)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    held = write_jsonl(tmp_path / "e.jsonl", rows[::7])
+    losses = {}
+    for neat in (True, False):
+        run_dir = tmp_path / f"neat-{neat}"
+        config = write_config(tmp_path / f"{neat}.yaml", tiny_config(
+            run_dir, data_path=str(path), data={"neat_packing": neat, "eval_path": str(held)},
+            model={"path": str(base), "config": None, "gradient_checkpointing": True},  # the mask recomputed too
+            train={"max_steps": 1, "seq_len": 48, "precision": "fp32", "lr": 1e-12, "warmup_steps": 0},
+            eval={"every_steps": 0, "at_end": True, "max_batches": 50}, checkpoint={"every_steps": 0, "save_final": False}))
+        done = run_zerofit(["train", "--config", str(config)])
+        assert "deprecated" not in done.stderr  # transformers 5 warns at every gradient_checkpointing_enable
+        losses[neat] = read_jsonl(run_dir / "metrics.jsonl")[0]
+    loaded = load(run_dir.parent / "True.yaml")
+    train_set, eval_set = data.load_splits(loaded.data, tokenizer, 48, loaded.train.seed, 128)
+    assert (train_set.positions == 0).sum() > 2 * len(train_set)  # several examples a row
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    step = [data.Batches(train_set, 4, 0, 1, loaded.train.seed).next()]
+    evaluated = list(data.eval_batches(eval_set, 4, 0, 1, 50))
+    assert losses[True]["loss"] == pytest.approx(isolated_loss(model, step), rel=1e-5)
+    assert losses[True]["eval_loss"] == pytest.approx(isolated_loss(model, evaluated), rel=1e-5)
+    assert abs(losses[False]["eval_loss"] - losses[True]["eval_loss"]) > 1e-3
+
+
 def test_finished_run_is_not_retrained(one_rank_run):
     run, config, _ = one_rank_run
     done = run_zerofit(["train", "--config", str(config)])

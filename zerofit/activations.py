@@ -131,6 +131,10 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     ckpt = shape.gradient_checkpointing
     eager_seq = shape.seq_len if shape.eager_attention else 0
     layer_full = layer_activation_bytes_per_token(spec, a, eager_seq)
+    # data.neat_packing: the model's forward builds one block-diagonal mask, micro x 1 x s x s (bool
+    # for SDPA, the compute dtype's 0 / min for eager: masking_utils.sdpa_mask / eager_mask); every
+    # block's attention holds it, through the last block's backward.
+    mask = T * shape.seq_len * (a if shape.eager_attention else 1) if shape.packed_mask else 0
     # Saved for backward: with checkpointing only each block's input (HF's non-reentrant
     # checkpoint per decoder layer), else every block's tensors; the rotary cos/sin are
     # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
@@ -149,26 +153,27 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
 
     # The forward peaks at the loss, or under eager attention possibly inside the last block,
     # whose scores are gone before the logits exist.
-    forward = max(({"activations_saved": blocks_saved + final_norm,
+    forward = max(({"activations_saved": blocks_saved + final_norm, "attention_mask": mask,
                     "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
                     "gathered_params": gathered.forward},
-                   {"activations_saved": blocks_saved,
+                   {"activations_saved": blocks_saved, "attention_mask": mask,
                     "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
                     "gathered_params": gathered.forward}), key=lambda comps: sum(comps.values()))
     backward_options = {
-        "loss": {"activations_saved": blocks_saved + final_norm,
+        "loss": {"activations_saved": blocks_saved + final_norm, "attention_mask": mask,
                  "logits_grad": loss_bytes(spec, a, T, shape.chunked_loss, backward=True), "gathered_params": gathered.at_loss},
         # lm_head's backward: its weight's gradient is computed from the logits' gradient...
-        "lm_head": {"activations_saved": blocks_saved + final_norm, "logits_grad": T * a * V,
+        "lm_head": {"activations_saved": blocks_saved + final_norm, "attention_mask": mask, "logits_grad": T * a * V,
                     "param_grad": a * head_numel, "gathered_params": gathered.at_loss},
         # ...which is gone when the gradient is reduced, as is the gathered weight
         # (bench/results/planner_accuracy-trace-llama-3.6b-s2048.json: what the allocator's
         # trace found live at that peak).
-        "lm_head_reduce": {"activations_saved": blocks_saved + final_norm, "param_grad": a * head_numel,
+        "lm_head_reduce": {"activations_saved": blocks_saved + final_norm, "attention_mask": mask,
+                           "param_grad": a * head_numel,
                            "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False,
                                                                  fp64_norm=True),
                            "gathered_params": gathered.after_head},
-        "last_block": {"activations_saved": blocks_saved,
+        "last_block": {"activations_saved": blocks_saved, "attention_mask": mask,
                        "block_recompute": T * layer_full if ckpt else 0,
                        "block_grads": T * layer_backward_working_per_token(spec, a, eager_seq),
                        "param_grad": a * block_module,
@@ -180,7 +185,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     }
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))
     # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time.
-    evaluation = {"logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
+    evaluation = {"logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False), "attention_mask": mask,
                   "block_working": T * layer_full, "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
                   "gathered_params": gathered.forward}
     phases = {"forward": forward, "backward": backward,

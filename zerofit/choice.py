@@ -62,6 +62,7 @@ def shape_of(config: Config, world_size: int, dataset_bytes: int = 0) -> Shape:
                  world_size=world_size, precision=train.precision,
                  gradient_checkpointing=config.model.gradient_checkpointing, chunked_loss=config.train.chunked_loss,
                  eager_attention=config.model.attn_implementation == "eager",
+                 packed_mask=config.data.packing and config.data.neat_packing,
                  heap_step_temporaries=config.train.heap_step_temporaries and hostalloc.available(),
                  dataset_bytes=dataset_bytes,
                  checkpoints_on_disk=checkpoints_on_disk(config), async_snapshot_max=async_snapshot_max(config))

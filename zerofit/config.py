@@ -144,10 +144,23 @@ class DataConfig(Section):
     """Fraction of training rows held out for eval when no eval_path is given."""
     packing: bool = True
     """Concatenate examples into full seq_len rows (True) or pad each example (False)."""
+    neat_packing: bool = False
+    """With packing: each example attends only to itself (LLaMA-Factory's neat_packing).
+    Position ids restart at every example, transformers builds a block-diagonal causal
+    mask from them, and an example's first token is not predicted from the one before it.
+    Costs a micro batch x seq_len^2 mask in memory (the planner counts it)."""
     skip_bad_rows: bool = False
     """Skip and count malformed rows instead of failing on the first one."""
     synthetic_samples: int = Field(4096, ge=1)
     """Number of random-token sequences when path is `synthetic`."""
+
+    @model_validator(mode="after")
+    def _neat_needs_packing(self) -> "DataConfig":
+        if self.neat_packing and not self.packing:
+            raise ValueError("data.neat_packing isolates the examples packed into one row, but data.packing is "
+                             "false (one example per row, nothing to isolate): set data.packing: true, or drop "
+                             "neat_packing")
+        return self
 
 
 class TrainConfig(Section):

@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from jinja2.exceptions import TemplateError
@@ -54,6 +55,7 @@ class Sequences:
     packed: bool = True           # data.packing: what a prompt-only row is, and the advice about it
     formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
     lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: packed, all seq_len)
+    positions: np.ndarray | None = None  # data.neat_packing: per token, its place in its example within the row
 
     def dropped_note(self, seq_len: int) -> str:
         """Why `prompt_only_rows` rows were dropped and what would keep them; "" when none were."""
@@ -72,7 +74,8 @@ class Sequences:
 
     @property
     def trained_tokens(self) -> int:
-        return int((self.labels != IGNORE).sum())
+        """The labels the loss counts (`targets`: a row's first label is never predicted)."""
+        return targets(self.labels)
 
 
 # ------------------------------------------------------------------------ reading
@@ -441,12 +444,29 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
 
 
 # ------------------------------------------------------------------ packing/padding
-def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack(examples: list[tuple[list[int], list[int]]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate examples into seq_len rows; the tail that does not fill a row is dropped."""
     ids = np.fromiter((t for e in examples for t in e[0]), dtype=np.int64)
     labels = np.fromiter((t for e in examples for t in e[1]), dtype=np.int64)
     rows = len(ids) // seq_len
     return ids[: rows * seq_len].reshape(rows, seq_len), labels[: rows * seq_len].reshape(rows, seq_len)
+
+
+def isolate_examples(examples: list[tuple[list[int], list[int]]], labels: np.ndarray) -> np.ndarray:
+    """data.neat_packing over `pack`'s rows: per token its position in its example, restarting
+    at every example and at every row (a tail carried into the next row sees nothing of its
+    head, so it starts again, and positions never pass seq_len: learned position tables hold
+    no more). transformers reads a fall in the position ids as a new sequence and masks
+    attention across it (masking_utils.find_packed_sequence_indices, when use_cache is off, as
+    engine.build_model sets). `labels` loses each example's first label in place: token t
+    predicts t + 1, and an example's first token is not predicted from the one before it."""
+    rows, seq_len = labels.shape
+    lengths = np.array([len(e_ids) for e_ids, _ in examples], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    flat = np.arange(rows * seq_len)
+    in_example = flat - np.repeat(starts, lengths)[: rows * seq_len]
+    labels.flat[starts[starts < rows * seq_len]] = IGNORE
+    return np.minimum(in_example, flat % seq_len).reshape(rows, seq_len)
 
 
 def pad(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -484,7 +504,8 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
                  reasons: list[str] = (), formats: tuple[str, ...] = ()) -> Sequences:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    ids, labels = (pack if cfg.packing else pad)(examples, seq_len, pad_id)
+    ids, labels = pack(examples, seq_len) if cfg.packing else pad(examples, seq_len, pad_id)
+    positions = isolate_examples(examples, labels) if cfg.neat_packing else None
     # A row must hold a learned token past its first: the loss predicts token t+1 from t, so a label
     # at position 0 (an answer's last token spilled into the next packed row) is never counted,
     # and a row without another would make the mean loss 0/0, a NaN.
@@ -492,7 +513,8 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     lengths = None if cfg.packing else np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats,
-                     lengths[learnable] if lengths is not None else None)
+                     lengths[learnable] if lengths is not None else None,
+                     positions[learnable] if positions is not None else None)
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
@@ -564,6 +586,19 @@ def targets(labels: np.ndarray, per_row: bool = False):
     return counted if per_row else int(counted.sum())
 
 
+class MicroBatch(NamedTuple):
+    """One forward's rows: token ids, labels, and per token its place in its example under
+    data.neat_packing (None otherwise: positions 0..seq_len-1, the model's own)."""
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray | None = None
+
+
+def batch_of(seqs: Sequences, rows) -> MicroBatch:
+    return MicroBatch(seqs.input_ids[rows], seqs.labels[rows],
+                      seqs.positions[rows] if seqs.positions is not None else None)
+
+
 class Batches:
     """Micro batches for one rank. Global micro batch j takes sequences
     [j*B*W, (j+1)*B*W) of the epoch's seeded permutation, rank r its slice r*B:(r+1)*B,
@@ -619,10 +654,10 @@ class Batches:
         return ([int(self._targets[self._mine(rows)].sum()) for rows in batches],
                 sum(int(self._targets[rows].sum()) for rows in batches))
 
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
+    def next(self) -> MicroBatch:
         rows = self._mine(self._rows(self.position))
         self.position += 1
-        return self.seqs.input_ids[rows], self.seqs.labels[rows]
+        return batch_of(self.seqs, rows)
 
 
 @dataclass(frozen=True)
@@ -664,6 +699,7 @@ def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit
         lo = min(start + rank * share, total)
         hi = min(lo + share, start + micro_batch * world, total)
         if hi > lo:
-            yield seqs.input_ids[lo:hi], seqs.labels[lo:hi]
+            yield batch_of(seqs, slice(lo, hi))
         else:
-            yield seqs.input_ids[:1], np.full_like(seqs.labels[:1], IGNORE)
+            stand_in = batch_of(seqs, slice(0, 1))
+            yield stand_in._replace(labels=np.full_like(stand_in.labels, IGNORE))

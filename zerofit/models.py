@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zerofit.config import ConfigError, ModelConfig
+from zerofit.config import ConfigError, DataConfig, ModelConfig
 
 # Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
 # embeddings (1.50e9 and 3.61e9 parameters): the sizes the GPU benchmarks use.
@@ -69,6 +69,34 @@ def check_attention(model: ModelConfig, hf_config) -> None:
         raise ConfigError(f"{cls.__name__} has no SDPA attention in this transformers: set "
                           f"model.attn_implementation: eager (which also keeps each layer's attention weights, "
                           f"sequence x sequence per head, for the backward: the planner counts them)")
+
+
+def check_neat_packing(data: DataConfig, hf_config) -> None:
+    """Refuse data.neat_packing for an architecture whose transformers class does not build its
+    attention mask with transformers' masking_utils, which reads restarting position ids as
+    separate sequences (find_packed_sequence_indices): 155 of the 172 causal-LM modules of
+    transformers 5.24 import create_causal_mask; the 17 that do not (Mamba, RWKV, XLNet...)
+    and remote code, which cannot be told, would attend across the examples unmasked."""
+    if not (data.packing and data.neat_packing):
+        return
+    import sys
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"data.neat_packing needs a transformers that masks packed sequences by their position "
+                          f"ids (masking_utils.find_packed_sequence_indices); transformers {transformers.__version__} "
+                          f"has none: upgrade it, or drop data.neat_packing") from None
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    if cls is None or not hasattr(sys.modules[cls.__module__], "create_causal_mask"):
+        name = cls.__name__ if cls is not None else f"{type(hf_config).__name__}'s model (remote code)"
+        raise ConfigError(f"data.neat_packing: {name} does not build its attention mask from position ids "
+                          f"(transformers' masking_utils), so packed examples would attend to each other; drop "
+                          f"data.neat_packing, or set data.packing: false (one example per row)")
 
 
 # The HF config fields a checkpoint's tensors take their shapes from.

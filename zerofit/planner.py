@@ -60,6 +60,7 @@ class Shape:
     gradient_checkpointing: bool = True
     chunked_loss: bool = True        # zerofit.loss instead of HF's (logits memory)
     eager_attention: bool = False    # eager attention keeps s x s weights per head (activations)
+    packed_mask: bool = False        # data.neat_packing: a micro x s x s mask lives through forward and backward
     heap_step_temporaries: bool = False  # the optimizer step's host temporaries stay resident (hostalloc)
     dataset_bytes: int = 0           # tokenized data held in host RAM per rank
     checkpoints_on_disk: int = 3     # most checkpoints on disk at once (keep_last + the one being written)

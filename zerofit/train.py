@@ -58,6 +58,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     tokenizer = models.load_tokenizer(config.model)
     hf_config = models.hf_config(config.model)
     models.check_attention(config.model, hf_config)
+    models.check_neat_packing(config.data, hf_config)
     lora.check_base_files(config)
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size)
@@ -197,10 +198,10 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
     weight = accum * dist.world_size / step_tokens
     summed = []
     for tokens in mine:
-        input_ids, labels = (torch.from_numpy(a).to(ds_engine.device) for a in batches.next())
+        batch = batches.next()
         postmortem.inject_oom_if_armed(step)
         faults.stall_or_kill_if_armed(step)
-        micro_loss = forward_loss(ds_engine, input_ids, labels, chunked_loss)
+        micro_loss = forward_loss(ds_engine, batch, chunked_loss)
         timeline.observe("forward")
         ds_engine.backward(micro_loss * (tokens * weight))
         timeline.observe("backward")
@@ -211,11 +212,16 @@ def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Ti
     return sum_over_ranks(torch.stack(summed).sum(), dist) / step_tokens
 
 
-def forward_loss(ds_engine, input_ids, labels, chunked: bool):
+def forward_loss(ds_engine, batch: data.MicroBatch, chunked: bool):
     """The micro batch's mean next-token loss: zerofit.loss on the model's logits, or HF's."""
+    import torch
+
+    on_device = {name: torch.from_numpy(array).to(ds_engine.device)
+                 for name, array in batch._asdict().items() if array is not None}
+    labels = on_device.pop("labels")
     if not chunked:
-        return ds_engine(input_ids=input_ids, labels=labels).loss
-    return loss.causal_lm_loss(ds_engine(input_ids=input_ids).logits, labels)
+        return ds_engine(**on_device, labels=labels).loss
+    return loss.causal_lm_loss(ds_engine(**on_device).logits, labels)
 
 
 def sum_over_ranks(value, dist: engine.Dist) -> float:
@@ -258,12 +264,11 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
     if not batches:
         return None
     ds_engine.eval()
-    counted = [data.targets(labels) for _, labels in batches]
+    counted = [data.targets(batch.labels) for batch in batches]
     summed = []
     with torch.no_grad():  # the mean over every token evaluated, as the training loss is
-        for (ids, labels), n in zip(batches, counted):
-            loss_value = forward_loss(ds_engine, torch.from_numpy(ids).to(ds_engine.device),
-                                      torch.from_numpy(labels).to(ds_engine.device), config.train.chunked_loss).float()
+        for batch, n in zip(batches, counted):
+            loss_value = forward_loss(ds_engine, batch, config.train.chunked_loss).float()
             summed.append(loss_value * n if n else torch.zeros((), device=ds_engine.device))  # a stand-in row: 0/0
     ds_engine.train()
     timeline.mark(step, "eval")
@@ -298,7 +303,8 @@ def total_optimizer_steps(config: Config, sequences: int, world_size: int) -> in
 
 def held_bytes(*sets: data.Sequences) -> int:
     """Host bytes of the tokenized data every rank keeps (ids and labels)."""
-    return sum(s.input_ids.nbytes + s.labels.nbytes for s in sets)
+    return sum(s.input_ids.nbytes + s.labels.nbytes + (s.positions.nbytes if s.positions is not None else 0)
+               for s in sets)
 
 
 def usable_run_dir(run_dir: Path) -> Path:
