@@ -110,7 +110,8 @@ def main() -> None:
     write_examples(data, 200 if args.smoke else 2000)
     results = []
     for model, seq_len, micro in SMOKE_CASES if args.smoke else CASES:
-        case = {"model": model, "seq_len": seq_len, "micro_batch": micro, "gpu_cap_gib": args.cap_gib}
+        case = {"model": model, "seq_len": seq_len, "micro_batch": micro, "gpu_cap_gib": args.cap_gib,
+                "command": "python bench/neat_packing.py " + " ".join(sys.argv[1:])}
         for neat in (False, True):
             name = f"{model}-s{seq_len}-m{micro}-{'neat' if neat else 'packed'}"
             spec_file = work / name / "spec.json"
