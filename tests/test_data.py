@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -411,6 +413,72 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
                           {"role": "observation", "content": "sun"}, {"role": "assistant", "content": "sunny"}]}
     tokenizer.chat_template = None
     assert decode_learned(tokenizer, *data.tokenize_row(tools, "messages", tokenizer)) == "get()</s>sunny</s>"
+
+
+# A tool-calling template in the way Qwen2.5's and Llama 3.1's are: tools offered in a system
+# turn, calls as tagged JSON after the assistant's text, a tool's answer in its own turn.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ c.function.name }} {{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                                   "parameters": {"type": "object",
+                                                                  "properties": {"city": {"type": "string"}}}}}]
+
+
+def tool_row(arguments, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": "weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                           "arguments": arguments}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                         {"role": "assistant", "content": "It is sunny."}], **extra}
+
+
+def test_tool_calls_are_learned_through_the_chat_template(tmp_path, tokenizer):
+    """OpenAI function calling in messages rows: the assistant's call is learned as the model's
+    template writes it (arguments given as OpenAI's JSON string become the object templates
+    expect), the tool's answer and the offered tools are prompt; a file mixing argument shapes
+    (datasets unifies them into one struct, filling in null keys) trains each row's own."""
+    tokenizer.chat_template = TOOL_TEMPLATE
+    ids, labels = data.tokenize_row(tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS), "messages", tokenizer)
+    assert decode_learned(tokenizer, ids, labels) == (
+        '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n')
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\nTools: get_weather<|im_end|>")
+    assert "sunny<|im_end|>" in tokenizer.decode(ids)
+    as_object = data.tokenize_row(tool_row({"city": "Paris"}, tools=json.dumps(WEATHER_TOOLS)), "messages", tokenizer)
+    assert as_object == (ids, labels)  # LLaMA-Factory's tools: a JSON string
+    other = tool_row({"days": 3})
+    other["messages"][1]["tool_calls"][0]["function"]["name"] = "get_forecast"
+    path = write_jsonl(tmp_path / "d.jsonl", [tool_row({"city": "Paris"}, tools=WEATHER_TOOLS), other])
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 256)
+    learned = [decode_learned(tokenizer, i, l) for i, l in zip(seqs.input_ids, seqs.labels)]
+    assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in learned[0]
+    assert '<tool_call>get_forecast {"days": 3}</tool_call>' in learned[1] and "null" not in learned[1]
+
+
+def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):
+    """A template without function calling would drop the call (an empty turn learned): a bad row
+    naming the fix. Without any template the `role:` layout writes calls as JSON lines."""
+    tokenizer.chat_template = CHATML
+    with pytest.raises(data.RowError, match="does not render function calling \\(call get_weather"):
+        data.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
+    with pytest.raises(data.RowError, match="tool get_weather"):
+        data.tokenize_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                           "tools": WEATHER_TOOLS}, "messages", tokenizer)
+    tokenizer.chat_template = None
+    ids, labels = data.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
+    assert decode_learned(tokenizer, ids, labels) == '{"name": "get_weather", "arguments": {"city": "Paris"}}</s>' \
+                                                     'It is sunny.</s>'
+    for calls, where in (("get_weather()", "messages[1].tool_calls"), ([{"function": {}}], "tool_calls[0]")):
+        row = tool_row("{}")
+        row["messages"][1]["tool_calls"] = calls
+        with pytest.raises(data.RowError, match=where.replace("[", "\\[")):
+            data.tokenize_row(row, "messages", tokenizer)
+    with pytest.raises(data.RowError, match="arguments`: not JSON"):
+        data.tokenize_row(tool_row("{city: Paris}"), "messages", tokenizer)
 
 
 def test_a_conversation_opening_with_the_assistant_is_a_bad_row(tmp_path, tokenizer):

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 from jinja2.exceptions import TemplateError
 
+from zerofit import toolcalls
 from zerofit.config import ConfigError, DataConfig
 
 IGNORE = -100  # the label value HF causal-LM losses skip
@@ -292,10 +293,12 @@ def tokenize_row(row: dict, fmt: str, tokenizer) -> tuple[list[int], list[int]]:
         return ids, list(ids)
     if fmt == "alpaca":
         return _tokenize_alpaca(row, tokenizer, bos, eos)
-    if fmt == "messages":
-        return _tokenize_messages(_messages(row), tokenizer, bos, eos)
-    if fmt == "sharegpt":
-        return _tokenize_messages(sharegpt_messages(row), tokenizer, bos, eos)
+    if fmt in CHAT_FORMATS:
+        try:
+            messages, tools = (_messages(row) if fmt == "messages" else sharegpt_messages(row)), toolcalls.tools_of(row)
+        except toolcalls.ToolCallError as e:
+            raise RowError(e.field_name, e.problem) from None
+        return _tokenize_messages(messages, tokenizer, bos, eos, tools)
     raise ValueError(f"unknown format {fmt}")
 
 
@@ -332,7 +335,25 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant
 
 
 def _messages(row: dict) -> list[dict]:
-    return _turns(row, "messages", "role", "content")
+    """A messages row's turns: {role, content}, an assistant's `tool_calls` (its content may then
+    be null) and a tool turn's `tool_call_id` / `name` kept for the chat template (toolcalls)."""
+    turns = row.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise RowError("messages", "expected a non-empty list of {role, content}")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            raise RowError(f"messages[{i}]", "expected {role: str, content: str}")
+        calls = toolcalls.calls_of(turn, f"messages[{i}]")
+        content = "" if turn.get("content") is None and calls else turn.get("content")
+        if not isinstance(content, str):
+            raise RowError(f"messages[{i}]", "expected {role: str, content: str} (content may be null beside "
+                                             "tool_calls)")
+        message = {"role": ROLE_ALIASES.get(turn["role"], turn["role"]), "content": content}
+        message.update({"tool_calls": calls} if calls else {})
+        message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
+        messages.append(message)
+    return messages
 
 
 def sharegpt_messages(row: dict) -> list[dict]:
@@ -353,7 +374,8 @@ def _turns(row: dict, field_name: str, role: str, content: str) -> list[dict]:
     return [{"role": ROLE_ALIASES.get(t[role], t[role]), "content": t[content]} for t in turns]
 
 
-def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
+def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int],
+                       tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     if not any(m["role"] == "assistant" for m in messages):
         roles = sorted({m["role"] for m in messages})
         raise RowError("messages", f"no assistant turn to learn from (roles: {', '.join(roles)}; the answers' role "
@@ -363,27 +385,33 @@ def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: lis
             raise RowError("messages", "the conversation opens with an assistant turn; start it with a user (or "
                                        "system) turn, or drop the opening assistant turn")
         try:
-            return _chat_template_spans(messages, tokenizer)
+            ids, labels = _chat_template_spans(messages, tokenizer, tools)
         except RowError:
             raise
         except (TemplateError, ValueError) as e:  # the template's raise_exception: Gemma's "System role not supported"
             raise RowError("messages", f"the tokenizer's chat template refused it: {e}") from None
-    # No template: a plain "role: content" layout, assistant turns learned.
+        check_tools_rendered(messages, tools, ids, labels, tokenizer)
+        return ids, labels
+    # No template: a plain "role: content" layout, assistant turns learned (tool calls as JSON lines).
     ids, labels = list(bos), [IGNORE] * len(bos)
+    if tools:
+        offered = tokenizer.encode(f"tools:\n{json.dumps(tools, ensure_ascii=False)}", add_special_tokens=False) + eos
+        ids, labels = ids + offered, labels + [IGNORE] * len(offered)
     for m in messages:
         head = tokenizer.encode(f"{m['role']}:\n", add_special_tokens=False)
-        body = tokenizer.encode(m["content"], add_special_tokens=False) + eos
+        text = "\n".join(filter(None, [m["content"], toolcalls.plain_call_text(m.get("tool_calls", []))]))
+        body = tokenizer.encode(text, add_special_tokens=False) + eos
         learn = m["role"] == "assistant"
         ids += head + body
         labels += [IGNORE] * len(head) + (body if learn else [IGNORE] * len(body))
     return ids, labels
 
 
-def _chat_template_spans(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Render growing prefixes with the chat template; each assistant turn's new tokens
     (after its generation prompt) are learned, everything else masked."""
     def render(upto: int, generation_prompt: bool) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages[:upto], tokenize=True, return_dict=False,
+        return list(tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=True, return_dict=False,
                                                   add_generation_prompt=generation_prompt))
     def extended(rendered: list[int], ids: list[int], turns: int) -> list[int]:
         if rendered[:len(ids)] != ids:
@@ -406,6 +434,27 @@ def _chat_template_spans(messages: list[dict], tokenizer) -> tuple[list[int], li
         labels += new if m["role"] == "assistant" else [IGNORE] * len(new)
         ids = full
     return ids, labels
+
+
+def check_tools_rendered(messages: list[dict], tools: list[dict] | None, ids: list[int], labels: list[int],
+                         tokenizer) -> None:
+    """A chat template without function calling drops `tool_calls` and `tools` without a word:
+    the assistant turn would train as empty and the prompt would offer no tools. Each called
+    function's name must be in the learned tokens, each offered one's in the conversation."""
+    called = [c["function"]["name"] for m in messages for c in m.get("tool_calls", ())]
+    offered = toolcalls.names_offered(tools)
+    if not called and not offered:
+        return
+    learned = tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
+    text = tokenizer.decode(ids)
+    missing = [f"call {name}" for name in called if name not in learned] + \
+        [f"tool {name}" for name in offered if name not in text]
+    if missing:
+        raise RowError("tool_calls" if called else "tools",
+                       f"the tokenizer's chat template does not render function calling ({', '.join(missing[:3])} "
+                       f"is not in what it made of the row); use the model's tool-calling template (model.tokenizer: "
+                       f"a directory whose chat_template.jinja renders tool_calls and tools), or write the calls "
+                       f"as the assistant's text")
 
 
 def trained_chat_template(formats: tuple[str, ...], tokenizer) -> str | None:
