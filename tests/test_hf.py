@@ -128,6 +128,8 @@ def test_plan_writes_a_deepspeed_config_hf_trainer_takes(tmp_path, capsys):
     resolved, written = json.loads(out.out)["deepspeed_config"], json.loads(path.read_text())
     assert written["zero_optimization"] == resolved["zero_optimization"]  # the plan's ZeRO settings
     assert "--per_device_train_batch_size 2 --gradient_accumulation_steps 4" in " ".join(out.err.split())
+    # planned as HF Trainer runs: its own loss (fp32 logits), not zerofit's; the allocator setting said
+    assert json.loads(out.out)["shape"]["chunked_loss"] is False and "expandable_segments:True" in out.err
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                              gradient_accumulation_steps=4, learning_rate=1e-3, use_cpu=True, report_to=[])
     for ds, mismatches in ((resolved, True), (written, False)):
@@ -145,3 +147,9 @@ def test_plan_writes_no_deepspeed_config_when_nothing_fits(tmp_path, capsys):
     assert main(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "8GiB", "--accelerator", "cuda",
                  "--ds-config", str(path)]) == 1
     assert not path.exists() and "ds.json not written: nothing fits" in " ".join(capsys.readouterr().err.split())
+    # zerofit's checkpoint disk alone short: the DeepSpeed config does not use it, so it is written
+    assert main(["plan", "--model", "llama-0.5b", "--gpu-mem", "24GiB", "--host-mem", "64GiB", "--accelerator", "cuda",
+                 "--disk-free", "1GB", "--ds-config", str(path)]) == 1
+    assert path.is_file() and "only zerofit's checkpoint disk falls short" in " ".join(capsys.readouterr().err.split())
+    assert main(["plan", "--model", "tiny", "--ds-config", str(tmp_path / "missing" / "ds.json")]) == 1
+    assert "cannot be written (No such file or directory)" in capsys.readouterr().err

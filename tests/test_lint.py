@@ -41,6 +41,7 @@ def test_llama_factory_offload_config_passes_with_warnings_and_plans():
     assert "zero_optimization.reduce_bucket_size" not in warnings  # "auto": HF fills hidden^2
     plan = result.plan
     assert plan["fits"] is True and plan["shape"]["micro_batch"] == 2
+    assert plan["shape"]["chunked_loss"] is False  # HF Trainer's loss, with its fp32 logits
     assert plan["candidate"]["offload_param"] == "cpu" and plan["candidate"]["sub_group_size"] == 10**9
     assert plan["candidate"]["reduce_bucket_size"] == 2048 * 2048
     assert plan["save_peak"]["host"]["components"]["consolidated_16bit_model"] == 2 * spec.total_params
@@ -90,6 +91,9 @@ def test_nvme_without_path_and_batch_arithmetic():
     ok = lint.lint({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
                     "zero_optimization": {"stage": 2}}, world_size=2)
     assert ok.errors == []
+    for no_batch in ({}, {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}):  # DeepSpeed asserts
+        assert '"auto"' in findings(lint.lint(no_batch), "error")["train_micro_batch_size_per_gpu"].fix
+    assert lint.lint({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}).errors == []
 
 
 @pytest.mark.parametrize("fp16, warned", [({"enabled": True}, True),
@@ -199,6 +203,15 @@ def test_what_deepspeed_accepts_and_then_ignores_or_trips_on():
     auto = lint.lint({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
                       "zero_optimization": {"stage": 3}})
     assert not auto.errors  # HF fills "auto" in
+
+
+@pytest.mark.parametrize("stage, device, warned", [(2, "nvme", "nothing goes to NVMe"), (1, "nvme", "nothing goes"),
+                                                   (0, "cpu", "no ZeRO optimizer"), (2, "cpu", None), (3, "nvme", None)])
+def test_an_offload_the_stage_ignores_is_named(stage, device, warned):
+    zero = {"stage": stage, "offload_optimizer": {"device": device, "nvme_path": "/tmp"}}
+    said = [f.message for f in lint.lint({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}).findings
+            if f.key.startswith("zero_optimization.offload_optimizer")]
+    assert [m for m in said if warned and warned in m] if warned else said == [], said
 
 
 def test_a_value_out_of_range_names_the_range():

@@ -457,6 +457,49 @@ def test_sizes_parse_and_bad_ones_name_the_key():
     assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").host_budget_bytes == 64 * 10**9
     with pytest.raises(ConfigError, match=r"gpu_mem='lots' is not a size; write e.g. 24GiB"):
         hardware.probe(gpu_mem="lots")
+    if hardware._probe_gpu() is None:  # CUDA asked for with nothing to measure: it was planned as a 0-byte GPU
+        with pytest.raises(ConfigError, match="needs the GPU's memory: give --gpu-mem"):
+            hardware.probe(accelerator="cuda")
+
+
+def test_what_would_fit_offloads_or_partitions_parameters_the_closest_plan_holds(tmp_path, capsys):
+    """The closest plan keeps every parameter persistent (one rank, parameters on the GPU): the
+    alternatives that offload them or add ranks were priced with that threshold, so the GPU still
+    held them all and neither was offered; only NVMe and "more memory" were. And a plan whose
+    training fits but whose engine start does not said "nothing zerofit can change" with no number."""
+    from zerofit.cli import main
+
+    hardware_flags = ["--accelerator", "cuda", "--disk-free", "4TB"]
+    assert main(["plan", "--model", "llama-13b", "--gpu-mem", "24GiB", "--host-mem", "128GiB", *hardware_flags]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gpu: zero.offload_optimizer=cpu zero.offload_param=cpu (GPU" in out and "gpu: 2 GPUs" in out
+    assert main(["plan", "--model", "llama-1.5b", "--gpu-mem", "8GiB", "--host-mem", "20GiB", "--headroom", "0",
+                 "--offload-optimizer", "nvme", "--offload-param", "cpu", "--nvme-path", str(tmp_path),
+                 *hardware_flags]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host (engine start): 20.9GiB of host RAM (have 20.0GiB)" in out and "nothing zerofit can change" not in out
+
+
+def test_a_mixture_of_experts_is_said_to_be_priced_as_dense(tmp_path, capsys):
+    from zerofit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}))
+    assert modelspec.from_name(str(tmp_path)).experts == 4 and modelspec.from_name("tiny").experts == 0
+    main(["plan", "--model", str(tmp_path), "--gpu-mem", "24GiB", "--disk-free", "1TB"])
+    main(["plan", "--model", "tiny", "--gpu-mem", "24GiB", "--disk-free", "1TB"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("a mixture of experts (4 experts a layer)") == 1
+
+
+def test_hardware_flags_out_of_range_are_usage_errors(capsys):
+    from zerofit.cli import main
+
+    for flag, value in (("--cpu-cores", "0"), ("--cpu-cores", "-4"), ("--micro-batch", "0"), ("--seq-len", "4")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", "--model", "tiny", flag, value])
+        assert exit_.value.code == 2 and f"argument {flag}: {value} is below" in capsys.readouterr().err
 
 
 def test_lora_plans_adapters_only_for_gradients_and_optimizer():

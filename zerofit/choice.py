@@ -164,7 +164,9 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
     zero_set, model_set = config.zero.model_fields_set, config.model.model_fields_set
     base_shape, base = shape_of(config, world_size, dataset_bytes), candidate_of(config, spec, world_size)
     base = replace(base, **{k: v for k, v in auto_buckets(spec).items() if k not in zero_set})
-    devices = ["none", "cpu"] + (["nvme"] if config.zero.nvme_path else []) if hw.on_gpu else ["none"]
+    # NVMe under stage 3 only: stages 1 and 2 keep an "nvme" optimizer in CPU memory (config.ZeroConfig)
+    devices = ["none", "cpu"] + (["nvme"] if config.zero.nvme_path and base.stage == 3 else []) \
+        if hw.on_gpu else ["none"]
     opt_devices = [base.offload_optimizer] if "offload_optimizer" in zero_set else devices
     param_devices = [base.offload_param] if "offload_param" in zero_set or base.stage != 3 else devices
     checkpointing = [base_shape.gradient_checkpointing] if "gradient_checkpointing" in model_set else [False, True]
@@ -258,9 +260,18 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
         advice = what_would_fit(best, spec, hw)
     if hw.on_gpu and not config.memory.expandable_segments:
         best.notes += [note for note in [fixed_segments_note(best, spec)] if note]
+    if spec.experts > 1:
+        best.notes.append(MIXTURE_OF_EXPERTS_NOTE.format(experts=spec.experts))
     chosen = apply(config, best.shape, best.candidate)
     return Decision(config=chosen, plan=best, considered=plans, chosen_fields=free_choices(config, chosen),
                     advice=advice)
+
+
+MIXTURE_OF_EXPERTS_NOTE = (
+    "a mixture of experts ({experts} experts a layer): its parameters, gradients, optimizer states and checkpoints "
+    "are counted exactly, but activations and compute are priced as one dense MLP of intermediate_size per token "
+    "(the routed experts' working set and the router are not modelled, and the step estimate counts every "
+    "expert's FLOPs): leave more headroom (plan.headroom) and read the step time as a rough figure")
 
 
 def fixed_segments_note(plan: Plan, spec: ModelSpec) -> str | None:
@@ -354,6 +365,12 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
         p = predict(spec, h, s, c, headroom)
         return p if p.devices[device].fits else None
 
+    # every parameter persistent is the planner's pick for one rank holding its parameters
+    # (all_persistent); with them offloaded or partitioned over ranks it would keep them all on
+    # each GPU, so an alternative that changes either has the threshold it would be planned with
+    partitioned = replace(cand, param_persistence_threshold=auto_buckets(spec)["param_persistence_threshold"]) \
+        if cand.param_persistence_threshold == all_persistent(spec) else cand
+
     advice = []
     if "gpu" in over:
         if not shape.gradient_checkpointing and fixes("gpu", replace(shape, gradient_checkpointing=True)):
@@ -368,7 +385,8 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
             advice.append(f"gpu: train.seq_len={seq} (the longest multiple of 64 that fits)")
         if cand.stage == 3 and hw.on_gpu:
             for opt, par in (("cpu", "none"), ("cpu", "cpu")):
-                other = replace(cand, offload_optimizer=opt, offload_param=par, offload_optimizer_ratio=1.0)
+                other = replace(cand if par == "none" else partitioned, offload_optimizer=opt, offload_param=par,
+                                offload_optimizer_ratio=1.0)
                 for s in (shape, replace(shape, gradient_checkpointing=True)):
                     p = fixes("gpu", s, other)
                     if (opt, par, s) != (cand.offload_optimizer, cand.offload_param, shape) and p:
@@ -381,7 +399,7 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
                     continue
                 break
         for world in WORLD_SIZES_TO_SUGGEST if cand.stage == 3 else ():
-            if world > shape.world_size and fixes("gpu", replace(shape, world_size=world)):
+            if world > shape.world_size and fixes("gpu", replace(shape, world_size=world), partitioned):
                 advice.append(f"gpu: {world} GPUs (ZeRO-3 partitions the model states over ranks)")
                 break
     if "host" in over and cand.stage == 3 and hw.on_gpu:
@@ -409,6 +427,13 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
         device = plan.devices[name]
         advice.append(f"{name}: {human_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
                       f"(have {human_bytes(device.budget_bytes)})")
+    # the training phases fit, a moment outside them does not: say how much that moment needs
+    for when, peak in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
+                       ("first step after a save", plan.first_step_after_save_peak)):
+        for name, device in peak.items():
+            if not device.fits and name not in over:
+                advice.append(f"{name} ({when}): {human_bytes(device.total_bytes / (1 - headroom))} of "
+                              f"{labels[name]} (have {human_bytes(device.budget_bytes)})")
     return advice
 
 

@@ -140,19 +140,16 @@ def cmd_plan(args) -> int:
                   f"{fields.get('num_hidden_layers')} layers, hidden {fields.get('hidden_size')}, "
                   f"vocabulary {fields.get('vocab_size')}")
         return 0
-    decision, spec, hw = plan(args.model, args.config, plan_overrides(args), args.world_size, args.accelerator,
-                              args.cpu_cores, args.disk_free)
+    # a config for HF Trainer is planned as HF Trainer runs: its own loss, with vocab-sized fp32 logits
+    hf_side = ["train.chunked_loss=false"] if args.ds_config else []
+    decision, spec, hw = plan(args.model, args.config, plan_overrides(args) + hf_side, args.world_size,
+                              args.accelerator, args.cpu_cores, args.disk_free)
     if args.json:
         print(json.dumps(plan_json(decision, spec, hw), indent=2))
     else:
         render(decision, spec, hw, explain=args.explain)
-    if args.ds_config and decision.plan.fits:
+    if args.ds_config:
         write_trainer_ds_config(decision, Path(args.ds_config), hw.on_gpu)
-    elif args.ds_config:
-        from zerofit.progress import warn
-
-        warn(f"{args.ds_config} not written: nothing fits (above); a DeepSpeed config of this plan would run out "
-             f"of memory")
     return 0 if decision.plan.fits else 1
 
 
@@ -160,15 +157,27 @@ def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
     """The plan's DeepSpeed config as HF Trainer takes it, and the Trainer arguments that
     carry the plan's batch split and precision (the config leaves them "auto")."""
     from zerofit import dsconfig
-    from zerofit.progress import say
+    from zerofit.choice import overflow
+    from zerofit.progress import say, warn
 
+    if overflow(decision.plan, exclude=("disk",)):
+        warn(f"{path} not written: nothing fits (above); a DeepSpeed config of this plan would run out of memory")
+        return
     config, shape = decision.config, decision.plan.shape
     ds = dsconfig.for_hf_trainer(dsconfig.build(config, shape.world_size, on_gpu))
-    path.write_text(json.dumps(ds, indent=2) + "\n")
+    try:
+        path.write_text(json.dumps(ds, indent=2) + "\n")
+    except OSError as e:
+        raise ConfigError(f"--ds-config {path} cannot be written ({e.strerror}); give a file path in a directory "
+                          f"that exists and you can write") from None
     flags = [f"--per_device_train_batch_size {shape.micro_batch}", f"--gradient_accumulation_steps {shape.grad_accum}"]
     flags += ["--gradient_checkpointing"] if shape.gradient_checkpointing else []
     flags += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(shape.precision, [])
-    say(f"wrote {path}: HF Trainer / LLaMA-Factory `--deepspeed {path}` with the plan's {' '.join(flags)}")
+    disk = " (only zerofit's checkpoint disk falls short above, which this config does not use)" \
+        if not decision.plan.fits else ""
+    say(f"wrote {path}{disk}: HF Trainer / LLaMA-Factory `--deepspeed {path}` with the plan's {' '.join(flags)}, "
+        f"and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment, as the plan assumes (zerofit "
+        f"sets it for its own runs)")
 
 
 def cmd_lint(args) -> int:
@@ -196,13 +205,13 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
                         help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
     parser.add_argument("--host-mem", metavar="SIZE", type=size,
                         help="host RAM budget, e.g. 64GiB (default: available RAM)")
-    parser.add_argument("--cpu-cores", type=int, metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
+    parser.add_argument("--cpu-cores", type=at_least(1), metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
     parser.add_argument("--disk-free", metavar="SIZE", type=size,
                         help="free disk for checkpoints, e.g. 2TB (default: measured "
                         "where run_dir is, on this machine)")
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], help="plan for this accelerator (default: what is here)")
-    parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
-    parser.add_argument("--micro-batch", type=int, metavar="N", help="sequences per rank per forward/backward")
+    parser.add_argument("--seq-len", type=at_least(8), metavar="N", help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=at_least(1), metavar="N", help="sequences per rank per forward/backward")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 

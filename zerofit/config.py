@@ -298,6 +298,9 @@ class ZeroConfig(Section):
     def _offload_needs(self) -> "ZeroConfig":
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(f"zero.offload_param={self.offload_param} needs zero.stage=3 (got {self.stage})")
+        if self.offload_optimizer == "nvme" and self.stage != 3:  # stage_1_and_2.py: cpu_offload = device != none
+            raise ValueError(f"zero.offload_optimizer=nvme needs zero.stage=3: DeepSpeed's stage {self.stage} optimizer "
+                             f"keeps its states in CPU memory whatever the device (use offload_optimizer=cpu there)")
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise ValueError("NVMe offload needs zero.nvme_path, a directory on a fast local disk")
         if self.offload_optimizer_ratio < 1.0 and self.stage != 3:

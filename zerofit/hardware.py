@@ -15,6 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from zerofit.config import ConfigError
 from zerofit.memory import parse_bytes
 
 GIB = 2**30
@@ -131,6 +132,9 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     overridden = []
     if accelerator is None:
         accelerator = "cuda" if gpu or gpu_mem else "cpu"
+    if accelerator == "cuda" and gpu is None and gpu_mem is None:
+        raise ConfigError("planning for CUDA on a machine without a GPU needs the GPU's memory: give --gpu-mem "
+                          "(plan.gpu_mem), e.g. 24GiB")
     name, count, total, free = gpu or ("a GPU (budget given)" if accelerator == "cuda" else "cpu", _gpu_count(), 0, 0)
     gpu_budget = free
     if gpu_mem is not None:

@@ -90,12 +90,13 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
     check_scheduler(ds, result, autos)
     check_precision(ds, result)  # before DeepSpeed's own parse: its refusal of what this names is not repeated
     check_top_level(ds, zero is not None, result)
-    check_batch(ds, world_size, result)
+    check_batch(ds, world_size, result, autos)
     if zero is not None:
         check_deprecated_zero_keys(ds, result)
         check_risky(ds, zero, spec, hw, result, autos)
         check_step_overlap(ds, zero, spec, result, autos)
         check_partial_offload(zero, result)
+        check_offload_stage(zero, result)
         if spec is not None and hw is not None and not result.errors:
             result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
             if not result.plan["fits"]:  # the run would die of memory: as much an error as a bad key
@@ -567,9 +568,14 @@ def rejection_findings(error: Exception) -> list[Finding]:
     return schema_findings(section, error, f"not a key of DeepSpeed's {section} section")
 
 
-def check_batch(ds: dict, world_size: int, result: LintResult) -> None:
+def check_batch(ds: dict, world_size: int, result: LintResult, autos: list[str] = ()) -> None:
     micro, accum, total = (ds.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                                "train_batch_size"))
+    if micro is None and total is None and not {"train_micro_batch_size_per_gpu", "train_batch_size"} & set(autos):
+        result.findings.append(Finding(
+            "error", "train_micro_batch_size_per_gpu", "neither it nor train_batch_size is set; DeepSpeed asserts at "
+            "start (\"Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided\")",
+            'set "train_micro_batch_size_per_gpu" (HF Trainer / LLaMA-Factory: "auto")'))
     if all(isinstance(v, int) for v in (micro, accum, total)) and micro * accum * world_size != total:
         result.findings.append(Finding(
             "error", "train_batch_size",
@@ -696,6 +702,24 @@ def check_partial_offload(zero, result: LintResult) -> None:
             "remove ratio (the whole optimizer on the CPU), or keep the parameters on the GPU (offload_param none)"))
 
 
+def check_offload_stage(zero, result: LintResult) -> None:
+    """Offload devices the stage does not honour, without a word from DeepSpeed: stages 1 and
+    2 offload the optimizer to the CPU for any device but none (stage_1_and_2.py: cpu_offload =
+    device != none), so nvme swaps nothing; stage 0 has no ZeRO optimizer to offload."""
+    device = _device(zero.offload_optimizer)
+    if zero.stage in (1, 2) and device == "nvme":
+        result.findings.append(Finding(
+            "warning", "zero_optimization.offload_optimizer.device",
+            f"nvme under stage {zero.stage}: DeepSpeed's stage 1/2 optimizer keeps its states in CPU memory for any "
+            "offload device (stage_1_and_2.py), so nothing goes to NVMe and host RAM must hold them all",
+            'use stage 3 for NVMe offload, or write "cpu" to say what happens'))
+    elif zero.stage == 0 and device != "none":
+        result.findings.append(Finding(
+            "warning", "zero_optimization.offload_optimizer",
+            f"{device} under stage 0: there is no ZeRO optimizer to offload, so DeepSpeed ignores it and the optimizer "
+            "states stay on the GPU", "use stage 1 or higher to offload the optimizer, or remove offload_optimizer"))
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -709,7 +733,9 @@ def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref:
                auto_values: dict[str, int] | None = None) -> dict:
     """The zerofit config (raw dict) that reproduces what this DeepSpeed JSON sets; keys
     it leaves out take DeepSpeed's defaults (read from DeepSpeed's own config model);
-    bucket keys set to "auto" take what HF Trainer would fill in (`auto_values`)."""
+    bucket keys set to "auto" take what HF Trainer would fill in (`auto_values`). The run is
+    HF Trainer's: its own loss (vocab-sized fp32 logits, not zerofit.loss) and the allocator's
+    fixed segments, unless its user sets PYTORCH_CUDA_ALLOC_CONF as zerofit does."""
     auto_values = auto_values or {}
     opt, par = zero.offload_optimizer, zero.offload_param
     nvme = (opt.nvme_path if opt is not None and opt.nvme_path else None) or (par.nvme_path if par is not None else None)
@@ -717,7 +743,8 @@ def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref:
         "model": {"config": model_ref},
         "train": {"seq_len": seq_len, "max_steps": 1, "precision": precision(ds),
                   "micro_batch_size": micro_batch or ds.get("train_micro_batch_size_per_gpu") or 1,
-                  "grad_accum_steps": ds.get("gradient_accumulation_steps") or 1},
+                  "grad_accum_steps": ds.get("gradient_accumulation_steps") or 1, "chunked_loss": False},
+        "memory": {"expandable_segments": False},
         "zero": {"stage": int(zero.stage), "offload_optimizer": _device(opt),
                  "offload_optimizer_ratio": float(opt.ratio) if opt else 1.0,
                  "offload_param": _device(par),

@@ -55,6 +55,7 @@ class ModelSpec:
     adapter_inputs_per_layer: int = 0   # LoRA: sum of the adapted projections' input widths in one block
     adapter_rank_per_layer: int = 0     # LoRA: sum of their ranks
     adapter_dropout: bool = False       # LoRA dropout > 0: each adapter keeps its own dropped input
+    experts: int = 0                    # a mixture of experts' routed experts per layer (0: a dense MLP)
 
     @property
     def trainable_params(self) -> int:
@@ -193,6 +194,7 @@ def from_module(model, hf_config) -> ModelSpec:
         embedding_params=embed.weight.numel(),
         lm_head_params=0 if tied or head is None else sum(p.numel() for p in head.parameters()),
         layer_params=max(layer_sizes),
+        experts=_first(hf_config, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0,
     )
 
 

@@ -133,7 +133,8 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     for label, devices in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
                            ("first step after a save", plan.first_step_after_save_peak),
                            ("export", plan.export_peak)):
-        peaks.add_row(label, *(human_bytes(devices[d].total_bytes) if d in devices else "-" for d in ("gpu", "host", "disk")))
+        peaks.add_row(label, *(human_bytes(devices[d].total_bytes) + ("" if devices[d].fits else " [red]over[/]")
+                               if d in devices else "-" for d in ("gpu", "host", "disk")))
     console.print(peaks)
     console.print(f"checkpoint size on disk: {human_bytes(plan.checkpoint_bytes)}; per rank: allocator peak "
                   f"{human_bytes(plan.gpu_allocated_peak)} (torch.cuda.max_memory_allocated), host RSS "
