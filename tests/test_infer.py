@@ -146,7 +146,13 @@ def test_inference_and_planning_numbers_are_checked_as_usage(capsys):
     assert cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0"])).greedy
     sampled = cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0.7"]))
     assert not sampled.greedy and sampled.temperature == 0.7
+    # 0 stays greedy beside --top-k / --top-p (it was read as unset there: top-k sampled at temperature 1)
+    zero_with_top_k = cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0",
+                                                           "--top-k", "50", "--top-p", "0.9"]))
+    assert zero_with_top_k.greedy and zero_with_top_k.generate_kwargs()["do_sample"] is False
     for argv, said in ((["generate", "m", "--prompt", "p", "--temperature", "-1"], "--temperature: -1 is below 0.0"),
+                       (["generate", "m", "--prompt", "p", "--top-p", "2"], "--top-p: 2 is not in (0, 1]"),
+                       (["chat", "m", "--top-p", "0"], "--top-p: 0 is not in (0, 1]"),
                        (["generate", "m", "--prompt", "p", "--max-new-tokens", "0"], "--max-new-tokens: 0 is below 1"),
                        (["plan", "--model", "tiny", "--world-size", "0"], "--world-size: 0 is below 1"),
                        (["lint", "ds.json", "--world-size", "x"], "--world-size: 'x' is not a number")):

@@ -29,6 +29,14 @@ def at_least(minimum, kind=int):
     return parse
 
 
+def probability(text: str) -> float:
+    """An argparse type: a number in (0, 1] (top-p: 2 behaved as 1, 0 as nothing to sample from)."""
+    value = at_least(0.0, float)(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
 def size(text: str) -> str:
     """An argparse type for SIZE flags: checked as the config will read it (memory.parse_bytes),
     so a typo is a usage error naming the flag, not the config key it becomes; kept as written."""
@@ -251,8 +259,7 @@ def cmd_export(args) -> int:
 def sampling_from(args):
     from zerofit.infer import Sampling
 
-    temperature = args.temperature or None  # 0: greedy, as most tools read it
-    return Sampling(max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, min_new_tokens=args.min_new_tokens, seed=args.seed)
 
 
@@ -289,7 +296,7 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=at_least(0.0, float), metavar="T",
                         help="sample at temperature T (0: greedy). Without --temperature, --top-p and --top-k "
                              "decoding is greedy")
-    parser.add_argument("--top-p", type=at_least(0.0, float), metavar="P",
+    parser.add_argument("--top-p", type=probability, metavar="P",
                         help="sample from the likeliest tokens holding probability P (alone: at temperature 1)")
     parser.add_argument("--top-k", type=at_least(1), metavar="K",
                         help="sample from the K likeliest tokens (alone: at temperature 1)")

@@ -31,7 +31,7 @@ TORCH_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 @dataclass
 class Sampling:
-    """Greedy unless temperature, top_p or top_k is set."""
+    """Greedy unless temperature, top_p or top_k is set; temperature 0 is greedy whatever else is."""
     max_new_tokens: int = 128
     temperature: float | None = None
     top_p: float | None = None
@@ -41,7 +41,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature is None and self.top_p is None and self.top_k is None
+        return self.temperature == 0 or (self.temperature is None and self.top_p is None and self.top_k is None)
 
     def generate_kwargs(self) -> dict:
         kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": not self.greedy}
