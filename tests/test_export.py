@@ -266,7 +266,7 @@ def test_bit_rot_is_caught_by_the_hashes_and_nan_weights_are_never_published(one
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
-def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys):
+def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys, monkeypatch):
     """--overwrite replaced --out whatever it was: the run itself, a folder holding it, its
     checkpoints or one of them (a resume then took the model files for a checkpoint)."""
     runs = tmp_path / "runs"
@@ -280,6 +280,25 @@ def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys):
         assert "which this export reads" in err or "inside the run's checkpoints" in err, err
     assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == before
     assert main(["export", str(run), "--out", str(run / "exported")]) == 0  # beside them: fine
+    # the current directory cannot be renamed into place: said before the work, not as its publish's traceback
+    empty = tmp_path / "here"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert main(["export", str(run), "--out", ".", "--overwrite"]) == 1
+    assert "is the current directory" in capsys.readouterr().err and not any(empty.iterdir())
+
+
+def test_checkpoints_set_aside_by_no_resume_export_with_the_runs_model(one_rank, tmp_path, capsys):
+    """checkpoints/earlier-TIME/ (--no-resume moves an earlier run's checkpoints there): the run's
+    model/ is two levels up, not checkpoints/model (the error named a path that never exists)."""
+    run = tmp_path / "run"
+    shutil.copytree(one_rank, run)
+    aside = run / "checkpoints" / "earlier-20261201-000000"
+    aside.mkdir()
+    shutil.move(run / "checkpoints" / "step-000002", aside / "step-000002")
+    for source, out in ((aside / "step-000002", "a"), (aside, "b")):
+        assert main(["export", str(source), "--out", str(tmp_path / out)]) == 0, capsys.readouterr().err
+        assert (tmp_path / out / "model.safetensors").is_file()
 
 
 def test_a_model_dir_of_another_model_is_refused(one_rank, tmp_path, capsys):

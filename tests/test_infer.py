@@ -161,6 +161,18 @@ def test_inference_and_planning_numbers_are_checked_as_usage(capsys):
         assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_a_damaged_weights_file_is_named_with_the_fix(model_dir, tmp_path):
+    """A model.safetensors cut short (a copy interrupted, a full disk) gave safetensors' traceback."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(model_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="cannot be read .*truncated or damaged; export the model again"):
+        load(damaged)
+
+
 def test_an_empty_prompt_is_refused(loaded):
     """With the BOS every prompt now starts with, the empty check saw one token and let it pass."""
     with pytest.raises(ConfigError, match="--prompt is empty after tokenization"):

@@ -235,14 +235,14 @@ def locate(source: Path, model_dir: Path | None, hashes: bool) -> tuple[Path, Pa
         if found is None:
             why = "; ".join(f"{name}: {reason}" for name, reason in skipped) or "none was saved"
             raise ExportError(f"{root} holds no complete checkpoint ({why}); export one whose save finished")
-        return found, model_dir or root.parent / "model"
+        return found, model_dir or run_model_dir(root)
     if (source / checkpoint.MANIFEST).exists() or (source / checkpoint.LOOP_STATE).exists() \
             or source.name.startswith(("step-", universal.PREFIX, checkpoint.TMP_PREFIX)):
         reason = checkpoint.verify(source, hashes)
         if reason is not None:
             raise ExportError(f"{source} is not a complete checkpoint: {reason}; export the run directory "
                               f"instead to take the newest complete one")
-        return source, model_dir or source.parent.parent / "model"
+        return source, model_dir or run_model_dir(source.parent)
     tag_file = source / "latest"  # DeepSpeed's own layout, e.g. HF Trainer's checkpoint-N/global_stepN
     if tag_file.is_file() and (source / tag_file.read_text().strip()).is_dir():
         source = source / tag_file.read_text().strip()
@@ -253,6 +253,14 @@ def locate(source: Path, model_dir: Path | None, hashes: bool) -> tuple[Path, Pa
         return source, model_dir or (source.parent if parent_has_config else source)
     raise ExportError(f"{source} is neither a run directory (with checkpoints/), a checkpoint directory "
                       f"(checkpoints/step-N) nor a DeepSpeed checkpoint (*_model_states.pt)")
+
+
+def run_model_dir(checkpoints: Path) -> Path:
+    """RUN_DIR/model for checkpoints in RUN_DIR/checkpoints, or in checkpoints/earlier-TIME/
+    (where --no-resume set an earlier run's aside: checkpoint.set_aside)."""
+    if checkpoints.name.startswith("earlier-") and checkpoints.parent.name == "checkpoints":
+        checkpoints = checkpoints.parent
+    return checkpoints.parent / "model"
 
 
 def read_model_config(config_dir: Path) -> dict:
@@ -348,6 +356,10 @@ def check_destination(out: Path, overwrite: bool, reads: tuple = ()) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
     target = out.resolve()
+    if target == Path.cwd().resolve() or os.path.ismount(target):  # before the work, not at its publish
+        raise ExportError(f"--out {out} is {'the current directory' if target == Path.cwd().resolve() else 'a mount point'}"
+                          f": the export is published by renaming the finished directory into place, which cannot "
+                          f"replace it; give a directory inside it, e.g. --out {out / 'model'}")
     for path in (Path(p).resolve() for p in reads if p is not None):
         if target == path or target in path.parents:
             raise ExportError(f"--out {out} is or holds {path}, which this export reads: writing there would "

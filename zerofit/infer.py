@@ -148,15 +148,13 @@ def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | No
     """(model, input device, dtype, placement) for the weights in `model_dir` or the model
     already in memory: on the CPU without a GPU, else filling `gpu_mem` and offloading the rest."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     on_gpu = torch.cuda.is_available()
     if gpu_mem is not None and not on_gpu:
         warn("no GPU visible: --gpu-mem ignored, running on the CPU")
     torch_dtype = resolve_dtype(dtype, config, on_gpu)
     if not on_gpu:
-        model = model.to(torch_dtype) if model is not None else \
-            AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype)
+        model = model.to(torch_dtype) if model is not None else read_weights(model_dir, dtype=torch_dtype)
         return model, "cpu", torch_dtype, {"cpu_bytes": model_bytes(model)}
     total = torch.cuda.get_device_properties(0).total_memory
     budget = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else total
@@ -169,9 +167,22 @@ def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | No
 
         model = dispatch_model(model.to(torch_dtype), device_map=device_map)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch_dtype,
-                                                     device_map=device_map)
+        model = read_weights(model_dir, dtype=torch_dtype, device_map=device_map)
     return model, "cuda:0", torch_dtype, placement
+
+
+def read_weights(model_dir: Path, **options):
+    """AutoModelForCausalLM from `model_dir`; a truncated or damaged weights file (a copy cut
+    short, a full disk) is named with the fix, not safetensors' traceback."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **options)
+    except (SafetensorError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"the weights in {model_dir} cannot be read ({first}): a file is truncated or damaged; "
+                          f"export the model again (`zerofit export RUN_DIR --out {model_dir} --overwrite`)") from None
 
 
 def resolve_dtype(dtype: str, config, on_gpu: bool):
