@@ -365,8 +365,8 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     """A run SIGKILLed in step 4 (as the kernel's OOM killer ends one; no Python runs): its last
     word leaves a record, and the doctor names the kill, the last memory record before it and
     whether host RAM was short then. A resumed run that trains past it lists it as history."""
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 5}))
-    killed = run_zerofit(["train", "--config", str(config)], env={"ZEROFIT_FAULT": "kill@step:4"}, check=False)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 6}))
+    killed = run_zerofit(["train", "--config", str(config)], env={"ZEROFIT_FAULT": "kill@step:5"}, check=False)
     assert killed.returncode == -9
     record = tmp_path / "run" / "postmortem" / "ended-without-a-word.json"
     deadline = time.monotonic() + 30  # the last word imports zerofit before it writes
@@ -374,13 +374,15 @@ def test_a_run_killed_outright_is_explained(tmp_path):
         time.sleep(0.1)
     found = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]
     assert len(found) == 1 and found[0].severity == "error"
-    assert found[0].title.startswith("rank 0 was killed outright") and "(step 3, " in found[0].title
+    assert found[0].title.startswith("rank 0 was killed outright") and "(step 4, " in found[0].title
     assert "host RAM was not short" in found[0].cause  # a tiny model on a machine with room
     assert f"available of {gib(found[0].evidence['host_total'])}" in found[0].cause and found[0].evidence["host_total"]
     assert any("dmesg" in fix for fix in found[0].fix)
     run_zerofit(["train", "--config", str(config), "--resume"])
     history = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]  # listed, not blamed
     assert len(history) == 1 and history[0].severity == "info" and "the run started again after it" in history[0].title
+    # still the record it died after: the resume from step 3 rolled step 4 back, which moved it to step 3's save
+    assert history[0].title.removesuffix("; the run started again after it") == found[0].title
 
 
 def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):

@@ -98,7 +98,9 @@ def newest_postmortem(run_dir: Path) -> dict | None:
 
 def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding]:
     """Ranks that died without a word (zerofit/lastword.py left its record) after their last
-    memory record."""
+    memory record: read in the rank's whole timeline, as written (a resume's effective timeline
+    has dropped the steps it rolled back, so the last record before the kill moved to the save
+    it resumed from: "killed 12.5 s after step 10, save" for a kill at step 12)."""
     from zerofit.lastword import RECORD
     from zerofit.postmortem import rank_files  # postmortem imports this module
 
@@ -108,7 +110,8 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
         rank = int(record.get("rank", 0))
         died_at = float(record.get("time", 0))
         went_on = any(r["time"] > died_at for timeline in per_rank.values() for r in timeline)
-        finding = killed_outright(rank, died_at, per_rank.get(rank, []) or per_rank.get(0, []), resumed=went_on)
+        written = read_timeline(run_dir, rank) or read_timeline(run_dir, 0)
+        finding = killed_outright(rank, died_at, written, resumed=went_on)
         if finding:
             found.append(finding)
     return found
