@@ -84,6 +84,9 @@ def test_clean_run_has_no_findings(clean_run):
     # the plan counts every checkpoint on disk at once: the newest measured stands for each (it read +201%)
     disk = next(row for row in diagnosis.plan if row["device"] == "disk")
     assert abs(disk["error"]) < 0.1, disk
+    # ...and the doctor says that figure is derived, not sampled
+    assert any(n.startswith("disk's measured figure is the newest checkpoint's size on disk") and "times the 3 " in n
+               for n in diagnosis.notes), diagnosis.notes
     from zerofit.report import plan_rows
 
     assert [row["device"] for row in plan_rows(diagnosis)] == ["host", "disk"]  # no all-zero GPU row on a CPU run

@@ -16,7 +16,7 @@ import yaml
 from zerofit import runlock
 from zerofit.config import ConfigError
 from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, killed_outright, rank_imbalance
-from zerofit.memory import EVENT_PHASES, effective_records, read_timeline
+from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
 
@@ -70,6 +70,10 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
+    if plan and checkpoint_bytes:
+        notes.append(f"disk's measured figure is the newest checkpoint's size on disk ({human_bytes(checkpoint_bytes)}) "
+                     f"times the {checkpoints_at_once(plan)} the plan holds at once (keep_last and the one being "
+                     f"written): the run does not sample its disk use")
 
     report = newest_postmortem(run_dir)
     if report and resumed_after(per_rank.get(report["event"].get("rank", 0), records), report["event"].get("step")):
@@ -173,6 +177,12 @@ def measured_component(device: str, name: str, peaks: dict, checkpoint_bytes: in
     return None
 
 
+def checkpoints_at_once(plan: dict) -> int:
+    """The checkpoints the plan counts on disk at once (keep_last + the one being written)."""
+    planned = ((plan.get("devices", {}).get("disk") or {}).get("components") or {}).get("checkpoints", 0)
+    return max(round(planned / plan["checkpoint_bytes"]) if plan.get("checkpoint_bytes") else 1, 1)
+
+
 def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpoint_bytes: int = 0) -> list[dict]:
     """One row per device of plan.json (`devices` -> gpu/host/disk -> total_bytes,
     budget_bytes, components) with the measured peak next to the prediction, and per
@@ -190,9 +200,7 @@ def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpo
     share = len(per_rank) / (plan.get("ranks_on_host") or plan.get("shape", {}).get("world_size") or 1)
     # the plan counts every checkpoint on disk at once (keep_last + the one being written):
     # the newest one measured stands for each of them
-    planned = ((plan.get("devices", {}).get("disk") or {}).get("components") or {}).get("checkpoints", 0)
-    copies = round(planned / plan["checkpoint_bytes"]) if plan.get("checkpoint_bytes") else 1
-    on_disk = checkpoint_bytes * max(copies, 1)
+    on_disk = checkpoint_bytes * checkpoints_at_once(plan)
     measured = {"gpu": peaks["gpu"], "host": peaks["host"], "disk": peaks["nvme"] + on_disk}
     rows = []
     for device, entry in plan.get("devices", {}).items():

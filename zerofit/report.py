@@ -311,7 +311,8 @@ def plan_html(diagnosis) -> str:
             rows.append(["", f"phase {phase['phase']}", gib(phase["predicted_bytes"]), gib(phase["measured_bytes"]),
                          "", ""])
     return f"<img alt='plan vs measured' src='data:image/png;base64,{plan_png(diagnosis)}'>" + table(
-        ["device", "component", "planned", "measured", PLAN_ERROR, "planner's budget"], rows, {2, 3, 4, 5})
+        ["device", "component", "planned", "measured", PLAN_ERROR, "planner's budget"], rows, {2, 3, 4, 5}) + \
+        "".join(f"<p class='note'>{esc(note)}</p>" for note in diagnosis.notes)
 
 
 def postmortem_html(report: dict | None) -> str:
@@ -389,6 +390,8 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
             plan.add_row(row["device"], gib(row["predicted_bytes"] or 0), gib(row["measured_bytes"] or 0),
                          f"{row['error']:+.0%}" if row["error"] is not None else "-")
         console.print(plan)
+        for note in diagnosis.notes:
+            console.print(f"[dim]note: {escape(note)}[/]")
     if diagnosis.postmortem:
         from zerofit.postmortem import explanation
 
