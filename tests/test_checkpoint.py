@@ -524,6 +524,9 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
     assert valid_steps(run) == sorted({20, stopped_at}) and not list((run / "checkpoints").glob(".tmp-*"))
     assert (f"stopped by SIGTERM at step {stopped_at}, the newest checkpoint is {checkpoint.step_name(stopped_at)}; "
             f"`zerofit train --config {run / 'config.yaml'} --resume` continues from it") in stderr.replace("\n", "")
+    # the doctor tells how the run ended too (it said nothing: no findings, "N steps")
+    assert diagnose(run).ending == f"stopped by SIGTERM at step {stopped_at}; newest intact checkpoint " \
+                                   f"{checkpoint.step_name(stopped_at)}"
 
 
 def test_sigterm_while_starting_ends_by_way_of_python(tmp_path):
@@ -857,4 +860,12 @@ def test_ctrl_c_names_the_checkpoint_to_go_on_from(tmp_path):
     said = " ".join(stderr.split())
     assert process.returncode == 130, stderr[-2000:]
     assert "zerofit: interrupted; the newest checkpoint is step-0000" in said
+    run = tmp_path / "run"
+    end = read_jsonl(run / "memory.jsonl")[-1]
+    newest = checkpoint.find_latest_valid(run / "checkpoints")[0]
+    unsaved = end["step"] - checkpoint.step_of(newest)
+    assert end["phase"] == "end" and diagnose(run).ending == (
+        f"interrupted (Ctrl-C) at step {end['step']}; newest intact checkpoint {newest.name}"
+        + {0: "", 1: f" (step {end['step']} not saved)"}.get(unsaved, f" (steps {end['step'] - unsaved + 1}-"
+                                                                     f"{end['step']} not saved)"))
     assert f"`zerofit train --config {tmp_path / 'run' / 'config.yaml'} --resume` continues from it" in said

@@ -381,11 +381,33 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     assert "host RAM was not short" in found[0].cause  # a tiny model on a machine with room
     assert f"available of {gib(found[0].evidence['host_total'])}" in found[0].cause and found[0].evidence["host_total"]
     assert any("dmesg" in fix for fix in found[0].fix)
+    assert diagnose(tmp_path / "run").ending == "newest intact checkpoint step-000003 (step 4 not saved)"
     run_zerofit(["train", "--config", str(config), "--resume"])
+    assert diagnose(tmp_path / "run").ending == "completed at step 6; newest intact checkpoint step-000006"
     history = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]  # listed, not blamed
     assert len(history) == 1 and history[0].severity == "info" and "the run started again after it" in history[0].title
     # still the record it died after: the resume from step 3 rolled step 4 back, which moved it to step 3's save
     assert history[0].title.removesuffix("; the run started again after it") == found[0].title
+
+
+def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
+    """A newest checkpoint truncated after its save, and a save's partial write a kill left: the
+    doctor counted the saves and said nothing; now it names both and what a resume takes."""
+    run, _, _ = clean_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert diagnose(copy).ending == "completed at step 12; newest intact checkpoint step-000012"
+    newest = copy / "checkpoints" / "step-000012"
+    victim = max((f for f in newest.iterdir() if f.name != "MANIFEST.json"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:100])
+    (copy / "checkpoints" / ".tmp-step-000013").mkdir()
+    diagnosis = diagnose(copy)
+    by_kind = {f.kind: f for f in diagnosis.findings}
+    damaged = by_kind["checkpoint_damaged"]
+    assert damaged.severity == "warning" and damaged.title.startswith("checkpoint step-000012 cannot be loaded: ")
+    assert damaged.fix == ["a resume and `zerofit export` take step-000009"]
+    assert by_kind["save_cut_short"].title == "a save was cut short: checkpoints/.tmp-step-000013 is a partial write"
+    assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 not saved)"
 
 
 def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from zerofit import runlock
+from zerofit import checkpoint, runlock
 from zerofit.config import ConfigError
 from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline
@@ -37,6 +37,7 @@ class Diagnosis:
     ranks: list[dict] = field(default_factory=list)  # per rank: steps, GPU / host peaks (rank_peaks)
     other_ranks: dict[int, list[dict]] = field(default_factory=dict)  # ranks > 0: their effective timelines
     running_pid: int | None = None  # the zerofit train still holding the run's lock
+    ending: str = ""              # how the run ended and what it left to go on from (how_it_ended)
 
     @property
     def running_note(self) -> str:
@@ -66,7 +67,10 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     facts = facts_from(records, ds_config, config, plan, source)
     ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
+    running_pid = runlock.holder(run_dir)
+    newest, damaged = checkpoint.find_latest_valid(run_dir / "checkpoints", hashes=False)
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
+    findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
@@ -82,7 +86,49 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
                      plan_vs_measured(plan, per_rank, checkpoint_bytes), phase_peaks(records),
                      summarize(records, facts, every_rank), report,
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank},
-                     runlock.holder(run_dir))
+                     running_pid, "" if running_pid is not None or source != "zerofit" else how_it_ended(records, newest))
+
+
+ENDINGS = {"completed": "completed", "sigterm": "stopped by SIGTERM", "interrupted": "interrupted (Ctrl-C)",
+           "memory stop": "stopped by the memory watchdog (memory.watchdog_action: stop)"}
+
+
+def how_it_ended(records: list[dict], newest: Path | None) -> str:
+    """`stopped by SIGTERM at step 8; newest intact checkpoint step-000008`: the `end` record the
+    loop leaves (train.end_recorded; none after an OOM, whose post-mortem says it, or a kill,
+    which a finding names), and what a resume or an export would take."""
+    last_start = max((i for i, r in enumerate(records) if r.get("phase") == "start"), default=-1)
+    end = next((r for r in reversed(records[last_start + 1:]) if r.get("phase") == "end"), None)
+    trained = max((r["step"] for r in records if r.get("phase") not in EVENT_PHASES), default=0)
+    parts = []
+    if end is not None:
+        reason = end.get("reason", "")
+        said = ENDINGS.get(reason) or (f"stopped by an {reason}" if reason.startswith("error") else reason)
+        parts.append(f"{said} at step {end['step']}")
+    saved = checkpoint.step_of(newest) if newest is not None else 0
+    last = end["step"] if end is not None else trained
+    unsaved = f" (steps {saved + 1}-{last} not saved)" if last > saved + 1 else \
+        f" (step {last} not saved)" if last == saved + 1 else ""
+    parts.append(f"newest intact checkpoint {newest.name}{unsaved}" if newest is not None else
+                 "no intact checkpoint" + (f" (steps 1-{last} not saved)" if last else ""))
+    return "; ".join(parts)
+
+
+def checkpoint_findings(run_dir: Path, newest: Path | None, damaged: list[tuple[str, str]],
+                        running: bool) -> list[Finding]:
+    """Checkpoints newer than the newest intact one that cannot be loaded, and a save's
+    partial write left by a process that ended while writing it (not while the run goes on)."""
+    fallback = f"a resume and `zerofit export` take {newest.name}" if newest is not None else \
+        "no intact checkpoint is left: a resume starts over"
+    found = [Finding("checkpoint_damaged", "warning", "disk", f"checkpoint {name} cannot be loaded: {reason}",
+                     "a save cut short, or a file changed or lost after it was written", [fallback],
+                     checkpoint.step_of(Path(name)))
+             for name, reason in damaged]
+    partial = sorted((run_dir / "checkpoints").glob(f"{checkpoint.TMP_PREFIX}step-*")) if not running else []
+    found += [Finding("save_cut_short", "info", "disk", f"a save was cut short: checkpoints/{path.name} is a partial "
+                      f"write", "the process ended while writing it (killed, or the machine went down)",
+                      [f"nothing to do: the next `zerofit train` removes it; {fallback}"]) for path in partial]
+    return found
 
 
 def resumed_after(records: list[dict], oom_step: int | None) -> bool:

@@ -37,7 +37,7 @@ import psutil
 GPU_KEYS = ("gpu_alloc", "gpu_reserved", "gpu_peak", "gpu_peak_reserved", "gpu_frag", "gpu_inactive_split")
 PEAK_KEYS = ("gpu_peak", "gpu_peak_reserved", "host_peak")  # kept as the max when a phase recurs
 # marked on their own, not per micro batch
-EVENT_PHASES = ("start", "save", "eval", "oom", "watchdog", "checkpoint_written", "checkpoint_failed")
+EVENT_PHASES = ("start", "save", "eval", "oom", "watchdog", "checkpoint_written", "checkpoint_failed", "end")
 
 
 # ---------------------------------------------------------------------------- readings
@@ -219,6 +219,12 @@ class Timeline:
         """Record a phase that just ended on its own (save, eval) right away."""
         self.observe(phase)
         return self.flush(step, **extra)[-1]
+
+    def end(self, step: int, reason: str) -> None:
+        """The run's last record, saying how it ended (the doctor reads it). The readings of a
+        step it cut short are dropped, not written under a step they do not belong to."""
+        self._pending.clear()
+        self.mark(step, "end", reason=reason)
 
     def close(self) -> None:
         try:

@@ -340,6 +340,7 @@ def render_html(diagnosis) -> str:
 <h1>zerofit doctor: {esc(diagnosis.run_dir.name)}</h1>
 <p class=sub>{esc(source)} in <code>{esc(diagnosis.run_dir)}</code>, {esc(device)}</p>
 {f"<p class=sub>{esc(diagnosis.running_note)}</p>" if diagnosis.running_note else ""}
+{f"<p class=sub>ended: {esc(diagnosis.ending)}</p>" if diagnosis.ending else ""}
 {cards(diagnosis)}
 <h2>Findings</h2>{findings_html(diagnosis.findings)}
 <h2>Memory timeline</h2>
@@ -370,6 +371,8 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
                   + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
     if diagnosis.running_note:
         console.print(f"[yellow]{escape(diagnosis.running_note)}[/]")
+    if diagnosis.ending:
+        console.print(f"ended: {escape(diagnosis.ending)}")
     if len(diagnosis.ranks) > 1:
         console.print("ranks: " + "; ".join(
             f"{r['rank']}: " + (f"GPU {gib(r['gpu_peak_reserved'])} reserved, " if s["on_gpu"] else "")

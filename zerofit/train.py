@@ -3,6 +3,7 @@ once-in-a-while blocks (eval, checkpoint, memory watchdog) each a few lines call
 module. An out-of-memory error anywhere in it goes to the post-mortem (postmortem.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -105,7 +106,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
     # metrics closed however the loop ends: an error's exit skips the interpreter's teardown (end_after_error)
-    with metrics, elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
+    with metrics, end_recorded(timeline, state), \
+            elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
         while state.step < total_steps:
             started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
             position = batches.position
@@ -151,6 +153,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     saver.close(state.step)  # drains the save in flight
     nvme.remove_rank_swap(config, dist.rank)
     progress.close()
+    timeline.end(state.step, "memory stop" if stop_reason else "sigterm" if signalled else "completed")
     timeline.close()
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
@@ -408,6 +411,32 @@ class MetricsLog:
             self._file.close()
         if self._writer:
             self._writer.close()
+
+
+@contextlib.contextmanager
+def end_recorded(timeline: memory.Timeline, state: checkpoint.LoopState):
+    """Around the loop: an exception that ends it leaves an `end` record saying how (the
+    doctor reads how a run ended from it; a run that ends normally marks its own). Not an
+    OOM: its post-mortem records it, with the readings of the step it cut short."""
+    try:
+        yield
+    except BaseException as error:
+        if not postmortem.is_oom(error):
+            try:
+                timeline.end(state.step, ending_of(error))
+            except (OSError, ValueError, MemoryError):  # a full disk, a closed file: the error itself matters more
+                pass
+        raise
+
+
+def ending_of(error: BaseException) -> str:
+    """How an exception ended the loop, as the doctor says it."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(error, elastic.TerminatedOutsideTheLoop):
+        return "sigterm"
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"error: {type(error).__name__}" + (f": {first[:200]}" if first else "")
 
 
 def every(interval: int, step: int) -> bool:
