@@ -90,6 +90,22 @@ def test_long_history_drops_the_oldest_turns(loaded):
     ids = chat_input_ids(loaded.tokenizer, history, limit=80)
     assert ids.shape[1] <= 80
     assert history[-1]["content"] == "last" and len(history) < 7
+    # a message that alone outgrows the context is refused: cut to fit, it lost the template's opening
+    with pytest.raises(ConfigError, match="the message is .* tokens with its template, and the model takes 80"):
+        chat_input_ids(loaded.tokenizer, [{"role": "user", "content": "y" * 200}], limit=80)
+
+
+def test_chat_says_what_it_drops_and_refuses(loaded, capsys):
+    """Older turns were deleted without a word, and a message longer than the context was cut
+    from the left (the model saw no prompt): said, and refused keeping the conversation."""
+    sampling = Sampling(max_new_tokens=4, min_new_tokens=4)
+    limit = loaded.model.config.max_position_embeddings - 4
+    turns = "\n".join(["x" * (limit // 3)] * 4 + ["y" * (2 * limit), "z", "/exit"]) + "\n"
+    history = chat(loaded, sampling, stdin=io.StringIO(turns), stdout=io.StringIO())
+    said = " ".join(capsys.readouterr().err.split())
+    assert "turns were dropped: the conversation outgrew the" in said
+    assert "the message is" in said and "shorten it, or lower --max-new-tokens" in said
+    assert history[-2]["content"] == "z" and all("y" * 10 not in m["content"] for m in history if m["role"] == "user")
 
 
 def test_chat_answers_through_a_pipe(model_dir):

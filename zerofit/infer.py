@@ -301,7 +301,9 @@ def eos_ids(loaded: Loaded) -> set[int]:
 def chat_input_ids(tokenizer, history: list[dict], limit: int):
     """The conversation as model input: the tokenizer's chat template (a zerofit export's is
     the layout its data trained), else the layout messages rows train on without one
-    (data.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens."""
+    (data.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens. A
+    last message that alone outgrows it is refused: cut to fit, it lost the template's opening
+    (the model saw the middle of a message, not a prompt)."""
     from zerofit.data import PLAIN_CHAT_TEMPLATE
 
     while True:
@@ -309,8 +311,11 @@ def chat_input_ids(tokenizer, history: list[dict], limit: int):
                                             return_dict=True,
                                             chat_template=getattr(tokenizer, "chat_template", None)
                                             or PLAIN_CHAT_TEMPLATE)["input_ids"]
-        if ids.shape[1] <= limit or len(history) <= 1:
-            return ids[:, -limit:]
+        if ids.shape[1] <= limit:
+            return ids
+        if len(history) <= 1:
+            raise ConfigError(f"the message is {ids.shape[1]} tokens with its template, and the model takes {limit} "
+                              f"(its context less --max-new-tokens): shorten it, or lower --max-new-tokens")
         del history[:2]
 
 
@@ -339,8 +344,16 @@ def chat(model: str | Path | Loaded, sampling: Sampling = Sampling(), gpu_mem: s
             continue
         if not text:
             continue
-        history.append({"role": "user", "content": text})
-        input_ids = chat_input_ids(loaded.tokenizer, history, limit)
+        kept = history + [{"role": "user", "content": text}]
+        try:
+            input_ids = chat_input_ids(loaded.tokenizer, kept, limit)
+        except ConfigError as e:  # the conversation so far is kept, without the message
+            say(f"({e})")
+            continue
+        if len(kept) <= len(history):
+            say(f"(the oldest {len(history) + 1 - len(kept)} turns were dropped: the conversation outgrew the "
+                f"{limit} tokens the model takes)")
+        history[:] = kept
         streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
         done: dict = {}
 
