@@ -171,8 +171,8 @@ def check(recipe: BaseRecipe, computed: list[str], base: str) -> bool:
                 "generate) at the model directory the run was trained on (its model.path)" if recipe.path else
                 "rebuild on the same kind of device with the same zerofit, transformers and torch versions")
         raise BaseMismatchError(f"{base} is not the base model the adapters were trained on (fingerprint "
-                                f"{computed[0][:12]}..., the checkpoint's {recipe.fingerprint[0][:12]}...): merging "
-                                f"would give a model nobody trained; {hint}")
+                                f"{computed[0][:12]}..., the checkpoint's {recipe.fingerprint[0][:12]}...): the "
+                                f"adapters on it would be a model nobody trained; {hint}")
     return True
 
 
