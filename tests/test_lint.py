@@ -135,6 +135,7 @@ def test_cli_exit_codes(tmp_path):
     done = run_zerofit(["lint", str(good), "--model", "tiny", "--gpu-mem", "24GiB"], check=False)
     assert done.returncode == 0, done.stderr
     assert "0 error(s)" in done.stdout and "plan: fits" in done.stdout
+    assert "planned as: seq 1024 (--seq-len), micro batch 1" in " ".join(done.stdout.split())  # the assumptions said
     missing = run_zerofit(["lint", str(tmp_path / "nope.json")], check=False)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 

@@ -813,5 +813,9 @@ def render(result: LintResult, console=None) -> None:
                       f"{human_bytes(plan['devices']['host']['total_bytes'])} of "
                       f"{human_bytes(plan['devices']['host']['usable_bytes'])} usable; "
                       f"save peak host {human_bytes(plan['save_peak']['host']['total_bytes'])}")
+        shape = plan["shape"]
+        console.print(f"  [dim]planned as: seq {shape['seq_len']} (--seq-len), micro batch {shape['micro_batch']} "
+                      f"(--micro-batch, else the config's, else 1), {'' if shape['gradient_checkpointing'] else 'no '}"
+                      f"activation checkpointing, full fine-tuning, HF Trainer's loss[/]")
     errors, warnings = len(result.errors), len(result.findings) - len(result.errors)
     console.print(f"{result.path}: {errors} error(s), {warnings} warning(s)")
