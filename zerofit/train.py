@@ -305,7 +305,7 @@ def total_optimizer_steps(config: Config, sequences: int, world_size: int) -> in
 
 
 def held_bytes(*sets: data.Sequences) -> int:
-    """Host bytes of the tokenized data every rank keeps (ids and labels)."""
+    """Host bytes of the tokenized data every rank keeps (ids, labels, neat packing's positions)."""
     return sum(s.input_ids.nbytes + s.labels.nbytes + (s.positions.nbytes if s.positions is not None else 0)
                for s in sets)
 
