@@ -390,6 +390,25 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     assert history[0].title.removesuffix("; the run started again after it") == found[0].title
 
 
+def test_how_a_run_ended_reads_its_end_record():
+    from zerofit.doctor import how_it_ended
+    from zerofit.memory import effective_records
+
+    def records(*phases):
+        return [{"step": step, "phase": phase, **({"reason": reason} if reason else {})}
+                for step, phase, reason in phases]
+
+    run = records((0, "start", None), (1, "forward", None), (1, "end", "interrupted"))
+    assert how_it_ended(run, None) == "interrupted (Ctrl-C) at step 1; no intact checkpoint (step 1 not saved)"
+    failed = records((0, "start", None), (4, "optimizer_step", None), (4, "end", "error: RuntimeError: boom"))
+    assert how_it_ended(failed, Path("step-000002")) == \
+        "stopped by an error: RuntimeError: boom at step 4; newest intact checkpoint step-000002 (steps 3-4 not saved)"
+    # an end before the newest start is an earlier attempt's: this one has none (killed, or still going)
+    resumed = failed + records((2, "start", None), (3, "optimizer_step", None))
+    assert how_it_ended(effective_records(resumed), Path("step-000002")) == \
+        "newest intact checkpoint step-000002 (step 3 not saved)"
+
+
 def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
     """A newest checkpoint truncated after its save, and a save's partial write a kill left: the
     doctor counted the saves and said nothing; now it names both and what a resume takes."""

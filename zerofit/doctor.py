@@ -109,8 +109,8 @@ def how_it_ended(records: list[dict], newest: Path | None) -> str:
     last = end["step"] if end is not None else trained
     unsaved = f" (steps {saved + 1}-{last} not saved)" if last > saved + 1 else \
         f" (step {last} not saved)" if last == saved + 1 else ""
-    parts.append(f"newest intact checkpoint {newest.name}{unsaved}" if newest is not None else
-                 "no intact checkpoint" + (f" (steps 1-{last} not saved)" if last else ""))
+    parts.append(f"{f'newest intact checkpoint {newest.name}' if newest is not None else 'no intact checkpoint'}"
+                 f"{unsaved}")
     return "; ".join(parts)
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from zerofit.findings import gib
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
-                "eval": 0.95, "save": 1.0, "watchdog": 1.0, "checkpoint_failed": 1.0}
+                "eval": 0.95, "save": 1.0, "watchdog": 1.0, "checkpoint_failed": 1.0, "end": 1.0}
 MARKERS = {"save": ("#2e7d32", "-", "save"), "eval": ("#1565c0", ":", "eval"), "oom": ("#c62828", "-", "OOM"),
            "watchdog": ("#ef6c00", "--", "watchdog"), "start": ("#757575", "-.", "start / resume"),
            "checkpoint_written": ("#81c784", ":", "async save published"),
-           "checkpoint_failed": ("#6a1b9a", "-", "save failed")}
+           "checkpoint_failed": ("#6a1b9a", "-", "save failed"), "end": ("#212121", "-", "end")}
 PLAN_ERROR = "error (planned - measured) / measured"  # + : the plan counted more than the run used
 SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 RANK_COLOURS = ("#00897b", "#f9a825", "#5e35b1", "#6d4c41", "#d81b60", "#546e7a", "#7cb342")
@@ -158,6 +158,9 @@ def draw_markers(ax, records: list[dict]) -> None:
         if r["phase"] == "oom":
             ax.annotate(f"OOM ({r.get('failed_phase', '?')})", (x_of(r), ax.get_ylim()[1] * 0.92),
                         color=colour, fontsize=9, ha="right", fontweight="bold")
+        elif r["phase"] == "end" and r.get("reason") != "completed":
+            ax.annotate(r.get("reason", "end")[:40], (x_of(r), ax.get_ylim()[1] * 0.92), color=colour, fontsize=9,
+                        ha="right")
 
 
 def plan_png(diagnosis) -> str:
@@ -346,7 +349,7 @@ def render_html(diagnosis) -> str:
 <h2>Memory timeline</h2>
 <img alt='memory timeline' src='data:image/png;base64,{timeline_png(diagnosis)}'>
 <p class=sub>Peaks are per phase (the allocator's and the kernel's high-water marks, reset at every phase).
-Vertical lines: saves, evals, resumes, watchdog actions and the OOM.</p>
+Vertical lines: saves, evals, resumes, watchdog actions, the OOM and where the run ended.</p>
 <h2>Peaks per phase{" (rank 0)" if diagnosis.other_ranks else ""}</h2>{phases_html(diagnosis)}
 {f"<h2>Ranks</h2>{ranks_html(diagnosis)}" if len(diagnosis.ranks) > 1 else ""}
 <h2>Plan vs measured</h2>{plan_html(diagnosis)}
