@@ -335,25 +335,7 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant
 
 
 def _messages(row: dict) -> list[dict]:
-    """A messages row's turns: {role, content}, an assistant's `tool_calls` (its content may then
-    be null) and a tool turn's `tool_call_id` / `name` kept for the chat template (toolcalls)."""
-    turns = row.get("messages")
-    if not isinstance(turns, list) or not turns:
-        raise RowError("messages", "expected a non-empty list of {role, content}")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
-            raise RowError(f"messages[{i}]", "expected {role: str, content: str}")
-        calls = toolcalls.calls_of(turn, f"messages[{i}]")
-        content = "" if turn.get("content") is None and calls else turn.get("content")
-        if not isinstance(content, str):
-            raise RowError(f"messages[{i}]", "expected {role: str, content: str} (content may be null beside "
-                                             "tool_calls)")
-        message = {"role": ROLE_ALIASES.get(turn["role"], turn["role"]), "content": content}
-        message.update({"tool_calls": calls} if calls else {})
-        message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
-        messages.append(message)
-    return messages
+    return _turns(row, "messages", "role", "content", tool_calls=True)
 
 
 def sharegpt_messages(row: dict) -> list[dict]:
@@ -362,16 +344,29 @@ def sharegpt_messages(row: dict) -> list[dict]:
     return [{"role": "system", "content": system}] * bool(system) + _turns(row, "conversations", "from", "value")
 
 
-def _turns(row: dict, field_name: str, role: str, content: str) -> list[dict]:
+def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool = False) -> list[dict]:
     """row[field_name], a non-empty list of {role: str, content: str} under the format's own key
-    names, as chat messages with ShareGPT's speaker names read as roles."""
+    names, as chat messages with ShareGPT's speaker names read as roles. With `tool_calls`
+    (OpenAI's messages), an assistant's `tool_calls` (its content may then be null) and a tool
+    turn's `tool_call_id` / `name` are kept for the chat template (toolcalls)."""
     turns = row.get(field_name)
     if not isinstance(turns, list) or not turns:
         raise RowError(field_name, f"expected a non-empty list of {{{role}, {content}}}")
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict) or not isinstance(t.get(role), str) or not isinstance(t.get(content), str):
-            raise RowError(f"{field_name}[{i}]", f"expected {{{role}: str, {content}: str}}")
-    return [{"role": ROLE_ALIASES.get(t[role], t[role]), "content": t[content]} for t in turns]
+    messages = []
+    for i, turn in enumerate(turns):
+        where, shape = f"{field_name}[{i}]", f"expected {{{role}: str, {content}: str}}"
+        if not isinstance(turn, dict) or not isinstance(turn.get(role), str):
+            raise RowError(where, shape)
+        calls = toolcalls.calls_of(turn, where) if tool_calls else []
+        text = "" if turn.get(content) is None and calls else turn.get(content)
+        if not isinstance(text, str):
+            raise RowError(where, shape + (f" ({content} may be null beside tool_calls)" if tool_calls else ""))
+        message = {"role": ROLE_ALIASES.get(turn[role], turn[role]), "content": text}
+        if tool_calls:
+            message.update({"tool_calls": calls} if calls else {})
+            message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
+        messages.append(message)
+    return messages
 
 
 def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int],
