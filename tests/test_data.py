@@ -409,10 +409,12 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [share] * 3)
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
     assert len(seqs) == 3 and seqs.formats == ("sharegpt",)
-    tools = {"messages": [{"role": "user", "content": "weather?"}, {"role": "function_call", "content": "get()"},
+    tools = {"messages": [{"role": "user", "content": "weather?"},
+                          {"role": "function_call", "content": '{"name": "get", "arguments": {}}'},
                           {"role": "observation", "content": "sun"}, {"role": "assistant", "content": "sunny"}]}
     tokenizer.chat_template = None
-    assert decode_learned(tokenizer, *data.tokenize_row(tools, "messages", tokenizer)) == "get()</s>sunny</s>"
+    assert decode_learned(tokenizer, *data.tokenize_row(tools, "messages", tokenizer)) == \
+        '{"name": "get", "arguments": {}}</s>sunny</s>'
 
 
 # A tool-calling template in the way Qwen2.5's and Llama 3.1's are: tools offered in a system
@@ -457,6 +459,56 @@ def test_tool_calls_are_learned_through_the_chat_template(tmp_path, tokenizer):
     learned = [decode_learned(tokenizer, i, l) for i, l in zip(seqs.input_ids, seqs.labels)]
     assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in learned[0]
     assert '<tool_call>get_forecast {"days": 3}</tool_call>' in learned[1] and "null" not in learned[1]
+
+
+# Qwen2.5's way with tool answers: consecutive ones share one user turn, which the last closes.
+GROUPED_TOOL_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ c.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_parallel_tool_answers_a_template_groups_are_prompt(tokenizer):
+    """Two calls in one turn answered by two tool turns, which the template joins into one user
+    turn (the first answer alone would be closed, so a prefix ending there is not the whole's
+    start): both answers are prompt, both calls and the final answer learned."""
+    tokenizer.chat_template = GROUPED_TOOL_TEMPLATE
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": {}}} for name in ("get_weather", "get_time")]}
+    row = {"messages": [{"role": "user", "content": "weather and time?"}, call,
+                        {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "noon"},
+                        {"role": "assistant", "content": "Sunny, at noon."}, {"role": "user", "content": "thanks"}]}
+    ids, labels = data.tokenize_row(row, "messages", tokenizer)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
+    assert decode_learned(tokenizer, ids, labels) == (
+        "<tool_call>get_weather</tool_call><tool_call>get_time</tool_call><|im_end|>\nSunny, at noon.<|im_end|>\n")
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon" in \
+        tokenizer.decode(ids)
+
+
+def test_sharegpt_function_calls_are_tool_calls(tokenizer):
+    """LLaMA-Factory's ShareGPT tool rows (a function_call turn holding the call's JSON, one call
+    or a list, an observation answering it, a `tools` column) train as the same OpenAI messages
+    do: the model's template writes the call. A function_call turn that is not a call is a bad row."""
+    tokenizer.chat_template = TOOL_TEMPLATE
+    call = {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})}
+    share = {"conversations": [{"from": "human", "value": "weather in Paris?"}, call,
+                               {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "It is sunny."}],
+             "tools": json.dumps(WEATHER_TOOLS)}
+    assert data.tokenize_row(share, "sharegpt", tokenizer) == \
+        data.tokenize_row(tool_row({"city": "Paris"}, tools=WEATHER_TOOLS), "messages", tokenizer)
+    call["value"] = json.dumps([{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Rome")])
+    learned = decode_learned(tokenizer, *data.tokenize_row(share, "sharegpt", tokenizer))
+    assert learned.startswith('<tool_call>get_weather {"city": "Paris"}</tool_call><tool_call>get_weather '
+                              '{"city": "Rome"}</tool_call>')
+    for value, problem in (("get_weather(Paris)", "not JSON"), ('{"city": "Paris"}', "holds the call as JSON")):
+        call["value"] = value
+        with pytest.raises(data.RowError, match=f"conversations\\[1\\].value`: .*{problem}"):
+            data.tokenize_row(share, "sharegpt", tokenizer)
 
 
 def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):

@@ -330,7 +330,8 @@ def _history(row: dict) -> list[tuple[str, str]]:
 
 
 # ShareGPT's speaker names (LLaMA-Factory's defaults) and the chat roles they are: a function
-# call is the assistant's output (learned); an observation is a tool's answer (masked).
+# call is the assistant's output (learned; its value the call's JSON, read as tool_calls); an
+# observation is a tool's answer (masked).
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
 
 
@@ -348,7 +349,8 @@ def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool
     """row[field_name], a non-empty list of {role: str, content: str} under the format's own key
     names, as chat messages with ShareGPT's speaker names read as roles. With `tool_calls`
     (OpenAI's messages), an assistant's `tool_calls` (its content may then be null) and a tool
-    turn's `tool_call_id` / `name` are kept for the chat template (toolcalls)."""
+    turn's `tool_call_id` / `name` are kept for the chat template (toolcalls). A `function_call`
+    turn's value is the call's JSON, read as the assistant's tool_calls in either format."""
     turns = row.get(field_name)
     if not isinstance(turns, list) or not turns:
         raise RowError(field_name, f"expected a non-empty list of {{{role}, {content}}}")
@@ -361,9 +363,11 @@ def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool
         text = "" if turn.get(content) is None and calls else turn.get(content)
         if not isinstance(text, str):
             raise RowError(where, shape + (f" ({content} may be null beside tool_calls)" if tool_calls else ""))
+        if turn[role] == "function_call":
+            text, calls = "", calls + toolcalls.calls_written(text, f"{where}.{content}")
         message = {"role": ROLE_ALIASES.get(turn[role], turn[role]), "content": text}
+        message.update({"tool_calls": calls} if calls else {})
         if tool_calls:
-            message.update({"tool_calls": calls} if calls else {})
             message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
         messages.append(message)
     return messages
@@ -403,8 +407,11 @@ def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: lis
 
 
 def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-    """Render growing prefixes with the chat template; each assistant turn's new tokens
-    (after its generation prompt) are learned, everything else masked."""
+    """Render the conversation up to each assistant turn (with its generation prompt) and through
+    it; each assistant turn's new tokens are learned, everything else masked. Only an assistant
+    turn's edges are rendered: a template may close a turn differently when another of the same
+    role follows (Qwen2.5 joins consecutive tool answers into one user turn), so a prefix that
+    ends between two such turns is not the start of the whole."""
     def render(upto: int, generation_prompt: bool) -> list[int]:
         return list(tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=True, return_dict=False,
                                                   add_generation_prompt=generation_prompt))
@@ -419,16 +426,14 @@ def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | No
         return rendered
 
     ids, labels = [], []
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            prompt = extended(render(i, True), ids, i)
-            labels += [IGNORE] * (len(prompt) - len(ids))
-            ids = prompt
-        full = extended(render(i + 1, False), ids, i + 1)
-        new = full[len(ids):]
-        labels += new if m["role"] == "assistant" else [IGNORE] * len(new)
-        ids = full
-    return ids, labels
+    for i in [i for i, m in enumerate(messages) if m["role"] == "assistant"]:
+        prompt = extended(render(i, True), ids, i)
+        labels += [IGNORE] * (len(prompt) - len(ids))
+        answered = extended(render(i + 1, False), prompt, i + 1)
+        labels += answered[len(prompt):]
+        ids = answered
+    whole = extended(render(len(messages), False), ids, len(messages))  # turns after the last answer: prompt
+    return whole, labels + [IGNORE] * (len(whole) - len(ids))
 
 
 def check_tools_rendered(messages: list[dict], tools: list[dict] | None, ids: list[int], labels: list[int],

@@ -2,7 +2,9 @@
 
 An assistant turn may carry `tool_calls` ([{type: function, id?, function: {name, arguments}}],
 its content null or empty), a `tool` turn answers one (`tool_call_id`, `name`), and a row may
-list the `tools` offered (JSON schemas, or LLaMA-Factory's JSON string of them). Templates read
+list the `tools` offered (JSON schemas, or LLaMA-Factory's JSON string of them). ShareGPT rows
+call in a `function_call` turn whose value is the call's JSON and answer in an `observation`
+turn (LLaMA-Factory's dataset layout): read as the same assistant tool_calls and tool turns. Templates read
 `arguments` as a mapping (transformers' chat-templating docs; Llama 3.1's template writes
 `arguments | tojson`, so OpenAI's JSON string would be quoted twice): a string is parsed.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 
+WRITTEN_SHAPE = '{"name": str, "arguments": object} or a list of them'
 CALL_SHAPE = "a list of {type: function, function: {name: str, arguments: object or JSON string}}"
 
 
@@ -55,6 +58,21 @@ def calls_of(message: dict, where: str) -> list[dict]:
             shaped_call["id"] = call["id"]
         shaped.append(shaped_call)
     return shaped
+
+
+def calls_written(text: str, where: str) -> list[dict]:
+    """A ShareGPT `function_call` turn's value (LLaMA-Factory's layout: the JSON of one
+    {name, arguments} or of a list of them, for parallel calls) as the chat-template shape."""
+    try:
+        written = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ToolCallError(where, f"a function_call turn holds the call as JSON ({WRITTEN_SHAPE}), and this is "
+                                   f"not JSON ({e.msg} at character {e.pos}); write a plain answer as a gpt "
+                                   f"turn") from None
+    written = written if isinstance(written, list) else [written]
+    if not written or not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in written):
+        raise ToolCallError(where, f"a function_call turn holds the call as JSON ({WRITTEN_SHAPE})")
+    return calls_of({"tool_calls": [{"type": "function", "function": call} for call in written]}, where)
 
 
 def arguments_of(arguments, where: str) -> dict:
