@@ -30,7 +30,7 @@ def test_zerofits_own_config_is_clean():
 
 def test_llama_factory_offload_config_passes_with_warnings_and_plans():
     spec = modelspec.from_name("llama-1.5b")
-    result = lint.lint(LLAMA_FACTORY_Z3_OFFLOAD, spec=spec, hw=gpu_box(), seq_len=1024, micro_batch=2,
+    result = lint.lint(LLAMA_FACTORY_Z3_OFFLOAD, spec=spec, hw=gpu_box(), trainer=lint.TrainerArgs(1024, 2),
                        model_ref="llama-1.5b")
     assert result.errors == []
     warnings = findings(result, "warning")
@@ -45,6 +45,26 @@ def test_llama_factory_offload_config_passes_with_warnings_and_plans():
     assert plan["candidate"]["offload_param"] == "cpu" and plan["candidate"]["sub_group_size"] == 10**9
     assert plan["candidate"]["reduce_bucket_size"] == 2048 * 2048
     assert plan["save_peak"]["host"]["components"]["consolidated_16bit_model"] == 2 * spec.total_params
+
+
+def test_lint_plans_the_trainer_arguments_beside_the_json():
+    """What HF Trainer sets outside the JSON changes the plan: a peft LoRA run trains (and keeps
+    optimizer state for) only its adapters; without --gradient_checkpointing every layer's
+    activations are held."""
+    spec = modelspec.from_name("llama-1.5b")
+    def planned(**trainer) -> dict:
+        return lint.lint(LLAMA_FACTORY_Z3_OFFLOAD, spec=spec, hw=gpu_box(), model_ref="llama-1.5b",
+                         trainer=lint.TrainerArgs(**trainer)).plan
+    full, lora = planned(), planned(lora_rank=8, lora_targets=["q_proj", "v_proj"])
+    layers, hidden, kv = 16, 2048, 512  # llama-1.5b: q_proj 2048 -> 2048, v_proj 2048 -> 512 (8 kv heads)
+    assert lora["model"]["trainable_params"] == layers * 8 * ((hidden + hidden) + (hidden + kv))
+    assert full["model"]["trainable_params"] == spec.total_params
+    moments = [plan["devices"]["host"]["components"]["adam_moments_fp32"] for plan in (full, lora)]
+    assert moments == [8 * spec.total_params, 8 * lora["model"]["trainable_params"]]
+    held = planned(gradient_checkpointing=False)
+    assert held["shape"]["gradient_checkpointing"] is False
+    saved = [plan["devices"]["gpu"]["components"]["backward:activations_saved"] for plan in (full, held)]
+    assert saved[1] > 5 * saved[0]
 
 
 def test_unknown_zero_key_is_an_error_with_the_fix():
@@ -136,6 +156,9 @@ def test_cli_exit_codes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "0 error(s)" in done.stdout and "plan: fits" in done.stdout
     assert "planned as: seq 1024 (--seq-len), micro batch 1" in " ".join(done.stdout.split())  # the assumptions said
+    assert "full fine-tuning (--lora-rank R: a LoRA run)" in " ".join(done.stdout.split())
+    done = run_zerofit(["lint", str(good), "--model", "tiny", "--gpu-mem", "24GiB", "--lora-rank", "4"], check=False)
+    assert done.returncode == 0 and "LoRA rank 4" in done.stdout, done.stderr
     missing = run_zerofit(["lint", str(tmp_path / "nope.json")], check=False)
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 

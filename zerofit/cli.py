@@ -198,8 +198,9 @@ def cmd_lint(args) -> int:
         raw = {"model": {"config": args.model}, "train": {"max_steps": 1}, "plan": {"gpu_mem": args.gpu_mem,
                                                                                    "host_mem": args.host_mem}}
         hw = planview.probe_for(validate(raw), args.accelerator, args.cpu_cores, args.disk_free)
-    result = lint.lint(lint.read(args.file), args.file, spec, hw, args.world_size, args.seq_len or 1024,
-                       args.micro_batch, args.model or "")
+    trainer = lint.TrainerArgs(args.seq_len or 1024, args.micro_batch, args.gradient_checkpointing is not False,
+                               args.lora_rank, args.lora_targets)
+    result = lint.lint(lint.read(args.file), args.file, spec, hw, args.world_size, trainer, args.model or "")
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -392,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("file", metavar="DS_CONFIG_JSON")
     lint.add_argument("--model", metavar="M", help="preset, config.json or model directory: also plan the config")
     add_hardware_args(lint)
+    lint.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                      help="HF Trainer's --gradient_checkpointing (default: planned with it)")
+    lint.add_argument("--lora-rank", type=at_least(1), metavar="R", help="plan a peft LoRA run of rank R")
+    lint.add_argument("--lora-targets", metavar="NAMES", type=lambda v: [n.strip() for n in v.split(",") if n.strip()],
+                      help="its target modules, comma-separated (default: the architecture's, as zerofit's lora)")
     lint.set_defaults(run=cmd_lint)
 
     config = verbs.add_parser("config", help="print the resolved config, or --example for every key")

@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from zerofit.config import ConfigError
 from zerofit.hardware import GIB, Hardware
@@ -69,8 +70,19 @@ def read(path: str | Path) -> dict:
     return raw
 
 
+class TrainerArgs(NamedTuple):
+    """What HF Trainer / LLaMA-Factory set beside the DeepSpeed JSON, which the plan needs:
+    the sequence length, --per_device_train_batch_size (else the JSON's, else 1),
+    --gradient_checkpointing, and a peft LoRA's rank and target modules (None: full fine-tuning)."""
+    seq_len: int = 1024
+    micro_batch: int | None = None
+    gradient_checkpointing: bool = True
+    lora_rank: int | None = None
+    lora_targets: list[str] | None = None
+
+
 def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None = None, world_size: int = 1,
-         seq_len: int = 1024, micro_batch: int | None = None, model_ref: str = "") -> LintResult:
+         trainer: TrainerArgs = TrainerArgs(), model_ref: str = "") -> LintResult:
     result = LintResult(path)
     autos = auto_paths(ds)
     if autos:
@@ -98,7 +110,7 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
         check_partial_offload(zero, result)
         check_offload_stage(zero, result)
         if spec is not None and hw is not None and not result.errors:
-            result.plan = plan_ds_config(ds, zero, spec, hw, world_size, seq_len, micro_batch, model_ref, autos)
+            result.plan = plan_ds_config(ds, zero, spec, hw, world_size, trainer, model_ref, autos)
             if not result.plan["fits"]:  # the run would die of memory: as much an error as a bad key
                 result.findings.append(Finding(
                     "error", "plan", f"{model_ref or 'the model'} does not fit this config on this hardware "
@@ -729,8 +741,7 @@ def _has_cuda() -> bool:
 
 
 # -------------------------------------------------------------------- planning
-def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref: str,
-               auto_values: dict[str, int] | None = None) -> dict:
+def to_zerofit(ds: dict, zero, trainer: TrainerArgs, model_ref: str, auto_values: dict[str, int] | None = None) -> dict:
     """The zerofit config (raw dict) that reproduces what this DeepSpeed JSON sets; keys
     it leaves out take DeepSpeed's defaults (read from DeepSpeed's own config model);
     bucket keys set to "auto" take what HF Trainer would fill in (`auto_values`). The run is
@@ -739,10 +750,13 @@ def to_zerofit(ds: dict, zero, seq_len: int, micro_batch: int | None, model_ref:
     auto_values = auto_values or {}
     opt, par = zero.offload_optimizer, zero.offload_param
     nvme = (opt.nvme_path if opt is not None and opt.nvme_path else None) or (par.nvme_path if par is not None else None)
+    lora = {"enabled": True, "r": trainer.lora_rank, "alpha": 2 * trainer.lora_rank,
+            "target_modules": trainer.lora_targets} if trainer.lora_rank else {}
     return {
-        "model": {"config": model_ref},
-        "train": {"seq_len": seq_len, "max_steps": 1, "precision": precision(ds),
-                  "micro_batch_size": micro_batch or ds.get("train_micro_batch_size_per_gpu") or 1,
+        "model": {"config": model_ref, "gradient_checkpointing": trainer.gradient_checkpointing},
+        "lora": lora,
+        "train": {"seq_len": trainer.seq_len, "max_steps": 1, "precision": precision(ds),
+                  "micro_batch_size": trainer.micro_batch or ds.get("train_micro_batch_size_per_gpu") or 1,
                   "grad_accum_steps": ds.get("gradient_accumulation_steps") or 1, "chunked_loss": False},
         "memory": {"expandable_segments": False},
         "zero": {"stage": int(zero.stage), "offload_optimizer": _device(opt),
@@ -783,8 +797,8 @@ def _device(offload) -> str:
     return str(getattr(offload.device, "value", offload.device))
 
 
-def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, seq_len: int, micro_batch: int | None,
-                   model_ref: str, autos: list[str] = ()) -> dict:
+def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, trainer: TrainerArgs, model_ref: str,
+                   autos: list[str] = ()) -> dict:
     from zerofit import choice, planview
     from zerofit.config import validate
 
@@ -792,9 +806,12 @@ def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, seq_len:
              "stage3_param_persistence_threshold": "param_persistence_threshold"}
     hf_auto = choice.auto_buckets(spec)
     auto_values = {ours: hf_auto[ours] for theirs, ours in names.items() if f"zero_optimization.{theirs}" in autos}
-    config = validate(to_zerofit(ds, zero, seq_len, micro_batch, model_ref or "tiny", auto_values))
+    config = validate(to_zerofit(ds, zero, trainer, model_ref or "tiny", auto_values))
+    if config.lora.enabled:  # the peft model: adapters trained, the base frozen
+        from zerofit import modelspec
+        spec = modelspec.from_config(config)
     decision = choice.decide(config, spec, hw, world_size)
-    return planview.plan_json(decision, spec, hw) | {"fits": decision.plan.fits}
+    return planview.plan_json(decision, spec, hw) | {"fits": decision.plan.fits, "trainer": trainer._asdict()}
 
 
 # ---------------------------------------------------------------------- report
@@ -813,9 +830,11 @@ def render(result: LintResult, console=None) -> None:
                       f"{human_bytes(plan['devices']['host']['total_bytes'])} of "
                       f"{human_bytes(plan['devices']['host']['usable_bytes'])} usable; "
                       f"save peak host {human_bytes(plan['save_peak']['host']['total_bytes'])}")
-        shape = plan["shape"]
+        shape, rank = plan["shape"], plan["trainer"]["lora_rank"]
+        tuning = f"LoRA rank {rank}, {plan['model']['trainable_params']:,} parameters trained (--lora-rank)" \
+            if rank else "full fine-tuning (--lora-rank R: a LoRA run)"
         console.print(f"  [dim]planned as: seq {shape['seq_len']} (--seq-len), micro batch {shape['micro_batch']} "
                       f"(--micro-batch, else the config's, else 1), {'' if shape['gradient_checkpointing'] else 'no '}"
-                      f"activation checkpointing, full fine-tuning, HF Trainer's loss[/]")
+                      f"activation checkpointing (--\\[no-]gradient-checkpointing), {tuning}, HF Trainer's loss[/]")
     errors, warnings = len(result.errors), len(result.findings) - len(result.errors)
     console.print(f"{result.path}: {errors} error(s), {warnings} warning(s)")
