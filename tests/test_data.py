@@ -250,9 +250,12 @@ def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
     assert texts(train).isdisjoint(texts(held)) and len(texts(train) | texts(held)) == 100
     packed_train, packed_held = data.load_splits(cfg.model_copy(update={"packing": True}), tokenizer, 16, 1, 128)
     labelled = lambda seqs: int((seqs.labels != IGNORE).sum())
-    assert labelled(packed_held) == labelled(held) // 16 * 16  # the same rows, packed, tail dropped
+    assert labelled(packed_held) == labelled(held)  # the same rows, packed; the last row's tail padded, not dropped
+    assert labelled(packed_train) == labelled(train) // 16 * 16  # training drops the tail that fills no row
+    rows = -(-labelled(held) // 16)
+    assert len(packed_held) == rows and (packed_held.input_ids[-1, labelled(held) % 16:] == tokenizer.pad_token_id).all()
     # what the data line reports: the labels the loss counts, a row's first never (token t predicts t + 1)
-    assert (held.trained_tokens, packed_held.trained_tokens) == (labelled(held) - 10, labelled(packed_held) - 4)
+    assert (held.trained_tokens, packed_held.trained_tokens) == (labelled(held) - 10, labelled(packed_held) - rows)
 
 
 def test_batches_resume_mid_stream_and_shard_by_rank():
@@ -316,7 +319,7 @@ def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_pa
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "i", "output": "o" * 10}] * 20)
     config = DataConfig(path=str(path))
     train, held = data.load_splits(config, tokenizer, 32, seed=0, vocab_size=len(tokenizer))
-    assert len(train) and len(held) == 0
+    assert len(train) and len(held) == 1  # one example held out, its packed row padded
     with pytest.raises(DataError, match=rf"the data has token id \d+ but the model's vocabulary holds 8 \(the "
                                         rf"tokenizer has {len(tokenizer)} tokens\)"):
         data.load_splits(config, tokenizer, 32, seed=0, vocab_size=8)
@@ -603,6 +606,11 @@ def test_eval_path_takes_several_files(tmp_path, tokenizer):
     cfg = DataConfig(path=str(train), eval_path=[str(p) for p in held], packing=False)
     _, eval_set = data.load_splits(cfg, tokenizer, 16, seed=0, vocab_size=128)
     assert len(eval_set) == 4
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": "held out"}])  # fills no packed row: padded, kept
+    neat = DataConfig(path=str(train), eval_path=str(small), packing=True, neat_packing=True)
+    _, eval_set = data.load_splits(neat, tokenizer, 64, seed=0, vocab_size=128)
+    assert len(eval_set) == 1 and decode_learned(tokenizer, eval_set.input_ids[0], eval_set.labels[0]) == "held out</s>"
+    assert list(eval_set.positions[0][:12]) == list(range(10)) + [0, 1]  # the padding is an example of its own
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -501,6 +501,13 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int) -> tuple[np.
     return ids[: rows * seq_len].reshape(rows, seq_len), labels[: rows * seq_len].reshape(rows, seq_len)
 
 
+def tail_padding(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[list[int], list[int]]:
+    """The padding that fills the examples' last packed row (nothing learned in it): packed
+    after them, it is one more example to isolate_examples, so no token attends to it."""
+    missing = -sum(len(e_ids) for e_ids, _ in examples) % seq_len
+    return [pad_id] * missing, [IGNORE] * missing
+
+
 def isolate_examples(examples: list[tuple[list[int], list[int]]], labels: np.ndarray) -> np.ndarray:
     """data.neat_packing over `pack`'s rows: per token its position in its example, restarting
     at every example and at every row (a tail carried into the next row sees nothing of its
@@ -551,8 +558,13 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
 
 
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
-                 reasons: list[str] = (), formats: tuple[str, ...] = ()) -> Sequences:
+                 reasons: list[str] = (), formats: tuple[str, ...] = (), keep_tail: bool = False) -> Sequences:
+    """Packed or padded rows of the examples. Packing drops the tail that does not fill a row,
+    unless `keep_tail` (an eval set: a small one would otherwise vanish), which pads it."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    longest = max((len(e_ids) for e_ids, _ in examples), default=0)
+    if cfg.packing and keep_tail:
+        examples = examples + [tail_padding(examples, seq_len, pad_id)]
     ids, labels = pack(examples, seq_len) if cfg.packing else pad(examples, seq_len, pad_id)
     positions = isolate_examples(examples, labels) if cfg.neat_packing else None
     # A row must hold a learned token past its first: the loss predicts token t+1 from t, so a label
@@ -561,7 +573,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     learnable = targets(labels, per_row=True) > 0
     lengths = None if cfg.packing else np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
-                     max((len(e_ids) for e_ids, _ in examples), default=0), cfg.packing, formats,
+                     longest, cfg.packing, formats,
                      lengths[learnable] if lengths is not None else None,
                      positions[learnable] if positions is not None else None)
 
@@ -591,14 +603,15 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
     examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
     if cfg.eval_path:
+        held, held_skipped, held_reasons, held_formats = read_examples(data_files(cfg.eval_path), cfg, tokenizer)
         splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats),
-                  build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len))
+                  to_sequences(held, cfg, tokenizer, seq_len, held_skipped, held_reasons, held_formats, keep_tail=True))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
         n_eval = int(len(examples) * cfg.eval_fraction)
         held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
         splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats),
-                  to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len))
+                  to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len, keep_tail=True))
     check_vocabulary(splits, len(tokenizer), vocab_size)
     return splits
 

@@ -358,7 +358,9 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     if stop:
         warn(stop)
     if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
-        warn("the eval set is empty: no eval loss will be measured; raise data.eval_fraction, or set data.eval_path")
+        fix = "none of data.eval_path's rows holds an answer to learn" if config.data.eval_path else \
+            "raise data.eval_fraction, or set data.eval_path"
+        warn(f"the eval set is empty: no eval loss will be measured ({fix})")
 
 
 def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0,
