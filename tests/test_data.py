@@ -420,6 +420,23 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
         '{"name": "get", "arguments": {}}</s>sunny</s>'
 
 
+def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
+    """A chat template renders the roles it knows and skips any other without a word (a typo's
+    turn vanished from training): a bad row naming the roles. OpenAI's content parts are text."""
+    tokenizer.chat_template = CHATML
+    typo = {"conversations": [{"from": "human", "value": "q1"}, {"from": "model", "value": "a1"},
+                              {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]}
+    with pytest.raises(data.RowError, match=r"conversations\[1\].from`: unknown speaker 'model'.*use system, user"):
+        data.tokenize_row(typo, "sharegpt", tokenizer)
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2?"}]},
+                          {"role": "assistant", "content": "4"}]}
+    plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    assert data.tokenize_row(parts, "messages", tokenizer) == data.tokenize_row(plain, "messages", tokenizer)
+    parts["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
+    with pytest.raises(data.RowError, match=r"messages\[0\].content`: only text parts .* not image_url"):
+        data.tokenize_row(parts, "messages", tokenizer)
+
+
 # A tool-calling template in the way Qwen2.5's and Llama 3.1's are: tools offered in a system
 # turn, calls as tagged JSON after the assistant's text, a tool's answer in its own turn.
 TOOL_TEMPLATE = (

@@ -333,6 +333,7 @@ def _history(row: dict) -> list[tuple[str, str]]:
 # call is the assistant's output (learned; its value the call's JSON, read as tool_calls); an
 # observation is a tool's answer (masked).
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; any other role they skip unseen
 
 
 def _messages(row: dict) -> list[dict]:
@@ -359,8 +360,11 @@ def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool
         where, shape = f"{field_name}[{i}]", f"expected {{{role}: str, {content}: str}}"
         if not isinstance(turn, dict) or not isinstance(turn.get(role), str):
             raise RowError(where, shape)
+        if ROLE_ALIASES.get(turn[role], turn[role]) not in ROLES:
+            raise RowError(f"{where}.{role}", f"unknown speaker {turn[role]!r}: a chat template would leave the turn "
+                                              f"out; use {', '.join(ROLES)} (or ShareGPT's {', '.join(ROLE_ALIASES)})")
         calls = toolcalls.calls_of(turn, where) if tool_calls else []
-        text = "" if turn.get(content) is None and calls else turn.get(content)
+        text = "" if turn.get(content) is None and calls else text_of(turn.get(content), f"{where}.{content}")
         if not isinstance(text, str):
             raise RowError(where, shape + (f" ({content} may be null beside tool_calls)" if tool_calls else ""))
         if turn[role] == "function_call":
@@ -371,6 +375,19 @@ def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool
             message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
         messages.append(message)
     return messages
+
+
+def text_of(content, where: str):
+    """A turn's content; OpenAI's list of parts ([{type: text, text}]) joined into its text."""
+    if not isinstance(content, list):
+        return content
+    kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+    if kinds - {"text"}:
+        raise RowError(where, f"only text parts ({{type: text, text: str}}) can be trained on, not "
+                              f"{', '.join(sorted(map(str, kinds - {'text'})))}")
+    if not all(isinstance(part.get("text"), str) for part in content):
+        raise RowError(where, "a text part is {type: text, text: str}")
+    return "".join(part["text"] for part in content)
 
 
 def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int],
