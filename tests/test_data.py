@@ -125,6 +125,21 @@ def test_skip_bad_rows_skips_lines_that_are_not_json_objects_too(tmp_path, token
     assert "line 13: field `output`: missing" in seqs.skipped_reasons[2]
 
 
+def test_json_lines_named_json_are_read_line_by_line(tmp_path, tokenizer):
+    """LLaMA-Factory's datasets often hold JSON lines under .json: a bad line is named by its
+    own number (datasets' error put it at line 2) and skip_bad_rows skips it, as in .jsonl;
+    a good row's error names its line too."""
+    good = '{"instruction": "i", "output": "oooooooooo"}'
+    path = write_jsonl(tmp_path / "d.json", [good] * 3 + ['{"instruction": "i", "output": "o"'])
+    with pytest.raises(DataError, match=r"d\.json, line 4: not valid JSON"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 64)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True, packing=False), tokenizer, 64)
+    assert seqs.skipped_rows == 1 and len(seqs) == 3
+    missing = write_jsonl(tmp_path / "e.json", [good, "", '{"instruction": "i"}'])
+    with pytest.raises(DataError, match=r"e\.json, line 3: field `output`: missing"):
+        data.build_sequences([missing], DataConfig(path=str(path)), tokenizer, 64)
+
+
 def test_skip_bad_rows_with_a_bad_line_and_a_value_of_another_type(tmp_path, tokenizer):
     """Both at once: pyarrow cannot read the file whole, nor build a table from the rows
     (an int where the column holds strings); each is skipped by its line."""

@@ -128,7 +128,7 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     try:
         rows, numbers, bad = datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
-        if file.suffix == ".jsonl":  # line by line: a bad line, or a value of another type than its column's
+        if holds_json_lines(file):  # line by line: a bad line, or a value of another type than its column's
             rows, numbers, bad = _json_lines(file, skip_bad_lines)
             rows = JsonRows(rows)
         else:
@@ -220,9 +220,22 @@ def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int]
     return rows, numbers, bad
 
 
+def holds_json_lines(file: Path) -> bool:
+    """JSON lines: a .jsonl file, or a .json one whose text opens with an object, not an array
+    (LLaMA-Factory's datasets often name JSON lines .json, and datasets reads either)."""
+    if file.suffix == ".jsonl":
+        return True
+    if file.suffix != ".json":
+        return False
+    with file.open(encoding="utf-8-sig") as text:
+        while (char := text.read(1)).isspace():
+            pass
+    return char == "{"
+
+
 def line_of_row(file: Path, row_index: int) -> str:
-    """Human position of a row: the line number in jsonl (blank lines skipped), else the row."""
-    if file.suffix != ".jsonl":
+    """Human position of a row: its line number in JSON lines (blank lines skipped), else the row."""
+    if not holds_json_lines(file):
         return f"row {row_index + 1}"
     seen = -1
     with file.open(encoding="utf-8-sig") as lines:
