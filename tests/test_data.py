@@ -630,6 +630,15 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     (tmp_path / "nothing").mkdir()
     with pytest.raises(DataError, match="holds no .jsonl, .json or .parquet files"):
         data.data_files(str(tmp_path / "nothing"))
+    assert data.left_out_files(str(tmp_path / "dir"), None) == [tmp_path / "dir" / "notes.txt"]
+    # LLaMA-Factory's data/ (its dataset_info.json registry beside the files), a saved dataset inside: its rows
+    # are read, the metadata .json files of both are not
+    (tmp_path / "dir" / "dataset_info.json").write_text('{"mine": {"file_name": "a.jsonl"}}')
+    datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tmp_path / "dir" / "sub" / "saved"))
+    files = data.data_files(str(tmp_path / "dir"))
+    assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl", tmp_path / "dir" / "sub" / "saved"]
+    seqs = data.build_sequences(files, DataConfig(path=str(tmp_path / "dir"), packing=False), tokenizer, 16)
+    assert len(seqs) == 8
 
 
 def test_eval_path_takes_several_files(tmp_path, tokenizer):

@@ -27,6 +27,7 @@ SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 CHAT_FORMATS = {"messages", "sharegpt"}  # the row formats read as conversations of chat messages
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
 SAVED_DATASET_DICT_FILE = "dataset_dict.json"  # ... and above the splits' directories for a DatasetDict
+METADATA_FILES = (*SAVED_DATASET_FILES, SAVED_DATASET_DICT_FILE)  # LLaMA-Factory names its registry so too
 # The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
 # into every export) so that `zerofit chat`, transformers and vLLM prompt the model as it was
 # trained. Alpaca: the system text and a blank line first, each user turn an instruction, each
@@ -104,12 +105,39 @@ def is_saved_dataset(directory: Path) -> bool:
 
 
 def files_under(directory: Path) -> list[Path]:
-    found = sorted(f for f in directory.rglob("*") if f.is_file() and f.suffix in SUFFIXES
-                   and not any(part.startswith(".") for part in f.relative_to(directory).parts))
+    found, _ = walk_data(directory)
     if not found:
         raise DataError(f"data directory {directory} holds no .jsonl, .json or .parquet files (nor a dataset "
                         f"saved with datasets' save_to_disk); point data.path at the data files")
     return found
+
+
+def walk_data(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(read, left out) under a directory, in path order, hidden entries aside: data files, and
+    saved datasets read whole (their metadata .json files are not rows, nor is LLaMA-Factory's
+    dataset_info.json registry); left out, the files of other kinds."""
+    read, left_out = [], []
+    for entry in sorted(directory.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir() and is_saved_dataset(entry):
+            read.append(entry)
+        elif entry.is_dir():
+            deeper = walk_data(entry)
+            read, left_out = read + deeper[0], left_out + deeper[1]
+        elif entry.suffix in SUFFIXES and entry.name not in METADATA_FILES:
+            read.append(entry)
+        elif entry.is_file() and entry.name not in METADATA_FILES:
+            left_out.append(entry)
+    return read, left_out
+
+
+def left_out_files(*paths: str | list[str] | None) -> list[Path]:
+    """Files under the directories data.path / data.eval_path name that are not read (a .csv, a
+    .txt): said, so that none goes missing from training unnoticed."""
+    named = [Path(p) for path in paths if path not in (None, "demo", "synthetic")
+             for p in ([path] if isinstance(path, str) else path)]
+    return [f for d in named if d.is_dir() and not is_saved_dataset(d) for f in walk_data(d)[1]]
 
 
 def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:

@@ -347,11 +347,15 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
-        f"{train_set.trained_tokens} trained tokens")
+        f"{train_set.trained_tokens} tokens learned per epoch")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
         if sequences.skipped_rows:
             warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
                  f"{sequences.skipped_reasons[0]}")
+    left_out = data.left_out_files(config.data.path, config.data.eval_path)
+    if left_out:
+        warn(f"not read (zerofit reads .jsonl, .json, .parquet and saved datasets): "
+             f"{', '.join(map(str, left_out[:5]))}{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
     stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model))
