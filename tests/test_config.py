@@ -240,6 +240,10 @@ def test_a_size_flag_with_a_typo_is_a_usage_error_naming_the_flag(capsys):
      "unknown key lr; it is a key of train: move it under `train:`"),  # it read "did you mean lora?"
     ("model: {config: tiny}\ntrain:\n  max_steps: 3\n  offload_param: cpu\n",
      "unknown key train.offload_param; it is a key of zero: move it under `zero:`"),
+    ("model: {config: tiny}\ndata:\n  cutoff_len: 2048\n",  # it read "did you mean data.format?"
+     "unknown key data.cutoff_len; LLaMA-Factory's / HF Trainer's cutoff_len is train.seq_len"),
+    ("model: {config: tiny}\ntemplate: qwen\n", "unknown key template; LLaMA-Factory's / HF Trainer's template is "
+     "the tokenizer's own chat template: model.tokenizer"),
     ("model: {config: tiny}\ntrain:\n\tmax_steps: 3\n", "line 3, column 1 is not valid YAML: found character '\\t' "
      "that cannot start any token; YAML indents with spaces, not tabs"),
     ("model: {config: tiny}\ntrain:\n  max_steps: 3\n     lr: 1\n", "line 4, column 8 is not valid YAML: mapping "

@@ -21,6 +21,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from zerofit import aliases
+
 # PyYAML reads YAML 1.1, where 1e9 and 3e-4 (no dot) are strings, not numbers
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 # fields that name files or directories: `~` and $VARIABLES expanded, as a shell would
@@ -587,6 +589,9 @@ def _unknown_key(loc: tuple) -> str:
     valid = list(model.model_fields)
     elsewhere = [section for section, field in Config.model_fields.items() if isinstance(field.annotation, type)
                  and issubclass(field.annotation, BaseModel) and name in field.annotation.model_fields]
+    theirs = aliases.hint(name)
+    if theirs and not elsewhere:
+        return f"unknown key {'.'.join(parents + [name])}; LLaMA-Factory's / HF Trainer's {name} is {theirs}"
     if elsewhere and name not in valid:  # `lr:` dedented out of `train:` read "did you mean lora?"
         return (f"unknown key {'.'.join(parents + [name])}; it is a key of {' and '.join(elsewhere)}: move it "
                 f"under `{elsewhere[0]}:`")

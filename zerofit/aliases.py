@@ -1,0 +1,49 @@
+"""The names LLaMA-Factory and HF TrainingArguments give to what zerofit's config calls
+otherwise, so that an unknown key from a config carried over names its zerofit key (or says
+that zerofit does not offer it) instead of the nearest spelling of an unrelated one."""
+from __future__ import annotations
+
+THEIRS = {
+    "model_name_or_path": "model.path (a local model directory)",
+    "template": "the tokenizer's own chat template: model.tokenizer, a directory whose chat_template.jinja "
+                "renders the conversation (a model directory carries its own)",
+    "dataset": "data.path (files or directories; there is no dataset registry)",
+    "dataset_dir": "data.path (files or directories; there is no dataset registry)",
+    "cutoff_len": "train.seq_len",
+    "val_size": "data.eval_fraction",
+    "train_on_prompt": "not offered: prompts are masked, answers learned (a `text` row learns every token)",
+    "mask_history": "not offered: every assistant turn of a conversation is learned",
+    "finetuning_type": "lora.enabled: true for LoRA (full fine-tuning otherwise)",
+    "lora_rank": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target": "lora.target_modules",
+    "additional_target": "lora.modules_to_save",
+    "deepspeed": "the zero: section (zerofit writes DeepSpeed's config from its plan; `zerofit lint` checks a "
+                 "JSON of your own)",
+    "output_dir": "run_dir",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    "learning_rate": "train.lr",
+    "num_train_epochs": "train.epochs",
+    "lr_scheduler_type": "train.lr_schedule",
+    "warmup_ratio": "train.warmup_steps (a number of steps)",
+    "max_grad_norm": "train.grad_clip",
+    "adam_beta1": "train.adam_betas ([beta1, beta2])",
+    "adam_beta2": "train.adam_betas ([beta1, beta2])",
+    "adam_epsilon": "train.adam_eps",
+    "bf16": "train.precision: bf16",
+    "fp16": "train.precision: fp16",
+    "save_steps": "checkpoint.every_steps",
+    "save_total_limit": "checkpoint.keep_last",
+    "eval_steps": "eval.every_steps",
+    "logging_steps": "log.every_steps",
+    "report_to": "log.tensorboard",
+    "flash_attn": "model.attn_implementation",
+    "resume_from_checkpoint": "nothing to set: a run resumes from its newest intact checkpoint (--no-resume starts over)",
+}
+
+
+def hint(name: str) -> str | None:
+    """What zerofit calls another tool's key `name`, or None when it is not one of theirs."""
+    return THEIRS.get(name)
