@@ -212,6 +212,20 @@ def test_neat_packing_restarts_positions_at_every_example_and_row():
     assert labels.tolist() == [[IGNORE, 5, 6, 2], [IGNORE, 7, 2, IGNORE], [8, 8, 8, 8]]
 
 
+def test_neat_packing_packs_whole_examples_best_fit():
+    """LLaMA-Factory's knapsack: longest first, each into the fullest row it fits, rows closed by
+    padding; an example is never split across rows (its tail would be learned without its
+    prompt), one longer than seq_len is cut to it."""
+    lengths = [5, 3, 4, 2, 8]
+    examples = [([10 + i] * n, [10 + i] * n) for i, n in enumerate(lengths)]
+    laid = data.rows_of_whole_examples(examples, 6, pad_id=0)
+    ids, labels = data.pack(laid, 6)
+    assert ids.tolist() == [[14] * 6, [10] * 5 + [0], [12] * 4 + [13] * 2, [11] * 3 + [0] * 3]
+    assert labels.tolist()[3] == [11] * 3 + [IGNORE] * 3
+    positions = data.isolate_examples(laid, labels)
+    assert positions.tolist()[2] == [0, 1, 2, 3, 0, 1] and positions.tolist()[3] == [0, 1, 2, 0, 1, 2]
+
+
 def test_neat_packing_reaches_every_batch(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i} " * (1 + i % 4)} for i in range(40)])
     for neat in (False, True):

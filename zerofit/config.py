@@ -148,7 +148,8 @@ class DataConfig(Section):
     """Concatenate examples into full seq_len rows (True) or pad each example (False)."""
     neat_packing: bool = False
     """With packing: each example attends only to itself (LLaMA-Factory's neat_packing).
-    Position ids restart at every example, transformers builds a block-diagonal causal
+    Examples are packed whole (best fit, rows padded; none split across rows), position
+    ids restart at every example, transformers builds a block-diagonal causal
     mask from them, and an example's first token is not predicted from the one before it.
     Costs a micro batch x seq_len^2 mask in memory (the planner counts it)."""
     skip_bad_rows: bool = False

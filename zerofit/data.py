@@ -6,6 +6,7 @@ resumed run continues the very same stream, on any number of ranks.
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
 import logging
@@ -559,6 +560,34 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int) -> tuple[np.
     return ids[: rows * seq_len].reshape(rows, seq_len), labels[: rows * seq_len].reshape(rows, seq_len)
 
 
+def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len: int,
+                           pad_id: int) -> list[tuple[list[int], list[int]]]:
+    """data.neat_packing's layout (LLaMA-Factory's greedy knapsack): whole examples, longest
+    first, each into the fullest row it still fits (best fit), every row closed by padding;
+    `pack` then cuts at the row ends. An example is never split (a tail in the next row would
+    be learned without its prompt); one longer than seq_len is cut to it, as padding does.
+    The order is the examples' own for equal lengths: the same data makes the same rows."""
+    cut = [(e_ids[:seq_len], e_labels[:seq_len]) for e_ids, e_labels in examples]
+    rows: list[list[int]] = []        # example indices per row
+    free: list[tuple[int, int]] = []  # (room left, row index), sorted: the fullest row that fits is found by bisect
+    for index in sorted(range(len(cut)), key=lambda i: -len(cut[i][0])):
+        length = len(cut[index][0])
+        at = bisect.bisect_left(free, (length, -1))
+        if at == len(free):
+            room, row = seq_len, len(rows)
+            rows.append([])
+        else:
+            room, row = free.pop(at)
+        rows[row].append(index)
+        if room > length:
+            bisect.insort(free, (room - length, row))
+    out = []
+    for row in rows:
+        members = [cut[i] for i in row]
+        out += members + [tail_padding(members, seq_len, pad_id)]
+    return out
+
+
 def tail_padding(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[list[int], list[int]]:
     """The padding that fills the examples' last packed row (nothing learned in it): packed
     after them, it is one more example to isolate_examples, so no token attends to it."""
@@ -568,9 +597,9 @@ def tail_padding(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_
 
 def isolate_examples(examples: list[tuple[list[int], list[int]]], labels: np.ndarray) -> np.ndarray:
     """data.neat_packing over `pack`'s rows: per token its position in its example, restarting
-    at every example and at every row (a tail carried into the next row sees nothing of its
-    head, so it starts again, and positions never pass seq_len: learned position tables hold
-    no more). transformers reads a fall in the position ids as a new sequence and masks
+    at every example and at every row (rows_of_whole_examples lays them out so that none
+    crosses a row end; were one to, its tail would start again, and positions never pass
+    seq_len: learned position tables hold no more). transformers reads a fall in the position ids as a new sequence and masks
     attention across it (masking_utils.find_packed_sequence_indices, when use_cache is off, as
     engine.build_model sets). `labels` loses each example's first label in place: token t
     predicts t + 1, and an example's first token is not predicted from the one before it."""
@@ -621,7 +650,9 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     unless `keep_tail` (an eval set: a small one would otherwise vanish), which pads it."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest = max((len(e_ids) for e_ids, _ in examples), default=0)
-    if cfg.packing and keep_tail:
+    if cfg.neat_packing:
+        examples = rows_of_whole_examples(examples, seq_len, pad_id)
+    elif cfg.packing and keep_tail:
         examples = examples + [tail_padding(examples, seq_len, pad_id)]
     ids, labels = pack(examples, seq_len) if cfg.packing else pad(examples, seq_len, pad_id)
     positions = isolate_examples(examples, labels) if cfg.neat_packing else None
