@@ -268,6 +268,19 @@ def test_rows_without_learnable_tokens_are_dropped(tmp_path, tokenizer):
     assert len(seqs) == 1  # the first one's response lies beyond seq_len
 
 
+def test_examples_cut_to_seq_len_are_counted(tmp_path, tokenizer):
+    """Padding and neat packing cut an example longer than seq_len (its answer's end lost, end of
+    turn too): said with the tokens lost; plain packing splits it and loses none."""
+    rows = [{"instruction": "i", "output": "o" * 40}, {"instruction": "i", "output": "o"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    whole = len(data.tokenize_row(rows[0], "alpaca", tokenizer)[0])
+    for packing, neat in ((False, False), (True, True)):
+        seqs = data.build_sequences([path], DataConfig(path=str(path), packing=packing, neat_packing=neat),
+                                    tokenizer, 48)
+        assert seqs.cut == (1, whole - 48) and f"losing {whole - 48} answer tokens" in seqs.cut_note(48)
+    assert data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 48).cut == (0, 0)
+
+
 def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
     cfg = DataConfig(path=str(path), eval_fraction=0.1, packing=False)

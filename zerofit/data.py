@@ -59,6 +59,16 @@ class Sequences:
     formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
     lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: packed, all seq_len)
     positions: np.ndarray | None = None  # data.neat_packing: per token, its place in its example within the row
+    cut: tuple[int, int] = (0, 0)  # (examples over seq_len cut to it, their answer tokens lost): padded or neat-packed
+
+    def cut_note(self, seq_len: int) -> str:
+        """What cutting examples to seq_len cost; "" when none was longer."""
+        examples, lost = self.cut
+        if not examples:
+            return ""
+        return (f"{examples} examples longer than train.seq_len {seq_len} were cut to it, losing {lost} answer tokens "
+                f"(their ends, and their end-of-turn tokens; the longest has {self.longest_example} tokens): raise "
+                f"train.seq_len to learn them whole")
 
     def dropped_note(self, seq_len: int) -> str:
         """Why `prompt_only_rows` rows were dropped and what would keep them; "" when none were."""
@@ -650,6 +660,9 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     unless `keep_tail` (an eval set: a small one would otherwise vanish), which pads it."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest = max((len(e_ids) for e_ids, _ in examples), default=0)
+    over = [labels[seq_len:] for ids, labels in examples if len(ids) > seq_len] if \
+        not cfg.packing or cfg.neat_packing else []  # plain packing splits an example, cuts none
+    cut = (len(over), sum(sum(label != IGNORE for label in labels) for labels in over))
     if cfg.neat_packing:
         examples = rows_of_whole_examples(examples, seq_len, pad_id)
     elif cfg.packing and keep_tail:
@@ -664,7 +677,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      longest, cfg.packing, formats,
                      lengths[learnable] if lengths is not None else None,
-                     positions[learnable] if positions is not None else None)
+                     positions[learnable] if positions is not None else None, cut)
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:

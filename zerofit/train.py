@@ -358,6 +358,8 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
              f"{', '.join(map(str, left_out[:5]))}{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
+    if train_set.cut[0]:
+        warn(train_set.cut_note(config.train.seq_len))
     stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model))
     if stop:
         warn(stop)
