@@ -592,19 +592,22 @@ def test_resume_with_another_config_names_what_changed(tmp_path):
 def test_a_resume_on_data_changed_under_the_same_path_is_named(tmp_path):
     """The same file, rows reordered and rewritten, the same number of sequences: the
     position carried over no longer means the rows trained (and the eval split may hold
-    trained rows). Named once; the checkpoints then carry the new data's fingerprint."""
+    trained rows). Named once; the checkpoints then carry the new data's fingerprint.
+    Another eval set leaves the training position as it was: nothing to say."""
     rows = [{"instruction": f"spell {i}", "output": "x" * (i % 5 + 3)} for i in range(64)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
+    held = [write_jsonl(tmp_path / f"e{n}.jsonl", rows[n::9]) for n in (1, 2)]
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", data_path=str(path),
                                                            train={"max_steps": 2}, checkpoint={"every_steps": 2},
-                                                           data={"packing": False}))
+                                                           data={"packing": False, "eval_path": str(held[0])}))
     run_zerofit(["train", "--config", str(config)])
     write_jsonl(path, [{"instruction": r["instruction"].upper(), "output": r["output"]} for r in reversed(rows)])
     changed = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=4", "--resume"],
                           env={"COLUMNS": "400"})
-    assert "the data's tokens differ from those step-000002 trained on" in changed.stderr
-    again = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=6", "--resume"])
-    assert "the data's tokens differ" not in again.stderr and "resumed from" in again.stderr
+    assert "the training data's tokens differ from those step-000002 trained on" in changed.stderr
+    again = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=6", "--resume",
+                         "--set", f"data.eval_path={held[1]}"])
+    assert "tokens differ" not in again.stderr and "resumed from" in again.stderr
 
 
 def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewritten(reference, tmp_path):

@@ -53,7 +53,7 @@ class LoopState:
     world_size: int = 1
     micro_batch_size: int = 0   # with world_size, what a micro batch was (0: unknown)
     epoch_sequences: int = 0    # training sequences an epoch held, what the position counts in (0: unknown)
-    data_fingerprint: str = ""  # data.fingerprint of the train and eval tokens ("": unknown)
+    data_fingerprint: str = ""  # data.fingerprint of the training tokens ("": unknown)
     config_fingerprint: str = ""
     config_values: dict = field(default_factory=dict)  # Config.fingerprinted(): what a resume compares
     model_shape: dict = field(default_factory=dict)  # models.shape_of: the architecture the tensors are of

@@ -274,12 +274,13 @@ class Checkpointer:
         if change and self.dist.is_main:
             warn(f"{directory.name} trained {change}; the learning-rate schedule counts optimizer steps, not "
                  f"sequences. {keep_batch_advice(state, fresh)}")
-        if self.dist.is_main and state.data_fingerprint and state.data_fingerprint != fresh.data_fingerprint \
+        comparable = state.data_fingerprint.startswith(data.FINGERPRINT_SCHEME)  # older ones hashed eval in too
+        if self.dist.is_main and comparable and state.data_fingerprint != fresh.data_fingerprint \
                 and state.epoch_sequences == fresh.epoch_sequences:  # another count is named with the position
-            warn(f"the data's tokens differ from those {directory.name} trained on (the files under data.path, the "
-                 f"tokenizer or the data settings changed; the same number of sequences): the position carries "
-                 f"over, but the rows before it are not the ones trained, and the eval split may hold rows "
-                 f"trained on. Start afresh (--no-resume) to train on the new data from its beginning")
+            warn(f"the training data's tokens differ from those {directory.name} trained on (the files under "
+                 f"data.path, the tokenizer or the data settings changed; the same number of sequences): the "
+                 f"position carries over, but the rows before it are not the ones trained, and the eval split may "
+                 f"hold rows trained on. Start afresh (--no-resume) to train on the new data from its beginning")
         state = dataclasses.replace(state, data_fingerprint=fresh.data_fingerprint)  # what its saves train on now
         state = self._data_position_carried(state, fresh, directory.name)
         if state.config_fingerprint != fresh.config_fingerprint:

@@ -68,7 +68,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
     # rank 0 alone writes loop_state.json and compares on resume: the other ranks need not hash the data
     fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set),
-                        data_fingerprint=data.fingerprint(train_set, eval_set) if dist.is_main else "")
+                        data_fingerprint=data.fingerprint(train_set) if dist.is_main else "")
     resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
