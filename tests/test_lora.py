@@ -101,6 +101,7 @@ def test_resume_continues_exactly(lora_run, tmp_path):
     # refused before anything is rewritten (checkpointer.unloadable_changes); a checkpoint of an
     # older zerofit, which recorded no settings, meets lora.check_adapter_shapes at the load instead
     ("lora.r=4", "step-000012 cannot be loaded under this config (lora.r ", True),
+    ("lora.target_modules=[q_proj,v_proj]", "cannot be loaded under this config (lora targets ", True),
     ("lora.r=4", "step-000012 holds other trainable parameters than this lora section makes", False),
 ])
 def test_resume_refuses_what_the_adapters_do_not_fit(lora_run, tmp_path, change, reason, recorded):
@@ -123,6 +124,20 @@ def test_resume_refuses_what_the_adapters_do_not_fit(lora_run, tmp_path, change,
     assert reason in done.stderr.strip().splitlines()[-1]
     assert not (copy / "checkpoints" / "step-000013").exists()
     assert (copy / "checkpoints" / "step-000012" / "MANIFEST.json").is_file()
+
+
+def test_resume_takes_the_same_targets_however_written(lora_run, tmp_path):
+    """The default targets written out, in another order: the same adapted modules, so the
+    checkpoint loads (it was refused as a change of lora.target_modules, null -> [...])."""
+    run, config, _ = lora_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    written = ",".join(reversed(LLAMA_DEFAULT))
+    done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume",
+                        "--set", f"lora.target_modules=[{written}]", "--set", "train.max_steps=13"])
+    stderr = done.stderr.replace("\n", "")
+    assert "step-000012 at step 12" in stderr and "different config" in stderr and "lora targets" not in stderr
+    assert (copy / "checkpoints" / "step-000013").is_dir()
 
 
 def test_offload_param_cpu_trains_the_same(lora_run, tmp_path):
@@ -219,6 +234,8 @@ def test_unknown_architecture_falls_back_to_every_linear_but_the_head():
     names = lora.resolve_targets(LoraConfig(), table, "opt")
     assert {n.rsplit(".", 1)[-1] for n in names} == {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
     assert table.output_name == "lm_head" and "lm_head" not in names
+    for everything in ("all", "all-linear"):  # LLaMA-Factory's lora_target: all, peft's all-linear
+        assert lora.resolve_targets(LoraConfig(target_modules=[everything]), table, "opt") == names
 
 
 def test_glob_patterns_match_full_names(tiny_table):

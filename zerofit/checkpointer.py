@@ -157,9 +157,13 @@ def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     """`what old -> new` for each difference a load cannot bridge: the model's architecture
     (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
     checkpoint that recorded neither (older zerofit) is not judged."""
-    changes = [f"model {name} {saved.model_shape.get(name)} -> {new}" for name, new in fresh.model_shape.items()
-               if saved.model_shape and saved.model_shape.get(name) != new]
+    changes = [f"{'lora targets' if name == 'lora_targets' else 'model ' + name} {short(saved.model_shape[name])} -> "
+               f"{short(new)}" for name, new in fresh.model_shape.items()
+               if name in saved.model_shape and saved.model_shape[name] != new]  # what it did not record: not judged
+    resolved = "lora_targets" in saved.model_shape and "lora_targets" in fresh.model_shape
     for section, key in SHAPING_SETTINGS if saved.config_values else ():
+        if (section, key) == ("lora", "target_modules") and resolved:  # [q_proj, v_proj] is [v_proj, q_proj]
+            continue
         old = saved.config_values.get(section, {}).get(key)
         new = fresh.config_values.get(section, {}).get(key)
         if old != new:

@@ -103,7 +103,8 @@ class LoraConfig(Section):
     target_modules: list[str] | None = None
     """Modules that get adapters. A plain name (`q_proj`) matches every module whose name
     ends with it, as in peft; a pattern with * ? [ ] (`model.layers.1*.mlp.*_proj`) is
-    matched against the full module name. Default per architecture: Llama, Mistral, Qwen2,
+    matched against the full module name; `all` (LLaMA-Factory) or `all-linear` (peft) is every
+    Linear layer but the output head. Default per architecture: Llama, Mistral, Qwen2,
     Qwen3, Gemma q,k,v,o,gate,up,down projections; GPT-NeoX query_key_value, dense,
     dense_h_to_4h, dense_4h_to_h; Phi-3 qkv_proj, o_proj, gate_up_proj, down_proj; any
     other model every nn.Linear except the output head (lm_head)."""

@@ -92,6 +92,8 @@ def resolve_targets(lora: LoraConfig, table: ModuleTable, model_type: str) -> li
             raise ConfigError(f"this {model_type} model has no Linear layers for LoRA; set lora.target_modules "
                               f"(its modules: {_leaf_summary(table.kinds)})")
         return linears
+    if [p.lower() for p in lora.target_modules] in (["all"], ["all-linear"]):  # LLaMA-Factory's, peft's
+        return linears
     names, problems = [], []
     for pattern in lora.target_modules:
         hits = [n for n in table.kinds if matches(pattern, n)]

@@ -371,10 +371,13 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
 
 def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0,
                 data_fingerprint: str = "") -> checkpoint.LoopState:
+    shape = models.shape_of(hf_config) if hf_config is not None else {}
+    if shape and config.lora.enabled:  # the modules adapted, however lora.target_modules names them
+        shape["lora_targets"] = lora.resolve(config, hf_config)
     return checkpoint.LoopState(world_size=dist.world_size, micro_batch_size=config.train.micro_batch_size,
                                 epoch_sequences=epoch_sequences, data_fingerprint=data_fingerprint,
                                 config_fingerprint=config.fingerprint(), config_values=config.fingerprinted(),
-                                model_shape=models.shape_of(hf_config) if hf_config is not None else {})
+                                model_shape=shape)
 
 
 # ------------------------------------------------------------------------- logging
