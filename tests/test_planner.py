@@ -359,6 +359,28 @@ def test_a_disk_too_small_for_checkpoints_does_not_change_the_configuration():
     assert any(a.startswith("disk:") for a in cramped.advice)
 
 
+def test_a_disk_the_plan_passes_takes_every_save(tmp_path):
+    """The disk plan holds the margin checkpoint.free_space_problem asks before each save (10%
+    and 64 MiB): on a disk with room for the checkpoints alone the plan passed and the run
+    stopped at its first save. Where the plan fits now, the save's own check passes."""
+    from zerofit import checkpoint
+
+    spec = modelspec.from_name("tiny")  # a checkpoint of a few MiB: the 64 MiB outweighs the plan's headroom
+    keep_one = config(train={"micro_batch_size": 1, "max_steps": 100}, checkpoint={"every_steps": 10, "keep_last": 1})
+    disk = choice.decide(keep_one, spec, cuda_box("24GiB"), 1).plan.devices["disk"]
+    on_disk = choice.checkpoints_on_disk(keep_one)
+    assert on_disk == 2  # the older one stays until the newer is written
+    one = disk.components["checkpoints"] // on_disk
+    share = disk.usable_bytes / disk.budget_bytes  # the headroom the plan keeps
+    bare = int(one * on_disk / share) + 1  # room for the checkpoints alone
+    assert not choice.decide(keep_one, spec, cuda_box("24GiB", disk=bare), 1).plan.devices["disk"].fits
+    enough = int(disk.total_bytes / share) + 1
+    assert choice.decide(keep_one, spec, cuda_box("24GiB", disk=enough), 1).plan.devices["disk"].fits
+    older = (on_disk - 1) * one  # what the disk holds when the next save begins
+    assert checkpoint.free_space_problem(tmp_path, one, free_bytes=enough - older) is None
+    assert checkpoint.free_space_problem(tmp_path, one, free_bytes=bare - older) is not None
+
+
 def test_a_run_without_periodic_saves_keeps_one_checkpoint_on_disk():
     once = validate({"model": {"config": "tiny"}, "train": {"epochs": 1}, "checkpoint": {"every_steps": 0}})
     assert choice.checkpoints_on_disk(once) == 1

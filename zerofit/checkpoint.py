@@ -37,7 +37,6 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 HASH = "xxh3_128"
 # A save must find this much more free space than its predicted size (filesystem
 # metadata, the loop files, a model whose states grew): 10% + 64 MiB.
-FREE_SPACE_FACTOR, FREE_SPACE_SLACK = 1.10, 64 << 20
 
 
 class CheckpointError(ConfigError):
@@ -327,14 +326,16 @@ def predicted_save_bytes(root: Path, n_params: int, zero_stage: int) -> int:
 
 def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = None) -> str | None:
     """None when `root`'s filesystem can take a checkpoint of needed_bytes, else why not."""
+    from zerofit.planner import SAVE_FREE_SLACK, save_margin_bytes  # the rule the disk plan holds to
+
     if free_bytes is None:
         free_bytes = shutil.disk_usage(root).free
-    want = int(needed_bytes * FREE_SPACE_FACTOR) + FREE_SPACE_SLACK
+    want = needed_bytes + save_margin_bytes(needed_bytes)
     if free_bytes >= want:
         return None
     return (f"{free_bytes / 1e9:.2f} GB free under {root}, a checkpoint needs ~{needed_bytes / 1e9:.2f} GB "
-            f"and {want / 1e9:.2f} GB are asked (+10% and {FREE_SPACE_SLACK / 2**20:.0f} MiB of slack for the "
-            f"filesystem); free disk space or lower checkpoint.keep_last")
+            f"and {want / 1e9:.2f} GB are asked (+10% and {SAVE_FREE_SLACK / 2**20:.0f} MiB of slack for the "
+            f"filesystem); free disk space, set run_dir on a larger disk, or lower checkpoint.keep_last")
 
 
 # --------------------------------------------------------------------------- RNG

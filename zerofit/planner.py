@@ -358,6 +358,17 @@ def nvme_rates(hw: Hardware) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------ predict
+# Before each save checkpoint.free_space_problem asks for the checkpoint plus 10% and 64 MiB
+# (filesystem metadata, files a little over the planned bytes): the disk plan holds that margin
+# too, or a plan that passes stops at its first save.
+SAVE_FREE_FACTOR, SAVE_FREE_SLACK = 1.10, 64 << 20
+
+
+def save_margin_bytes(checkpoint_bytes: int) -> int:
+    """What a save asks to be free beyond the checkpoint's own bytes."""
+    return int(checkpoint_bytes * (SAVE_FREE_FACTOR - 1)) + SAVE_FREE_SLACK
+
+
 def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = 0.1) -> Plan:
     """The whole prediction for one candidate configuration."""
     on_gpu = hw.on_gpu
@@ -416,7 +427,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         host_peak_extra = {**peak_transient, **(host_peak_extra if peak_name == "optimizer_step" else {})}
     disk_free = hw.disk_free_bytes
     devices = {"gpu": gpu_device(peak_transient, fragmentation), "host": host_device(host_peak_extra),
-               "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk}, disk_free, headroom)}
+               "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk,
+                                "save_margin": save_margin_bytes(ckpt_bytes)}, disk_free, headroom)}
     if nvme_states:
         # on the checkpoints' filesystem the swap files get what the checkpoints leave; every
         # rank on this host writes its own swap files under the one zero.nvme_path
