@@ -114,7 +114,10 @@ def check_async_io() -> Check:
     offload would: a first build takes about a minute."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")
     changed = nvme.fix_arch_list() if _cuda() else None
-    problem = nvme.libaio_problem() or nvme.async_io_problem(on_gpu=False)
+    problem = nvme.libaio_problem()
+    if not problem:
+        with opbuild.ops_unblocked(("async_io",)):  # a first build is minutes of silence on a few cores: said
+            problem = nvme.async_io_problem(on_gpu=False)
     if problem:
         return Check("DeepSpeed async_io", "fail", *_what_and_fix(problem))
     note = f" (TORCH_CUDA_ARCH_LIST set to {changed} for the build: DeepSpeed parses only major.minor)" if changed else ""
