@@ -149,7 +149,7 @@ def test_a_resume_that_changes_the_global_batch_is_named():
     # advice a run's own config.yaml can follow (it pins micro batch and accumulation: "leave them to the
     # planner" ended in "global_batch_size=4 cannot be split as micro_batch_size=2 x grad_accum_steps=1 x 1")
     assert keep_batch_advice(state(2, 2, 1), state(1, 2, 1)).endswith("--set train.grad_accum_steps=2")
-    assert keep_batch_advice(state(1, 3, 1), state(2, 2, 1)).startswith("No accumulation keeps the checkpoint's 3")
+    assert keep_batch_advice(state(1, 3, 1), state(2, 2, 1)).startswith("No whole number of micro batches of 2 on 2 rank(s) makes the checkpoint's 3")
 
 
 def test_data_position_on_another_number_of_ranks():

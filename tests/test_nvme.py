@@ -395,3 +395,11 @@ def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path):
     problem = nvme.space_problem(tmp_path, 10 * 2**30, free_bytes=2**30)
     assert "1.0GiB free under" in problem and "10.0GiB" in problem and "Free 10.0GiB" in problem
     assert nvme.space_problem(tmp_path, 2**30, free_bytes=10 * 2**30) is None
+
+
+def test_an_nvme_path_that_is_a_file_is_named_so(tmp_path):
+    """It read "not usable: File exists" (the swap directory could not be made under it)."""
+    file = tmp_path / "swap"
+    file.write_text("")
+    assert nvme.path_problem(file) == (f"zero.nvme_path={file} is a file, not a directory; name a directory for "
+                                       f"DeepSpeed's swap files")

@@ -148,9 +148,9 @@ def keep_batch_advice(saved: LoopState, fresh: LoopState) -> str:
     accum, rest = divmod(batch, fresh.world_size * fresh.micro_batch_size)
     if accum and not rest:
         return f"To keep the checkpoint's {batch} sequences a step: --set train.grad_accum_steps={accum}"
-    return (f"No accumulation keeps the checkpoint's {batch} sequences a step at micro batch {fresh.micro_batch_size} "
-            f"on {fresh.world_size} rank(s); set train.micro_batch_size and train.grad_accum_steps so that their "
-            f"product x ranks is {batch}")
+    return (f"No whole number of micro batches of {fresh.micro_batch_size} on {fresh.world_size} rank(s) makes the "
+            f"checkpoint's {batch} sequences a step; set train.micro_batch_size and train.grad_accum_steps so that "
+            f"their product x ranks is {batch}")
 
 
 def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:

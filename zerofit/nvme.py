@@ -198,6 +198,8 @@ def mount_point(path: Path) -> Path:
 
 
 def path_problem(path: Path) -> str | None:
+    if path.exists() and not path.is_dir():
+        return f"zero.nvme_path={path} is a file, not a directory; name a directory for DeepSpeed's swap files"
     try:
         make_swap_dir(path)
         aiotune.probe_dio_alignment(path)
