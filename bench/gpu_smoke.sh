@@ -1,7 +1,7 @@
 # A smoke run of every verb on the GPU machine (not a benchmark: exit codes, --verify, the doctor's
 # plan vs measured). From the project root there:
 #   source .whl/prelude.sh || exit; export TORCH_CUDA_ARCH_LIST=9.0 CUDA_VISIBLE_DEVICES=0; bash bench/gpu_smoke.sh
-# Logs go to $OUT (bench/results/gpu-smoke-15/ holds the fifteenth session's).
+# Logs go to $OUT (bench/results/gpu-smoke-N/ holds session N's).
 set -x
 python - <<'PY'
 import json, random
@@ -29,3 +29,8 @@ grep -v "^\[20" $OUT/r05.log | tail -25
 python -m zerofit export $OUT/r05 --out /tmp/exp --verify > $OUT/export.log 2>&1; echo "export rc $?"; tail -4 $OUT/export.log
 python -m zerofit doctor $OUT/r05 --out $OUT/report.html > $OUT/doctor.log 2>&1; echo "doctor rc $?"; head -30 $OUT/doctor.log
 python -m zerofit generate /tmp/exp --prompt "hi" --max-new-tokens 8 2>&1 | tail -3
+# neat packing (whole examples, best fit, a block-diagonal mask): the planner's mask against the GPU
+python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05n --set data.packing=true \
+  --set data.neat_packing=true --set train.max_steps=10 --set checkpoint.every_steps=0 > $OUT/r05n.log 2>&1
+echo "r05n rc $?"; grep -v "^\[20" $OUT/r05n.log | tail -8
+python -m zerofit doctor $OUT/r05n > $OUT/doctor-neat.log 2>&1; echo "doctor neat rc $?"; head -20 $OUT/doctor-neat.log
