@@ -577,24 +577,31 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
     `pack` then cuts at the row ends. An example is never split (a tail in the next row would
     be learned without its prompt); one longer than seq_len is cut to it, as padding does.
     The order is the examples' own for equal lengths: the same data makes the same rows."""
-    cut = [(e_ids[:seq_len], e_labels[:seq_len]) for e_ids, e_labels in examples]
-    rows: list[list[int]] = []        # example indices per row
-    free: list[tuple[int, int]] = []  # (room left, row index), sorted: the fullest row that fits is found by bisect
+    cut = [e if len(e[0]) <= seq_len else (e[0][:seq_len], e[1][:seq_len]) for e in examples]
+    rows: list[list[int]] = []           # example indices per row
+    rows_with: dict[int, list[int]] = {}  # room left -> the rows with that much (a stack)
+    rooms: list[int] = []                # the room values some row has, sorted: at most seq_len of them
     for index in sorted(range(len(cut)), key=lambda i: -len(cut[i][0])):
         length = len(cut[index][0])
-        at = bisect.bisect_left(free, (length, -1))
-        if at == len(free):
+        at = bisect.bisect_left(rooms, length)  # the least room that takes it: the fullest row it fits
+        if at == len(rooms):
             room, row = seq_len, len(rows)
             rows.append([])
         else:
-            room, row = free.pop(at)
+            room = rooms[at]
+            row = rows_with[room].pop()
+            if not rows_with[room]:
+                del rooms[at]
         rows[row].append(index)
         if room > length:
-            bisect.insort(free, (room - length, row))
+            if not rows_with.setdefault(room - length, []):
+                bisect.insort(rooms, room - length)
+            rows_with[room - length].append(row)
     out = []
     for row in rows:
         members = [cut[i] for i in row]
-        out += members + [tail_padding(members, seq_len, pad_id)]
+        room = seq_len - sum(len(e_ids) for e_ids, _ in members)
+        out += members + [([pad_id] * room, [IGNORE] * room)]
     return out
 
 
