@@ -600,11 +600,13 @@ def test_a_resume_on_data_changed_under_the_same_path_is_named(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", data_path=str(path),
                                                            train={"max_steps": 2}, checkpoint={"every_steps": 2},
                                                            data={"packing": False, "eval_path": str(held[0])}))
-    run_zerofit(["train", "--config", str(config)])
+    first = run_zerofit(["train", "--config", str(config)], env={"COLUMNS": "400"})
+    assert "model/: the tokenizer's chat template is now the layout the data trains (alpaca)" in first.stderr
     write_jsonl(path, [{"instruction": r["instruction"].upper(), "output": r["output"]} for r in reversed(rows)])
     changed = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=4", "--resume"],
                           env={"COLUMNS": "400"})
     assert "the training data's tokens differ from those step-000002 trained on" in changed.stderr
+    assert "chat template is now" not in changed.stderr  # model/ holds it already: said once
     again = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=6", "--resume",
                          "--set", f"data.eval_path={held[1]}"])
     assert "tokens differ" not in again.stderr and "resumed from" in again.stderr

@@ -334,7 +334,8 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     hf_config.save_pretrained(run_dir / "model")
     own_template = tokenizer.chat_template
-    if chat_template and chat_template != own_template:
+    written = run_dir / "model" / "chat_template.jinja"  # as transformers saves it: said once, not at each resume
+    if chat_template and chat_template != own_template and not (written.is_file() and written.read_text() == chat_template):
         say(f"model/: the tokenizer's chat template is now the layout the data trains "
             f"({'alpaca' if chat_template == data.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
             f"exports prompt the model as it learned")
