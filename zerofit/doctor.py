@@ -223,6 +223,9 @@ def measured_component(device: str, name: str, peaks: dict, checkpoint_bytes: in
     return None
 
 
+NOT_WRITTEN = ("save_margin",)  # plan components that are room asked for, not bytes the run uses
+
+
 def checkpoints_at_once(plan: dict) -> int:
     """The checkpoints the plan counts on disk at once (keep_last + the one being written)."""
     planned = ((plan.get("devices", {}).get("disk") or {}).get("components") or {}).get("checkpoints", 0)
@@ -267,6 +270,8 @@ def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpo
         # staging another (the plan's save and first-step-after peaks: counted where the run saved)
         predicted = int(scale * max([predicted] + [((plan.get(peak) or {}).get(device) or {}).get("total_bytes", 0)
                                                    for peak in peaks_run(records)]))
+        # free space the plan holds for a save (planner.save_margin_bytes) is asked of the disk, never written
+        predicted -= sum(c["predicted_bytes"] for c in components if c["name"] in NOT_WRITTEN)
         rows.append({"device": device, "predicted_bytes": predicted, "measured_bytes": measured.get(device, 0),
                      "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
                      "components": components, "phases": phases})
