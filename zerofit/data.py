@@ -600,8 +600,7 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
     out = []
     for row in rows:
         members = [cut[i] for i in row]
-        room = seq_len - sum(len(e_ids) for e_ids, _ in members)
-        out += members + [([pad_id] * room, [IGNORE] * room)]
+        out += members + [tail_padding(members, seq_len, pad_id)]
     return out
 
 
@@ -616,9 +615,9 @@ def isolate_examples(examples: list[tuple[list[int], list[int]]], labels: np.nda
     """data.neat_packing over `pack`'s rows: per token its position in its example, restarting
     at every example and at every row (rows_of_whole_examples lays them out so that none
     crosses a row end; were one to, its tail would start again, and positions never pass
-    seq_len: learned position tables hold no more). transformers reads a fall in the position ids as a new sequence and masks
-    attention across it (masking_utils.find_packed_sequence_indices, when use_cache is off, as
-    engine.build_model sets). `labels` loses each example's first label in place: token t
+    seq_len: learned position tables hold no more). transformers reads a fall in the position
+    ids as a new sequence and masks attention across it (masking_utils.find_packed_sequence_indices,
+    when use_cache is off, as engine.build_model sets). `labels` loses each example's first label in place: token t
     predicts t + 1, and an example's first token is not predicted from the one before it."""
     rows, seq_len = labels.shape
     lengths = np.array([len(e_ids) for e_ids, _ in examples], dtype=np.int64)
@@ -687,9 +686,9 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
                      positions[learnable] if positions is not None else None, cut)
 
 
-def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int) -> Sequences:
+def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int, keep_tail: bool = False) -> Sequences:
     examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
-    return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats)
+    return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, keep_tail)
 
 
 def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Sequences:
@@ -712,9 +711,8 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
     examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
     if cfg.eval_path:
-        held, held_skipped, held_reasons, held_formats = read_examples(data_files(cfg.eval_path), cfg, tokenizer)
         splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats),
-                  to_sequences(held, cfg, tokenizer, seq_len, held_skipped, held_reasons, held_formats, keep_tail=True))
+                  build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len, keep_tail=True))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
         n_eval = int(len(examples) * cfg.eval_fraction)

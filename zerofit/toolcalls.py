@@ -4,9 +4,10 @@ An assistant turn may carry `tool_calls` ([{type: function, id?, function: {name
 its content null or empty), a `tool` turn answers one (`tool_call_id`, `name`), and a row may
 list the `tools` offered (JSON schemas, or LLaMA-Factory's JSON string of them). ShareGPT rows
 call in a `function_call` turn whose value is the call's JSON and answer in an `observation`
-turn (LLaMA-Factory's dataset layout): read as the same assistant tool_calls and tool turns. Templates read
-`arguments` as a mapping (transformers' chat-templating docs; Llama 3.1's template writes
-`arguments | tojson`, so OpenAI's JSON string would be quoted twice): a string is parsed.
+turn (LLaMA-Factory's dataset layout): read as the same assistant tool_calls and tool turns.
+Templates read `arguments` as a mapping (transformers' chat-templating docs; Llama 3.1's
+template writes `arguments | tojson`, so OpenAI's JSON string would be quoted twice): a string
+is parsed.
 
 Rows come through HF datasets, which gives a column one Arrow type: the dicts of every row are
 unified into one struct, and a key another row has reads as null in this one (`{"city": "Paris"}`
