@@ -239,6 +239,40 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
     assert peers.gone(at_sigterm=False) is None
 
 
+# A watcher that reads a SIGTERM while a peer has failed (a count in the agent store): before the loop
+# ended it leaves (exit 143); after, it stays (the byte waited in the pipe while the ranks stopped together).
+WATCHER_VERDICT = """
+import os, signal, sys, threading, torch.distributed as td
+from zerofit import elastic, engine
+port = engine.free_port()
+server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True",
+                  TORCHELASTIC_RESTART_COUNT="0")
+peers = elastic.Peers(os.getppid(), 1, elastic.Asking(elastic.agent_store()))
+server.add(elastic.FAILURES_KEY, 1)
+loop = elastic._LoopState()
+if sys.argv[1] == "ended":
+    loop.end()
+read_end, write_end = os.pipe()
+os.write(write_end, bytes([signal.SIGTERM]))
+watcher = threading.Thread(target=elastic._watch, args=(read_end, peers, None, loop), daemon=True)
+watcher.start()
+watcher.join(timeout=30)
+print("stayed" if not watcher.is_alive() else "still watching")
+"""
+
+
+@pytest.mark.parametrize("loop", ["running", "ended"])
+def test_a_watcher_leaves_only_while_the_loop_runs(loop):
+    done = subprocess.run([sys.executable, "-c", WATCHER_VERDICT, loop], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    if loop == "running":
+        assert done.returncode == 143 and "SIGTERM after a rank of this job failed" in done.stderr, done.stderr
+    else:
+        assert done.returncode == 0 and done.stdout.strip() == "stayed" and "leaving now" not in done.stderr, \
+            done.stderr
+
+
 def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(monkeypatch):
     """Three nodes' heartbeats in a real TCP store, read by node 0 on a clock the test moves: a
     node is lost when its count stands still for lost_after_s, or has not moved once in that
@@ -287,6 +321,7 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monke
     failing rank's count gives up after FAILING_TIMEOUT (its connect waits there too)."""
     import signal as signals
 
+    import psutil
     import torch.distributed as td
 
     port = engine.free_port()
@@ -300,6 +335,9 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monke
         asking = elastic.Asking(store)
         assert asking(elastic.failures, wait_s=5) == 0
         server.send_signal(signals.SIGSTOP)
+        stopped_by = time.monotonic() + 10  # a signal is delivered when its process is next scheduled
+        while psutil.Process(server.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < stopped_by:
+            time.sleep(0.01)
         started = time.monotonic()
         assert asking(elastic.failures, wait_s=0.5) is None and asking(lambda s: s.add("x", 0)) is None
         assert time.monotonic() - started < 2 and asking.silent_s() >= 0.5

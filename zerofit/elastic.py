@@ -365,7 +365,8 @@ def leave_at_once_when_a_peer_is_gone(lost_node_after_s: float = 0.0):
     os.set_blocking(write_end, False)
     # Python's C-level handler writes each signal's number here at once, whatever the main thread does
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    watcher = threading.Thread(target=_watch, args=(read_end, peers, heartbeats), name="zerofit-peer-gone",
+    loop = _LoopState()
+    watcher = threading.Thread(target=_watch, args=(read_end, peers, heartbeats, loop), name="zerofit-peer-gone",
                                daemon=True)
     if previous == -1:
         watcher.start()
@@ -375,6 +376,7 @@ def leave_at_once_when_a_peer_is_gone(lost_node_after_s: float = 0.0):
         yield
     finally:
         if watcher.is_alive():
+            loop.end()
             signal.set_wakeup_fd(-1)
             os.write(write_end, bytes([STOP_WATCHING]))
             watcher.join()
@@ -569,7 +571,23 @@ def _beat(attempt_prefix: str, lost_node_after_s: float) -> None:
 _beating: str | None = None  # the attempt whose keys this process beats in (keep_beating)
 
 
-def _watch(read_end: int, peers: Peers, heartbeats: Heartbeats | None) -> None:
+class _LoopState:
+    """Whether the loop the watcher guards still runs. A SIGTERM's byte can wait in the pipe
+    while the ranks stop together at a step boundary (the watcher thread starved on a loaded
+    host): looked at after the loop, a peer that has exited since is no failure but a peer
+    that finished, and leaving then would throw away this rank's own clean stop. The lock
+    makes the watcher's verdict and the loop's end exclusive: a watcher already leaving keeps
+    the main thread out for good."""
+
+    def __init__(self):
+        self.lock, self.ended = threading.Lock(), False
+
+    def end(self) -> None:
+        with self.lock:
+            self.ended = True
+
+
+def _watch(read_end: int, peers: Peers, heartbeats: Heartbeats | None, loop: _LoopState) -> None:
     signalled = False
     while True:
         readable, _, _ = select.select([read_end], [], [], POLL_S)
@@ -583,13 +601,16 @@ def _watch(read_end: int, peers: Peers, heartbeats: Heartbeats | None) -> None:
             if why:  # the lost node's ranks' failure, for this node's other ranks and the rest (a silent store: none)
                 peers.asking(count_a_failure, wait_s=WATCH_WAIT_S)
         if why:
-            say(f"rank {os.environ.get('RANK', '?')}: {why}: no collective can finish, leaving now; "
-                f"torchrun restarts or stops every rank")
-            say_done()  # leaving on purpose: not a failure of this rank's
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # as killed by SIGTERM when it came; no exit handlers: they would wait on the dead peer
-            os._exit(128 + signal.SIGTERM if signalled else 1)
+            with loop.lock:
+                if loop.ended:
+                    return
+                say(f"rank {os.environ.get('RANK', '?')}: {why}: no collective can finish, leaving now; "
+                    f"torchrun restarts or stops every rank")
+                say_done()  # leaving on purpose: not a failure of this rank's
+                sys.stdout.flush()
+                sys.stderr.flush()
+                # as killed by SIGTERM when it came; no exit handlers: they would wait on the dead peer
+                os._exit(128 + signal.SIGTERM if signalled else 1)
 
 
 def workers_alive(agent_pid: int) -> int | None:
