@@ -340,12 +340,12 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monke
             time.sleep(0.01)
         started = time.monotonic()
         assert asking(elastic.failures, wait_s=0.5) is None and asking(lambda s: s.add("x", 0)) is None
-        assert time.monotonic() - started < 2 and asking.silent_s() >= 0.5
+        assert time.monotonic() - started < 10 and asking.silent_s() >= 0.5  # not the 60 s its connect allows
         stuck = [t for t in threading.enumerate() if t.name == "zerofit-store-read"]
         assert stuck and all(t.daemon for t in stuck)  # still waiting there, never holding the exit
         started = time.monotonic()
         elastic.announce_failure()
-        assert time.monotonic() - started < elastic.FAILING_TIMEOUT.total_seconds() + 2
+        assert time.monotonic() - started < elastic.FAILING_TIMEOUT.total_seconds() + 10
     finally:
         server.kill()
 
