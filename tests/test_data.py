@@ -462,6 +462,28 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
         '{"name": "get", "arguments": {}}</s>sunny</s>'
 
 
+def test_turns_are_read_under_either_naming(tokenizer):
+    """Published datasets mix the namings: `conversations` of {role, content}, `messages` of
+    {from, value} (LLaMA-Factory maps them with dataset_info.json's role_tag / content_tag);
+    each turn is read under the keys it holds. A turn with neither is a bad row naming the
+    format's own."""
+    tokenizer.chat_template = CHATML
+    plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    expected = data.tokenize_row(plain, "messages", tokenizer)
+    conversations = {"conversations": plain["messages"]}
+    assert data.row_format(conversations) == "sharegpt"
+    assert data.tokenize_row(conversations, "sharegpt", tokenizer) == expected
+    shared = {"messages": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
+    assert data.tokenize_row(shared, "messages", tokenizer) == expected
+    mixed = {"messages": [{"from": "human", "value": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    assert data.tokenize_row(mixed, "messages", tokenizer) == expected
+    with pytest.raises(data.RowError, match=r"messages\[1\]`: expected \{role: str, content: str\}"):
+        data.tokenize_row({"messages": [plain["messages"][0], {"speaker": "gpt", "text": "4"}]}, "messages",
+                          tokenizer)
+    with pytest.raises(data.RowError, match=r"conversations\[0\].role`: unknown speaker 'model'"):
+        data.tokenize_row({"conversations": [{"role": "model", "content": "4"}]}, "sharegpt", tokenizer)
+
+
 def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
     """A chat template renders the roles it knows and skips any other without a word (a typo's
     turn vanished from training): a bad row naming the roles. OpenAI's content parts are text."""

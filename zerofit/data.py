@@ -409,24 +409,40 @@ def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool
         raise RowError(field_name, f"expected a non-empty list of {{{role}, {content}}}")
     messages = []
     for i, turn in enumerate(turns):
-        where, shape = f"{field_name}[{i}]", f"expected {{{role}: str, {content}: str}}"
-        if not isinstance(turn, dict) or not isinstance(turn.get(role), str):
+        speaker, said = turn_keys(turn, (role, content))
+        where, shape = f"{field_name}[{i}]", f"expected {{{speaker}: str, {said}: str}}"
+        if not isinstance(turn, dict) or not isinstance(turn.get(speaker), str):
             raise RowError(where, shape)
-        if ROLE_ALIASES.get(turn[role], turn[role]) not in ROLES:
-            raise RowError(f"{where}.{role}", f"unknown speaker {turn[role]!r}: a chat template would leave the turn "
-                                              f"out; use {', '.join(ROLES)} (or ShareGPT's {', '.join(ROLE_ALIASES)})")
+        if ROLE_ALIASES.get(turn[speaker], turn[speaker]) not in ROLES:
+            raise RowError(f"{where}.{speaker}", f"unknown speaker {turn[speaker]!r}: a chat template would leave the "
+                                                 f"turn out; use {', '.join(ROLES)} (or ShareGPT's "
+                                                 f"{', '.join(ROLE_ALIASES)})")
         calls = toolcalls.calls_of(turn, where) if tool_calls else []
-        text = "" if turn.get(content) is None and calls else text_of(turn.get(content), f"{where}.{content}")
+        text = "" if turn.get(said) is None and calls else text_of(turn.get(said), f"{where}.{said}")
         if not isinstance(text, str):
-            raise RowError(where, shape + (f" ({content} may be null beside tool_calls)" if tool_calls else ""))
-        if turn[role] == "function_call":
-            text, calls = "", calls + toolcalls.calls_written(text, f"{where}.{content}")
-        message = {"role": ROLE_ALIASES.get(turn[role], turn[role]), "content": text}
+            raise RowError(where, shape + (f" ({said} may be null beside tool_calls)" if tool_calls else ""))
+        if turn[speaker] == "function_call":
+            text, calls = "", calls + toolcalls.calls_written(text, f"{where}.{said}")
+        message = {"role": ROLE_ALIASES.get(turn[speaker], turn[speaker]), "content": text}
         message.update({"tool_calls": calls} if calls else {})
         if tool_calls:
             message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
         messages.append(message)
     return messages
+
+
+# A turn's speaker and text under either naming: OpenAI's and ShareGPT's. Published datasets mix
+# them (`conversations` of {role, content}, `messages` of {from, value}); LLaMA-Factory maps them
+# with dataset_info.json's role_tag / content_tag, which zerofit reads off the turn instead.
+TURN_KEYS = (("role", "content"), ("from", "value"))
+
+
+def turn_keys(turn, own: tuple[str, str]) -> tuple[str, str]:
+    """The (speaker, text) keys `turn` uses: its format's own, else the other naming's when it
+    holds that speaker key and not its own."""
+    if isinstance(turn, dict) and own[0] not in turn:
+        return next((keys for keys in TURN_KEYS if keys[0] in turn), own)
+    return own
 
 
 def text_of(content, where: str):
