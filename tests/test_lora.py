@@ -134,9 +134,12 @@ def test_resume_takes_the_same_targets_however_written(lora_run, tmp_path):
     shutil.copytree(run, copy)
     written = ",".join(reversed(LLAMA_DEFAULT))
     done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume",
-                        "--set", f"lora.target_modules=[{written}]", "--set", "train.max_steps=13"])
+                        "--set", f"lora.target_modules=[{written}]", "--set", "train.max_steps=13",
+                        "--set", "lora.alpha=64"], env={"COLUMNS": "400"})
     stderr = done.stderr.replace("\n", "")
     assert "step-000012 at step 12" in stderr and "different config" in stderr and "lora targets" not in stderr
+    # and what another alpha does to the adapter trained so far is said with it
+    assert "lora.alpha 32 -> 64" in stderr and "its update now counts 2x what it did; keep 32" in stderr, stderr[-2000:]
     assert (copy / "checkpoints" / "step-000013").is_dir()
 
 

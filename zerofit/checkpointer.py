@@ -175,6 +175,18 @@ def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     return changes
 
 
+def adapter_rescaled(before: dict, after: dict) -> str:
+    """What a change of lora.alpha does to the adapter already trained (a clause, or ""): peft
+    multiplies its output by alpha / r (LoraConfig.lora_alpha), so the update learned so far
+    counts new/old times as much from the first step on; the loss jumps there."""
+    old, new = (values.get("lora", {}) for values in (before, after))
+    if not (old.get("enabled") and new.get("enabled")) or old.get("alpha") == new.get("alpha") \
+            or not old.get("alpha") or not new.get("alpha"):
+        return ""
+    return (f" (lora.alpha scales the adapter trained so far: its update now counts {new['alpha'] / old['alpha']:.3g}x "
+            f"what it did; keep {old['alpha']} to continue the same training)")
+
+
 def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> ResumePoint:
     found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "full")
     for name, reason in skipped:
@@ -291,7 +303,8 @@ class Checkpointer:
             if self.dist.is_main:
                 changes = changed_settings(state.config_values, fresh.config_values) if state.config_values else []
                 warn(f"{directory.name} was written with a different config "
-                     f"({', '.join(changes) or 'model, data or training shape'}); continuing with the current one")
+                     f"({', '.join(changes) or 'model, data or training shape'}); continuing with the current one"
+                     f"{adapter_rescaled(state.config_values, fresh.config_values)}")
             # what this run saves from here on is the current config's
             state = dataclasses.replace(state, config_fingerprint=fresh.config_fingerprint,
                                         config_values=fresh.config_values)
