@@ -599,7 +599,8 @@ def test_a_resume_on_data_changed_under_the_same_path_is_named(tmp_path):
     held = [write_jsonl(tmp_path / f"e{n}.jsonl", rows[n::9]) for n in (1, 2)]
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", data_path=str(path),
                                                            train={"max_steps": 2}, checkpoint={"every_steps": 2},
-                                                           data={"packing": False, "eval_path": str(held[0])}))
+                                                           data={"packing": False, "eval_path": str(held[0]),
+                                                                 "alpaca_template": "alpaca"}))
     first = run_zerofit(["train", "--config", str(config)], env={"COLUMNS": "400"})
     assert "model/: the tokenizer's chat template is now the layout the data trains (alpaca)" in first.stderr
     write_jsonl(path, [{"instruction": r["instruction"].upper(), "output": r["output"]} for r in reversed(rows)])

@@ -23,7 +23,7 @@ def test_text_rows_learn_every_token(tokenizer):
 
 def test_alpaca_masks_the_prompt(tokenizer):
     row = {"instruction": "Reverse the word.", "input": "abc", "output": "cba"}
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     assert len(ids) == len(labels)
     assert decode_learned(tokenizer, ids, labels) == "cba</s>"
     prompt = tokenizer.decode([t for t, l in zip(ids, labels) if l == IGNORE])
@@ -31,9 +31,36 @@ def test_alpaca_masks_the_prompt(tokenizer):
 
 
 def test_alpaca_without_input(tokenizer):
-    ids, labels = data.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer)
+    ids, labels = data.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer, "alpaca")
     assert "### Input" not in tokenizer.decode(ids)
     assert decode_learned(tokenizer, ids, labels) == "hi</s>"
+
+
+def test_alpaca_rows_take_the_tokenizers_chat_template(tokenizer):
+    """data.alpaca_template chat (the default): an alpaca row is the conversation LLaMA-Factory's
+    converter makes of it (system, history pairs, instruction + input as the user's turn),
+    rendered by the tokenizer's template, which then stays the exported one; a tokenizer
+    without a template keeps the alpaca layout, and with it the alpaca chat template."""
+    row = {"system": "be brief", "history": [["Say hi.", "hi"]], "instruction": "Reverse the word.",
+           "input": "abc", "output": "cba"}
+    conversation = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Say hi."},
+                                 {"role": "assistant", "content": "hi"},
+                                 {"role": "user", "content": "Reverse the word.\nabc"},
+                                 {"role": "assistant", "content": "cba"}]}
+    assert data.tokenize_row(row, "alpaca", tokenizer) == data.tokenize_row(conversation, "messages", tokenizer)
+    assert data.trained_chat_template(("alpaca",), tokenizer) is None  # the tokenizer's own
+    assert data.trained_chat_template(("alpaca", "messages"), tokenizer) is None
+    assert data.trained_chat_template(("alpaca",), tokenizer, "alpaca") == data.ALPACA_CHAT_TEMPLATE
+    assert data.trained_chat_template(("alpaca", "messages"), tokenizer, "alpaca") is None  # layouts mixed
+    assert data.layouts(("alpaca", "messages"), tokenizer) == "alpaca/messages rows by the tokenizer's chat template"
+    assert data.layouts(("alpaca", "messages"), tokenizer, "alpaca") == \
+        "messages rows by the tokenizer's chat template; alpaca rows in the alpaca layout"
+    assert data.layouts(("text",), tokenizer) == ""
+    tokenizer.chat_template = None
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    assert tokenizer.decode(ids).startswith("<s>be brief\n\n### Instruction:\nSay hi.")
+    assert data.trained_chat_template(("alpaca",), tokenizer) == data.ALPACA_CHAT_TEMPLATE
+    assert data.layouts(("alpaca",), tokenizer) == "alpaca rows in the alpaca layout"
 
 
 def test_messages_learn_only_assistant_turns_with_chat_template(tokenizer):
@@ -359,7 +386,7 @@ def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_
 def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_path, tokenizer):
     """A tokenizer bigger than the model's embedding: it crashed in the first forward."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "i", "output": "o" * 10}] * 20)
-    config = DataConfig(path=str(path))
+    config = DataConfig(path=str(path), alpaca_template="alpaca")
     train, held = data.load_splits(config, tokenizer, 32, seed=0, vocab_size=len(tokenizer))
     assert len(train) and len(held) == 1  # one example held out, its packed row padded
     with pytest.raises(DataError, match=rf"the data has token id \d+ but the model's vocabulary holds 8 \(the "
@@ -372,8 +399,8 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     rows and for messages rows without a template it is the layout tokenize_row trained on,
     token for token (chat used the tokenizer's unrelated template and `role: text` lines)."""
     row = {"instruction": "Reverse the word. abc", "output": "cba"}
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
-    template = data.trained_chat_template(("alpaca",), tokenizer)
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    template = data.trained_chat_template(("alpaca",), tokenizer, "alpaca")
     conversation = [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": "cba"}]
     render = lambda turns, prompt: list(tokenizer.apply_chat_template(  # noqa: E731
         turns, chat_template=template, tokenize=True, return_dict=False, add_generation_prompt=prompt))
@@ -426,7 +453,7 @@ def test_a_packed_row_whose_only_label_is_its_first_token_is_dropped():
 def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(tokenizer):
     row = {"instruction": "And times 3?", "input": "", "output": "0", "system": "You are a calculator.",
            "history": [["What is 0*2?", "0"]]}
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    ids, labels = data.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     assert tokenizer.decode(ids) == ("<s>You are a calculator.\n\n### Instruction:\nWhat is 0*2?\n\n### Response:\n0</s>"
                                      "### Instruction:\nAnd times 3?\n\n### Response:\n0</s>")
     assert decode_learned(tokenizer, ids, labels) == "0</s>0</s>"  # both answers, prompts and system masked

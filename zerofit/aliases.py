@@ -6,7 +6,8 @@ from __future__ import annotations
 THEIRS = {
     "model_name_or_path": "model.path (a local model directory)",
     "template": "the tokenizer's own chat template: model.tokenizer, a directory whose chat_template.jinja "
-                "renders the conversation (a model directory carries its own)",
+                "renders the conversation (a model directory carries its own); `template: alpaca` is "
+                "data.alpaca_template: alpaca",
     "dataset": "data.path (files or directories; there is no dataset registry)",
     "dataset_dir": "data.path (files or directories; there is no dataset registry)",
     "cutoff_len": "train.seq_len",

@@ -141,6 +141,12 @@ class DataConfig(Section):
     [[instruction, output], ...]}; `messages` {messages: [{role, content}]}; `sharegpt`
     {conversations: [{from, value}], system?} (LLaMA-Factory's: human/gpt/observation/
     function_call); `auto` picks per row by its fields."""
+    alpaca_template: Literal["chat", "alpaca"] = "chat"
+    """How alpaca rows are laid out: `chat` renders them with the tokenizer's chat template
+    (system, history, then the instruction and its input as the user's turn and the output
+    as the answer, as LLaMA-Factory does), in the alpaca layout where the tokenizer has
+    none; `alpaca` always in the alpaca layout ("### Instruction: ... ### Response:"),
+    which then becomes the exported tokenizer's chat template."""
     eval_path: str | list[str] | None = None
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)

@@ -336,15 +336,25 @@ def text_ids(tokenizer, text: str) -> list[int]:
     return bos + tokenizer.encode(text, add_special_tokens=False)
 
 
-def tokenize_row(row: dict, fmt: str, tokenizer) -> tuple[list[int], list[int]]:
+def chat_formats(tokenizer, alpaca_template: str = "chat") -> set[str]:
+    """The row formats rendered as chat messages (by the tokenizer's chat template, or as
+    `role:` lines where it has none): messages and sharegpt always; alpaca rows too under
+    data.alpaca_template `chat` when the tokenizer has a template (as LLaMA-Factory renders
+    them through its `template`), else in the alpaca layout."""
+    return CHAT_FORMATS | ({"alpaca"} if alpaca_template == "chat" and tokenizer.chat_template else set())
+
+
+def tokenize_row(row: dict, fmt: str, tokenizer, alpaca_template: str = "chat") -> tuple[list[int], list[int]]:
     """(input_ids, labels) for one row: the prompt is masked, the response and EOS learned."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "text":
         ids = text_ids(tokenizer, _text(row, "text")) + eos
         return ids, list(ids)
-    if fmt == "alpaca":
+    if fmt == "alpaca" and fmt not in chat_formats(tokenizer, alpaca_template):
         return _tokenize_alpaca(row, tokenizer, bos, eos)
+    if fmt == "alpaca":
+        return _tokenize_messages(alpaca_messages(row), tokenizer, bos, eos, None)
     if fmt in CHAT_FORMATS:
         try:
             messages, tools = (_messages(row) if fmt == "messages" else sharegpt_messages(row)), toolcalls.tools_of(row)
@@ -352,6 +362,17 @@ def tokenize_row(row: dict, fmt: str, tokenizer) -> tuple[list[int], list[int]]:
             raise RowError(e.field_name, e.problem) from None
         return _tokenize_messages(messages, tokenizer, bos, eos, tools)
     raise ValueError(f"unknown format {fmt}")
+
+
+def alpaca_messages(row: dict) -> list[dict]:
+    """An alpaca row as a conversation, as LLaMA-Factory's alpaca converter makes it: the system
+    text, each `history` pair a user and an assistant turn, then the instruction and its input
+    (on a line of its own) as the user's turn and the output as the answer."""
+    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
+    system = _text(row, "system", required=False)
+    turns = [*_history(row), ("\n".join(part for part in (instruction, extra) if part), _text(row, "output"))]
+    return [{"role": "system", "content": system}] * bool(system) + \
+        [{"role": role, "content": text} for pair in turns for role, text in zip(("user", "assistant"), pair)]
 
 
 def _tokenize_alpaca(row: dict, tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
@@ -542,18 +563,28 @@ def check_tools_rendered(messages: list[dict], tools: list[dict] | None, ids: li
                        f"as the assistant's text")
 
 
-def trained_chat_template(formats: tuple[str, ...], tokenizer) -> str | None:
+def trained_chat_template(formats: tuple[str, ...], tokenizer, alpaca_template: str = "chat") -> str | None:
     """The chat template that prompts the model as `formats` rows trained it; None when the
-    tokenizer's own template is that (messages rows rendered with it) or there is no prompt
-    layout (text rows, or several formats mixed)."""
+    tokenizer's own template is that (rows rendered with it) or there is no prompt layout
+    (text rows, or layouts mixed)."""
+    if formats and set(formats) <= chat_formats(tokenizer, alpaca_template):
+        return None if tokenizer.chat_template else PLAIN_CHAT_TEMPLATE
     if formats == ("alpaca",):
         return ALPACA_CHAT_TEMPLATE
-    if formats and set(formats) <= CHAT_FORMATS and not tokenizer.chat_template:
-        return PLAIN_CHAT_TEMPLATE
     return None
 
 
-def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] = frozenset()) -> str | None:
+def layouts(formats: tuple[str, ...], tokenizer, alpaca_template: str = "chat") -> str:
+    """How the rows read were laid out, for the data line ("" for text rows alone)."""
+    chat = [fmt for fmt in formats if fmt in chat_formats(tokenizer, alpaca_template)]
+    how = "by the tokenizer's chat template" if tokenizer.chat_template else \
+        "as `role:` lines (the tokenizer has no chat template)"
+    said = [f"{'/'.join(chat)} rows {how}"] * bool(chat)
+    return "; ".join(said + ["alpaca rows in the alpaca layout"] * ("alpaca" in formats and "alpaca" not in chat))
+
+
+def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] = frozenset(),
+                 alpaca_template: str = "chat") -> str | None:
     """Why a model trained on these rows would not stop generating, or None: the tokenizer has
     no EOS (answers are trained without an end, packed examples run into each other), or its
     chat template ends an assistant turn with a token that neither is EOS nor is one of the
@@ -561,7 +592,7 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
     if tokenizer.eos_token_id is None:
         return ("the tokenizer has no EOS token: answers are trained without an end, so the model does not learn to "
                 "stop, and packed examples run into each other; give it one (eos_token in tokenizer_config.json)")
-    if not formats or not set(formats) <= CHAT_FORMATS or not tokenizer.chat_template:
+    if not formats or not set(formats) <= chat_formats(tokenizer, alpaca_template) or not tokenizer.chat_template:
         return None  # the alpaca and `role:` layouts end every answer with EOS themselves
     try:
         ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
@@ -664,7 +695,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
         for index, row in enumerate(rows):
             fmt = found[index] or usual
             try:
-                examples.append(tokenize_row(row, fmt, tokenizer))
+                examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
                 formats[fmt] = True
             except RowError as e:
                 line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)

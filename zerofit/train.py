@@ -73,7 +73,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
-                        data.trained_chat_template(train_set.formats, tokenizer))
+                        data.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
         report_data(train_set, eval_set, config, tokenizer)
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
@@ -347,8 +347,9 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
+    laid_out = data.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
-        f"{train_set.trained_tokens} tokens learned per epoch")
+        f"{train_set.trained_tokens} tokens learned per epoch{f'; {laid_out}' if laid_out else ''}")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
         if sequences.skipped_rows:
             warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
@@ -361,7 +362,8 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         warn(train_set.dropped_note(config.train.seq_len))
     if train_set.cut[0]:
         warn(train_set.cut_note(config.train.seq_len))
-    stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model))
+    stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model),
+                             config.data.alpaca_template)
     if stop:
         warn(stop)
     if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
