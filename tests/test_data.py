@@ -489,6 +489,27 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
         '{"name": "get", "arguments": {}}</s>sunny</s>'
 
 
+def test_one_row_of_another_type_blames_only_itself(tmp_path, tokenizer):
+    """datasets holds a field whose type differs between rows as JSON text and decodes every
+    value: the answer "8" came back as 8, so one row with a number for `output` had a good
+    row blamed (and skip_bad_rows dropped every digit answer). Rows are read as written."""
+    rows = [{"instruction": "add", "output": str(i)} for i in range(60)]
+    rows[50] = {"instruction": "add", "output": 7}
+    for path in (write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "d.json"):
+        path.write_text(json.dumps(rows)) if path.suffix == ".json" else None
+        where = "line 51" if path.suffix == ".jsonl" else "row 51"
+        with pytest.raises(DataError, match=rf"d\.jsonl?, {where}: field `output`: expected a string, got int"):
+            data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
+        kept = data.build_sequences([path], DataConfig(path=str(path), packing=False, skip_bad_rows=True),
+                                    tokenizer, 64)
+        assert kept.skipped_rows == 1 and len(kept) == 59
+    texts = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+             for answer in ("null", "[1, 2]", "true")]
+    path = write_jsonl(tmp_path / "m.jsonl", texts + [{"messages": [{"role": "user", "content": 3}]}])
+    kept = data.build_sequences([path], DataConfig(path=str(path), packing=False, skip_bad_rows=True), tokenizer, 64)
+    assert kept.skipped_rows == 1 and len(kept) == 3  # answers that read as JSON are text still
+
+
 def test_turns_are_read_under_either_naming(tokenizer):
     """Published datasets mix the namings: `conversations` of {role, content}, `messages` of
     {from, value} (LLaMA-Factory maps them with dataset_info.json's role_tag / content_tag);

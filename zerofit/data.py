@@ -152,9 +152,10 @@ def left_out_files(*paths: str | list[str] | None) -> list[Path]:
 
 
 def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
-    """One file as an HF Dataset, and the jsonl line numbers of its rows when some lines were
-    skipped (else None). A line that is not a JSON object is reported with its number, or,
-    with `skip_bad_lines` (data.skip_bad_rows), left out and listed as (where, why)."""
+    """One file as an HF Dataset (or its rows as written, `as_written`), and the jsonl line
+    numbers of its rows when it was read line by line (else None). A line that is not a JSON
+    object is reported with its number, or, with `skip_bad_lines` (data.skip_bad_rows), left
+    out and listed as (where, why)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -168,14 +169,39 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
         rows, numbers, bad = datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
         if holds_json_lines(file):  # line by line: a bad line, or a value of another type than its column's
-            rows, numbers, bad = _json_lines(file, skip_bad_lines)
-            rows = JsonRows(rows)
+            rows, numbers, bad = as_written(file, skip_bad_lines)
         else:
             raise DataError(json_array_problem(file) or f"{file}: cannot be read as {SUFFIXES[file.suffix]} "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
+    if not isinstance(rows, JsonRows) and file.suffix != ".parquet" and decodes_json_text(rows.features):
+        rows, numbers, bad = as_written(file, skip_bad_lines)
     if len(rows) == 0 and not bad:
         raise DataError(f"{file} holds no rows; add data or leave the file out of data.path")
     return rows, numbers, bad
+
+
+def decodes_json_text(feature) -> bool:
+    """Whether datasets holds some field as JSON text (datasets.Json): it does so for a field
+    whose values differ in type between rows, and decodes every value on reading, so a
+    string that is valid JSON comes back as something else ("8" as 8, "null" as None): one
+    row with a number for `output` made every digit answer a bad row."""
+    import datasets
+
+    if isinstance(feature, datasets.Json):
+        return True
+    if isinstance(feature, dict):
+        return any(decodes_json_text(inner) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List, Sequence, LargeList
+    return inner is not None and decodes_json_text(inner)
+
+
+def as_written(file: Path, skip_bad_lines: bool) -> tuple:
+    """A JSON file's rows with the types each row was written with (`read_rows`' layout)."""
+    if holds_json_lines(file):
+        rows, numbers, bad = _json_lines(file, skip_bad_lines)
+        return JsonRows(rows), numbers, bad
+    with file.open(encoding="utf-8-sig") as text:
+        return JsonRows(json.load(text)), None, []  # an array of objects: datasets has read it so already
 
 
 def saved_dataset(directory: Path):
