@@ -222,6 +222,76 @@ def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build(
     models.check_attention(ModelConfig(config="tiny"), LlamaConfig())
 
 
+def test_a_model_directory_that_cannot_load_is_named_before_anything_is_touched(tmp_path, tokenizer):
+    """model.path problems were tracebacks from inside the build (after a --no-resume had moved
+    the checkpoints aside), or a tokenizer error about sentencepiece: each is named, with its fix."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from zerofit import models
+    from zerofit.config import ModelConfig
+    from zerofit.models import config_from_name
+
+    good = tmp_path / "good"
+    AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained(good)
+    tokenizer.save_pretrained(good)
+    models.hf_config(ModelConfig(path=str(good), config=None))
+    models.check_weights(ModelConfig(path=str(good), config=None))
+
+    def broken(name: str, damage) -> ModelConfig:
+        shutil.copytree(good, tmp_path / name)
+        damage(tmp_path / name)
+        return ModelConfig(path=str(tmp_path / name), config=None)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"holds no config.json: it is not a transformers model directory"):
+        models.hf_config(ModelConfig(path=str(empty), config=None))
+    no_weights = broken("no_weights", lambda d: (d / "model.safetensors").unlink())
+    with pytest.raises(ConfigError, match=r"holds no weights \(\*.safetensors or pytorch_model.bin\); copy .* or set "
+                                          r"model.config: .*no_weights to train from a random init"):
+        models.check_weights(no_weights)
+    size = (good / "model.safetensors").stat().st_size
+    cut = broken("cut", lambda d: (d / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:-100]))
+    with pytest.raises(ConfigError, match=rf"cut/model.safetensors is damaged or cut short: it holds {size - 100} bytes, "
+                                          rf"its tensors end at {size}; copy the model's files again"):
+        models.check_weights(cut)
+    garbage = broken("garbage", lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64))
+    with pytest.raises(ConfigError, match=r"garbage/model.safetensors is damaged or cut short: its header claims"):
+        models.check_weights(garbage)
+    overwritten = broken("overwritten", lambda d: (d / "model.safetensors").write_bytes(
+        (16).to_bytes(8, "little") + b"{not json at all" + b"\0" * 64))
+    with pytest.raises(ConfigError, match=r"overwritten/model.safetensors .* header cannot be read \(JSONDecodeError\)"):
+        models.check_weights(overwritten)
+
+    def odd_heads(d: Path) -> None:
+        (d / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "hidden_size": 66}))
+    with pytest.raises(ConfigError, match=r"transformers refuses .*odd_heads/config.json: .*; fix the file"):
+        models.hf_config(broken("odd_heads", odd_heads))
+    with pytest.raises(ConfigError, match=r"model.config='demoo' is neither a preset"):
+        models.hf_config(ModelConfig(config="demoo"))
+
+
+def test_a_damaged_model_ends_the_start_before_a_no_resume_moves_anything(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.models import config_from_name
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    (base / "model.safetensors").write_bytes((base / "model.safetensors").read_bytes()[:-100])
+    saved = tmp_path / "run" / "checkpoints" / "step-000002"
+    saved.mkdir(parents=True)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", model={"path": str(base), "config": None}))
+    done = run_zerofit(["train", "--config", str(config), "--no-resume"], check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "model.safetensors is damaged or cut short" in done.stderr.replace("\n", "")
+    assert saved.is_dir()  # the run's checkpoints where they were
+
+
 def test_lora_module_lists_from_the_command_line():
     config = load(None, ["lora.enabled=true", "lora.target_modules=q_proj, v_proj", "lora.modules_to_save=lm_head"])
     assert config.lora.target_modules == ["q_proj", "v_proj"] and config.lora.modules_to_save == ["lm_head"]

@@ -48,12 +48,46 @@ PRESETS: dict[str, dict] = {
 
 def hf_config(model: ModelConfig):
     """The transformers PretrainedConfig a model section describes (no weights touched)."""
+    if model.path:
+        directory = Path(_existing_dir(model.path, "model.path"))
+        if not (directory / "config.json").is_file():
+            raise ConfigError(f"model.path={model.path!r} holds no config.json: it is not a transformers model "
+                              f"directory; point it at what save_pretrained wrote (or set model.config to train "
+                              f"from a random init)")
+        return _auto_config(directory, model.trust_remote_code)
+    return config_from_name(model.config, model.trust_remote_code)
+
+
+def _auto_config(directory: Path, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    if model.path:
-        return AutoConfig.from_pretrained(_existing_dir(model.path, "model.path"), local_files_only=True,
-                                          trust_remote_code=model.trust_remote_code)
-    return config_from_name(model.config, model.trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 (transformers raises ValueError, KeyError, OSError or its validators' own)
+        raise ConfigError(f"transformers refuses {directory / 'config.json'}: {str(e).strip().splitlines()[-1]}; "
+                          f"fix the file") from None
+
+
+def check_weights(model: ModelConfig) -> None:
+    """Refuse, before the run's files are touched, a model.path whose weights transformers
+    could not load: none there, or a safetensors file damaged or cut short (each failed inside
+    the build with a traceback, after a --no-resume had moved the checkpoints aside). Only the
+    files' headers are read."""
+    if not model.path:
+        return
+    from zerofit import zerofiles
+
+    directory = Path(model.path)
+    if not any(directory.glob("*.safetensors")) and not (directory / zerofiles.SAFETENSORS_INDEX).is_file():
+        if any(directory.glob("pytorch_model*.bin")):
+            return  # torch.load's files: nothing to read ahead of it
+        raise ConfigError(f"model.path={model.path!r} holds no weights (*.safetensors or pytorch_model.bin); "
+                          f"copy the model's weight files there, or set model.config: {model.path} to train from a "
+                          f"random init of its config")
+    try:
+        zerofiles.safetensors_tensors(directory)
+    except zerofiles.ZeroCheckpointError as e:
+        raise ConfigError(f"model.path: {e}; copy the model's files again") from None
 
 
 def check_attention(model: ModelConfig, hf_config) -> None:
@@ -111,7 +145,7 @@ def shape_of(hf_config) -> dict:
 def config_from_name(name: str, trust_remote_code: bool = False):
     """A config.json, a directory holding one, or a preset name. A directory that holds a
     config.json wins over a preset of the same name (a user's `llama-8b/` folder is theirs)."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING
 
     path = Path(name)
     if path.is_dir():
@@ -128,8 +162,7 @@ def config_from_name(name: str, trust_remote_code: bool = False):
         raise ConfigError(f"{path} is not valid JSON ({e}); fix the file or pick a preset") from None
     if "model_type" not in fields:
         raise ConfigError(f"{path} has no model_type; it is not a transformers config.json")
-    return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
-                                      local_files_only=True, trust_remote_code=trust_remote_code)
+    return _auto_config(path.parent if path.name == "config.json" else path, trust_remote_code)
 
 
 def generation_eos(model: ModelConfig) -> set[int]:

@@ -56,8 +56,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if threads_note and dist.is_main:
         say(threads_note)
     seed_everything(config.train.seed)
+    hf_config = models.hf_config(config.model)  # what model.path or model.config names, before its tokenizer
+    models.check_weights(config.model)
     tokenizer = models.load_tokenizer(config.model)
-    hf_config = models.hf_config(config.model)
     models.check_attention(config.model, hf_config)
     models.check_neat_packing(config.data, hf_config)
     lora.check_base_files(config)

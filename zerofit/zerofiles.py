@@ -303,6 +303,27 @@ def _whole(ref: TensorRef, files: dict[Path, TorchFile]) -> Piece:
 
 
 # ------------------------------------------------------------------ safetensors
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header and its length, checked against the file's size: a file cut
+    short or overwritten is named here, not by a deserializer's traceback inside a build."""
+    damaged = f"{path} is damaged or cut short"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length)) if length <= size - 8 else None
+        ends = [entry["data_offsets"][1] for name, entry in (header or {}).items() if name != "__metadata__"]
+    except FileNotFoundError:
+        raise ZeroCheckpointError(f"{path} is missing (the index lists it)") from None
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ZeroCheckpointError(f"{damaged}: its header cannot be read ({type(e).__name__})") from None
+    if header is None:
+        raise ZeroCheckpointError(f"{damaged}: its header claims {length} bytes of a {size}-byte file")
+    if 8 + length + max(ends, default=0) > size:
+        raise ZeroCheckpointError(f"{damaged}: it holds {size} bytes, its tensors end at {8 + length + max(ends)}")
+    return header, length
+
+
 def safetensors_tensors(directory: Path) -> dict[str, StoredTensor]:
     """Every tensor of a model directory's safetensors files (the index's files, else every
     *.safetensors), from the headers: an 8-byte little-endian length, a JSON header, then
@@ -320,9 +341,7 @@ def safetensors_tensors(directory: Path) -> dict[str, StoredTensor]:
     dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     tensors = {}
     for path in files:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        header, length = _safetensors_header(path)
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
