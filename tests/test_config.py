@@ -65,6 +65,22 @@ def test_bad_yaml_names_the_line(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"config file .* is a directory; pass --config FILE"):
+        load(tmp_path)
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match=r"binary.yaml is not UTF-8 text \(byte 0 is b'\\xff'\); is it the config"):
+        load(tmp_path / "binary.yaml")
+
+
+def test_run_files_with_bytes_that_are_no_text_are_read_around_them(tmp_path):
+    """A torn write (or a disk error) leaves bytes that are no UTF-8: the doctor read the run's
+    timeline with a UnicodeDecodeError traceback."""
+    from zerofit import doctor, memory
+
+    (tmp_path / "memory.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n{"step": 2}\n')
+    assert memory.read_jsonl(tmp_path / "memory.jsonl") == [{"step": 1}, {"step": 2}]
+    (tmp_path / "plan.json").write_bytes(b'{"a": "\xff"}')
+    assert doctor.read_json(tmp_path / "plan.json") is None
 
 
 def test_overrides_are_typed(tmp_path):

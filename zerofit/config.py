@@ -527,11 +527,17 @@ YAML_HINTS = (("'\\t'", "; YAML indents with spaces, not tabs: replace the tab")
 
 
 def read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass --config FILE (a directory's run config is "
+                          f"{path / 'config.yaml'})")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass --config FILE "
                           f"(`zerofit config --example > zerofit.yaml` writes a starting point)")
     try:
-        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); is it "
+                          f"the config? Save it as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -181,14 +181,14 @@ def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError alike: a damaged file is unread
         return None
 
 
 def read_yaml(path: Path) -> dict:
     try:
         return yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):
         return {}
 
 

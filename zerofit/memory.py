@@ -246,7 +246,7 @@ def read_jsonl(path: Path) -> list[dict]:
     if not Path(path).exists():
         return []
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(errors="replace").splitlines():  # a torn write's bytes are no UTF-8
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
