@@ -221,6 +221,15 @@ def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     (tmp_path / "afile").touch()
     assert cli.main(["train", "--run-dir", str(tmp_path / "afile")]) == 1
     assert f"run_dir {tmp_path / 'afile'} cannot be made (it is a file)" in capsys.readouterr().err.replace("\n", "")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").touch()  # was a FileExistsError traceback from the first save's mkdir
+    assert cli.main(["train", "--run-dir", str(tmp_path / "run")]) == 1
+    assert f"{tmp_path / 'run' / 'checkpoints'} is a file where the run keeps its checkpoints/ directory" \
+        in capsys.readouterr().err.replace("\n", "")
+    # a yes/no where a count goes is a slip (pydantic read `true` as 1 and trained one step)
+    with pytest.raises(ConfigError, match=r"train.max_steps=True: expected a number, got true"):
+        load(None, ["train.max_steps=true"])
+    assert load(None, ["lora.enabled=true"]).lora.enabled is True
 
 
 def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build():

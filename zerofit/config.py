@@ -44,10 +44,13 @@ class Section(BaseModel):
     def _yaml_values(cls, value: Any, info) -> Any:
         """1e9 written in a YAML file is a number where the field takes one; a path's `~` and
         $VARIABLES are expanded."""
-        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
-            annotation = cls.model_fields[info.field_name].annotation
-            if annotation in (int, float) or {int, float} & set(get_args(annotation)):
-                return float(value)
+        annotation = cls.model_fields[info.field_name].annotation
+        numeric = annotation in (int, float) or {int, float} & set(get_args(annotation))
+        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()) and numeric:
+            return float(value)
+        takes_bool = annotation is bool or bool in get_args(annotation)
+        if isinstance(value, bool) and numeric and not takes_bool:  # pydantic reads true as 1: a slip, not a count
+            raise ValueError(f"expected a number, got {str(value).lower()}")
         if info.field_name in PATH_FIELDS:
             return expand_path(value)
         return value

@@ -322,7 +322,14 @@ def usable_run_dir(run_dir: Path) -> Path:
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"run_dir {run_dir} is not writable (a read-only filesystem or another user's "
                           f"directory); set run_dir (or --run-dir) to a directory you can write")
+    for name in RUN_SUBDIRECTORIES:
+        if (run_dir / name).exists() and not (run_dir / name).is_dir():
+            raise ConfigError(f"{run_dir / name} is a file where the run keeps its {name}/ directory; move it "
+                              f"away, or set run_dir (or --run-dir) to another directory")
     return run_dir
+
+
+RUN_SUBDIRECTORIES = ("checkpoints", "model", "postmortem")  # what a run makes inside its run_dir
 
 
 def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict,
