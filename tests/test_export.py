@@ -321,6 +321,9 @@ def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not empty" in err and "--overwrite" in err
     assert (one_rank_export[0] / "model.safetensors").is_file()  # nothing lost
+    (tmp_path / "afile").touch()  # where no staging directory can be made (a read-only mount alike)
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "afile" / "o")]) == 1
+    assert f"{tmp_path / 'afile'} is not a directory you can write" in capsys.readouterr().err.replace("\n", "")
     with pytest.raises(SystemExit) as usage:
         main(["export", str(one_rank), "--out", str(tmp_path / "o"), "--dtype", "int4"])
     assert usage.value.code == 2

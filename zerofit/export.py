@@ -369,6 +369,10 @@ def check_destination(out: Path, overwrite: bool, reads: tuple = ()) -> None:
                               f"outside them")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+    existing = next(parent for parent in target.parents if parent.exists())  # the staging directory goes beside out
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ExportError(f"--out {out}: {existing} is not a directory you can write (a read-only filesystem, "
+                          f"another user's directory, or a file); choose a directory you can write")
 
 
 # ------------------------------------------------------------------------- writing
