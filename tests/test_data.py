@@ -510,6 +510,20 @@ def test_one_row_of_another_type_blames_only_itself(tmp_path, tokenizer):
     assert kept.skipped_rows == 1 and len(kept) == 3  # answers that read as JSON are text still
 
 
+def test_data_with_nothing_left_or_a_missing_eval_file_is_named_so(tmp_path, tokenizer):
+    """Every line bad under skip_bad_rows read as "cannot tell the format from its fields []"
+    (auto) or as too few sequences for the micro batch; a missing eval_path's fix named data.path."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{bad\n{worse\n")
+    for fmt in ("auto", "alpaca"):
+        with pytest.raises(DataError, match=r"every row was bad \(2 skipped under data.skip_bad_rows\), e.g. .*bad.jsonl, "
+                                            r"line 1: not valid JSON"):
+            data.build_sequences([path], DataConfig(path=str(path), skip_bad_rows=True, format=fmt), tokenizer, 64)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "hello"}] * 20)
+    with pytest.raises(DataError, match=r"nope.jsonl does not exist.*; set data.eval_path to local"):
+        data.load_splits(DataConfig(path=str(good), eval_path=str(tmp_path / "nope.jsonl")), tokenizer, 64, 0, 128)
+
+
 def test_turns_are_read_under_either_naming(tokenizer):
     """Published datasets mix the namings: `conversations` of {role, content}, `messages` of
     {from, value} (LLaMA-Factory maps them with dataset_info.json's role_tag / content_tag);

@@ -92,16 +92,16 @@ class Sequences:
 
 
 # ------------------------------------------------------------------------ reading
-def data_files(path: str | list[str]) -> list[Path]:
-    """The files (and saved datasets) data.path names: a directory stands for the data files
-    under it, in name order, or for the dataset `datasets.save_to_disk` wrote there."""
+def data_files(path: str | list[str], key: str = "data.path") -> list[Path]:
+    """The files (and saved datasets) data.path (or `key`) names: a directory stands for the data
+    files under it, in name order, or for the dataset `datasets.save_to_disk` wrote there."""
     files = []
     for f in [Path(p) for p in ([path] if isinstance(path, str) else path)]:
         if f.is_dir():
-            files += [f] if is_saved_dataset(f) else files_under(f)
+            files += [f] if is_saved_dataset(f) else files_under(f, key)
         elif not f.is_file():
             relative = "" if f.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
-            raise DataError(f"data file {f} does not exist{relative}; set data.path to local .jsonl/.json/.parquet "
+            raise DataError(f"data file {f} does not exist{relative}; set {key} to local .jsonl/.json/.parquet "
                             f"files or a directory of them")
         elif f.suffix not in SUFFIXES:
             raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
@@ -115,11 +115,11 @@ def is_saved_dataset(directory: Path) -> bool:
             or (directory / SAVED_DATASET_DICT_FILE).is_file())
 
 
-def files_under(directory: Path) -> list[Path]:
+def files_under(directory: Path, key: str = "data.path") -> list[Path]:
     found, _ = walk_data(directory)
     if not found:
         raise DataError(f"data directory {directory} holds no .jsonl, .json or .parquet files (nor a dataset "
-                        f"saved with datasets' save_to_disk); point data.path at the data files")
+                        f"saved with datasets' save_to_disk); point {key} at the data files")
     return found
 
 
@@ -717,6 +717,8 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
     for file in files:
         rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows)
         skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
+        if not len(rows):  # every line skipped: nothing to tell a format by
+            continue
         found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
         for index, row in enumerate(rows):
             fmt = found[index] or usual
@@ -730,6 +732,9 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 skipped += 1
                 reasons.append(where)
+    if skipped and not examples:
+        raise DataError(f"every row was bad ({skipped} skipped under data.skip_bad_rows), e.g. {reasons[0]}; "
+                        f"fix the data, or point data.path (data.eval_path) at the right files")
     return examples, skipped, reasons[:10], tuple(formats)
 
 
@@ -785,7 +790,8 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
     if cfg.eval_path:
         splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats),
-                  build_sequences(data_files(cfg.eval_path), cfg, tokenizer, seq_len, keep_tail=True))
+                  build_sequences(data_files(cfg.eval_path, "data.eval_path"), cfg, tokenizer, seq_len,
+                                  keep_tail=True))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
         n_eval = int(len(examples) * cfg.eval_fraction)
