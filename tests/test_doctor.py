@@ -427,6 +427,11 @@ def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
     assert damaged.fix == ["a resume and `zerofit export` take step-000009"]
     assert by_kind["save_cut_short"].title == "a save was cut short: checkpoints/.tmp-step-000013 is a partial write"
     assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 not saved)"
+    # none intact: a resume refuses them (train's words), it does not start over
+    shutil.rmtree(copy / "checkpoints" / "step-000009")
+    damaged = {f.kind: f for f in diagnose(copy).findings}["checkpoint_damaged"]
+    assert damaged.fix == ["no intact checkpoint is left: a resume refuses to start over them; start over with "
+                           "--no-resume (it moves them aside, not deletes), or restore a good copy"]
 
 
 def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):

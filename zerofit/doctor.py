@@ -119,6 +119,8 @@ def checkpoint_findings(run_dir: Path, newest: Path | None, damaged: list[tuple[
     """Checkpoints newer than the newest intact one that cannot be loaded, and a save's
     partial write left by a process that ended while writing it (not while the run goes on)."""
     fallback = f"a resume and `zerofit export` take {newest.name}" if newest is not None else \
+        ("no intact checkpoint is left: a resume refuses to start over them; start over "
+         "with --no-resume (it moves them aside, not deletes), or restore a good copy") if damaged else \
         "no intact checkpoint is left: a resume starts over"
     found = [Finding("checkpoint_damaged", "warning", "disk", f"checkpoint {name} cannot be loaded: {reason}",
                      "a save cut short, or a file changed or lost after it was written", [fallback],
