@@ -112,6 +112,8 @@ def test_free_space_check_and_size_prediction(tmp_path):
     assert checkpoint.free_space_problem(tmp_path, 10**9, free_bytes=2 * 10**9) is None
     problem = checkpoint.free_space_problem(tmp_path, 10**9, free_bytes=10**9)
     assert "1.00 GB free" in problem and "keep_last" in problem
+    # before the first save nothing is kept: fewer kept would not help
+    assert "keep_last" not in checkpoint.free_space_problem(tmp_path / "none", 10**9, free_bytes=10**9)
 
 
 def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path):

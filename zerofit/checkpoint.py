@@ -335,7 +335,8 @@ def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = N
         return None
     return (f"{free_bytes / 1e9:.2f} GB free under {root}, a checkpoint needs ~{needed_bytes / 1e9:.2f} GB "
             f"and {want / 1e9:.2f} GB are asked (+10% and {SAVE_FREE_SLACK / 2**20:.0f} MiB of slack for the "
-            f"filesystem); free disk space, set run_dir on a larger disk, or lower checkpoint.keep_last")
+            f"filesystem); free disk space, set run_dir on a larger disk"
+            f"{', or lower checkpoint.keep_last' if published(root) else ''}")  # nothing kept yet: nothing to drop
 
 
 # --------------------------------------------------------------------------- RNG
