@@ -21,6 +21,10 @@ def test_unknown_key_names_the_nearest_valid_one(tmp_path):
     raw["train"]["micro_bach_size"] = 2
     with pytest.raises(ConfigError, match=r"unknown key train\.micro_bach_size; did you mean train\.micro_batch_size"):
         validate(raw)
+    del raw["train"]["micro_bach_size"]
+    raw["evaluation"] = {"every_steps": 5}  # difflib's nearest was elastic
+    with pytest.raises(ConfigError, match=r"unknown key evaluation; did you mean eval\?"):
+        validate(raw)
 
 
 def test_unknown_section_lists_the_valid_ones(tmp_path):

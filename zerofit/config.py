@@ -612,7 +612,9 @@ def _unknown_key(loc: tuple) -> str:
     if elsewhere and name not in valid:  # `lr:` dedented out of `train:` read "did you mean lora?"
         return (f"unknown key {'.'.join(parents + [name])}; it is a key of {' and '.join(elsewhere)}: move it "
                 f"under `{elsewhere[0]}:`")
-    near = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    # a key the name begins with first (evaluation: eval, not difflib's nearer-in-letters elastic)
+    near = [key for key in valid if len(key) >= 3 and name.startswith(key)][:1] or \
+        difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     where = ".".join(parents) or "top level"
     hint = f"; did you mean {'.'.join(parents + near)}?" if near else f"; valid keys in {where}: {', '.join(valid)}"
     return f"unknown key {'.'.join(parents + [name])}{hint}"
