@@ -34,3 +34,7 @@ python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05n --set data.pack
   --set data.neat_packing=true --set train.max_steps=10 --set checkpoint.every_steps=0 > $OUT/r05n.log 2>&1
 echo "r05n rc $?"; grep -v "^\[20" $OUT/r05n.log | tail -8
 python -m zerofit doctor $OUT/r05n > $OUT/doctor-neat.log 2>&1; echo "doctor neat rc $?"; head -20 $OUT/doctor-neat.log
+# the export fine-tuned again from its directory (model.path: weight headers checked before the build)
+python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05p --set model.path=/tmp/exp --set model.config=null \
+  --set model.tokenizer=null --set train.max_steps=5 --set checkpoint.every_steps=0 > $OUT/r05p.log 2>&1
+echo "r05p rc $?"; grep -v "^\[20" $OUT/r05p.log | tail -8
