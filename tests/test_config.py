@@ -299,6 +299,10 @@ def test_a_model_directory_that_cannot_load_is_named_before_anything_is_touched(
         (d / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "hidden_size": 66}))
     with pytest.raises(ConfigError, match=r"transformers refuses .*odd_heads/config.json: .*; fix the file"):
         models.hf_config(broken("odd_heads", odd_heads))
+    # a config file of another name (model.config) is named as it is, not as DIR/config.json
+    shutil.copy(tmp_path / "odd_heads" / "config.json", tmp_path / "odd.json")
+    with pytest.raises(ConfigError, match=r"transformers refuses .*/odd\.json: .*attention heads \(4\); fix the file"):
+        models.hf_config(ModelConfig(config=str(tmp_path / "odd.json")))
     with pytest.raises(ConfigError, match=r"model.config='demoo' is neither a preset"):
         models.hf_config(ModelConfig(config="demoo"))
 

@@ -58,14 +58,15 @@ def hf_config(model: ModelConfig):
     return config_from_name(model.config, model.trust_remote_code)
 
 
-def _auto_config(directory: Path, trust_remote_code: bool):
+def _auto_config(source: Path, trust_remote_code: bool):
+    """AutoConfig of a model directory or a config file; one transformers refuses named."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(str(source), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 (transformers raises ValueError, KeyError, OSError or its validators' own)
-        raise ConfigError(f"transformers refuses {directory / 'config.json'}: {str(e).strip().splitlines()[-1]}; "
-                          f"fix the file") from None
+        file, said = source / "config.json" if source.is_dir() else source, str(e).strip().splitlines()[-1]
+        raise ConfigError(f"transformers refuses {file}: {said.strip().rstrip('.')}; fix the file") from None
 
 
 def check_weights(model: ModelConfig) -> None:
