@@ -495,9 +495,8 @@ def test_one_row_of_another_type_blames_only_itself(tmp_path, tokenizer):
     row blamed (and skip_bad_rows dropped every digit answer). Rows are read as written."""
     rows = [{"instruction": "add", "output": str(i)} for i in range(60)]
     rows[50] = {"instruction": "add", "output": 7}
-    for path in (write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "d.json"):
-        path.write_text(json.dumps(rows)) if path.suffix == ".json" else None
-        where = "line 51" if path.suffix == ".jsonl" else "row 51"
+    (tmp_path / "d.json").write_text(json.dumps(rows))  # an array: its rows are counted, not its lines
+    for path, where in ((write_jsonl(tmp_path / "d.jsonl", rows), "line 51"), (tmp_path / "d.json", "row 51")):
         with pytest.raises(DataError, match=rf"d\.jsonl?, {where}: field `output`: expected a string, got int"):
             data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
         kept = data.build_sequences([path], DataConfig(path=str(path), packing=False, skip_bad_rows=True),
