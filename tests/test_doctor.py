@@ -18,6 +18,7 @@ from conftest import read_jsonl, run_zerofit, tiny_config, write_config
 from timelines import GiB, MiB, ds_config, synthetic_run
 
 from zerofit import hardware, nvme, syscheck
+from zerofit.config import ConfigError
 from zerofit.doctor import diagnose, doctor
 from zerofit.findings import end_of_step, gib
 from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
@@ -241,6 +242,13 @@ def test_doctor_needs_a_timeline(tmp_path):
     assert mixed.returncode == 2 and "takes no RUN_DIR" in mixed.stderr
     nowhere = run_zerofit(["doctor", str(tmp_path), "--out", str(tmp_path / "no" / "r.html")], check=False)
     assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr  # not a traceback
+
+
+@pytest.mark.parametrize("written", [b"", b'{"phase": "start", "st'], ids=["empty", "torn"])
+def test_doctor_tells_an_empty_timeline_from_a_missing_one(tmp_path, written):
+    (tmp_path / "memory.jsonl").write_bytes(written)
+    with pytest.raises(ConfigError, match=r"memory.jsonl holds no memory record \(\d+ bytes\)"):
+        diagnose(tmp_path)
 
 
 def test_repro_script_runs_standalone(clean_run, tmp_path):

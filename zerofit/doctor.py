@@ -53,8 +53,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
                           f"(run_dir of the config) or an HF Trainer output_dir")
     per_rank = rank_timelines(run_dir)
     if 0 not in per_rank:
-        raise ConfigError(f"{run_dir} has no memory.jsonl: point `zerofit doctor` at a zerofit run directory, "
-                          f"or at an HF Trainer output_dir trained with zerofit.hf.MemoryGuardCallback()")
+        raise ConfigError(no_timeline(run_dir))
     records = per_rank[0]
     hf_run = read_json(run_dir / HF_RUN_FILE)
     if hf_run:
@@ -167,6 +166,18 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
         if finding:
             found.append(finding)
     return found
+
+
+def no_timeline(run_dir: Path) -> str:
+    """Why there is nothing to read: no memory.jsonl at all (not a run directory), or one that holds
+    no record (the run died before its first, or the file was emptied)."""
+    timeline = run_dir / "memory.jsonl"
+    if timeline.is_file():
+        return (f"{timeline} holds no memory record ({timeline.stat().st_size} bytes): the run stopped before "
+                f"its first record was written, or the file was emptied; `zerofit train` writes one at its start "
+                f"and at every step, so run it again (its log says why it stopped)")
+    return (f"{run_dir} has no memory.jsonl: point `zerofit doctor` at a zerofit run directory, "
+            f"or at an HF Trainer output_dir trained with zerofit.hf.MemoryGuardCallback()")
 
 
 def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
