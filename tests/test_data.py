@@ -100,13 +100,19 @@ def test_a_chat_template_that_rewrites_earlier_turns_is_a_bad_row(tmp_path, toke
     assert (learned == seqs.labels[seqs.labels != IGNORE]).all()  # every label sits on its own token
 
 
-def test_a_chat_template_that_raises_is_a_bad_row(tmp_path, tokenizer):
+@pytest.mark.parametrize("row, field_name", [
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                   {"role": "assistant", "content": "a"}]}, r"messages"),
+    ({"system": "s", "conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]},
+     r"conversations"),
+    ({"system": "s", "instruction": "u", "output": "a"},
+     r"instruction/output as a conversation \(data.alpaca_template: chat; `alpaca` renders the alpaca layout\)"),
+], ids=["messages", "sharegpt", "alpaca"])
+def test_a_chat_template_that_raises_is_a_bad_row_named_by_its_own_field(tmp_path, tokenizer, row, field_name):
     tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role "
                                "not supported') }}{% endif %}{{ m.content }}{% endfor %}")
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "system", "content": "s"},
-                                                            {"role": "user", "content": "u"},
-                                                            {"role": "assistant", "content": "a"}]}])
-    with pytest.raises(DataError, match=r"line 1: field `messages`: the tokenizer's chat template refused it: "
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(DataError, match=rf"line 1: field `{field_name}`: the tokenizer's chat template refused it: "
                                         r"System role not supported"):
         data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import contextlib
 import json
 import logging
 from collections import Counter
@@ -342,6 +343,7 @@ def row_formats(rows, file: Path) -> tuple[list[str | None], str]:
 class RowError(ValueError):
     def __init__(self, field_name: str | None, problem: str):
         super().__init__(f"field `{field_name}`: {problem}" if field_name else problem)
+        self.field_name, self.problem = field_name, problem
 
 
 def _text(row: dict, key: str, required: bool = True) -> str:
@@ -380,14 +382,32 @@ def tokenize_row(row: dict, fmt: str, tokenizer, alpaca_template: str = "chat") 
     if fmt == "alpaca" and fmt not in chat_formats(tokenizer, alpaca_template):
         return _tokenize_alpaca(row, tokenizer, bos, eos)
     if fmt == "alpaca":
-        return _tokenize_messages(alpaca_messages(row), tokenizer, bos, eos, None)
+        with conversation_named(ALPACA_AS_CHAT):
+            return _tokenize_messages(alpaca_messages(row), tokenizer, bos, eos, None)
     if fmt in CHAT_FORMATS:
         try:
             messages, tools = (_messages(row) if fmt == "messages" else sharegpt_messages(row)), toolcalls.tools_of(row)
         except toolcalls.ToolCallError as e:
             raise RowError(e.field_name, e.problem) from None
-        return _tokenize_messages(messages, tokenizer, bos, eos, tools)
+        with conversation_named("messages" if fmt == "messages" else "conversations"):
+            return _tokenize_messages(messages, tokenizer, bos, eos, tools)
     raise ValueError(f"unknown format {fmt}")
+
+
+ALPACA_AS_CHAT = "instruction/output as a conversation (data.alpaca_template: chat; `alpaca` renders the alpaca layout)"
+
+
+@contextlib.contextmanager
+def conversation_named(field_name: str):
+    """A problem with the whole conversation (_tokenize_messages says `messages`) named under the
+    row's own field: `conversations` for ShareGPT rows, the alpaca fields for an alpaca row the chat
+    template renders."""
+    try:
+        yield
+    except RowError as e:
+        if e.field_name != "messages" or field_name == "messages":
+            raise
+        raise RowError(field_name, e.problem) from None
 
 
 def alpaca_messages(row: dict) -> list[dict]:
