@@ -251,9 +251,10 @@ def test_neat_packing_packs_whole_examples_best_fit():
     prompt), one longer than seq_len is cut to it."""
     lengths = [5, 3, 4, 2, 8]
     examples = [([10 + i] * n, [10 + i] * n) for i, n in enumerate(lengths)]
-    laid = data.rows_of_whole_examples(examples, 6, pad_id=0)
+    laid, used = data.rows_of_whole_examples(examples, 6, pad_id=0)
     ids, labels = data.pack(laid, 6)
     assert ids.tolist() == [[14] * 6, [10] * 5 + [0], [12] * 4 + [13] * 2, [11] * 3 + [0] * 3]
+    assert used.tolist() == [6, 5, 6, 3]
     assert labels.tolist()[3] == [11] * 3 + [IGNORE] * 3
     positions = data.isolate_examples(laid, labels)
     assert positions.tolist()[2] == [0, 1, 2, 3, 0, 1] and positions.tolist()[3] == [0, 1, 2, 0, 1, 2]
@@ -302,16 +303,43 @@ def test_rows_without_learnable_tokens_are_dropped(tmp_path, tokenizer):
 
 
 def test_examples_cut_to_seq_len_are_counted(tmp_path, tokenizer):
-    """Padding and neat packing cut an example longer than seq_len (its answer's end lost, end of
-    turn too): said with the tokens lost; plain packing splits it and loses none."""
+    """Padding and packing whole cut an example longer than seq_len (its answer's end lost, end of
+    turn too): said with the tokens lost; concatenated text runs on into the next row, none cut."""
     rows = [{"instruction": "i", "output": "o" * 40}, {"instruction": "i", "output": "o"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     whole = len(data.tokenize_row(rows[0], "alpaca", tokenizer)[0])
-    for packing, neat in ((False, False), (True, True)):
+    for packing, neat in ((False, False), (True, False), (True, True)):
         seqs = data.build_sequences([path], DataConfig(path=str(path), packing=packing, neat_packing=neat),
                                     tokenizer, 48)
         assert seqs.cut == (1, whole - 48) and f"losing {whole - 48} answer tokens" in seqs.cut_note(48)
-    assert data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 48).cut == (0, 0)
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "o" * 80}, {"text": "o"}])
+    assert data.build_sequences([text], DataConfig(path=str(text)), tokenizer, 48).cut == (0, 0)
+
+
+def test_prompted_examples_are_packed_whole_and_text_concatenated(tmp_path, tokenizer):
+    """LLaMA-Factory's sft packing: no example split across rows (an answer's tail would be
+    learned in the next row without its prompt), rows closed by padding, which tokens/s leaves
+    out; plain text runs on from row to row (its pretraining stage's), no padding."""
+    rows = [{"instruction": f"question {i}", "output": "answer " * (3 + i % 7)} for i in range(40)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    seqs = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 256)
+    examples = [data.tokenize_row(row, "alpaca", tokenizer) for row in rows]
+    assert seqs.layout == "whole" and seqs.lengths.sum() == sum(len(ids) for ids, _ in examples)
+    learned = lambda labels: int((labels != IGNORE).sum())
+    assert learned(seqs.labels) == sum(learned(np.array(labels)) for _, labels in examples)  # none dropped, none cut
+    bos = tokenizer.bos_token_id
+    for ids, used in zip(seqs.input_ids, seqs.lengths):  # every row starts an example; after its last, padding
+        assert ids[0] == bos and (ids[used:] == tokenizer.pad_token_id).all()
+    padding = 1 - seqs.lengths.sum() / seqs.input_ids.size
+    assert seqs.layout_note() == f"examples packed whole ({padding:.1%} padding)" and 0 < padding < 0.25
+    batches = data.Batches(seqs, 2, 0, 1, seed=0)
+    assert batches.tokens_between(0, 1) == seqs.lengths[batches._rows(0)].sum() < 2 * 256  # padding not counted
+
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "word " * (5 + i)} for i in range(40)])
+    concatenated = data.build_sequences([text], DataConfig(path=str(text)), tokenizer, 256)
+    assert concatenated.layout == "concatenated" and concatenated.lengths is None
+    assert (concatenated.input_ids != tokenizer.pad_token_id).all()
+    assert concatenated.layout_note() == "examples concatenated into rows"
 
 
 def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
@@ -393,11 +421,11 @@ def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_pa
     """A tokenizer bigger than the model's embedding: it crashed in the first forward."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "i", "output": "o" * 10}] * 20)
     config = DataConfig(path=str(path), alpaca_template="alpaca")
-    train, held = data.load_splits(config, tokenizer, 32, seed=0, vocab_size=len(tokenizer))
+    train, held = data.load_splits(config, tokenizer, 64, seed=0, vocab_size=len(tokenizer))
     assert len(train) and len(held) == 1  # one example held out, its packed row padded
     with pytest.raises(DataError, match=rf"the data has token id \d+ but the model's vocabulary holds 8 \(the "
                                         rf"tokenizer has {len(tokenizer)} tokens\)"):
-        data.load_splits(config, tokenizer, 32, seed=0, vocab_size=8)
+        data.load_splits(config, tokenizer, 64, seed=0, vocab_size=8)
 
 
 def test_the_chat_templates_written_for_exports_render_what_training_read(tokenizer):
@@ -424,7 +452,8 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
 
 def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
     """Padded rows: what a step processed is the examples' tokens on every rank, not
-    seq_len per row (tokens/s counted the padding); packed rows are all tokens."""
+    seq_len per row (tokens/s counted the padding); rows packed whole leave their closing
+    padding out too; concatenated rows are all tokens."""
     rows = [{"instruction": "i" * (n % 7), "output": "o" * 5} for n in range(40)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     padded = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
@@ -437,8 +466,13 @@ def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
             ids = batches.next().input_ids
             served += int((ids != tokenizer.pad_token_id).sum())
     assert two_ranks[0].tokens_between(0, 3) == served < 3 * 4 * 64
-    packed = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 16)
-    assert packed.lengths is None and Batches(packed, 2, 0, 2, seed=1).tokens_between(0, 3) == 3 * 4 * 16
+    whole = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 64)
+    two_ranks = [Batches(whole, 2, rank, 2, seed=1) for rank in (0, 1)]
+    assert two_ranks[0].tokens_between(0, 3) == sum(int(whole.lengths[b._mine(b._rows(position))].sum())
+                                                    for b in two_ranks for position in range(3)) < 3 * 4 * 64
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "o" * (5 + n % 7)} for n in range(40)])
+    concatenated = data.build_sequences([text], DataConfig(path=str(text)), tokenizer, 16)
+    assert concatenated.lengths is None and Batches(concatenated, 2, 0, 2, seed=1).tokens_between(0, 3) == 3 * 4 * 16
 
 
 # ------------------------------------------------- what LLaMA-Factory users bring

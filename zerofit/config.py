@@ -155,7 +155,10 @@ class DataConfig(Section):
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
     """Fraction of training rows held out for eval when no eval_path is given."""
     packing: bool = True
-    """Concatenate examples into full seq_len rows (True) or pad each example (False)."""
+    """Pack examples into seq_len rows (True) or pad each to its own row (False). Examples
+    with a prompt (alpaca, messages, sharegpt) are packed whole, best fit, rows closed by
+    padding (LLaMA-Factory's sft packing: no answer learned without its prompt); plain
+    `text` rows are concatenated, one running into the next row (a pretraining stage's)."""
     neat_packing: bool = False
     """With packing: each example attends only to itself (LLaMA-Factory's neat_packing).
     Examples are packed whole (best fit, rows padded; none split across rows), position

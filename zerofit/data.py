@@ -58,9 +58,10 @@ class Sequences:
     longest_example: int = 0      # tokens of the longest example, for the advice on seq_len
     packed: bool = True           # data.packing: what a prompt-only row is, and the advice about it
     formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
-    lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: packed, all seq_len)
+    lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: concatenated, all seq_len)
     positions: np.ndarray | None = None  # data.neat_packing: per token, its place in its example within the row
-    cut: tuple[int, int] = (0, 0)  # (examples over seq_len cut to it, their answer tokens lost): padded or neat-packed
+    cut: tuple[int, int] = (0, 0)  # (examples over seq_len cut to it, their answer tokens lost): padded or packed whole
+    layout: str = "concatenated"  # packing_layout (padded | whole | concatenated), or synthetic
 
     def cut_note(self, seq_len: int) -> str:
         """What cutting examples to seq_len cost; "" when none was longer."""
@@ -82,6 +83,14 @@ class Sequences:
         return (f"dropped {self.prompt_only_rows} rows whose answer starts beyond train.seq_len {seq_len} (the longest "
                 f"example has {self.longest_example} tokens): raise train.seq_len to learn from them, or turn "
                 f"data.packing on")
+
+    def layout_note(self) -> str:
+        """How the examples fill the rows, for the data line: `packed whole (3.1% padding)`."""
+        if self.lengths is None or not len(self):
+            return {"concatenated": "examples concatenated into rows",
+                    "synthetic": "random tokens, every one learned"}.get(self.layout, "")
+        padding = 1 - self.lengths.sum() / self.input_ids.size
+        return f"{'examples packed whole' if self.layout == 'whole' else 'one example per row'} ({padding:.1%} padding)"
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -664,12 +673,14 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int) -> tuple[np.
 
 
 def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len: int,
-                           pad_id: int) -> list[tuple[list[int], list[int]]]:
-    """data.neat_packing's layout (LLaMA-Factory's greedy knapsack): whole examples, longest
-    first, each into the fullest row it still fits (best fit), every row closed by padding;
-    `pack` then cuts at the row ends. An example is never split (a tail in the next row would
-    be learned without its prompt); one longer than seq_len is cut to it, as padding does.
-    The order is the examples' own for equal lengths: the same data makes the same rows."""
+                           pad_id: int) -> tuple[list[tuple[list[int], list[int]]], np.ndarray]:
+    """Packing of prompted examples (LLaMA-Factory's greedy knapsack for its sft stage, with
+    neat_packing or without): whole examples, longest first, each into the fullest row it still
+    fits (best fit), every row closed by padding; `pack` then cuts at the row ends. An example
+    is never split (a tail in the next row would be learned without its prompt); one longer
+    than seq_len is cut to it, as padding does. The order is the examples' own for equal
+    lengths: the same data makes the same rows. Returns the examples as laid out (each row's
+    padding one more) and each row's tokens before its padding."""
     cut = [e if len(e[0]) <= seq_len else (e[0][:seq_len], e[1][:seq_len]) for e in examples]
     rows: list[list[int]] = []           # example indices per row
     rows_with: dict[int, list[int]] = {}  # room left -> the rows with that much (a stack)
@@ -690,11 +701,12 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
             if not rows_with.setdefault(room - length, []):
                 bisect.insort(rooms, room - length)
             rows_with[room - length].append(row)
-    out = []
+    out, used = [], []
     for row in rows:
         members = [cut[i] for i in row]
         out += members + [tail_padding(members, seq_len, pad_id)]
-    return out
+        used.append(sum(len(e_ids) for e_ids, _ in members))
+    return out, np.array(used, dtype=np.int64)
 
 
 def tail_padding(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[list[int], list[int]]:
@@ -760,28 +772,42 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
 
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
                  reasons: list[str] = (), formats: tuple[str, ...] = (), keep_tail: bool = False) -> Sequences:
-    """Packed or padded rows of the examples. Packing drops the tail that does not fill a row,
-    unless `keep_tail` (an eval set: a small one would otherwise vanish), which pads it."""
+    """Packed or padded rows of the examples (packing_layout). Concatenating drops the tail that
+    does not fill a row, unless `keep_tail` (an eval set: a small one would otherwise vanish),
+    which pads it."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest = max((len(e_ids) for e_ids, _ in examples), default=0)
+    layout = packing_layout(cfg, formats)
     over = [labels[seq_len:] for ids, labels in examples if len(ids) > seq_len] if \
-        not cfg.packing or cfg.neat_packing else []  # plain packing splits an example, cuts none
+        layout != "concatenated" else []  # concatenating splits an example, cuts none
     cut = (len(over), sum(sum(label != IGNORE for label in labels) for labels in over))
-    if cfg.neat_packing:
-        examples = rows_of_whole_examples(examples, seq_len, pad_id)
-    elif cfg.packing and keep_tail:
+    lengths = None  # concatenated rows: every token real
+    if layout == "whole":
+        examples, lengths = rows_of_whole_examples(examples, seq_len, pad_id)
+    elif layout == "concatenated" and keep_tail:
         examples = examples + [tail_padding(examples, seq_len, pad_id)]
-    ids, labels = pack(examples, seq_len) if cfg.packing else pad(examples, seq_len, pad_id)
+    ids, labels = pad(examples, seq_len, pad_id) if layout == "padded" else pack(examples, seq_len)
     positions = isolate_examples(examples, labels) if cfg.neat_packing else None
     # A row must hold a learned token past its first: the loss predicts token t+1 from t, so a label
     # at position 0 (an answer's last token spilled into the next packed row) is never counted,
     # and a row without another would make the mean loss 0/0, a NaN.
     learnable = targets(labels, per_row=True) > 0
-    lengths = None if cfg.packing else np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
+    if layout == "padded":
+        lengths = np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      longest, cfg.packing, formats,
                      lengths[learnable] if lengths is not None else None,
-                     positions[learnable] if positions is not None else None, cut)
+                     positions[learnable] if positions is not None else None, cut, layout)
+
+
+def packing_layout(cfg: DataConfig, formats: tuple[str, ...]) -> str:
+    """How examples become seq_len rows: `padded` (data.packing off: one per row); `whole` (packed
+    whole, best fit: neat packing, and any data with prompts, as LLaMA-Factory's sft stage packs,
+    so that no answer is learned in a row without its prompt); `concatenated` (plain text, as a
+    pretraining stage packs: one document runs on into the next row, none cut)."""
+    if not cfg.packing:
+        return "padded"
+    return "whole" if cfg.neat_packing or set(formats) - {"text"} else "concatenated"
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int, keep_tail: bool = False) -> Sequences:
@@ -793,7 +819,7 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
     """Random tokens, every one learned: for throughput benchmarks, not for learning."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab_size, size=(n, seq_len), dtype=np.int64)
-    return Sequences(ids, ids.copy())
+    return Sequences(ids, ids.copy(), layout="synthetic")
 
 
 def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int) -> tuple[Sequences, Sequences]:
@@ -802,8 +828,8 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = int(len(full) * cfg.eval_fraction)
-        return Sequences(full.input_ids[n_eval:], full.labels[n_eval:]), \
-            Sequences(full.input_ids[:n_eval], full.labels[:n_eval])
+        return Sequences(full.input_ids[n_eval:], full.labels[n_eval:], layout=full.layout), \
+            Sequences(full.input_ids[:n_eval], full.labels[:n_eval], layout=full.layout)
     from zerofit.demo import DEMO_DATA
 
     files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
@@ -817,7 +843,7 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
         n_eval = int(len(examples) * cfg.eval_fraction)
         held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
         splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats),
-                  to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len, keep_tail=True))
+                  to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len, formats=formats, keep_tail=True))
     check_vocabulary(splits, len(tokenizer), vocab_size)
     return splits
 

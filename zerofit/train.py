@@ -357,7 +357,8 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = data.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
-        f"{train_set.trained_tokens} tokens learned per epoch{f'; {laid_out}' if laid_out else ''}")
+        f"{train_set.trained_tokens} tokens learned per epoch, {train_set.layout_note()}"
+        f"{f'; {laid_out}' if laid_out else ''}")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
         if sequences.skipped_rows:
             warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
