@@ -63,8 +63,10 @@ def zerofit_command(args: list[str], nproc: int = 1, torchrun_args: tuple[str, .
 
 
 def child_env(env: dict | None = None) -> dict:
-    """The environment a zerofit under test runs in: unbuffered output, one OpenMP thread, `env`."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    """The environment a zerofit under test runs in: unbuffered output, one OpenMP thread, `env`.
+    DS_ACCELERATOR (which in-process tests set here) is left out: the child picks, as a user's would."""
+    inherited = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
+    return {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
 
 
 def wait_for(path: Path, process: subprocess.Popen, poll_s: float = 0.05, timeout_s: float = 300) -> None:

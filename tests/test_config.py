@@ -175,6 +175,14 @@ def test_yaml_files_read_as_a_user_means_them(tmp_path, monkeypatch, capsys):
         load(None, ["plan.gpu_mem=24"])
 
 
+def test_a_bad_config_is_said_first_and_before_deepspeed_loads():
+    """The reason on the first line of stderr, nothing on stdout, and no DeepSpeed import first
+    (it took seconds and printed its accelerator guess ahead of the error)."""
+    done = run_zerofit(["train", "--set", "train.lrr=1"], check=False, timeout=60)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith("zerofit: error: invalid config: unknown key train.lrr"), done.stderr
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     assert cli.main(["train", "--set", "train.lrr=1"]) == 1
     err = capsys.readouterr().err

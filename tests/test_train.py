@@ -315,9 +315,11 @@ def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
 
 
 def test_demo_learns(tmp_path):
-    """The embedded default, shortened: eval loss clearly falls."""
-    run_zerofit(["train", "--run-dir", str(tmp_path / "demo"), "--set", "train.max_steps=60",
-                 "--set", "eval.every_steps=20", "--set", "checkpoint.every_steps=0"])
+    """The embedded default, shortened: eval loss clearly falls. Nothing is printed on stdout
+    (DeepSpeed said there, before zerofit had chosen its accelerator, that it guessed CPU)."""
+    done = run_zerofit(["train", "--run-dir", str(tmp_path / "demo"), "--set", "train.max_steps=60",
+                        "--set", "eval.every_steps=20", "--set", "checkpoint.every_steps=0"])
+    assert done.stdout == "" and "Setting accelerator" not in done.stderr
     evals = [m["eval_loss"] for m in read_jsonl(tmp_path / "demo" / "metrics.jsonl") if "eval_loss" in m]
     assert len(evals) == 3
     assert evals[-1] < evals[0] - 0.3, evals
@@ -483,3 +485,20 @@ def test_tensorboard_curves_follow_resumes_and_starts_over(tmp_path):
     assert steps(tmp_path / "run" / "tensorboard") == [1, 2, 3, 4]
     moved = next((tmp_path / "run" / "checkpoints").glob("earlier-*"))
     assert steps(moved / "tensorboard") == [1, 2, 3, 4, 5] and "moved" in again.stderr
+
+
+def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
+    """The line a Ctrl-C or SIGTERM ends with: a command that works. Stopped before the run's
+    files were written, there is no config.yaml to name (it pointed at one that did not exist)."""
+    from zerofit.checkpointer import where_to_go_on
+    from zerofit.config import validate
+
+    monkeypatch.chdir(tmp_path)
+    config = validate(tiny_config(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    assert where_to_go_on(config) == "no checkpoint was saved; the same command starts again"
+    (tmp_path / "run" / "config.yaml").write_text("model: {config: tiny}\n")
+    assert where_to_go_on(config).startswith(f"no checkpoint was saved; `zerofit train --config {tmp_path}/run/"
+                                             f"config.yaml` starts again")
+    (tmp_path / "run" / "checkpoints" / "step-000003").mkdir(parents=True)
+    assert where_to_go_on(config).startswith("the newest checkpoint is step-000003; `zerofit train --config ")

@@ -56,6 +56,8 @@ def checkpoints_root(config: Config) -> Path:
 def where_to_go_on(config: Config) -> str:
     """What a run that stopped early (SIGTERM, Ctrl-C) can go on from, and the command."""
     published = checkpoint.published(checkpoints_root(config))
+    if not published and not (Path(config.run_dir) / "config.yaml").is_file():  # stopped before the run's files
+        return "no checkpoint was saved; the same command starts again"
     if not published:
         return f"no checkpoint was saved; {resume_command(config, resume=False)} starts again"
     return f"the newest checkpoint is {published[0].name}; {resume_command(config)} continues from it"

@@ -99,9 +99,11 @@ def load_config(args) -> Config:
 # ---------------------------------------------------------------------------- verbs
 def cmd_train(args) -> int:
     from zerofit import engine
+
+    config = load_config(args)  # a bad config is said at once, before DeepSpeed's import (seconds)
+    engine.select_accelerator()  # before that import, which otherwise guesses and says so on stdout
     from zerofit.train import train
 
-    config = load_config(args)
     if args.verify:
         config.checkpoint.verify = args.verify
     try:
