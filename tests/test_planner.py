@@ -415,6 +415,24 @@ def test_plan_json_has_the_documented_keys():
     assert out["estimated_step_seconds"] == planner.step_seconds(out["step_terms"]) > 0
 
 
+def test_the_plan_line_train_says_names_what_runs_and_who_chose_it():
+    from zerofit import planview
+    from zerofit.memory import human_bytes
+
+    cfg = config(train={"micro_batch_size": 1}, zero={"offload_optimizer": "cpu"})
+    decision, spec, hw = planview.plan_config(cfg, 1, hw=cuda_box("8GiB"))
+    line = planview.plan_line(decision)
+    gpu = decision.plan.devices["gpu"]
+    assert line.startswith(f"plan: {choice.describe(decision.plan)} (the planner chose ")
+    chosen = line.split("the planner chose ")[1].split(")")[0].split(", ")
+    assert "zero.offload_param" in chosen and "model.gradient_checkpointing" in chosen
+    assert "zero.offload_optimizer" not in chosen and chosen[-1] == "bucket and window sizes"  # set by hand; tuning
+    assert f"predicted peak gpu {human_bytes(gpu.total_bytes)} of {human_bytes(gpu.usable_bytes)}, host " in line
+    fixed = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"enabled": False})})
+    assert "(plan.enabled false: as configured)" in planview.plan_line(planview.plan_config(fixed, 1,
+                                                                                            hw=cuda_box("8GiB"))[0])
+
+
 # ----------------------------------------------------------------------- the CLI
 def test_plan_cli_json_and_exit_codes():
     import json

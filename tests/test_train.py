@@ -1,6 +1,7 @@
 """End-to-end runs of `zerofit train` on real DeepSpeed ZeRO-3 (CPU accelerator, gloo)."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -320,6 +321,8 @@ def test_demo_learns(tmp_path):
     done = run_zerofit(["train", "--run-dir", str(tmp_path / "demo"), "--set", "train.max_steps=60",
                         "--set", "eval.every_steps=20", "--set", "checkpoint.every_steps=0"])
     assert done.stdout == "" and "Setting accelerator" not in done.stderr
+    assert re.search(r"\nplan: ZeRO-3, optimizer on \w+, params on \w+, micro batch \d+ x \d+, seq 128, .*; predicted "
+                     r"peak host [\d.]+\w+ of [\d.]+\w+; ~[\d.]+ s a step", done.stderr), done.stderr[:2000]
     evals = [m["eval_loss"] for m in read_jsonl(tmp_path / "demo" / "metrics.jsonl") if "eval_loss" in m]
     assert len(evals) == 3
     assert evals[-1] < evals[0] - 0.3, evals

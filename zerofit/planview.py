@@ -183,6 +183,22 @@ def render_explain(decision: Decision, console: Console) -> None:
     console.print(table)
 
 
+def plan_line(decision: Decision) -> str:
+    """What train says it runs, before the build: the configuration, what the planner chose of
+    it, and the predicted training peaks against their budgets (`zerofit plan` shows the rest;
+    plan.json holds it all)."""
+    plan = decision.plan
+    peaks = ", ".join(f"{name} {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)}"
+                      for name, device in plan.devices.items() if name in ("gpu", "host") and device.budget_bytes)
+    tuning = ("bucket_size", "persistence_threshold", "max_live_parameters", "max_reuse_distance")
+    chosen = [key for key in decision.chosen_fields if not key.endswith(tuning)]
+    chosen += ["bucket and window sizes"] * any(key.endswith(tuning) for key in decision.chosen_fields)
+    source = f"the planner chose {', '.join(chosen)}" if chosen else "all set in the config" \
+        if decision.config.plan.enabled else "plan.enabled false: as configured"
+    return (f"plan: {choice.describe(plan)} ({source}); predicted peak {peaks}; ~{plan.step_seconds:.2f} s a step "
+            f"(plan.json; `zerofit doctor` compares)")
+
+
 def buckets(cand) -> str:
     """The element counts that tell candidates of one configuration apart: DeepSpeed's
     reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold."""

@@ -76,6 +76,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
                         data.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
         report_data(train_set, eval_set, config, tokenizer)
+        say(planview.plan_line(decision))
 
     nvme.clear_swap(config, dist.local_rank)  # stale swap files of an earlier process
     model = engine.build_model(config, ds_config)
