@@ -417,6 +417,24 @@ def test_how_a_run_ended_reads_its_end_record():
         "newest intact checkpoint step-000002 (step 3 not saved)"
 
 
+def test_an_async_save_resumed_from_counts_as_published():
+    """An async save of step 4 is published (checkpoint_written) at step 5; a kill at step 6 and
+    a resume from step-000004 dropped that record with step 5's, and the summary called the
+    checkpoint it resumed from unfinished."""
+    from zerofit.doctor import save_outcomes
+    from zerofit.memory import effective_records
+
+    def saved(step, phase, name):
+        return {"step": step, "phase": phase, "checkpoint": name, **({"mode": "async"} if phase == "save" else {})}
+
+    first = [{"step": 0, "phase": "start"}, saved(2, "save", "step-000002"), saved(3, "checkpoint_written", "step-000002"),
+             saved(4, "save", "step-000004"), saved(5, "checkpoint_written", "step-000004"),
+             saved(6, "save", "step-000006")]  # killed while step-000006 was written
+    resumed = [{"step": 4, "phase": "start"}, saved(6, "save", "step-000006"), saved(7, "checkpoint_written", "step-000006")]
+    assert save_outcomes(effective_records(first + resumed)) == {"saves": 3, "saves_failed": 0, "saves_unfinished": 0}
+    assert save_outcomes(effective_records(first)) == {"saves": 2, "saves_failed": 0, "saves_unfinished": 1}
+
+
 def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
     """A newest checkpoint truncated after its save, and a save's partial write a kill left: the
     doctor counted the saves and said nothing; now it names both and what a resume takes."""

@@ -257,13 +257,25 @@ def read_jsonl(path: Path) -> list[dict]:
 def effective_records(records: list[dict]) -> list[dict]:
     """The timeline as the run's model saw it: a `start` record at step s (a resume)
     drops the earlier records of steps after s, which the resume rolled back. OOM and
-    watchdog events are kept: they happened, whatever came after."""
+    watchdog events are kept: they happened, whatever came after. An async save's outcome
+    counts at its checkpoint's step, not at the later step it was stamped with: the
+    publication of step-s is kept when the resume starts from s (or later)."""
     kept: list[dict] = []
     for record in records:
         if record.get("phase") == "start":
-            kept = [r for r in kept if r["step"] <= record["step"] or r["phase"] in ("oom", "watchdog")]
+            kept = [r for r in kept if record_step(r) <= record["step"] or r["phase"] in ("oom", "watchdog")]
         kept.append(record)
     return kept
+
+
+SAVED_STEP = re.compile(r"^step-(\d+)$")
+
+
+def record_step(record: dict) -> int:
+    """The step a record belongs to: its own, or for an async save's outcome its checkpoint's."""
+    named = SAVED_STEP.match(record.get("checkpoint") or "") if record.get("phase") in (
+        "checkpoint_written", "checkpoint_failed") else None
+    return int(named.group(1)) if named else record["step"]
 
 
 def gib(n: float) -> str:
