@@ -460,6 +460,28 @@ def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
                            "--no-resume (it moves them aside, not deletes), or restore a good copy"]
 
 
+def test_a_checkpoint_changed_in_place_is_not_called_intact(clean_run, tmp_path):
+    """Bytes flipped in the newest checkpoint, its size kept: the doctor checked sizes only and
+    named it the newest intact one, which a resume and an export then skipped; it verifies
+    hashes as they do now (--no-hashes: sizes, and a note saying so)."""
+    run, _, _ = clean_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    victim = max((f for f in (copy / "checkpoints" / "step-000012").iterdir() if f.name != "MANIFEST.json"),
+                 key=lambda f: f.stat().st_size)
+    flipped = bytearray(victim.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    victim.write_bytes(bytes(flipped))
+    diagnosis = diagnose(copy)
+    damaged = {f.kind: f for f in diagnosis.findings}["checkpoint_damaged"]
+    assert damaged.title == f"checkpoint step-000012 cannot be loaded: {victim.name} does not match its xxh3_128 " \
+                            f"hash (corrupt)"
+    assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 not saved)"
+    quick = diagnose(copy, hashes=False)
+    assert quick.ending == "completed at step 12; newest intact checkpoint step-000012"
+    assert any(note.startswith("checkpoints checked by their files' sizes only (--no-hashes)") for note in quick.notes)
+
+
 def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):
     """A colleague's run on a read-only mount: doctor raised OSError before printing anything.
     (Root writes through file modes, so the report's path is taken by a directory here.)"""

@@ -324,7 +324,7 @@ def cmd_doctor(args) -> int:
         return 0
     from zerofit.doctor import doctor
 
-    doctor(args.run_dir, args.out)
+    doctor(args.run_dir, args.out, hashes=args.hashes)
     return 0
 
 
@@ -367,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nvme-mib", type=int, default=NVME_TEST_MIB, metavar="N",
                         help="with --nvme-path: MiB to write/read")
     doctor.add_argument("--repro", action="store_true", help="write a standalone reproduction script for RUN_DIR")
+    doctor.add_argument("--hashes", action=argparse.BooleanOptionalAction, default=True,
+                        help="verify the checkpoints as a resume does, every file's xxh3 hash until the newest intact "
+                             "one (default; --no-hashes: sizes only, faster on large checkpoints)")
     doctor.set_defaults(run=cmd_doctor, verb_parser=doctor)  # its usage errors show its own usage
 
     plan = verbs.add_parser("plan", help="predict GPU, host and disk peaks and choose the fastest DeepSpeed config that fits")

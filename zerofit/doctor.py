@@ -46,7 +46,9 @@ class Diagnosis:
 
 
 # ---------------------------------------------------------------------------- reading
-def diagnose(run_dir: str | Path) -> Diagnosis:
+def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
+    """What RUN_DIR's files say; its checkpoints verified as a resume verifies them (every
+    file's xxh3 hash, until the newest intact one), or with `hashes` off by their sizes only."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a directory; point `zerofit doctor` at a zerofit run directory "
@@ -67,12 +69,15 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
     running_pid = runlock.holder(run_dir)
-    newest, damaged = checkpoint.find_latest_valid(run_dir / "checkpoints", hashes=False)
+    newest, damaged = checkpoint.find_latest_valid(run_dir / "checkpoints", hashes=hashes)
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
     findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
+    if not hashes and newest is not None:
+        notes.append("checkpoints checked by their files' sizes only (--no-hashes): a file changed in place is not "
+                     "seen, and a resume, which checks hashes, may still skip the one named intact")
     if plan and checkpoint_bytes:
         notes.append(f"disk's measured figure is the newest checkpoint's size on disk ({human_bytes(checkpoint_bytes)}) "
                      f"times the {checkpoints_at_once(plan)} the plan holds at once (keep_last and the one being "
@@ -376,12 +381,12 @@ def save_outcomes(records: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------- the verb
-def doctor(run_dir: str | Path, html: str | Path | None = None, console=None) -> Diagnosis:
+def doctor(run_dir: str | Path, html: str | Path | None = None, console=None, hashes: bool = True) -> Diagnosis:
     """Diagnose RUN_DIR, print the terminal summary, write report.html (default:
     RUN_DIR/report.html)."""
     from zerofit import report
 
-    diagnosis = diagnose(run_dir)
+    diagnosis = diagnose(run_dir, hashes)
     out = Path(html) if html else Path(run_dir) / "report.html"
     try:
         out.write_text(report.render_html(diagnosis))

@@ -194,7 +194,7 @@ def lora_settings(raw_config: dict, model_config: dict) -> dict:
 def observed(run_dir: Path) -> str:
     """What the doctor saw, for the script's docstring."""
     try:
-        diagnosis = diagnose(run_dir)
+        diagnosis = diagnose(run_dir, hashes=False)  # its findings, not which checkpoint is intact
     except ConfigError:
         return "No memory timeline was recorded."
     lines = ["What zerofit doctor saw:"] + [f"  - {f.severity}: {f.title}" for f in diagnosis.findings[:6]]
