@@ -251,6 +251,16 @@ def test_doctor_tells_an_empty_timeline_from_a_missing_one(tmp_path, written):
         diagnose(tmp_path)
 
 
+
+def test_doctor_on_a_run_stopped_before_training_says_so(tmp_path):
+    """Ctrl-C while the engine was built: config.yaml and plan.json, no timeline; the doctor
+    called it no run directory."""
+    (tmp_path / "config.yaml").write_text("model: {config: tiny}\n")
+    with pytest.raises(ConfigError, match=r"holds a run that stopped before training began .* `zerofit train "
+                                          r"--config .*config.yaml` starts it again"):
+        diagnose(tmp_path)
+
+
 def test_repro_script_runs_standalone(clean_run, tmp_path):
     run, _, _ = clean_run
     done = run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
@@ -389,9 +399,14 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     assert "host RAM was not short" in found[0].cause  # a tiny model on a machine with room
     assert f"available of {gib(found[0].evidence['host_total'])}" in found[0].cause and found[0].evidence["host_total"]
     assert any("dmesg" in fix for fix in found[0].fix)
-    assert diagnose(tmp_path / "run").ending == "newest intact checkpoint step-000003 (step 4 not saved)"
+    diagnosis = diagnose(tmp_path / "run")
+    assert diagnosis.ending == ("killed outright after step 4 (no end record; see the finding); newest intact "
+                                "checkpoint step-000003 (step 4 not saved)")  # it said only the checkpoint
+    from zerofit.report import kill_marks
+    assert kill_marks(diagnosis) == [{"phase": "end", "reason": "killed outright", "step": 4}]  # on the timeline
     run_zerofit(["train", "--config", str(config), "--resume"])
     assert diagnose(tmp_path / "run").ending == "completed at step 6; newest intact checkpoint step-000006"
+    assert kill_marks(diagnose(tmp_path / "run")) == []
     history = [f for f in diagnose(tmp_path / "run").findings if f.kind == "killed"]  # listed, not blamed
     assert len(history) == 1 and history[0].severity == "info" and "the run started again after it" in history[0].title
     # still the record it died after: the resume from step 3 rolled step 4 back, which moved it to step 3's save

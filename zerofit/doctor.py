@@ -90,17 +90,24 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
                      plan_vs_measured(plan, per_rank, checkpoint_bytes), phase_peaks(records),
                      summarize(records, facts, every_rank), report,
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank},
-                     running_pid, "" if running_pid is not None or source != "zerofit" else how_it_ended(records, newest))
+                     running_pid, "" if running_pid is not None or source != "zerofit" else
+                     how_it_ended(records, newest, killed_after(findings)))
+
+
+def killed_after(findings: list[Finding]) -> int | None:
+    """The step a kill the run did not start again after came at (the earliest rank's)."""
+    return min((f.step for f in findings if f.kind == "killed" and f.severity == "error"), default=None)
 
 
 ENDINGS = {"completed": "completed", "sigterm": "stopped by SIGTERM", "interrupted": "interrupted (Ctrl-C)",
            "memory stop": "stopped by the memory watchdog (memory.watchdog_action: stop)"}
 
 
-def how_it_ended(records: list[dict], newest: Path | None) -> str:
+def how_it_ended(records: list[dict], newest: Path | None, killed_after: int | None = None) -> str:
     """`stopped by SIGTERM at step 8; newest intact checkpoint step-000008`: the `end` record the
     loop leaves (train.end_recorded; none after an OOM, whose post-mortem says it, or a kill,
-    which a finding names), and what a resume or an export would take."""
+    `killed_after` the step of its last record, which a finding explains), and what a resume or
+    an export would take."""
     last_start = max((i for i, r in enumerate(records) if r.get("phase") == "start"), default=-1)
     end = next((r for r in reversed(records[last_start + 1:]) if r.get("phase") == "end"), None)
     trained = max((r["step"] for r in records if r.get("phase") not in EVENT_PHASES), default=0)
@@ -109,6 +116,8 @@ def how_it_ended(records: list[dict], newest: Path | None) -> str:
         reason = end.get("reason", "")
         said = ENDINGS.get(reason) or (f"stopped by an {reason}" if reason.startswith("error") else reason)
         parts.append(f"{said} at step {end['step']}")
+    elif killed_after is not None:
+        parts.append(f"killed outright after step {killed_after} (no end record; see the finding)")
     saved = checkpoint.step_of(newest) if newest is not None else 0
     last = end["step"] if end is not None else trained
     unsaved = f" (steps {saved + 1}-{last} not saved)" if last > saved + 1 else \
@@ -174,13 +183,17 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
 
 
 def no_timeline(run_dir: Path) -> str:
-    """Why there is nothing to read: no memory.jsonl at all (not a run directory), or one that holds
-    no record (the run died before its first, or the file was emptied)."""
+    """Why there is nothing to read: a memory.jsonl that holds no record (the run died before its
+    first, or the file was emptied), a run that stopped before it was written, or no run at all."""
     timeline = run_dir / "memory.jsonl"
     if timeline.is_file():
         return (f"{timeline} holds no memory record ({timeline.stat().st_size} bytes): the run stopped before "
                 f"its first record was written, or the file was emptied; `zerofit train` writes one at its start "
                 f"and at every step, so run it again (its log says why it stopped)")
+    if (run_dir / "config.yaml").is_file():  # a zerofit run that ended before training began
+        return (f"{run_dir} holds a run that stopped before training began (its config.yaml, no memory.jsonl: "
+                f"the timeline starts when the engine is built); nothing to diagnose: its own output says why it "
+                f"stopped, and `zerofit train --config {run_dir / 'config.yaml'}` starts it again")
     return (f"{run_dir} has no memory.jsonl: point `zerofit doctor` at a zerofit run directory, "
             f"or at an HF Trainer output_dir trained with zerofit.hf.MemoryGuardCallback()")
 

@@ -97,7 +97,7 @@ def timeline_png(diagnosis) -> str:
         if draw_budget(ax, budget, top * 2**30):
             top = max(top, budget / 2**30 * 1.08)
         ax.set_ylim(0, top)
-        draw_markers(ax, records)
+        draw_markers(ax, records + kill_marks(diagnosis))
         ax.set_ylabel(f"{label} memory (GiB)")
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
@@ -143,6 +143,14 @@ def reading(record: dict, key: str, facts) -> int | None:
     if key == "machine_used":  # what the watchdog counts when the budget is the machine
         return facts.host_total - record["host_avail"] if record.get("host_avail") else None
     return record.get(key)
+
+
+def kill_marks(diagnosis) -> list[dict]:
+    """A kill leaves no `end` record: marked as one where its finding places it."""
+    from zerofit.doctor import killed_after
+
+    step = killed_after(diagnosis.findings)
+    return [] if step is None else [{"phase": "end", "reason": "killed outright", "step": step}]
 
 
 def draw_markers(ax, records: list[dict]) -> None:
