@@ -5,6 +5,7 @@ import base64
 import io
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -370,6 +371,16 @@ def test_system_cli_exit_code_follows_failures(tmp_path):
     failed = "fail" in statuses
     assert done.returncode == (1 if failed else 0), done.stdout
     assert "NVMe path" in done.stdout and "async_io" in done.stdout
+
+
+def test_the_summary_piped_keeps_its_lines_whole(clean_run):
+    """Piped into a file (no terminal: rich's 80 columns), the summary wrapped mid-figure
+    (`0.69 \nGiB`), which broke grep."""
+    run, _, _ = clean_run
+    env = {key: "" for key in ("COLUMNS", "LINES")}
+    first = run_zerofit(["doctor", str(run), "--out", str(run / "piped.html")], env=env).stdout.splitlines()[0]
+    assert len(first) > 80 and first.startswith(f"zerofit doctor {run} (zerofit): 12 steps")
+    assert re.search(r"host peak [\d.]+ GiB of [\d.]+ GiB \(machine RAM\)$", first), first
 
 
 def test_png_is_a_real_image(clean_run):

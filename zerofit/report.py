@@ -373,7 +373,10 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console(highlight=False)
+    import sys
+
+    # piped into a file or grep: one line per line, not wrapped at 80 columns mid-figure
+    console = console or Console(highlight=False, soft_wrap=not sys.stdout.isatty())
     s = diagnosis.summary
     gpu = f"GPU peak {gib(s['gpu_peak_reserved'])} reserved" + (f" of {gib(s['gpu_budget'])}" if s["gpu_budget"]
                                                                  else "") + ", " if s["on_gpu"] else ""
@@ -404,8 +407,8 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
             plan.add_row(row["device"], gib(row["predicted_bytes"] or 0), gib(row["measured_bytes"] or 0),
                          f"{row['error']:+.0%}" if row["error"] is not None else "-")
         console.print(plan)
-        for note in diagnosis.notes:
-            console.print(f"[dim]note: {escape(note)}[/]")
+    for note in diagnosis.notes:  # also without a plan: the note that there is none
+        console.print(f"[dim]note: {escape(note)}[/]")
     if diagnosis.postmortem:
         from zerofit.postmortem import explanation
 
