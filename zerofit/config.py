@@ -375,7 +375,9 @@ class EvalConfig(Section):
 
 class LogConfig(Section):
     every_steps: int = Field(1, ge=1)
-    """Progress-bar update cadence in optimizer steps (metrics.jsonl gets every step)."""
+    """Progress update cadence in optimizer steps; the plain lines written where stderr is no
+    terminal come at most once every 5 s besides, and at the last step (metrics.jsonl gets
+    every step)."""
     progress: bool = True
     """Show the progress bar (plain lines instead when stderr, where zerofit writes, is not a terminal)."""
     tensorboard: bool = False
