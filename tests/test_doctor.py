@@ -459,6 +459,9 @@ def test_an_async_save_resumed_from_counts_as_published():
     resumed = [{"step": 4, "phase": "start"}, saved(6, "save", "step-000006"), saved(7, "checkpoint_written", "step-000006")]
     assert save_outcomes(effective_records(first + resumed)) == {"saves": 3, "saves_failed": 0, "saves_unfinished": 0}
     assert save_outcomes(effective_records(first)) == {"saves": 2, "saves_failed": 0, "saves_unfinished": 1}
+    from zerofit.report import saves_phrase
+    assert saves_phrase({"saves": 1, "saves_failed": 0, "saves_unfinished": 1}) == \
+        "1 save (1 unfinished: being written when the timeline ends)"  # it read "1 saves"
 
 
 def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):

@@ -438,7 +438,7 @@ class Checkpointer:
         seconds = time.perf_counter() - pending["started"]
         extra = f", removed {', '.join(removed)}" if removed else ""
         if pending["mode"] == "async":
-            say(f"checkpoint {final.name}: {total / 1e9:.2f} GB written in the background in {seconds:.1f} s "
+            say(f"checkpoint {final.name}: {memory.human_bytes(total)} written in the background in {seconds:.1f} s "
                 f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s){extra}")
             self.timeline.mark(step or pending["state"].step, "checkpoint_written", checkpoint=final.name,
                                bytes=total, snapshot_seconds=round(self.io.snapshot_seconds, 3),
@@ -447,7 +447,7 @@ class Checkpointer:
                                commit_wait_seconds=round(self.io.commit_wait_seconds, 3),
                                drain_seconds=round(drain_seconds, 3))
         else:
-            say(f"checkpoint {final.name}: {total / 1e9:.2f} GB in {seconds:.1f} s{extra}")
+            say(f"checkpoint {final.name}: {memory.human_bytes(total)} in {seconds:.1f} s{extra}")
 
     def newest(self) -> str | None:
         """The newest published checkpoint's name, as messages about what is kept name it."""

@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 
 from zerofit.findings import gib
+from zerofit.progress import counted
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
                 "eval": 0.95, "save": 1.0, "watchdog": 1.0, "checkpoint_failed": 1.0, "end": 1.0}
@@ -235,7 +236,7 @@ def saves_phrase(summary: dict) -> str:
     extra = [f"{summary['saves_failed']} failed"] if summary["saves_failed"] else []
     if summary["saves_unfinished"]:
         extra.append(f"{summary['saves_unfinished']} unfinished: being written when the timeline ends")
-    return f"{summary['saves']} saves" + (f" ({', '.join(extra)})" if extra else "")
+    return counted(summary["saves"], "save") + (f" ({', '.join(extra)})" if extra else "")
 
 
 def cards(diagnosis) -> str:
@@ -256,7 +257,7 @@ def cards(diagnosis) -> str:
     if s["ooms"]:
         items.append((s["ooms"], "OOM"))
     errors = sum(f.severity == "error" for f in diagnosis.findings)
-    items.append((f"{len(diagnosis.findings)} ({errors} errors)", "findings"))
+    items.append((f"{len(diagnosis.findings)} ({counted(errors, 'error')})", "findings"))
     return "<div class=cards>" + "".join(f"<div class=card><b>{esc(v)}</b><span>{esc(k)}</span></div>"
                                          for v, k in items) + "</div>"
 
@@ -381,7 +382,7 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     gpu = f"GPU peak {gib(s['gpu_peak_reserved'])} reserved" + (f" of {gib(s['gpu_budget'])}" if s["gpu_budget"]
                                                                  else "") + ", " if s["on_gpu"] else ""
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
-                  f"{saves_phrase(s)}, {s['evals']} evals, {gpu}host peak {gib(s['host_peak'])}"
+                  f"{saves_phrase(s)}, {counted(s['evals'], 'eval')}, {gpu}host peak {gib(s['host_peak'])}"
                   + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
     if diagnosis.running_note:
         console.print(f"[yellow]{escape(diagnosis.running_note)}[/]")
