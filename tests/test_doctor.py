@@ -92,6 +92,12 @@ def test_clean_run_has_no_findings(clean_run):
     from zerofit.report import plan_rows
 
     assert [row["device"] for row in plan_rows(diagnosis)] == ["host", "disk"]  # no all-zero GPU row on a CPU run
+    from zerofit.report import stacked
+
+    # the plan chart stacks what the table plans: the free space a save asks for was drawn too (7x here)
+    for row in plan_rows(diagnosis):
+        assert sum(c["predicted_bytes"] for c in stacked(row)) == row["predicted_bytes"], row["device"]
+    assert "save_margin" in [c["name"] for c in plan_rows(diagnosis)[1]["components"]]
 
 
 def test_detectors_find_the_drills_on_a_real_run(drilled_run, clean_run):

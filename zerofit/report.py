@@ -108,16 +108,18 @@ def timeline_png(diagnosis) -> str:
     return png(figure)
 
 
-def draw_budget(ax, budget_bytes: int, reach_bytes: float) -> bool:
+def draw_budget(ax, budget_bytes: int, reach_bytes: float, name: str = "budget") -> bool:
     """The budget as a dashed line when it is within 1.6x of what the chart reaches, else only
-    named in the legend (a far line would flatten what is drawn to nothing); True when drawn."""
+    named in the legend (a far line would flatten what is drawn to nothing); True when drawn.
+    The timeline's is what the watchdog measures against (the machine's RAM or plan.host_mem),
+    the plan chart's what the planner counted free of it."""
     if not budget_bytes:
         return False
     if budget_bytes <= 1.6 * reach_bytes:
         ax.axhline(budget_bytes / 2**30, color="#b71c1c", linestyle="--", linewidth=1,
-                   label=f"budget {gib(budget_bytes)}")
+                   label=f"{name} {gib(budget_bytes)}")
         return True
-    ax.plot([], [], " ", label=f"budget {gib(budget_bytes)} (above the chart)")
+    ax.plot([], [], " ", label=f"{name} {gib(budget_bytes)} (above the chart)")
     return False
 
 
@@ -172,6 +174,14 @@ def draw_markers(ax, records: list[dict]) -> None:
                         ha="right")
 
 
+def stacked(row: dict) -> list[dict]:
+    """The components the plan chart stacks: the planned figure the table gives, without the
+    free space a save asks of the disk (doctor.NOT_WRITTEN), which is never written."""
+    from zerofit.doctor import NOT_WRITTEN
+
+    return [c for c in row["components"] if c["name"] not in NOT_WRITTEN]
+
+
 def plan_png(diagnosis) -> str:
     """Per device: the plan's components stacked, next to the measured peak."""
     import matplotlib
@@ -183,19 +193,22 @@ def plan_png(diagnosis) -> str:
     figure, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
     for ax, row in zip(axes[0], rows):
         bottom = 0.0
-        for component in row["components"]:
+        # the stack is the planned bar the table gives: room a save asks of the disk is not in it
+        for component in stacked(row):
             height = component["predicted_bytes"] / 2**30
-            ax.bar(0, height, bottom=bottom, width=0.6, edgecolor="white", linewidth=0.5)
-            if height > 0.07 * max(row["predicted_bytes"] or 1, row["measured_bytes"] or 1) / 2**30:
+            tall = height > 0.07 * max(row["predicted_bytes"] or 1, row["measured_bytes"] or 1) / 2**30
+            ax.bar(0, height, bottom=bottom, width=0.6, edgecolor="white", linewidth=0.5,
+                   label=None if tall else component["name"])  # a segment too thin to name is in the legend
+            if tall:
                 ax.text(0, bottom + height / 2, component["name"], ha="center", va="center", fontsize=7)
             bottom += height
         if not row["components"]:
             ax.bar(0, (row["predicted_bytes"] or 0) / 2**30, width=0.6, color="#90a4ae")
         ax.bar(1, (row["measured_bytes"] or 0) / 2**30, width=0.6, color="#455a64")
         tallest = max(row["predicted_bytes"] or 0, row["measured_bytes"] or 0)
-        if row.get("budget_bytes"):
-            draw_budget(ax, row["budget_bytes"], tallest)
-            ax.legend(fontsize=8)
+        draw_budget(ax, row.get("budget_bytes") or 0, tallest, "the planner's budget")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
         ax.set_xticks([0, 1], ["planned", "measured"])
         ax.set_title(row["device"])
         ax.set_ylabel("GiB")
