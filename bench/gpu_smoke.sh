@@ -29,6 +29,10 @@ grep -v "^\[20" $OUT/r05.log | tail -25
 python -m zerofit export $OUT/r05 --out /tmp/exp --verify > $OUT/export.log 2>&1; echo "export rc $?"; tail -4 $OUT/export.log
 python -m zerofit doctor $OUT/r05 --out $OUT/report.html > $OUT/doctor.log 2>&1; echo "doctor rc $?"; head -30 $OUT/doctor.log
 python -m zerofit generate /tmp/exp --prompt "hi" --max-new-tokens 8 2>&1 | tail -3
+# plain packing of prompted rows: whole examples, best fit, rows closed by padding (no mask)
+python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05w --set data.packing=true \
+  --set train.max_steps=10 --set checkpoint.every_steps=0 > $OUT/r05w.log 2>&1
+echo "r05w rc $?"; grep -v "^\[20" $OUT/r05w.log | tail -8
 # neat packing (whole examples, best fit, a block-diagonal mask): the planner's mask against the GPU
 python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05n --set data.packing=true \
   --set data.neat_packing=true --set train.max_steps=10 --set checkpoint.every_steps=0 > $OUT/r05n.log 2>&1
