@@ -69,15 +69,18 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     ranks = rank_peaks(per_rank, facts)
     findings = across_ranks({rank: detect(timeline, facts) for rank, timeline in per_rank.items()})
     running_pid = runlock.holder(run_dir)
-    newest, damaged = checkpoint.find_latest_valid(run_dir / "checkpoints", hashes=hashes)
+    # a run that goes on may remove the checkpoint being hashed (keep_last): sizes only while it runs
+    by_hash = hashes and running_pid is None
+    newest, damaged = checkpoint.find_latest_valid(run_dir / "checkpoints", hashes=by_hash)
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
     findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
-    if not hashes and newest is not None:
-        notes.append("checkpoints checked by their files' sizes only (--no-hashes): a file changed in place is not "
-                     "seen, and a resume, which checks hashes, may still skip the one named intact")
+    if not by_hash and newest is not None:
+        why = "--no-hashes" if not hashes else "the run goes on, and its retention may remove one being read"
+        notes.append(f"checkpoints checked by their files' sizes only ({why}): a file changed in place is not "
+                     f"seen, and a resume, which checks hashes, may still skip the one named intact")
     if plan and checkpoint_bytes:
         notes.append(f"disk's measured figure is the newest checkpoint's size on disk ({human_bytes(checkpoint_bytes)}) "
                      f"times the {checkpoints_at_once(plan)} the plan holds at once (keep_last and the one being "
