@@ -19,7 +19,7 @@ run_dir: $OUT/r05
 model: {config: llama-0.5b, tokenizer: /tmp/tok}
 data: {path: /tmp/sft.jsonl, packing: false}
 train: {seq_len: 512, global_batch_size: 16, max_steps: 20, lr: 1e-4, warmup_steps: 2}
-eval: {every_steps: 10, max_batches: 4}
+eval: {every_steps: 10, max_sequences: 64}
 checkpoint: {every_steps: 10, keep_last: 2}
 plan: {gpu_mem: 24GiB}
 YAML

@@ -37,7 +37,7 @@ def tiny_config(run_dir: Path, data_path: str | Path = "demo", **sections) -> di
         "data": {"path": str(data_path), "eval_fraction": 0.05},
         "train": {"seq_len": 64, "micro_batch_size": 4, "max_steps": 6, "lr": 3e-3, "warmup_steps": 2, "seed": 7},
         "zero": {"stage": 3, "offload_optimizer": "cpu"},
-        "eval": {"every_steps": 3, "max_batches": 2},
+        "eval": {"every_steps": 3, "max_sequences": 8},
         "checkpoint": {"every_steps": 3, "keep_last": 2},
         "log": {"progress": False},
     }

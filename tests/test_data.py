@@ -253,11 +253,12 @@ def test_neat_packing_packs_whole_examples_best_fit():
     examples = [([10 + i] * n, [10 + i] * n) for i, n in enumerate(lengths)]
     laid, used = data.rows_of_whole_examples(examples, 6, pad_id=0)
     ids, labels = data.pack(laid, 6)
-    assert ids.tolist() == [[14] * 6, [10] * 5 + [0], [12] * 4 + [13] * 2, [11] * 3 + [0] * 3]
-    assert used.tolist() == [6, 5, 6, 3]
-    assert labels.tolist()[3] == [11] * 3 + [IGNORE] * 3
+    # filled longest first; laid out in data order (a row by its first example's place)
+    assert ids.tolist() == [[10] * 5 + [0], [11] * 3 + [0] * 3, [12] * 4 + [13] * 2, [14] * 6]
+    assert used.tolist() == [5, 3, 6, 6]
+    assert labels.tolist()[1] == [11] * 3 + [IGNORE] * 3
     positions = data.isolate_examples(laid, labels)
-    assert positions.tolist()[2] == [0, 1, 2, 3, 0, 1] and positions.tolist()[3] == [0, 1, 2, 0, 1, 2]
+    assert positions.tolist()[2] == [0, 1, 2, 3, 0, 1] and positions.tolist()[1] == [0, 1, 2, 0, 1, 2]
 
 
 def test_neat_packing_reaches_every_batch(tmp_path, tokenizer):
@@ -387,7 +388,7 @@ def test_an_eval_set_is_evaluated_whole_however_the_run_is_split(tmp_path, token
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 16)
     assert len(seqs) == 11
 
-    def evaluated(micro, world, limit=10):
+    def evaluated(micro, world, limit=None):
         per_rank = [list(data.eval_batches(seqs, micro, rank, world, limit)) for rank in range(world)]
         assert len({len(batches) for batches in per_rank}) == 1  # the same number of forwards on every rank
         rows = [row.tobytes() for batches in per_rank for ids, labels, _ in batches
@@ -397,8 +398,9 @@ def test_an_eval_set_is_evaluated_whole_however_the_run_is_split(tmp_path, token
     whole = sorted(row.tobytes() for row in seqs.input_ids)
     for micro, world in ((4, 1), (2, 2), (1, 4), (4, 4), (16, 1)):
         assert evaluated(micro, world) == whole, (micro, world)
-    assert len(evaluated(2, 2, limit=2)) == 8  # the cap: the first 2 x 2 x 2 sequences
-    assert list(data.eval_batches(seqs, 4, 0, 1, limit=10))[-1][0].shape[0] == 3  # the tail, not dropped
+    for micro, world in ((2, 2), (1, 1), (4, 1)):  # the cap counts sequences, whatever the split
+        assert evaluated(micro, world, limit=7) == sorted(row.tobytes() for row in seqs.input_ids[:7]), (micro, world)
+    assert list(data.eval_batches(seqs, 4, 0, 1))[-1][0].shape[0] == 3  # the tail, not dropped
 
 
 def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_raise_it(tmp_path, tokenizer):

@@ -20,7 +20,7 @@ LLAMA_DEFAULT = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_pro
 def lora_config(run_dir, **sections) -> dict:
     """The tiny model with r=8 adapters: 12 steps, eval and checkpoint every 6."""
     config = tiny_config(run_dir, lora={"enabled": True, "r": 8, "alpha": 32},
-                         eval={"every_steps": 6, "max_batches": 2}, checkpoint={"every_steps": 6, "keep_last": 2})
+                         eval={"every_steps": 6, "max_sequences": None}, checkpoint={"every_steps": 6, "keep_last": 2})
     config["train"].update(max_steps=12, lr=5e-2)
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
@@ -207,7 +207,7 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     model = PeftModel.from_pretrained(base, out, autocast_adapter_dtype=False).eval()
     config = load(run / "config.yaml")
     _, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed, 128)
-    batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, 0, 1, config.eval.max_batches))
+    batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, 0, 1, config.eval.max_sequences))
     with torch.no_grad():  # the eval loss is the mean over every token evaluated
         summed = sum(model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels)).loss.float()
                      * data.targets(labels) for ids, labels, _ in batches)

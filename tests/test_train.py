@@ -41,6 +41,9 @@ def test_run_writes_the_run_directory(one_rank_run):
     # every eval has its line (plain lines come every 5 s: an eval between them went unsaid)
     evals = [f"step {m['step']}/6 eval loss {m['eval_loss']:.4f}" for m in metrics if "eval_loss" in m]
     assert len(evals) == 2 and all(line in done.stderr for line in evals)
+    # the last step's line, its eval, then its checkpoint (the save's line came first)
+    said = done.stderr
+    assert said.index("step 6/6 loss") < said.index(evals[-1]) < said.index("checkpoint step-000006:")
     # the demo data is alpaca, rendered by the demo tokenizer's chat template: the saved tokenizer
     # (what exports copy) keeps it
     from transformers import AutoTokenizer
@@ -151,7 +154,7 @@ def test_a_step_trains_on_the_mean_over_its_tokens_however_it_is_split(tmp_path)
         config = write_config(tmp_path / f"{name}.yaml", tiny_config(
             tmp_path / name, data_path=str(path), data={"packing": False, "eval_path": str(held)},
             train={"max_steps": 3, "micro_batch_size": micro, "grad_accum_steps": accum, "precision": "fp32",
-                   "seq_len": 96}, eval={"every_steps": 0, "at_end": True, "max_batches": 50},
+                   "seq_len": 96}, eval={"every_steps": 0, "at_end": True},
             checkpoint={"every_steps": 0, "save_final": False}))
         run_zerofit(["train", "--config", str(config)], nproc=ranks)
         metrics = read_jsonl(tmp_path / name / "metrics.jsonl")
@@ -204,7 +207,7 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
             run_dir, data_path=str(path), data={"neat_packing": neat, "eval_path": str(held)},
             model={"path": str(base), "config": None, "gradient_checkpointing": True},  # the mask recomputed too
             train={"max_steps": 1, "seq_len": 48, "precision": "fp32", "lr": 1e-12, "warmup_steps": 0},
-            eval={"every_steps": 0, "at_end": True, "max_batches": 50}, checkpoint={"every_steps": 0, "save_final": False}))
+            eval={"every_steps": 0, "at_end": True}, checkpoint={"every_steps": 0, "save_final": False}))
         done = run_zerofit(["train", "--config", str(config)])
         assert "deprecated" not in done.stderr  # transformers 5 warns at every gradient_checkpointing_enable
         losses[neat] = read_jsonl(run_dir / "metrics.jsonl")[0]
@@ -213,7 +216,7 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
     assert (train_set.positions == 0).sum() > 2 * len(train_set)  # several examples a row
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     step = [data.Batches(train_set, 4, 0, 1, loaded.train.seed).next()]
-    evaluated = list(data.eval_batches(eval_set, 4, 0, 1, 50))
+    evaluated = list(data.eval_batches(eval_set, 4, 0, 1))
     assert losses[True]["loss"] == pytest.approx(isolated_loss(model, step), rel=1e-5)
     assert losses[True]["eval_loss"] == pytest.approx(isolated_loss(model, evaluated), rel=1e-5)
     assert abs(losses[False]["eval_loss"] - losses[True]["eval_loss"]) > 1e-3
@@ -505,3 +508,23 @@ def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
                                              f"config.yaml` starts again")
     (tmp_path / "run" / "checkpoints" / "step-000003").mkdir(parents=True)
     assert where_to_go_on(config).startswith("the newest checkpoint is step-000003; `zerofit train --config ")
+
+
+def test_an_evaluation_covers_the_same_sequences_however_the_run_is_split(tmp_path):
+    """eval.max_batches counted micro batches x ranks: micro 16 evaluated 100 sequences and micro 2
+    16 of the same set, so two runs' eval losses (and one before and after an OOM retry's smaller
+    micro batch) did not compare. The cap is in sequences now, the whole set unset."""
+    from zerofit.config import validate
+    from zerofit.train import eval_sequences
+
+    def config(micro, **eval_keys):
+        raw = tiny_config(tmp_path, train={"micro_batch_size": micro})
+        raw["eval"] = {"every_steps": 0, **eval_keys}  # not the test config's cap
+        return validate(raw)
+
+    for micro, ranks in ((16, 1), (2, 1), (1, 4)):
+        assert eval_sequences(config(micro), ranks, held=100) == 100  # unset: the whole set, as HF Trainer
+        assert eval_sequences(config(micro, max_sequences=40), ranks, held=100) == 40
+    assert eval_sequences(config(16, max_sequences=400), 1, held=100) == 100
+    # an older config's max_batches keeps its meaning (and train warns that it moves with the micro batch)
+    assert [eval_sequences(config(micro, max_batches=8), 1, held=100) for micro in (16, 2)] == [100, 16]

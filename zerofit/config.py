@@ -366,9 +366,13 @@ class CheckpointConfig(Section):
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Evaluate every N optimizer steps; 0 only at the end."""
-    max_batches: int = Field(50, ge=1)
-    """Caps an evaluation at the eval set's first max_batches x micro batch x ranks sequences; a
-    smaller eval set is evaluated whole, the same sequences however the run is split."""
+    max_sequences: int | None = Field(None, ge=1)
+    """Caps an evaluation at the eval set's first N sequences; unset, the whole set is evaluated
+    (as HF Trainer does). The same sequences however the run is split into micro batches and
+    ranks (the planner's split, an OOM retry's smaller micro batch), so eval losses compare."""
+    max_batches: int | None = Field(None, ge=1)
+    """Older configs' cap, in micro batches x ranks: the sequences it covers change with the micro
+    batch the planner or an OOM retry picks (train warns). Use max_sequences."""
     at_end: bool = True
     """Evaluate once more when training ends."""
 

@@ -679,8 +679,9 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
     fits (best fit), every row closed by padding; `pack` then cuts at the row ends. An example
     is never split (a tail in the next row would be learned without its prompt); one longer
     than seq_len is cut to it, as padding does. The order is the examples' own for equal
-    lengths: the same data makes the same rows. Returns the examples as laid out (each row's
-    padding one more) and each row's tokens before its padding."""
+    lengths: the same data makes the same rows, laid out in the order of each row's first
+    example in the data. Returns the examples as laid out (each row's padding one more) and
+    each row's tokens before its padding."""
     cut = [e if len(e[0]) <= seq_len else (e[0][:seq_len], e[1][:seq_len]) for e in examples]
     rows: list[list[int]] = []           # example indices per row
     rows_with: dict[int, list[int]] = {}  # room left -> the rows with that much (a stack)
@@ -702,7 +703,7 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
                 bisect.insort(rooms, room - length)
             rows_with[room - length].append(row)
     out, used = [], []
-    for row in rows:
+    for row in sorted(rows, key=min):  # in data order: an eval cap takes the data's first examples, not its longest
         members = [cut[i] for i in row]
         out += members + [tail_padding(members, seq_len, pad_id)]
         used.append(sum(len(e_ids) for e_ids, _ in members))
@@ -983,14 +984,14 @@ def carried_position(position: int, old: BatchShape, new: BatchShape) -> int:
     return epoch * new.per_epoch + new_index
 
 
-def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int):
-    """This rank's micro batches of the eval set's first `limit` x micro_batch x world sequences,
-    in file order: a set smaller than that is evaluated whole, the same sequences however it is
-    split into micro batches and ranks (the tail that did not fill a global batch was dropped:
-    1 and 2 ranks evaluated 4 and 8 sequences of one set). A global batch's sequences are shared
-    out evenly; a rank left without one runs a forward anyway (ZeRO-3's forward is collective) on
-    a row whose labels are all ignored, which the token-weighted eval loss does not count."""
-    total = min(len(seqs), limit * micro_batch * world)
+def eval_batches(seqs: Sequences, micro_batch: int, rank: int, world: int, limit: int | None = None):
+    """This rank's micro batches of the eval set's first `limit` sequences (all of them when
+    None), in file order: the same sequences however they are split into micro batches and
+    ranks (the tail that did not fill a global batch was dropped: 1 and 2 ranks evaluated 4 and
+    8 sequences of one set). A global batch's sequences are shared out evenly; a rank left
+    without one runs a forward anyway (ZeRO-3's forward is collective) on a row whose labels are
+    all ignored, which the token-weighted eval loss does not count."""
+    total = len(seqs) if limit is None else min(len(seqs), limit)
     for start in range(0, total, micro_batch * world):
         share = -(-(min(start + micro_batch * world, total) - start) // world)
         lo = min(start + rank * share, total)

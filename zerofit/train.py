@@ -135,15 +135,14 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             # the step's line before its checkpoint: a kill after the publish left it unwritten for good
             # (a resume keeps the lines up to the checkpoint's step), one before it is rolled back
             metrics.write(record)
+            if state.step % config.log.every_steps == 0 or last:  # the step's line before its save's
+                progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
+            if record.get("eval_loss") is not None:  # every eval in the log, not only one a progress line shows
+                progress.note(state.step, f"eval loss {record['eval_loss']:.4f}")
             saver.poll(state.step)  # an async save whose writers all finished gets published
             if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
                 saver.save(state)
             faults.hold_memory_if_armed(state.step, ds_engine.device)
-
-            if state.step % config.log.every_steps == 0 or last:
-                progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
-            if record.get("eval_loss") is not None:  # every eval in the log, not only one a progress line shows
-                progress.note(state.step, f"eval loss {record['eval_loss']:.4f}")
 
             stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
             signalled = saver.stop_requested()  # SIGTERM (every rank agrees): save this step, then stop
@@ -260,12 +259,22 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
             f"{checkpointer.resume_command(config, resume=False)}")
 
 
+def eval_sequences(config: Config, world_size: int, held: int) -> int:
+    """How many of the eval set's sequences an evaluation covers: eval.max_sequences, else an
+    older config's eval.max_batches x micro batch x ranks, else all of them."""
+    if config.eval.max_sequences is not None:
+        return min(config.eval.max_sequences, held)
+    if config.eval.max_batches is not None:
+        return min(config.eval.max_batches * config.train.micro_batch_size * world_size, held)
+    return held
+
+
 def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,
              timeline: memory.Timeline, step: int) -> float | None:
     import torch
 
     batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, dist.rank, dist.world_size,
-                                     config.eval.max_batches))
+                                     eval_sequences(config, dist.world_size, len(eval_set))))
     if not batches:
         return None
     ds_engine.eval()
@@ -368,6 +377,11 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     if left_out:
         warn(f"not read (zerofit reads .jsonl, .json, .parquet and saved datasets): "
              f"{', '.join(map(str, left_out[:5]))}{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
+    if config.eval.max_batches is not None:
+        warn(f"eval.max_batches {config.eval.max_batches} counts micro batches (of {config.train.micro_batch_size} "
+             f"sequences x ranks): the sequences it evaluates change with the micro batch the planner or an OOM "
+             f"retry picks, so eval losses do not compare; set eval.max_sequences instead (or leave both unset: "
+             f"the whole eval set)")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
     if train_set.cut[0]:
