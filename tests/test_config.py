@@ -355,6 +355,10 @@ def test_a_size_flag_with_a_typo_is_a_usage_error_naming_the_flag(capsys):
      "unknown key data.cutoff_len; LLaMA-Factory's / HF Trainer's cutoff_len is train.seq_len"),
     ("model: {config: tiny}\ntemplate: qwen\n", "unknown key template; LLaMA-Factory's / HF Trainer's template is "
      "the tokenizer's own chat template: model.tokenizer"),
+    ("model: {config: tiny}\nlr_scheduler_type: cosine\n", "unknown key lr_scheduler_type; LLaMA-Factory's / HF "
+     "Trainer's lr_scheduler_type is train.lr_schedule (cosine, linear or constant; zerofit's decay ends at "
+     "train.min_lr_ratio x lr, 0.1 by default, HF's at 0: min_lr_ratio: 0 for theirs)"),  # a default that differs
+    ("model: {config: tiny}\nadam_beta2: 0.999\n", "zerofit's default [0.9, 0.95], HF's [0.9, 0.999]"),
     ("model: {config: tiny}\ntrain:\n\tmax_steps: 3\n", "line 3, column 1 is not valid YAML: found character '\\t' "
      "that cannot start any token; YAML indents with spaces, not tabs"),
     ("model: {config: tiny}\ntrain:\n  max_steps: 3\n     lr: 1\n", "line 4, column 8 is not valid YAML: mapping "
