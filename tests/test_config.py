@@ -175,6 +175,17 @@ def test_yaml_files_read_as_a_user_means_them(tmp_path, monkeypatch, capsys):
         load(None, ["plan.gpu_mem=24"])
 
 
+def test_fp16_without_a_gpu_is_refused_before_the_build(tmp_path):
+    """DeepSpeed's CPU accelerator has no fp16: its sanity check raised after the model was built,
+    a [rank0] traceback."""
+    done = run_zerofit(["train", "--run-dir", str(tmp_path / "run"), "--set", "train.precision=fp16"], check=False,
+                       timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "zerofit: error: train.precision fp16 needs a GPU: DeepSpeed's CPU accelerator trains in bf16 or fp32" \
+        in done.stderr
+    assert not (tmp_path / "run" / "model").exists()  # nothing built
+
+
 def test_a_bad_config_is_said_first_and_before_deepspeed_loads():
     """The reason on the first line of stderr, nothing on stdout, and no DeepSpeed import first
     (it took seconds and printed its accelerator guess ahead of the error)."""

@@ -206,6 +206,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_precision(precision: str, on_gpu: bool) -> None:
+    """Refused before the build: DeepSpeed's CPU accelerator has no fp16 (its supported_dtypes are
+    fp32 and bf16), and its sanity check raised only once the model was built, a traceback."""
+    if precision == "fp16" and not on_gpu:
+        raise ConfigError("train.precision fp16 needs a GPU: DeepSpeed's CPU accelerator trains in bf16 or fp32; "
+                          "set train.precision: bf16 (or fp32)")
+
+
 def torch_dtype(precision: str):
     import torch
 

@@ -48,6 +48,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         runlock.hold(run_dir)
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
+    engine.check_precision(config.train.precision, dist.on_gpu)
     elastic.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
     config, resume = elastic.resume_after_oom(config, resume, dist)  # torchrun restarted the ranks after an OOM
     session.attach(config=config)
