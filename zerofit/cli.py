@@ -188,6 +188,12 @@ def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
     say(f"wrote {path}{disk}: HF Trainer / LLaMA-Factory `--deepspeed {path}` with the plan's {' '.join(flags)}, "
         f"and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment, as the plan assumes (zerofit "
         f"sets it for its own runs)")
+    # transformers (integrations/deepspeed.py, deepspeed_init) hands a DeepSpeed optimizer every
+    # trainable parameter as one group, where its own AdamW leaves biases and norm weights undecayed
+    say("its optimizer section makes DeepSpeed's Adam the Trainer's optimizer (CPU Adam under offload), which the "
+        "Trainer hands every parameter in one group: --weight_decay then decays norm weights and biases too "
+        "(zerofit's own runs and the Trainer's AdamW exempt them); the Trainer's default --weight_decay 0 is the "
+        "same either way")
 
 
 def cmd_lint(args) -> int:
