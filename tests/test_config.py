@@ -367,8 +367,9 @@ def test_a_size_flag_with_a_typo_is_a_usage_error_naming_the_flag(capsys):
     ("model: {config: tiny}\ntemplate: qwen\n", "unknown key template; LLaMA-Factory's / HF Trainer's template is "
      "the tokenizer's own chat template: model.tokenizer"),
     ("model: {config: tiny}\nlr_scheduler_type: cosine\n", "unknown key lr_scheduler_type; LLaMA-Factory's / HF "
-     "Trainer's lr_scheduler_type is train.lr_schedule (cosine, linear or constant; zerofit's decay ends at "
-     "train.min_lr_ratio x lr, 0.1 by default, HF's at 0: min_lr_ratio: 0 for theirs)"),  # a default that differs
+     "Trainer's lr_scheduler_type is train.lr_schedule (cosine, linear or constant, HF's cosine_with_min_lr and "
+     "constant_with_warmup too; zerofit's decay ends at train.min_lr_ratio x lr, 0.1 by default, HF's at 0: "
+     "min_lr_ratio: 0 for theirs)"),  # a default that differs
     ("model: {config: tiny}\nadam_beta2: 0.999\n", "zerofit's default [0.9, 0.95], HF's [0.9, 0.999]"),
     ("model: {config: tiny}\ntrain:\n\tmax_steps: 3\n", "line 3, column 1 is not valid YAML: found character '\\t' "
      "that cannot start any token; YAML indents with spaces, not tabs"),
@@ -381,3 +382,13 @@ def test_a_misplaced_key_or_a_yaml_slip_gets_the_fix(tmp_path, text, message):
     with pytest.raises(ConfigError) as refused:
         load(path)
     assert message in str(refused.value)
+
+
+def test_hf_schedule_names_read_as_zerofits():
+    """transformers' cosine_with_min_lr and constant_with_warmup were refused ("Input should be
+    'cosine', 'linear' or 'constant'"): they are zerofit's cosine (to min_lr_ratio) and constant
+    (with warmup)."""
+    assert load(None, ["train.lr_schedule=cosine_with_min_lr"]).train.lr_schedule == "cosine"
+    assert load(None, ["train.lr_schedule=constant_with_warmup"]).train.lr_schedule == "constant"
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        load(None, ["train.lr_schedule=polynomial"])

@@ -28,8 +28,9 @@ THEIRS = {
     "gradient_accumulation_steps": "train.grad_accum_steps",
     "learning_rate": "train.lr",
     "num_train_epochs": "train.epochs",
-    "lr_scheduler_type": "train.lr_schedule (cosine, linear or constant; zerofit's decay ends at "
-                         "train.min_lr_ratio x lr, 0.1 by default, HF's at 0: min_lr_ratio: 0 for theirs)",
+    "lr_scheduler_type": "train.lr_schedule (cosine, linear or constant, HF's cosine_with_min_lr and "
+                         "constant_with_warmup too; zerofit's decay ends at train.min_lr_ratio x lr, 0.1 by "
+                         "default, HF's at 0: min_lr_ratio: 0 for theirs)",
     "lr_scheduler_kwargs": "train.min_lr_ratio for min_lr_rate (the only scheduler argument zerofit takes)",
     "warmup_ratio": "train.warmup_steps (a number of steps)",
     "max_grad_norm": "train.grad_clip",

@@ -215,7 +215,9 @@ class TrainConfig(Section):
     lr: float = Field(2e-5, gt=0)
     """Peak learning rate."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warmup."""
+    """Decay after warmup, down to min_lr_ratio x lr (cosine, linear); every schedule warms up over
+    warmup_steps. HF's names `cosine_with_min_lr` and `constant_with_warmup` read as cosine and
+    constant (HF's own `constant` skips warmup: set warmup_steps 0 for it)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup: optimizer step s (counted from 1) runs at s / warmup_steps of `lr`, so the
     first step is not wasted at 0 and step warmup_steps reaches `lr`."""
@@ -234,6 +236,12 @@ class TrainConfig(Section):
     """Training precision of parameters and activations (master weights stay fp32)."""
     seed: int = 42
     """Seed for init, data order and dropout; a resumed run continues the same stream."""
+
+    @field_validator("lr_schedule", mode="before")
+    @classmethod
+    def _hf_schedule_names(cls, value):
+        """transformers.get_scheduler's names for what zerofit's schedules are."""
+        return {"cosine_with_min_lr": "cosine", "constant_with_warmup": "constant"}.get(value, value)
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainConfig":
