@@ -229,6 +229,13 @@ def test_changed_settings_names_each_difference():
         f"train.micro_batch_size {before['train']['micro_batch_size']} -> 2"]
     assert changed_settings(before, before) == []
     assert changed_settings({"data": {"path": "x" * 50}}, {"data": {}}) == [f"data.path {'x' * 37}... -> (unset)"]
+    # a key added since an older zerofit wrote the checkpoint, left unset: no change (a resume warned of
+    # "train.warmup_ratio (unset) -> null"); one it holds set, or one with a default, is
+    assert changed_settings({"train": {"lr": 1}}, {"train": {"lr": 1, "warmup_ratio": None}}) == []
+    assert changed_settings({"train": {"lr": 1}}, {"train": {"lr": 1, "warmup_ratio": 0.1}}) == [
+        "train.warmup_ratio (unset) -> 0.1"]
+    assert changed_settings({"data": {}}, {"data": {"alpaca_template": "chat"}}) == [
+        "data.alpaca_template (unset) -> chat"]
 
 
 def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):

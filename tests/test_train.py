@@ -528,3 +528,25 @@ def test_an_evaluation_covers_the_same_sequences_however_the_run_is_split(tmp_pa
     assert eval_sequences(config(16, max_sequences=400), 1, held=100) == 100
     # an older config's max_batches keeps its meaning (and train warns that it moves with the micro batch)
     assert [eval_sequences(config(micro, max_batches=8), 1, held=100) for micro in (16, 2)] == [100, 16]
+
+
+def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():
+    """HF's warmup_ratio (transformers 5: a warmup_steps below 1): ceil(ratio x steps) warmup steps,
+    then the same decay as warmup_steps gives."""
+    import math
+
+    from transformers.training_args import TrainingArguments
+
+    from zerofit.config import load
+    from zerofit.engine import lr_lambda, warmup_steps
+
+    by_ratio = load(None, ["train.warmup_ratio=0.03", "train.warmup_steps=0"])
+    for total in (10, 100, 1234):
+        expected = TrainingArguments(output_dir="/tmp/unused", warmup_steps=0.03).get_warmup_steps(total)
+        assert warmup_steps(by_ratio.train, total) == expected == math.ceil(0.03 * total)
+        by_steps = load(None, [f"train.warmup_steps={expected}"])
+        assert [lr_lambda(by_ratio, total)(s) for s in range(total)] == [lr_lambda(by_steps, total)(s) for s in range(total)]
+    from zerofit.config import ConfigError
+
+    with pytest.raises(ConfigError, match="set train.warmup_steps or train.warmup_ratio, not both"):
+        load(None, ["train.warmup_ratio=0.1", "train.warmup_steps=5"])

@@ -32,7 +32,7 @@ THEIRS = {
                          "constant_with_warmup too; zerofit's decay ends at train.min_lr_ratio x lr, 0.1 by "
                          "default, HF's at 0: min_lr_ratio: 0 for theirs)",
     "lr_scheduler_kwargs": "train.min_lr_ratio for min_lr_rate (the only scheduler argument zerofit takes)",
-    "warmup_ratio": "train.warmup_steps (a number of steps)",
+    "warmup_ratio": "train.warmup_ratio",
     "max_grad_norm": "train.grad_clip",
     "adam_beta1": "train.adam_betas ([beta1, beta2])",
     "adam_beta2": "train.adam_betas ([beta1, beta2]; zerofit's default [0.9, 0.95], HF's [0.9, 0.999])",

@@ -302,8 +302,8 @@ class Checkpointer:
         state = dataclasses.replace(state, data_fingerprint=fresh.data_fingerprint)  # what its saves train on now
         state = self._data_position_carried(state, fresh, directory.name)
         if state.config_fingerprint != fresh.config_fingerprint:
-            if self.dist.is_main:
-                changes = changed_settings(state.config_values, fresh.config_values) if state.config_values else []
+            changes = changed_settings(state.config_values, fresh.config_values) if state.config_values else []
+            if self.dist.is_main and (changes or not state.config_values):  # not a key added since, left unset
                 warn(f"{directory.name} was written with a different config "
                      f"({', '.join(changes) or 'model, data or training shape'}); continuing with the current one"
                      f"{adapter_rescaled(state.config_values, fresh.config_values)}")

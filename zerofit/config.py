@@ -221,6 +221,10 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup: optimizer step s (counted from 1) runs at s / warmup_steps of `lr`, so the
     first step is not wasted at 0 and step warmup_steps reaches `lr`."""
+    warmup_ratio: float | None = Field(None, ge=0.0, lt=1.0)
+    """Warmup as a share of the run's optimizer steps (HF's warmup_ratio; transformers 5 takes it
+    as a warmup_steps below 1): ceil(ratio x steps) warmup steps, counted once the data and the
+    plan give the step count. Instead of warmup_steps."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """The decay's floor as a fraction of `lr` (cosine and linear): reached one step past the
     last, which runs just above it."""
@@ -242,6 +246,12 @@ class TrainConfig(Section):
     def _hf_schedule_names(cls, value):
         """transformers.get_scheduler's names for what zerofit's schedules are."""
         return {"cosine_with_min_lr": "cosine", "constant_with_warmup": "constant"}.get(value, value)
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "TrainConfig":
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError("set train.warmup_steps or train.warmup_ratio, not both")
+        return self
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainConfig":
@@ -487,10 +497,13 @@ class Config(Section):
 
 
 def changed_settings(before: dict, after: dict, prefix: str = "") -> list[str]:
-    """`section.key old -> new` for every setting that differs between two config dumps."""
+    """`section.key old -> new` for every setting that differs between two config dumps. A key one
+    dump lacks (an older zerofit's) and the other holds as None (unset) is no change."""
     changes = []
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key, "(unset)"), after.get(key, "(unset)")
+        if (old, new) in (("(unset)", None), (None, "(unset)")):
+            continue
         if isinstance(old, dict) and isinstance(new, dict):
             changes += changed_settings(old, new, f"{prefix}{key}.")
         elif old != new:

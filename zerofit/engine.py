@@ -350,11 +350,17 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def warmup_steps(train, total_steps: int) -> int:
+    """train.warmup_steps, or train.warmup_ratio of the run's steps rounded up (as transformers'
+    TrainingArguments.get_warmup_steps does)."""
+    return math.ceil(train.warmup_ratio * total_steps) if train.warmup_ratio is not None else train.warmup_steps
+
+
 def lr_lambda(config: Config, total_steps: int):
     """Multiplier of the peak LR at optimizer step s: linear warmup, then cosine or linear
     decay to min_lr_ratio at total_steps (the schedule of Loshchilov & Hutter, SGDR)."""
     train = config.train
-    warmup, floor = train.warmup_steps, train.min_lr_ratio
+    warmup, floor = warmup_steps(train, total_steps), train.min_lr_ratio
 
     def factor(step: int) -> float:
         if warmup and step < warmup:
