@@ -366,7 +366,7 @@ def wide_run(tmp_path_factory, tokenizer_dir):
                   num_attention_heads=8, num_key_value_heads=8)
     (base / "wide.json").write_text(json.dumps(fields))
     config = tiny_config(base / "run", model={"config": str(base / "wide.json"), "tokenizer": str(tokenizer_dir)},
-                         train={"max_steps": 1, "seq_len": 32, "micro_batch_size": 1},
+                         train={"max_steps": 1, "seq_len": 96, "micro_batch_size": 1},
                          eval={"at_end": False, "every_steps": 0}, checkpoint={"every_steps": 0, "verify": "sizes"})
     run_zerofit(["train", "--config", str(write_config(base / "c.yaml", config))])
     return base / "run"
