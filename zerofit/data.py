@@ -56,12 +56,16 @@ class Sequences:
     skipped_reasons: list[str] = field(default_factory=list)
     prompt_only_rows: int = 0     # rows of seq_len tokens without one answer token: nothing to learn
     longest_example: int = 0      # tokens of the longest example, for the advice on seq_len
-    packed: bool = True           # data.packing: what a prompt-only row is, and the advice about it
     formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
     lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: concatenated, all seq_len)
     positions: np.ndarray | None = None  # data.neat_packing: per token, its place in its example within the row
     cut: tuple[int, int] = (0, 0)  # (examples over seq_len cut to it, their answer tokens lost): padded or packed whole
     layout: str = "concatenated"  # packing_layout (padded | whole | concatenated), or synthetic
+
+    @property
+    def packed(self) -> bool:
+        """data.packing: what a prompt-only row is, and the advice about it."""
+        return self.layout != "padded"
 
     def cut_note(self, seq_len: int) -> str:
         """What cutting examples to seq_len cost; "" when none was longer."""
@@ -796,7 +800,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     if layout == "padded":
         lengths = np.minimum([len(e_ids) for e_ids, _ in examples], seq_len).astype(np.int64)
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
-                     longest, cfg.packing, formats,
+                     longest, formats,
                      lengths[learnable] if lengths is not None else None,
                      positions[learnable] if positions is not None else None, cut, layout)
 

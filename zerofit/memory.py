@@ -268,14 +268,13 @@ def effective_records(records: list[dict]) -> list[dict]:
     return kept
 
 
-SAVED_STEP = re.compile(r"^step-(\d+)$")
-
-
 def record_step(record: dict) -> int:
     """The step a record belongs to: its own, or for an async save's outcome its checkpoint's."""
-    named = SAVED_STEP.match(record.get("checkpoint") or "") if record.get("phase") in (
-        "checkpoint_written", "checkpoint_failed") else None
-    return int(named.group(1)) if named else record["step"]
+    from zerofit.checkpoint import step_of  # its reading of a published name
+
+    saved = step_of(Path(record.get("checkpoint") or "")) if record.get("phase") in (
+        "checkpoint_written", "checkpoint_failed") else -1
+    return saved if saved >= 0 else record["step"]
 
 
 def gib(n: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import sys
 from pathlib import Path
 
 from zerofit.findings import gib
@@ -386,8 +387,6 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    import sys
 
     # piped into a file or grep: one line per line, not wrapped at 80 columns mid-figure
     console = console or Console(highlight=False, soft_wrap=not sys.stdout.isatty())
