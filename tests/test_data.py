@@ -248,10 +248,10 @@ def test_neat_packing_restarts_positions_at_every_example_and_row():
 def test_neat_packing_packs_whole_examples_best_fit():
     """LLaMA-Factory's knapsack: longest first, each into the fullest row it fits, rows closed by
     padding; an example is never split across rows (its tail would be learned without its
-    prompt), one longer than seq_len is cut to it."""
+    prompt), one longer than seq_len is cut to it first."""
     lengths = [5, 3, 4, 2, 8]
     examples = [([10 + i] * n, [10 + i] * n) for i, n in enumerate(lengths)]
-    laid, used = data.rows_of_whole_examples(examples, 6, pad_id=0)
+    laid, used = data.rows_of_whole_examples(data.truncated(examples, 6, "balanced")[0], 6, pad_id=0)
     ids, labels = data.pack(laid, 6)
     # filled longest first; laid out in data order (a row by its first example's place)
     assert ids.tolist() == [[10] * 5 + [0], [11] * 3 + [0] * 3, [12] * 4 + [13] * 2, [14] * 6]
@@ -299,22 +299,25 @@ def test_neat_packing_needs_packing_and_a_masking_architecture():
 
 def test_rows_without_learnable_tokens_are_dropped(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "x" * 100, "output": "y"}, {"instruction": "a", "output": "b"}])
-    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False, truncation="head"), tokenizer, 64)
     assert len(seqs) == 1  # the first one's response lies beyond seq_len
+    assert len(data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)) == 2
 
 
 def test_examples_cut_to_seq_len_are_counted(tmp_path, tokenizer):
-    """Padding and packing whole cut an example longer than seq_len (its answer's end lost, end of
-    turn too): said with the tokens lost; concatenated text runs on into the next row, none cut."""
+    """Padding and packing whole cut an example longer than seq_len (a short prompt kept, its
+    answer's end lost, end of turn too): said with the tokens lost; concatenated text runs on
+    into the next row, none cut."""
     rows = [{"instruction": "i", "output": "o" * 40}, {"instruction": "i", "output": "o"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     whole = len(data.tokenize_row(rows[0], "alpaca", tokenizer)[0])
-    for packing, neat in ((False, False), (True, False), (True, True)):
-        seqs = data.build_sequences([path], DataConfig(path=str(path), packing=packing, neat_packing=neat),
-                                    tokenizer, 48)
-        assert seqs.cut == (1, whole - 48) and f"losing {whole - 48} answer tokens" in seqs.cut_note(48)
+    for packing, neat, truncation in ((False, False, "balanced"), (True, False, "head"), (True, True, "balanced")):
+        cfg = DataConfig(path=str(path), packing=packing, neat_packing=neat, truncation=truncation)
+        seqs = data.build_sequences([path], cfg, tokenizer, 48)
+        assert seqs.cut == (1, whole - 48, 0)
+        assert f"losing {whole - 48} answer tokens and 0 prompt tokens" in seqs.cut_note(48)
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "o" * 80}, {"text": "o"}])
-    assert data.build_sequences([text], DataConfig(path=str(text)), tokenizer, 48).cut == (0, 0)
+    assert data.build_sequences([text], DataConfig(path=str(text)), tokenizer, 48).cut == (0, 0, 0)
 
 
 def test_prompted_examples_are_packed_whole_and_text_concatenated(tmp_path, tokenizer):
@@ -404,19 +407,53 @@ def test_an_eval_set_is_evaluated_whole_however_the_run_is_split(tmp_path, token
 
 
 def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_raise_it(tmp_path, tokenizer):
-    """Without packing, an example whose prompt fills seq_len leaves nothing to learn and is
-    dropped (a NaN loss otherwise): counted, and when that leaves too few sequences the error
-    says to raise seq_len, not to lower it."""
+    """Under data.truncation: head, an example whose prompt fills seq_len leaves nothing to learn
+    and is dropped (a NaN loss otherwise): counted, and when that leaves too few sequences the
+    error says to raise seq_len (not to lower it) or to cut balanced."""
     rows = [{"instruction": "word " * 100, "output": "yes"}] * 6 + [{"instruction": "hi", "output": "there"}] * 2
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 128)
+    seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False, truncation="head"), tokenizer, 128)
     assert len(seqs) == 2 and seqs.prompt_only_rows == 6 and seqs.longest_example > 128
     with pytest.raises(DataError, match=r"dropped 6 rows whose answer starts beyond train\.seq_len 128 "
-                                        r"\(the longest example has \d+ tokens\): raise train\.seq_len"):
+                                        r"\(the longest example has \d+ tokens\): raise train\.seq_len, or set "
+                                        r"data\.truncation: balanced"):
         data.Batches(seqs, 4, 0, 1, seed=0)
-    packed = data.build_sequences([path], DataConfig(path=str(path), packing=True), tokenizer, 128)
-    assert packed.prompt_only_rows and "turn data.packing on" not in packed.dropped_note(128)  # it is on
+    packed = data.build_sequences([path], DataConfig(path=str(path), truncation="head"), tokenizer, 128)
     assert "packed rows of 128 tokens holding no answer token" in packed.dropped_note(128)
+
+
+def test_a_long_prompt_is_cut_and_its_answer_kept_as_llama_factory_cuts(tmp_path, tokenizer):
+    """data.truncation: balanced (the default) is LLaMA-Factory's cutoff_len: the same long-prompt
+    rows that head truncation drops keep their answers, their prompts cut to the room left."""
+    rows = [{"instruction": "word " * 100, "output": "yes"}] * 6 + [{"instruction": "hi", "output": "there"}] * 2
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    answer = int((np.array(data.tokenize_row(rows[0], "alpaca", tokenizer)[1]) != IGNORE).sum())
+    for packing in (False, True):
+        seqs = data.build_sequences([path], DataConfig(path=str(path), packing=packing), tokenizer, 128)
+        assert seqs.prompt_only_rows == 0 and seqs.cut[:2] == (6, 0) and seqs.cut[2] > 0
+        assert int((seqs.labels != IGNORE).sum()) == 6 * answer + 2 * int(
+            (np.array(data.tokenize_row(rows[-1], "alpaca", tokenizer)[1]) != IGNORE).sum())
+        assert f"losing 0 answer tokens and {seqs.cut[2]} prompt tokens" in seqs.cut_note(128)
+
+
+def test_balanced_truncation_shares_each_turn_as_infer_seqlen_does():
+    """LLaMA-Factory's infer_seqlen, one case per branch: an answer under half the room is kept
+    whole; a prompt under half is kept whole; else both in proportion; and turn by turn, a
+    later turn gets what the earlier left."""
+    assert data.cutoff_shares(prompt=100, answer=3, room=64) == (61, 3)
+    assert data.cutoff_shares(prompt=10, answer=100, room=64) == (10, 54)
+    assert data.cutoff_shares(prompt=60, answer=40, room=64) == (39, 25)  # int(64 * 40 / 100)
+    assert data.cutoff_shares(prompt=5, answer=3, room=64) == (5, 3)
+    labels = [IGNORE] * 10 + [5, 5] + [IGNORE] * 2 + [6, 6]
+    assert data.turns_of(labels) == [(10, 2), (2, 2)] and data.turns_of([7, 7, IGNORE]) == [(0, 2), (1, 0)]
+    ids = list(range(16))
+    (kept_ids, kept_labels), = data.truncated([(ids, labels)], 8, "balanced")[0]
+    assert kept_ids == [0, 1, 2, 3, 4, 5, 10, 11] and kept_labels == [IGNORE] * 6 + [5, 5]  # turn 2: no room
+    assert data.truncated([(ids, labels)], 8, "balanced")[1] == (1, 2, 6)
+    assert data.truncated([(ids, labels)], 8, "head")[0][0][0] == list(range(8))
+    assert data.truncated([(ids, labels)], 8, "head")[1] == (1, 4, 4)
+    (kept_ids, _), = data.truncated([(ids, labels)], 14, "balanced")[0]
+    assert kept_ids == [*range(12), 12, 14]  # turn 1 whole, then (1, 1) of turn 2 in the 2 tokens left
 
 
 def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_path, tokenizer):

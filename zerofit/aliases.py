@@ -10,7 +10,7 @@ THEIRS = {
                 "data.alpaca_template: alpaca",
     "dataset": "data.path (files or directories; there is no dataset registry)",
     "dataset_dir": "data.path (files or directories; there is no dataset registry)",
-    "cutoff_len": "train.seq_len",
+    "cutoff_len": "train.seq_len (an example over it is cut as LLaMA-Factory cuts: data.truncation: balanced)",
     "val_size": "data.eval_fraction (zerofit holds 0.05 of the rows out by default, LLaMA-Factory none: 0 for "
                 "theirs)",
     "train_on_prompt": "not offered: prompts are masked, answers learned (a `text` row learns every token)",

@@ -165,6 +165,12 @@ class DataConfig(Section):
     ids restart at every example, transformers builds a block-diagonal causal
     mask from them, and an example's first token is not predicted from the one before it.
     Costs a micro batch x seq_len^2 mask in memory (the planner counts it)."""
+    truncation: Literal["balanced", "head"] = "balanced"
+    """How an example longer than train.seq_len is cut to it (padded or packed whole; text
+    concatenated runs on into the next row, none cut). `balanced`: LLaMA-Factory's cutoff_len,
+    turn by turn, each prompt and answer keep their heads in proportion to their lengths (an
+    answer shorter than half of what is left is kept whole), so a long prompt still leaves its
+    answer to learn; `head`: the first seq_len tokens (a long prompt leaves none)."""
     skip_bad_rows: bool = False
     """Skip and count malformed rows instead of failing on the first one."""
     synthetic_samples: int = Field(4096, ge=1)

@@ -7,6 +7,7 @@ resumed run continues the very same stream, on any number of ranks.
 from __future__ import annotations
 
 import bisect
+import itertools
 import codecs
 import contextlib
 import json
@@ -59,8 +60,9 @@ class Sequences:
     formats: tuple[str, ...] = ()  # the row formats read (text | alpaca | messages), for the chat template
     lengths: np.ndarray | None = None  # per row, the tokens before its padding (None: concatenated, all seq_len)
     positions: np.ndarray | None = None  # data.neat_packing: per token, its place in its example within the row
-    cut: tuple[int, int] = (0, 0)  # (examples over seq_len cut to it, their answer tokens lost): padded or packed whole
+    cut: tuple[int, int, int] = (0, 0, 0)  # `truncated`'s (examples cut to seq_len, answer, prompt tokens lost)
     layout: str = "concatenated"  # packing_layout (padded | whole | concatenated), or synthetic
+    truncation: str = "balanced"  # data.truncation, which made `cut`
 
     @property
     def packed(self) -> bool:
@@ -69,24 +71,23 @@ class Sequences:
 
     def cut_note(self, seq_len: int) -> str:
         """What cutting examples to seq_len cost; "" when none was longer."""
-        examples, lost = self.cut
+        examples, answer_lost, prompt_lost = self.cut
         if not examples:
             return ""
-        return (f"{examples} examples longer than train.seq_len {seq_len} were cut to it, losing {lost} answer tokens "
-                f"(their ends, and their end-of-turn tokens; the longest has {self.longest_example} tokens): raise "
-                f"train.seq_len to learn them whole")
+        return (f"{examples} examples longer than train.seq_len {seq_len} were cut to it (data.truncation "
+                f"{self.truncation}), losing {answer_lost} answer tokens and {prompt_lost} prompt tokens (the longest "
+                f"example has {self.longest_example} tokens): raise train.seq_len to learn them whole")
 
     def dropped_note(self, seq_len: int) -> str:
         """Why `prompt_only_rows` rows were dropped and what would keep them; "" when none were."""
         if not self.prompt_only_rows:
             return ""
-        if self.packed:
-            return (f"dropped {self.prompt_only_rows} packed rows of {seq_len} tokens holding no answer token (prompts "
-                    f"longer than train.seq_len; the longest example has {self.longest_example} tokens): raise "
-                    f"train.seq_len to keep their answers' context")
-        return (f"dropped {self.prompt_only_rows} rows whose answer starts beyond train.seq_len {seq_len} (the longest "
-                f"example has {self.longest_example} tokens): raise train.seq_len to learn from them, or turn "
-                f"data.packing on")
+        rows = f"packed rows of {seq_len} tokens holding no answer token" if self.packed else \
+            f"rows whose answer starts beyond train.seq_len {seq_len}"
+        keep = "raise train.seq_len, or set data.truncation: balanced (a long prompt is cut, its answer kept)" \
+            if self.truncation == "head" else "raise train.seq_len"
+        return (f"dropped {self.prompt_only_rows} {rows} (the longest example has {self.longest_example} tokens): "
+                f"{keep} to learn from them")
 
     def layout_note(self) -> str:
         """How the examples fill the rows, for the data line: `packed whole (3.1% padding)`."""
@@ -681,17 +682,16 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
     """Packing of prompted examples (LLaMA-Factory's greedy knapsack for its sft stage, with
     neat_packing or without): whole examples, longest first, each into the fullest row it still
     fits (best fit), every row closed by padding; `pack` then cuts at the row ends. An example
-    is never split (a tail in the next row would be learned without its prompt); one longer
-    than seq_len is cut to it, as padding does. The order is the examples' own for equal
+    is never split (a tail in the next row would be learned without its prompt); none is longer
+    than seq_len (`truncated` cut them). The order is the examples' own for equal
     lengths: the same data makes the same rows, laid out in the order of each row's first
     example in the data. Returns the examples as laid out (each row's padding one more) and
     each row's tokens before its padding."""
-    cut = [e if len(e[0]) <= seq_len else (e[0][:seq_len], e[1][:seq_len]) for e in examples]
     rows: list[list[int]] = []           # example indices per row
     rows_with: dict[int, list[int]] = {}  # room left -> the rows with that much (a stack)
     rooms: list[int] = []                # the room values some row has, sorted: at most seq_len of them
-    for index in sorted(range(len(cut)), key=lambda i: -len(cut[i][0])):
-        length = len(cut[index][0])
+    for index in sorted(range(len(examples)), key=lambda i: -len(examples[i][0])):
+        length = len(examples[index][0])
         at = bisect.bisect_left(rooms, length)  # the least room that takes it: the fullest row it fits
         if at == len(rooms):
             room, row = seq_len, len(rows)
@@ -708,7 +708,7 @@ def rows_of_whole_examples(examples: list[tuple[list[int], list[int]]], seq_len:
             rows_with[room - length].append(row)
     out, used = [], []
     for row in sorted(rows, key=min):  # in data order: an eval cap takes the data's first examples, not its longest
-        members = [cut[i] for i in row]
+        members = [examples[i] for i in row]
         out += members + [tail_padding(members, seq_len, pad_id)]
         used.append(sum(len(e_ids) for e_ids, _ in members))
     return out, np.array(used, dtype=np.int64)
@@ -736,6 +736,70 @@ def isolate_examples(examples: list[tuple[list[int], list[int]]], labels: np.nda
     in_example = flat - np.repeat(starts, lengths)[: rows * seq_len]
     labels.flat[starts[starts < rows * seq_len]] = IGNORE
     return np.minimum(in_example, flat % seq_len).reshape(rows, seq_len)
+
+
+def truncated(examples: list[tuple[list[int], list[int]]], seq_len: int,
+              how: str) -> tuple[list[tuple[list[int], list[int]]], tuple[int, int, int]]:
+    """The examples cut to seq_len (data.truncation), and what that cost: (examples cut, answer
+    tokens lost, prompt tokens lost)."""
+    out, cut, answer_lost, prompt_lost = [], 0, 0, 0
+    for ids, labels in examples:
+        if len(ids) > seq_len:
+            kept = head_of(len(ids), seq_len) if how == "head" else balanced_cut(labels, seq_len)
+            lost_answer = sum(label != IGNORE for label in labels) - sum(labels[i] != IGNORE for i in kept)
+            cut, answer_lost, prompt_lost = cut + 1, answer_lost + lost_answer, \
+                prompt_lost + len(ids) - len(kept) - lost_answer
+            ids, labels = [ids[i] for i in kept], [labels[i] for i in kept]
+        out.append((ids, labels))
+    return out, (cut, answer_lost, prompt_lost)
+
+
+def head_of(length: int, seq_len: int) -> list[int]:
+    return list(range(min(length, seq_len)))
+
+
+def balanced_cut(labels: list[int], seq_len: int) -> list[int]:
+    """The token indices an over-long example keeps under LLaMA-Factory's cutoff_len
+    (data/processor/supervised.py, _encode_data_example): turn by turn, in order, each (prompt,
+    answer) pair is cut to what is left of seq_len by `cutoff_shares`, each keeping its head."""
+    kept, start, room = [], 0, seq_len
+    for prompt, answer in turns_of(labels):
+        if room <= 0:
+            break
+        keep_prompt, keep_answer = cutoff_shares(prompt, answer, room)
+        kept += [*range(start, start + keep_prompt), *range(start + prompt, start + prompt + keep_answer)]
+        start, room = start + prompt + answer, room - keep_prompt - keep_answer
+    return kept
+
+
+def turns_of(labels: list[int]) -> list[tuple[int, int]]:
+    """(prompt tokens, answer tokens) per turn: a run of unlearned labels, then the learned run
+    after it (a text row is one turn with no prompt; a template's tail after the last answer one
+    with no answer)."""
+    turns, prompt = [], 0
+    for learned, run in itertools.groupby(labels, key=lambda label: label != IGNORE):
+        length = sum(1 for _ in run)
+        if learned:
+            turns.append((prompt, length))
+            prompt = 0
+        else:
+            prompt = length
+    return turns + [(prompt, 0)] if prompt else turns
+
+
+def cutoff_shares(prompt: int, answer: int, room: int) -> tuple[int, int]:
+    """(prompt, answer) tokens kept of a turn within `room` (LLaMA-Factory's infer_seqlen,
+    data/processor/processor_utils.py): an answer under half the room is kept whole and the
+    prompt cut; else a prompt under half is kept whole and the answer cut; else both shrink in
+    proportion to their lengths."""
+    if answer * 2 < room:
+        most_answer = room
+    elif prompt * 2 < room:
+        most_answer = room - prompt
+    else:
+        most_answer = int(room * answer / (prompt + answer))
+    kept_answer = min(most_answer, answer)
+    return min(max(room - kept_answer, 0), prompt), kept_answer
 
 
 def pad(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -783,9 +847,9 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest = max((len(e_ids) for e_ids, _ in examples), default=0)
     layout = packing_layout(cfg, formats)
-    over = [labels[seq_len:] for ids, labels in examples if len(ids) > seq_len] if \
-        layout != "concatenated" else []  # concatenating splits an example, cuts none
-    cut = (len(over), sum(sum(label != IGNORE for label in labels) for labels in over))
+    cut = (0, 0, 0)  # concatenating splits an example, cuts none
+    if layout != "concatenated":
+        examples, cut = truncated(examples, seq_len, cfg.truncation)
     lengths = None  # concatenated rows: every token real
     if layout == "whole":
         examples, lengths = rows_of_whole_examples(examples, seq_len, pad_id)
@@ -802,7 +866,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      longest, formats,
                      lengths[learnable] if lengths is not None else None,
-                     positions[learnable] if positions is not None else None, cut, layout)
+                     positions[learnable] if positions is not None else None, cut, layout, cfg.truncation)
 
 
 def packing_layout(cfg: DataConfig, formats: tuple[str, ...]) -> str:
