@@ -13,7 +13,7 @@ import pytest
 from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
                       write_config)
 
-from zerofit import checkpoint, dsconfig, hardware, nvme, planner, planview, swaplayout, zerofiles
+from zerofit import aiotune, checkpoint, dsconfig, hardware, nvme, planner, planview, swaplayout, zerofiles
 from zerofit.config import ConfigError, validate
 from zerofit.export import export
 from zerofit.swaplayout import Aio
@@ -320,6 +320,35 @@ def test_swap_files_and_checkpoints_on_one_filesystem_share_its_free_space(tmp_p
     shared = planner.predict(spec, hardware.with_overrides(tight, nvme_shares_disk=True), shape, candidate, 0.1)
     assert apart.devices["nvme"].fits and apart.devices["disk"].fits
     assert not shared.devices["nvme"].fits and shared.devices["disk"].fits
+
+
+def test_the_planners_own_nvme_choice_is_checked_for_direct_io_blocks(tmp_path, monkeypatch):
+    """offload_optimizer left to the planner, which picks NVMe for a short host: the optimizer's
+    transfers are checked against the path's direct-I/O block as for a user who wrote nvme
+    (they were not, and DeepSpeed's next read after a torn write aborts). A hidden size of 1000
+    makes 4,000,000-byte rows, not whole 4 KiB blocks; 1024 makes whole ones."""
+    monkeypatch.setenv("ZEROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cache = aiotune.cache_path(swap)
+    cache.parent.mkdir()
+    cache.write_text(json.dumps({"version": aiotune.CACHE_VERSION, "path": str(swap.resolve()),
+                                 "dio_alignment": 4096, "aio": {}}))
+    problems = {}
+    for hidden in (1000, 1024):
+        model = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+                 "intermediate_size": 2752, "num_attention_heads": 8 + 2 * (hidden == 1000),
+                 "num_key_value_heads": 8 + 2 * (hidden == 1000), "num_hidden_layers": 40, "vocab_size": 32000}
+        (tmp_path / f"h{hidden}.json").write_text(json.dumps(model))
+        config = validate({"model": {"config": str(tmp_path / f"h{hidden}.json"), "gradient_checkpointing": True},
+                           "train": {"seq_len": 512, "micro_batch_size": 1, "max_steps": 10},
+                           "zero": {"nvme_path": str(swap)}})
+        hw = hardware.with_overrides(hardware.probe(gpu_mem="4GiB", host_mem="8GiB", nvme_path=str(swap)),
+                                     cpu_cores=16, disk_free_bytes=10**13, nvme_free_bytes=10**13)
+        decision, _, _ = planview.plan_config(config, 1, hw=hw)
+        assert decision.plan.candidate.offload_optimizer == "nvme" and "offload_optimizer" not in config.zero.model_fields_set
+        problems[hidden] = decision.nvme_problems
+    assert "not a multiple of 4096" in problems[1000][0] and problems[1024] == []
 
 
 def test_parameter_swap_buffers_hold_the_largest_partition(tmp_path):

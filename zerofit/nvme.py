@@ -103,7 +103,7 @@ def resolve_aio(config: Config, spec, world_size: int) -> tuple[Config, list[str
     notes = [f"aio settings from the sweep cached in {aiotune.cache_path(zero.nvme_path)}"] if tuned else []
     problems: list[str] = []
     dio = tuned.get("dio_alignment") or _dio_alignment(Path(zero.nvme_path))
-    if dio and zero.offload_optimizer == "nvme":
+    if dio and optimizer_may_swap(config):
         groups = zerostates.sub_group_members(spec, world_size, zero.sub_group_size)
         fixed, changes = aligned_aio(groups, aio, dio)
         user_changed = [k for k in chosen if getattr(fixed, k) != chosen[k]]
@@ -122,6 +122,13 @@ def resolve_aio(config: Config, spec, world_size: int) -> tuple[Config, list[str
             notes += changes
     zero = zero.model_copy(update={f"aio_{k}": v for k, v in aio.to_json().items()})
     return config.model_copy(update={"zero": zero}), notes, problems
+
+
+def optimizer_may_swap(config: Config) -> bool:
+    """The optimizer's states may go to NVMe: set so, or left to the planner, which chooses
+    NVMe where the host cannot hold them (choice.candidates, stage 3 only)."""
+    zero = config.zero
+    return zero.offload_optimizer == "nvme" or ("offload_optimizer" not in zero.model_fields_set and zero.stage == 3)
 
 
 def aio_of(config: Config) -> Aio:

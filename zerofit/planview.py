@@ -44,6 +44,7 @@ def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None,
     decision = choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes))
     if nvme.uses_nvme(decision.config):
         decision.plan.notes.extend(notes)
+    if decision.config.zero.offload_optimizer == "nvme":  # the problems are the optimizer's transfers
         decision.nvme_problems = problems
     return decision, spec, hw
 
