@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, child_env, read_jsonl, run_zerofit, tiny_config, wait_for, write_config, write_jsonl,
-                      zerofit_command)
+from conftest import (ROOT, child_env, read_jsonl, run_zerofit, tiny_config, trained_run, wait_for, write_config,
+                      write_jsonl, zerofit_command)
 from zerofit import checkpoint, checkpointer, data, faults
 from zerofit.doctor import diagnose
 
@@ -427,6 +427,16 @@ def test_async_save_writes_what_sync_writes(async_run, reference):
     assert all(r["bytes"] > 10**6 and r["write_gbps"] > 0 for r in written)
     assert [m["loss"] for m in read_jsonl(run / "metrics.jsonl")] == \
         [m["loss"] for m in read_jsonl(reference / "metrics.jsonl")]
+
+
+def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
+    """The run caps its snapshot buffer as the planner did: half of plan.host_mem (it took half
+    the RAM available, so a plan made for a 100 MiB budget reserved gigabytes at run time)."""
+    config = tiny_config(tmp_path / "run", train={"max_steps": 2}, checkpoint={"every_steps": 2, "async_save": True},
+                         plan={"host_mem": "100MiB", "enabled": False}, **SHAPE)
+    run, _, done = trained_run(tmp_path, config)
+    assert "snapshots (at most 50.0MiB: checkpoint.async_host_max_gib" in done.stderr.replace("\n", " ")
+    assert valid_steps(run) == [2]
 
 
 @pytest.mark.parametrize("fault, async_save", [("kill@save:2", False), ("kill@rename:3", True)])

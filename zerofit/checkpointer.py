@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import (checkpoint, checkpoint_io, data, elastic, engine, faults, lora, memory, nvme, planner, universal,
+from zerofit import (checkpoint, checkpoint_io, choice, data, elastic, engine, faults, lora, memory, nvme, planner, universal,
                      zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
@@ -232,17 +232,19 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
 
 class Checkpointer:
     """Saves of one run: installs zerofit's checkpoint engine on the DeepSpeed engine,
-    holds the save in flight (at most one) and the SIGTERM flag."""
+    holds the save in flight (at most one) and the SIGTERM flag. `host_budget_bytes` is the
+    host budget the plan used (0: the RAM available now), which caps async snapshots as the
+    planner capped them."""
 
-    def __init__(self, ds_engine, config: Config, dist, timeline: memory.Timeline):
+    def __init__(self, ds_engine, config: Config, dist, timeline: memory.Timeline, host_budget_bytes: int = 0):
         self.ds_engine, self.config, self.dist, self.timeline = ds_engine, config, dist, timeline
         self.root = checkpoints_root(config)
         self.settings = config.checkpoint
         self.zero_stage = config.zero.stage
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters()
                             if p.requires_grad)
-        host_max = int(self.settings.async_host_max_gib * 2**30) if self.settings.async_host_max_gib \
-            else int(psutil.virtual_memory().available * planner.ASYNC_HOST_SHARE)
+        host_max = planner.async_snapshot_cap(choice.async_snapshot_max(config),
+                                              host_budget_bytes or psutil.virtual_memory().available)
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
                                            self.settings.zip_crc32)
         self._pending: dict | None = None
@@ -480,10 +482,11 @@ class Checkpointer:
         save copies into warm memory. Sized from the last manifest or the formula, with
         slack for partition padding: a buffer found too small is reallocated at the save."""
         per_rank = checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage) // self.dist.world_size
-        nbytes = min(int(per_rank * 1.02) + (64 << 20), self.io.arena.max_bytes)
+        nbytes = min(planner.snapshot_buffer_bytes(per_rank), self.io.arena.max_bytes)
         if self.dist.is_main:
-            say(f"async checkpoints: {memory.gib(nbytes)} of host RAM per rank for snapshots "
-                f"(at most {memory.gib(self.io.arena.max_bytes)}: checkpoint.async_host_max_gib)")
+            say(f"async checkpoints: {memory.human_bytes(nbytes)} of host RAM per rank for snapshots (at most "
+                f"{memory.human_bytes(self.io.arena.max_bytes)}: checkpoint.async_host_max_gib, by default half "
+                f"the plan's host budget)")
         threading.Thread(target=self.io.arena.reserve, args=(nbytes,), daemon=True,
                          name="zerofit-host-buffer").start()
 

@@ -366,8 +366,9 @@ class CheckpointConfig(Section):
     while the state is copied to host memory; at most one save is in flight."""
     async_host_max_gib: float | None = Field(None, gt=0)
     """Host RAM the async snapshot buffer may hold per rank (it holds one checkpoint's
-    share of the rank, reused by every save). Default: half the RAM available at start.
-    A save that does not fit is written synchronously, with a warning."""
+    share of the rank, reused by every save). Default: half the plan's host budget
+    (plan.host_mem, else the RAM available at start), as the planner counts it. A save that
+    does not fit is written synchronously, with a warning."""
     direct_io: bool = True
     """Write checkpoint files with O_DIRECT (from an aligned buffer straight to the disk: no
     page-cache copy, no kernel writeback threads taking cores from the CPU optimizer while

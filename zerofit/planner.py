@@ -159,9 +159,22 @@ class Plan:
 
 
 # --------------------------------------------------------------- checkpoint, export
-ASYNC_SNAPSHOT_PER_CHECKPOINT_BYTE = 18_408_603_811 / 17_981_883_695  # measured: see async_snapshot_bytes
+ASYNC_HOST_SHARE = 0.5  # checkpoint.async_host_max_gib's default: this share of the host budget
 
-ASYNC_HOST_SHARE = 0.5  # checkpoint.async_host_max_gib's default: this share of the host RAM available
+
+def snapshot_buffer_bytes(rank_checkpoint_bytes: int) -> int:
+    """The async-save snapshot buffer for one rank's share of a checkpoint: 2% and 64 MiB over
+    it, for partition padding and headers the byte count misses (a buffer found short is
+    reallocated at the save, a spike). On the GPU machine the 1.5B model's 17.98 GB checkpoint
+    reserved 18.41 GB and never grew (bench/results/checkpoint.json, async_host_buffer_bytes)."""
+    return int(rank_checkpoint_bytes * 1.02) + (64 << 20)
+
+
+def async_snapshot_cap(async_snapshot_max: int | None, host_budget_bytes: int) -> int:
+    """The most host RAM one rank's snapshot may hold (Shape.async_snapshot_max):
+    checkpoint.async_host_max_gib, else ASYNC_HOST_SHARE of the host budget (plan.host_mem, or
+    the RAM available). A snapshot over it is not taken: that save is synchronous."""
+    return int(host_budget_bytes * ASYNC_HOST_SHARE) if async_snapshot_max is None else async_snapshot_max
 
 
 def checkpoint_bytes(total_params: int, world_size: int = 1, stage: int = 3, element_bytes: int = 2) -> int:
@@ -179,14 +192,12 @@ def checkpoint_bytes(total_params: int, world_size: int = 1, stage: int = 3, ele
 def async_snapshot_bytes(ckpt_bytes: int, shape: Shape, hw: Hardware) -> int:
     """Host RAM one rank's async-save snapshot buffer holds for the whole run (checkpoint_io.
     HostArena: reserved at start, reused by every save), 0 when saves are synchronous or the
-    snapshot would pass its cap (the run then saves synchronously, with a warning). It holds
-    the rank's share of the checkpoint: 18.41 GB of buffer for a 17.98 GB checkpoint of the
-    1.5B model on one rank (bench/results/checkpoint.json, async_host_buffer_bytes)."""
+    snapshot would pass its cap (the run then saves synchronously, with a warning): the
+    rank's share of the checkpoint, `snapshot_buffer_bytes`, as Checkpointer reserves it."""
     if shape.async_snapshot_max == 0:
         return 0
-    cap = int(hw.host_budget_bytes * ASYNC_HOST_SHARE) if shape.async_snapshot_max is None else shape.async_snapshot_max
-    needed = int(ckpt_bytes / shape.world_size * ASYNC_SNAPSHOT_PER_CHECKPOINT_BYTE)
-    return needed if needed <= cap else 0
+    needed = snapshot_buffer_bytes(ckpt_bytes // shape.world_size)
+    return needed if needed <= async_snapshot_cap(shape.async_snapshot_max, hw.host_budget_bytes) else 0
 
 
 def export_bytes(total_params: int, element_bytes: int = 2) -> int:

@@ -89,7 +89,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     timeline = memory.Timeline(run_dir, dist.rank, dist.on_gpu,
                                nvme_path=nvme.swap_root(config) if nvme.uses_nvme(config) else None,
                                predictions=planview.phase_predictions(decision))
-    saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline)
+    saver = checkpointer.Checkpointer(ds_engine, config, dist, timeline,
+                                      host_budget_bytes=decision.record["hardware"]["host_budget_bytes"])
     swap_guard = nvme.SwapGuard(ds_engine)
     state = saver.load(resume_point, fresh)
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
