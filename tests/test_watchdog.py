@@ -11,16 +11,19 @@ from zerofit.watchdog import Watchdog, crossings, usage
 WIDE = {"COLUMNS": "400"}
 
 
-def watched_run(base, action, threshold=0.01, check=True):
+def watched_run(base, action, threshold=0.01, check=True, env=None):
     config = write_config(base / "c.yaml", tiny_config(base / "run", train={"max_steps": 5},
                                                          checkpoint={"every_steps": 0},
                                                          memory={"watchdog_threshold": threshold,
                                                                  "watchdog_action": action}))
-    return base / "run", run_zerofit(["train", "--config", str(config)], env=WIDE, check=check)
+    return base / "run", run_zerofit(["train", "--config", str(config)], env={**WIDE, **(env or {})}, check=check)
 
 
 def test_stop_action_saves_and_stops_with_exit_1(tmp_path):
-    run, done = watched_run(tmp_path, "stop", check=False)
+    # the allocator's newer variable name is what the run started with: the doctor's advice reads it
+    run, done = watched_run(tmp_path, "stop", check=False, env={"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    start = next(r for r in read_jsonl(run / "memory.jsonl") if r["phase"] == "start")
+    assert RunFacts(alloc_conf=start["alloc_conf"]).expandable_segments_on
     assert done.returncode == 1
     assert "zerofit: error: watchdog: host memory" in done.stderr
     assert f"checkpoint: {run / 'checkpoints' / 'step-000001'}" in done.stderr

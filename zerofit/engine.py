@@ -92,6 +92,11 @@ ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
+def allocator_variables(environ: Mapping[str, str]) -> str:
+    """What the allocator variables say, both names' settings (torch reads either)."""
+    return ",".join(environ[name] for name in ALLOC_CONF_VARIABLES if environ.get(name))
+
+
 def allocator_setting(wanted: bool, environ: Mapping[str, str]) -> str | None:
     """The CUDA allocator setting zerofit applies: expandable segments, unless the config
     turns them off or the user's allocator variables already say either way."""

@@ -66,7 +66,8 @@ class RunFacts:
 
     @property
     def expandable_segments_on(self) -> bool:
-        """The allocator setting the run started with (its `start` record's PYTORCH_CUDA_ALLOC_CONF)."""
+        """The allocator setting the run started with (its `start` record's PYTORCH_CUDA_ALLOC_CONF
+        and PYTORCH_ALLOC_CONF)."""
         return "expandable_segments:True" in self.alloc_conf
 
     def gradient_checkpointing(self) -> bool | None:

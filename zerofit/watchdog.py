@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from zerofit.config import ConfigError
-from zerofit.engine import node_cores_and_ranks
+from zerofit.engine import allocator_variables, node_cores_and_ranks
 from zerofit.findings import RunFacts, host_in_use
 from zerofit.memory import budgets, gib
 
@@ -116,7 +116,7 @@ def arm(timeline, step: int, on_gpu: bool, threshold: float, action: str, gpu_me
 
     found = budgets(on_gpu, gpu_mem, host_mem)
     cores, local_ranks = node_cores_and_ranks()
-    timeline.mark(step, "start", **found, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    timeline.mark(step, "start", **found, alloc_conf=allocator_variables(os.environ),
                   world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads(),
                   cpu_cores=cores, local_world_size=local_ranks, **start_extra)
     facts = RunFacts(gpu_budget=found["gpu_budget"], host_budget=found["host_budget"], host_total=found["host_total"],
