@@ -9,6 +9,7 @@ import pytest
 
 from zerofit import activations, choice, hardware, modelspec, planner, zerostates
 from zerofit.config import validate
+from zerofit.memory import human_bytes
 from zerofit.planner import Candidate, Shape
 
 GIB = 2**30
@@ -347,6 +348,19 @@ def test_nothing_fits_says_what_would_with_numbers():
     text = str(choice.refuse(decision))
     assert "no configuration fits" in text and "host:" in text and "GiB of host RAM" in text
     assert any("nvme" in a for a in decision.advice)
+
+
+def test_a_refusal_names_the_one_moment_that_does_not_fit():
+    """A plan may fail only in the first step after a save (the save's GPU residue on top of
+    the step's peak): the refusal's breakdown names it, not an empty list."""
+    spec = modelspec.from_name("llama-1.5b")
+    decision = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("24GiB"), 1)
+    gpu = decision.plan.first_step_after_save_peak["gpu"]
+    over = replace(gpu, total_bytes=gpu.usable_bytes + 2**30)
+    plan = replace(decision.plan, fits=False, first_step_after_save_peak={**decision.plan.first_step_after_save_peak,
+                                                                          "gpu": over})
+    text = str(choice.refuse(replace(decision, plan=plan)))
+    assert f"gpu (first step after a save): {human_bytes(over.total_bytes)} of" in text, text
 
 
 def test_a_disk_too_small_for_checkpoints_does_not_change_the_configuration():

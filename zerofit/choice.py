@@ -331,9 +331,10 @@ def refuse(decision: Decision) -> PlanError:
     """The error train raises when nothing fits: the breakdown and the fixes."""
     plan = decision.plan
     lines = [f"no configuration fits; the closest ({describe(plan)}) needs:"]
+    moments = (("checkpoint save", plan.save_peak), ("engine start", plan.start_peak),
+               ("first step after a save", plan.first_step_after_save_peak))  # the peaks `predict` fits besides
     over = [(name, d) for name, d in plan.devices.items() if not d.fits] or [
-        (f"{name} ({when})", d) for when, peak in (("checkpoint save", plan.save_peak), ("engine start", plan.start_peak))
-        for name, d in peak.items() if not d.fits]
+        (f"{name} ({when})", d) for when, peak in moments for name, d in peak.items() if not d.fits]
     for name, device in over:
         top = sorted(device.components.items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"  {name}: {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)} usable "
