@@ -2,6 +2,7 @@
 drills (ZEROFIT_FAULT=residue/leak/spike, real allocations) and nothing on a clean run;
 the report renders; --repro writes a script that runs; --system checks the machine."""
 import base64
+import errno
 import io
 import json
 import os
@@ -337,6 +338,22 @@ def test_system_checks(tmp_path, monkeypatch):
     assert typo[0].status == "fail" and f"{tmp_path / 'no' / 'such'} does not exist (a typo?" in typo[0].detail
     assert not (tmp_path / "no").exists()
     assert f"free on {nvme.mount_point(disk)}" in by_end["write"].detail
+
+
+def test_a_direct_io_read_that_cannot_open_is_a_failed_check(tmp_path, monkeypatch):
+    """The write went through, the read's O_DIRECT open is refused: a failed check naming it
+    (the written file's descriptor was closed a second time, raising EBADF instead)."""
+    real_open = os.open
+
+    def refuse_reading(path, flags, *mode):
+        if not flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(os, "open", refuse_reading)
+    checks = syscheck.check_direct_io(tmp_path / "swap", 8)
+    assert checks[0].status == "fail" and "direct I/O failed: Permission denied" in checks[0].detail
+    assert not list((tmp_path / "swap").iterdir())  # its test file removed
 
 
 @pytest.mark.skipif(nvme.ram_filesystem(Path("/dev/shm")) is None, reason="no tmpfs at /dev/shm here")

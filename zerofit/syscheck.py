@@ -197,6 +197,7 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
         os.fsync(fd)
         write_gbps = blocks * block / (time.perf_counter() - started) / 1e9
         os.close(fd)
+        fd = -1  # closed: a failed reopen must not close it again (or a file that took its number)
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         started = time.perf_counter()
         for _ in range(blocks):
@@ -206,7 +207,8 @@ def check_direct_io(path: Path, mib: int) -> list[Check]:
         return [Check(name, "fail", f"direct I/O failed: {e.strerror}",
                       "use a local ext4/xfs NVMe drive for zero.nvme_path")]
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         file.unlink(missing_ok=True)
     fix = (f"below {GOOD_NVME_GBPS} GB/s NVMe offload makes each step wait on the disk: use a local NVMe drive, "
            f"or several in RAID 0")
