@@ -32,6 +32,20 @@ def test_stop_action_saves_and_stops_with_exit_1(tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "step-000001"
 
 
+def test_stop_after_a_failed_save_names_no_checkpoint_of_that_step(tmp_path):
+    """The watchdog's save fails (a full disk, checkpoint.on_error continue): the stop names the
+    checkpoint that exists, not the step's that does not."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 5},
+                                                             checkpoint={"every_steps": 0, "on_error": "continue"},
+                                                             memory={"watchdog_threshold": 0.01,
+                                                                     "watchdog_action": "stop"}))
+    done = run_zerofit(["train", "--config", str(config)], env={**WIDE, "ZEROFIT_FAULT": "nospace@save:1"},
+                       check=False)
+    assert done.returncode == 1 and "checkpoint step-000001 was not saved" in done.stderr
+    assert "checkpoint: none of step 1 (its save failed, above); the newest is none" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints" / "step-000001").exists()
+
+
 def test_usage_and_crossings_are_pure():
     records = [r for r in synthetic_run(steps=3, base=18 * GiB) if r["step"] == 3]
     facts = RunFacts(gpu_budget=24 * GiB, host_budget=128 * GiB, host_total=128 * GiB)

@@ -248,7 +248,7 @@ class Checkpointer:
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
                                            self.settings.zip_crc32)
         self._pending: dict | None = None
-        self.saved_step: int | None = None  # the step of the newest save started (published or in flight)
+        self.saved_step: int | None = None  # the step of the newest save started and not failed (published or in flight)
         self._terminated = False
         self._previous_handler = None
         if threading.current_thread() is threading.main_thread():
@@ -457,6 +457,8 @@ class Checkpointer:
         return published[0].name if published else None
 
     def _failed(self, step: int, name: str, tmp: Path | None, reason: str) -> None:
+        if self.saved_step == step:  # not saved: a later save of this step (SIGTERM, the watchdog) tries again
+            self.saved_step = None
         if self.dist.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         newest = self.newest()

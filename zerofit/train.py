@@ -252,10 +252,11 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
         return None
     if saver.saved_step != state.step:
         saver.save(state)
-    saved = saver.root / checkpoint.step_name(state.step)
     if action != "stop":
         return None
     why = crossing.message() if crossing else "watchdog: another rank crossed memory.watchdog_threshold"
+    saved = saver.root / checkpoint.step_name(state.step) if saver.saved_step == state.step else \
+        f"none of step {state.step} (its save failed, above); the newest is {saver.newest() or 'none'}"
     return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor "
             f"{shlex.quote(str(config.run_dir))}` names the phase and the fix): "
             f"{checkpointer.resume_command(config, resume=False)}")
