@@ -381,7 +381,7 @@ def test_memlock_limit_is_judged():
         else:
             assert check.status == "warn" and "64 KiB" in check.detail and "ulimit -l unlimited" in check.fix
         # the planner judges the same limit the same way (it noted a limit CAP_IPC_LOCK lifts)
-        assert (hardware._memlock_limit() is None) == hardware.has_ipc_lock()
+        assert (hardware.memlock_limit() is None) == hardware.has_ipc_lock()
     finally:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 

@@ -87,9 +87,10 @@ def test_chat_keeps_the_history_and_uses_the_template(loaded, capsys):
 def test_long_history_drops_the_oldest_turns(loaded):
     history = [{"role": r, "content": f"turn {i} " + "x" * 40} for i, r in enumerate(["user", "assistant"] * 3)]
     history.append({"role": "user", "content": "last"})
-    ids = chat_input_ids(loaded.tokenizer, history, limit=80)
-    assert ids.shape[1] <= 80
-    assert history[-1]["content"] == "last" and len(history) < 7
+    ids = chat_input_ids(loaded.tokenizer, history, limit=160)
+    assert ids.shape[1] <= 160
+    # the oldest exchanges went, a whole one at a time; the newest kept, in order
+    assert [turn["content"].split()[1] for turn in history[:-1]] == ["4", "5"] and history[-1]["content"] == "last"
     # a message that alone outgrows the context is refused: cut to fit, it lost the template's opening
     with pytest.raises(ConfigError, match="the message is .* tokens with its template, and the model takes 80"):
         chat_input_ids(loaded.tokenizer, [{"role": "user", "content": "y" * 200}], limit=80)

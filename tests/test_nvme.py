@@ -6,6 +6,7 @@ sub group of 1.3M elements, over the 1 MiB below which DeepSpeed keeps a sub gro
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 from pathlib import Path
 
@@ -420,10 +421,21 @@ def test_pipelined_swap_costs_buffers_and_saves_its_measured_share():
     assert swaplayout.nvme_seconds(single, read, write) == pytest.approx(swaplayout.nvme_seconds(serial, read, write) / 10)
 
 
-def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path):
+def test_space_and_memlock_problems_name_numbers_and_fix(tmp_path, monkeypatch):
     problem = nvme.space_problem(tmp_path, 10 * 2**30, free_bytes=2**30)
     assert "1.0GiB free under" in problem and "10.0GiB" in problem and "Free 10.0GiB" in problem
     assert nvme.space_problem(tmp_path, 2**30, free_bytes=10 * 2**30) is None
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
+        if hardware.has_ipc_lock():  # root in most containers: mlock passes the limit
+            assert nvme.memlock_problem(2**30) is None
+        monkeypatch.setattr(hardware, "has_ipc_lock", lambda: False)  # a process the limit binds
+        problem = nvme.memlock_problem(2**30)
+        assert "lock 1.0GiB of RAM, `ulimit -l` allows 64.0KiB" in problem and "ulimit -l unlimited" in problem
+        assert nvme.memlock_problem(32 * 1024) is None and nvme.memlock_problem(0) is None
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
 
 def test_an_nvme_path_that_is_a_file_is_named_so(tmp_path):

@@ -153,7 +153,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
         host_total_bytes=vm.total, host_budget_bytes=host_budget,
-        pinned_limit_bytes=_memlock_limit(), cpu_cores=_cpu_cores(),
+        pinned_limit_bytes=memlock_limit(), cpu_cores=_cpu_cores(),
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
         nvme_free_bytes=shutil.disk_usage(nvme_dir).free if nvme_dir else None,
@@ -197,7 +197,7 @@ def _nvme_rates(nvme_path: str | None) -> dict:
     return aiotune.read_tuning(nvme_path) or {}
 
 
-def _memlock_limit() -> int | None:
+def memlock_limit() -> int | None:
     """What this process may lock; None when unbounded: no limit, or CAP_IPC_LOCK, which lets
     mlock go past RLIMIT_MEMLOCK (root in most containers)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)

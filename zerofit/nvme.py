@@ -23,14 +23,12 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from zerofit import aiotune, faults, zerofiles, zerostates
+from zerofit import aiotune, faults, hardware, zerofiles, zerostates
 from zerofit.config import Config, ConfigError
-from zerofit.hardware import has_ipc_lock
 from zerofit.memory import human_bytes
 from zerofit.progress import warn
 from zerofit.swaplayout import Aio, aligned_aio, transfer_problems
@@ -229,10 +227,10 @@ def space_problem(path: Path, needed_bytes: int, free_bytes: int | None = None) 
 def memlock_problem(locked_bytes: int) -> str | None:
     """DeepSpeed's swap buffers are mlock'ed: over RLIMIT_MEMLOCK (without CAP_IPC_LOCK)
     its allocation fails ("mlock failed to allocate") and the process aborts."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if not locked_bytes or soft == resource.RLIM_INFINITY or soft >= locked_bytes or has_ipc_lock():
+    limit = hardware.memlock_limit()
+    if not locked_bytes or limit is None or limit >= locked_bytes:
         return None
-    return (f"the swap buffers lock {human_bytes(locked_bytes)} of RAM, `ulimit -l` allows {human_bytes(soft)}: "
+    return (f"the swap buffers lock {human_bytes(locked_bytes)} of RAM, `ulimit -l` allows {human_bytes(limit)}: "
             f"raise it (`ulimit -l unlimited`, `* - memlock unlimited` in /etc/security/limits.conf, or "
             f"`docker run --ulimit memlock=-1`)")
 
