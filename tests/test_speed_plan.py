@@ -75,9 +75,10 @@ def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident()
                      param_persistence_threshold=choice.all_persistent(spec))
     kept, fresh = (planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=16, heap_step_temporaries=heap), cand)
                    for heap in (True, False))
-    copy = 2 * spec.total_params
-    assert kept.step_terms["param_copy_back"] == pytest.approx(copy / hardware.COPY_BACK_BYTES_PER_S[True], rel=1e-3)
-    assert fresh.step_terms["param_copy_back"] == pytest.approx(copy / hardware.COPY_BACK_BYTES_PER_S[False], rel=1e-3)
+    # what the H200 measured for this model's 7.2 GB copy (bench/results/speed-3.6b.json): 0.71 s
+    # with heap temporaries, 1.68 s with a fresh mmap per sub group
+    assert kept.step_terms["param_copy_back"] == pytest.approx(0.71, rel=0.02)
+    assert fresh.step_terms["param_copy_back"] == pytest.approx(1.68, rel=0.02)
     # the largest sub-group's 16-bit copy, during the step only; or held for the whole run,
     # with the freed ones the heap keeps
     largest = 2 * max(zerostates.optimizer_groups(spec, kept.shape, cand))
