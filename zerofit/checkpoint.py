@@ -35,8 +35,6 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 # cache, i.e. the check is bound by the disk read (2.2 GB/s on the GPU machine), which the
 # load repeats anyway. So full verification is affordable by default: ~8 s per 18 GB.
 HASH = "xxh3_128"
-# A save must find this much more free space than its predicted size (filesystem
-# metadata, the loop files, a model whose states grew): 10% + 64 MiB.
 
 
 class CheckpointError(ConfigError):
@@ -326,7 +324,7 @@ def predicted_save_bytes(root: Path, n_params: int, zero_stage: int) -> int:
 
 def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = None) -> str | None:
     """None when `root`'s filesystem can take a checkpoint of needed_bytes, else why not."""
-    from zerofit.planner import SAVE_FREE_SLACK, save_margin_bytes  # the rule the disk plan holds to
+    from zerofit.planner import SAVE_FREE_FACTOR, SAVE_FREE_SLACK, save_margin_bytes  # the rule the disk plan holds to
 
     if free_bytes is None:
         free_bytes = shutil.disk_usage(root).free
@@ -334,7 +332,7 @@ def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = N
     if free_bytes >= want:
         return None
     return (f"{free_bytes / 1e9:.2f} GB free under {root}, a checkpoint needs ~{needed_bytes / 1e9:.2f} GB "
-            f"and {want / 1e9:.2f} GB are asked (+10% and {SAVE_FREE_SLACK / 2**20:.0f} MiB of slack for the "
+            f"and {want / 1e9:.2f} GB are asked (+{SAVE_FREE_FACTOR - 1:.0%} and {SAVE_FREE_SLACK / 2**20:.0f} MiB of slack for the "
             f"filesystem); free disk space, set run_dir on a larger disk"
             f"{', or lower checkpoint.keep_last' if published(root) else ''}")  # nothing kept yet: nothing to drop
 

@@ -26,8 +26,8 @@ from zerofit.swaplayout import bandwidth_to_hide
 from zerofit.zerostates import largest_partition_numel, param_buffer_numel, swap_layout
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
-# Reduce-bucket sizes tried beside HF's hidden^2 when the user set none: zerofit's default
-# and a size near DeepSpeed's own default (5e8), in elements.
+# Reduce-bucket sizes tried beside HF's hidden^2 when the user set none, in elements: zerofit's
+# default and a larger one, short of DeepSpeed's own default (5e8).
 REDUCE_BUCKETS = (50_000_000, 200_000_000)
 MAX_MICRO_BATCH = 64
 # DeepSpeed's defaults for stage3_max_live_parameters / stage3_max_reuse_distance: a window of
@@ -84,7 +84,7 @@ def checkpoints_on_disk(config: Config) -> int:
         return min(ckpt.keep_last + 1, int(ckpt.save_final))
     if steps is None:
         return ckpt.keep_last + 1
-    saves = (steps // ckpt.every_steps if ckpt.every_steps else 0) + int(ckpt.save_final)
+    saves = steps // ckpt.every_steps + int(ckpt.save_final)
     return min(ckpt.keep_last + 1, saves)
 
 
@@ -257,7 +257,7 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
         # of those the GPU and host hold, so the configuration shown does not depend on this disk
         memory_fits = [p for p in plans if not overflow(p, exclude=("disk",))]
         best = min(memory_fits, key=lambda p: p.step_seconds) if memory_fits else min(plans, key=overflow)
-        advice = what_would_fit(best, spec, hw)
+        advice = what_would_fit(best, spec, hw, config.plan.headroom)
     if hw.on_gpu and not config.memory.expandable_segments:
         best.notes += [note for note in [fixed_segments_note(best, spec)] if note]
     if spec.experts > 1:
@@ -356,10 +356,10 @@ def describe(plan: Plan) -> str:
 
 
 # ------------------------------------------------------------------------ advice
-def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
-    """For each device over budget, the changes that bring it under, each with the number
-    it needs; then the memory it would take without changes."""
-    shape, cand, headroom = plan.shape, plan.candidate, _headroom(plan)
+def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware, headroom: float) -> list[str]:
+    """For each device over budget, the changes that bring it under (planned with the same
+    plan.headroom), each with the number it needs; then the memory it would take without changes."""
+    shape, cand = plan.shape, plan.candidate
     over = [name for name in ("gpu", "host", "disk", "nvme") if name in plan.devices and not plan.devices[name].fits]
 
     def fixes(device: str, s: Shape = shape, c: Candidate = cand, h: Hardware = hw) -> Plan | None:
@@ -436,11 +436,6 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware) -> list[str]:
                 advice.append(f"{name} ({when}): {human_bytes(device.total_bytes / (1 - headroom))} of "
                               f"{labels[name]} (have {human_bytes(device.budget_bytes)})")
     return advice
-
-
-def _headroom(plan: Plan) -> float:
-    host = plan.devices["host"]
-    return 1 - host.usable_bytes / host.budget_bytes if host.budget_bytes else 0.1
 
 
 def _largest_fitting_seq(shape: Shape, fits_at) -> int | None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from zerofit import elastic
-from zerofit.config import Config, ConfigError, Section
+from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section
 from zerofit.elastic import TerminatedOutsideTheLoop
 from zerofit.engine import end_after_error
 
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"])
     plan.add_argument("--offload-param", choices=["none", "cpu", "nvme"])
     plan.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (makes NVMe offload a candidate)")
-    plan.add_argument("--headroom", type=float, metavar="F", help="fraction of each budget kept free (default 0.1)")
+    plan.add_argument("--headroom", type=float, metavar="F", help=f"fraction of each budget kept free (default {DEFAULT_HEADROOM})")
     plan.add_argument("--explain", action="store_true", help="show the cost terms and the candidates")
     plan.add_argument("--ds-config", metavar="FILE", help="write the plan's DeepSpeed config for HF Trainer / "
                       "LLaMA-Factory (deepspeed=FILE; the keys the Trainer fills are \"auto\")")

@@ -451,6 +451,9 @@ class ElasticConfig(Section):
     same for the store itself not answering that long. 0: off."""
 
 
+DEFAULT_HEADROOM = 0.1  # plan.headroom's; planner.predict's for callers without a config
+
+
 class PlanConfig(Section):
     enabled: bool = True
     """Let the planner choose the unset zero.* and batch fields, and refuse plans that do not
@@ -459,7 +462,7 @@ class PlanConfig(Section):
     """GPU memory budget per rank, e.g. `24GiB` (default: the GPU's free memory at start)."""
     host_mem: str | None = None
     """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM)."""
-    headroom: float = Field(0.1, ge=0.0, lt=0.9)
+    headroom: float = Field(DEFAULT_HEADROOM, ge=0.0, lt=0.9)
     """Fraction of each budget kept free."""
 
     @field_validator("gpu_mem", "host_mem", mode="before")

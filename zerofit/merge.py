@@ -270,7 +270,6 @@ class ReplayedBase:
         self.world_size = world_size
         self.sources = {name: ReplayedTensor(name, shape, walk.dtype, self) for name, shape in shapes.items()}
         self._stream = iter(walk)
-        self._current: tuple[str, torch.Tensor] | None = None
         self._values: dict[str, torch.Tensor] = {}
         self.digests: dict[str, list[bytes]] = {}
 

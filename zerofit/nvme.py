@@ -220,7 +220,7 @@ def space_problem(path: Path, needed_bytes: int, free_bytes: int | None = None) 
     if free >= want:
         return None
     return (f"{human_bytes(free)} free under {path}, the swap files need {human_bytes(needed_bytes)} "
-            f"(+10%); a full disk makes DeepSpeed's writes fail silently and the run abort later. Free "
+            f"(+{FREE_SPACE_FACTOR - 1:.0%}); a full disk makes DeepSpeed's writes fail silently and the run abort later. Free "
             f"{human_bytes(want - free)}, pick another zero.nvme_path, or offload less (zero.offload_param)")
 
 

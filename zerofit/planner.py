@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from zerofit import hardware as hw_rates
+from zerofit.config import DEFAULT_HEADROOM
 from zerofit.activations import BACKWARD_MOMENTS, device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
@@ -380,7 +381,7 @@ def save_margin_bytes(checkpoint_bytes: int) -> int:
     return int(checkpoint_bytes * (SAVE_FREE_FACTOR - 1)) + SAVE_FREE_SLACK
 
 
-def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = 0.1) -> Plan:
+def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = DEFAULT_HEADROOM) -> Plan:
     """The whole prediction for one candidate configuration."""
     on_gpu = hw.on_gpu
     gpu_states, host_states, nvme_states = model_states(spec, shape, cand, on_gpu)

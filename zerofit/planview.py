@@ -21,8 +21,6 @@ from zerofit.memory import human_bytes, human_count, parse_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
-PHASE_FIELDS = ("predicted_gpu_peak", "predicted_host_rss")
-
 
 def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
               disk_free: str | None = None) -> Hardware:

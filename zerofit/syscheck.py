@@ -20,7 +20,6 @@ import psutil
 from zerofit import aiotune, hardware, nvme, opbuild
 from zerofit.memory import gib
 
-DIRECT_IO_ALIGN = 4096
 SWEEP_MIB, SWEEP_SECONDS = 64, 10.0  # the aio sweep: file size, time budget (a few seconds on a fast disk)
 GOOD_NVME_GBPS = 1.0  # below this, NVMe offload makes each step I/O-bound (ZeRO-Infinity, Rajbhandari et al. 2021)
 
