@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 from zerofit import elastic
-from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section
+from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section, TrainConfig
 from zerofit.elastic import TerminatedOutsideTheLoop
 from zerofit.engine import end_after_error
+from zerofit.memory import human_bytes
+from zerofit.planner import EXPORT_MAX_RAM_BYTES
 
 
 def at_least(minimum, kind=int):
@@ -206,7 +208,7 @@ def cmd_lint(args) -> int:
         raw = {"model": {"config": args.model}, "train": {"max_steps": 1}, "plan": {"gpu_mem": args.gpu_mem,
                                                                                    "host_mem": args.host_mem}}
         hw = planview.probe_for(validate(raw), args.accelerator, args.cpu_cores, args.disk_free)
-    trainer = lint.TrainerArgs(args.seq_len or 1024, args.micro_batch, args.gradient_checkpointing is not False,
+    trainer = lint.TrainerArgs(args.seq_len or TrainConfig.model_fields["seq_len"].default, args.micro_batch, args.gradient_checkpointing is not False,
                                args.lora_rank, args.lora_targets)
     result = lint.lint(lint.read(args.file), args.file, spec, hw, args.world_size, trainer, args.model or "")
     if args.json:
@@ -422,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the model directory to write")
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights dtype (bf16)")
     export.add_argument("--max-ram", metavar="SIZE", type=size,
-                        help="peak host RAM of the export process (default 2GiB; it reads in blocks that fit)")
+                        help=f"peak host RAM of the export process (default {human_bytes(EXPORT_MAX_RAM_BYTES)}; it reads "
+                        f"in blocks that fit)")
     export.add_argument("--shard-size", metavar="SIZE", type=size, help="largest safetensors file (default 5GB)")
     export.add_argument("--verify", action="store_true",
                         help="load the export and compare its logits with DeepSpeed's own reconstruction; for "

@@ -32,12 +32,12 @@ import torch
 
 from zerofit import checkpoint, merge, universal, zerofiles
 from zerofit.config import ConfigError
+from zerofit.planner import EXPORT_MAX_RAM_BYTES
 from zerofit.memory import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
 from zerofit.progress import ByteProgress, say, warn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAFETENSORS_DTYPES = zerofiles.SAFETENSORS_DTYPES
-DEFAULT_MAX_RAM = "2GiB"
 DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to
 MAX_BLOCK_ELEMENTS = 1 << 23    # 32 MiB of fp32 per read: syscalls and Python cost nothing next to the copy
 WORKING_SLACK = 32 << 20        # Python objects, the progress bar, allocator rounding
@@ -110,7 +110,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     started = time.perf_counter()
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    max_ram_bytes = parse_bytes(max_ram or DEFAULT_MAX_RAM, "--max-ram")
+    max_ram_bytes = parse_bytes(max_ram, "--max-ram") if max_ram else EXPORT_MAX_RAM_BYTES
     shard_bytes = parse_bytes(shard_size or DEFAULT_SHARD_SIZE, "--shard-size")
     if shard_bytes <= 0:
         raise ExportError(f"--shard-size {shard_size}: give a positive size (5GB, save_pretrained's default, "

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from zerofit.config import ConfigError
+from zerofit.config import ConfigError, TrainConfig
 from zerofit.hardware import GIB, Hardware
 from zerofit.memory import human_bytes
 
@@ -74,7 +74,7 @@ class TrainerArgs(NamedTuple):
     """What HF Trainer / LLaMA-Factory set beside the DeepSpeed JSON, which the plan needs:
     the sequence length, --per_device_train_batch_size (else the JSON's, else 1),
     --gradient_checkpointing, and a peft LoRA's rank and target modules (None: full fine-tuning)."""
-    seq_len: int = 1024
+    seq_len: int = TrainConfig.model_fields["seq_len"].default
     micro_batch: int | None = None
     gradient_checkpointing: bool = True
     lora_rank: int | None = None

@@ -41,7 +41,7 @@ CUDA_DEVICE_CONTEXT_BYTES = int(0.5 * GIB)
 # rng state (measured: 27 KB for the tiny model).
 CHECKPOINT_OVERHEAD_BYTES = 64 * 1024
 # `zerofit export` streams fp32 master rows in blocks under --max-ram, 2 GiB by default
-# (export.DEFAULT_MAX_RAM): its peak RSS is the process plus two read/cast block pairs.
+# (this constant): its peak RSS is the process plus two read/cast block pairs.
 EXPORT_MAX_RAM_BYTES = 2 * GIB
 PHASES = ("forward", "backward", "optimizer_step", "eval")
 # The heap holds freed step temporaries fragmented: a 30-step loop of one 256 MiB temporary
