@@ -308,22 +308,27 @@ DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_par
            "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
 
 
-def free_choices(before: Config, after: Config) -> dict[str, object]:
-    """The fields the planner was free to set, with the values it set."""
-    if not before.plan.enabled:
+def free_keys(config: Config) -> dict[str, set[str]]:
+    """Per section, the DECIDED keys this config leaves to the planner: unset, under plan.enabled."""
+    if not config.plan.enabled:
         return {}
+    return {section: {key for key in keys if key not in getattr(config, section).model_fields_set}
+            # micro batch and accumulation are the planner's only to split a global batch
+            for section, keys in DECIDED.items() if section != "train" or config.train.global_batch_size}
+
+
+def free_choices(before: Config, after: Config) -> dict[str, object]:
+    """The fields the planner was free to set, with the values it set (those that matter to
+    what it chose: no ratio for an optimizer kept on the GPU, no NVMe settings without NVMe)."""
     out = {}
-    for section, keys in DECIDED.items():
-        if section == "train" and before.train.global_batch_size is None:
-            continue  # micro batch and accumulation are the planner's only to split a global batch
-        old, new = getattr(before, section), getattr(after, section)
-        for key in keys:
+    for section, keys in free_keys(before).items():
+        new = getattr(after, section)
+        for key in sorted(keys, key=DECIDED[section].index):
             if (key == "offload_optimizer_ratio" and new.offload_optimizer == "none"
                     or key == "nvme_pipeline" and new.offload_optimizer != "nvme"
                     or key == "param_buffer_size" and new.offload_param != "nvme"):
                 continue
-            if key not in old.model_fields_set:
-                out[f"{section}.{key}"] = getattr(new, key)
+            out[f"{section}.{key}"] = getattr(new, key)
     return out
 
 

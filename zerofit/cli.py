@@ -247,11 +247,9 @@ def cmd_config(args) -> int:
     if not config.plan.enabled:
         print(dump_yaml(config), end="")
         return 0
-    from zerofit.choice import DECIDED
+    from zerofit.choice import free_keys
 
-    free = {section: {key for key in keys if key not in getattr(config, section).model_fields_set
-                      and (section != "train" or config.train.global_batch_size)}  # the split of a global batch
-            for section, keys in DECIDED.items()}
+    free = free_keys(config)
     print("# the resolved config. Keys marked `planner` are not set, so the planner chooses them at the start\n"
           "# (the value shown is only the default); `zerofit plan --config FILE` shows its choice.")
     print(dump_yaml(config, marked=free, mark="planner"), end="")
