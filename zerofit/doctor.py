@@ -16,7 +16,7 @@ import yaml
 from zerofit import checkpoint, runlock
 from zerofit.config import ConfigError
 from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, killed_outright, rank_imbalance
-from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline
+from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
 
@@ -188,7 +188,7 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
 def no_timeline(run_dir: Path) -> str:
     """Why there is nothing to read: a memory.jsonl that holds no record (the run died before its
     first, or the file was emptied), a run that stopped before it was written, or no run at all."""
-    timeline = run_dir / "memory.jsonl"
+    timeline = timeline_path(run_dir)
     if timeline.is_file():
         return (f"{timeline} holds no memory record ({timeline.stat().st_size} bytes): the run stopped before "
                 f"its first record was written, or the file was emptied; `zerofit train` writes one at its start "
@@ -203,8 +203,7 @@ def no_timeline(run_dir: Path) -> str:
 
 def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
     """Every rank's effective timeline: memory.jsonl is rank 0's, memory-rankN.jsonl rank N's."""
-    ranks = [0] + sorted(int(p.stem.removeprefix("memory-rank")) for p in run_dir.glob("memory-rank*.jsonl")
-                         if p.stem.removeprefix("memory-rank").isdigit())
+    ranks = timeline_ranks(run_dir)
     timelines = {rank: read_timeline(run_dir, rank) for rank in ranks}
     # a rank of an earlier attempt on more ranks (the run resumed on fewer) is history, not this run
     newest = next((r for r in reversed(timelines.get(0, [])) if r.get("phase") == "start"), {})

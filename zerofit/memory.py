@@ -152,8 +152,7 @@ class Timeline:
 
     def __init__(self, run_dir: Path, rank: int, on_gpu: bool, nvme_path: str | None = None,
                  predictions: dict[str, dict] | None = None):
-        name = "memory.jsonl" if rank == 0 else f"memory-rank{rank}.jsonl"
-        self.path = Path(run_dir) / name
+        self.path = timeline_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.on_gpu, self.nvme_path = rank, on_gpu, nvme_path
         self.predictions = predictions or {}
@@ -234,10 +233,23 @@ class Timeline:
 
 
 # ---------------------------------------------------------------------------- reading back
+RANK_TIMELINE_PREFIX = "memory-rank"
+
+
+def timeline_path(run_dir: Path, rank: int = 0) -> Path:
+    """A rank's timeline: memory.jsonl for rank 0 (the one a single-rank run has), memory-rankN.jsonl."""
+    return Path(run_dir) / ("memory.jsonl" if rank == 0 else f"{RANK_TIMELINE_PREFIX}{rank}.jsonl")
+
+
+def timeline_ranks(run_dir: Path) -> list[int]:
+    """The ranks with a timeline file under run_dir: 0, then the others in order."""
+    found = (p.stem.removeprefix(RANK_TIMELINE_PREFIX) for p in run_dir.glob(f"{RANK_TIMELINE_PREFIX}*.jsonl"))
+    return [0] + sorted(int(rank) for rank in found if rank.isdigit())
+
+
 def read_timeline(run_dir: Path, rank: int = 0) -> list[dict]:
-    """The records of memory.jsonl (or memory-rankN.jsonl), in order."""
-    name = "memory.jsonl" if rank == 0 else f"memory-rank{rank}.jsonl"
-    return read_jsonl(Path(run_dir) / name)
+    """The records of a rank's timeline (timeline_path), in order."""
+    return read_jsonl(timeline_path(run_dir, rank))
 
 
 def read_jsonl(path: Path) -> list[dict]:
