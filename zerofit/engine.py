@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from zerofit import elastic, opbuild
 from zerofit.config import Config, ConfigError
+from zerofit.hardware import cpu_cores
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,9 @@ def select_accelerator() -> bool:
 
 
 def node_cores_and_ranks() -> tuple[int, int]:
-    """The cores this process may run on (its affinity: taskset, cgroup cpusets) and the
-    ranks the launcher started on this node."""
-    return len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    """The cores this process may run on (hardware.cpu_cores) and the ranks the launcher
+    started on this node."""
+    return cpu_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, omp_env: str | None,

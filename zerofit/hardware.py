@@ -153,7 +153,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
         host_total_bytes=vm.total, host_budget_bytes=host_budget,
-        pinned_limit_bytes=memlock_limit(), cpu_cores=_cpu_cores(),
+        pinned_limit_bytes=memlock_limit(), cpu_cores=cpu_cores(),
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
         nvme_free_bytes=shutil.disk_usage(nvme_dir).free if nvme_dir else None,
@@ -217,7 +217,8 @@ def has_ipc_lock() -> bool:
     return False
 
 
-def _cpu_cores() -> int:
+def cpu_cores() -> int:
+    """The cores this process may run on: its affinity (taskset, cgroup cpusets), else all."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
