@@ -8,6 +8,8 @@ import pytest
 
 from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config, write_jsonl
 
+from zerofit.memory import human_count
+
 
 @pytest.fixture(scope="module")
 def one_rank_run(tmp_path_factory):
@@ -37,7 +39,9 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert {"forward", "backward", "optimizer_step", "save", "eval"} <= {r["phase"] for r in timeline}
     assert timeline[0]["phase"] == "start" and timeline[0]["cpu_threads"] == 2  # train.cpu_threads over the env
     assert timeline[0]["cpu_cores"] == len(os.sched_getaffinity(0)) and timeline[0]["local_world_size"] == 1
-    assert "done: step 6" in done.stderr
+    # the tokens trained, padding left out: the loop state's count, under 6 steps of 4 rows of 64
+    tokens = json.loads((run / "checkpoints" / "step-000006" / "loop_state.json").read_text())["tokens_seen"]
+    assert 0 < tokens < 6 * 4 * 64 and f"done: step 6, {human_count(tokens)} tokens trained" in done.stderr
     # every eval has its line (plain lines come every 5 s: an eval between them went unsaid)
     evals = [f"step {m['step']}/6 eval loss {m['eval_loss']:.4f}" for m in metrics if "eval_loss" in m]
     assert len(evals) == 2 and all(line in done.stderr for line in evals)

@@ -163,7 +163,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main and signalled:
         say(f"stopped by SIGTERM at step {state.step}, {checkpointer.where_to_go_on(config)}")
     elif dist.is_main and train_loss is not None:  # a finished run started again said it was complete
-        say(f"done: step {state.step}, train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
+        say(f"done: step {state.step}, {memory.human_count(state.tokens_seen)} tokens trained (padding left out), "
+            f"train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
     return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, signalled)
 
