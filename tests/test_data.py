@@ -3,9 +3,11 @@ import json
 import numpy as np
 import pytest
 
-from zerofit import data
+from zerofit import data, datafiles, rowlayout, tokenizing
 from zerofit.config import ConfigError, DataConfig, validate
-from zerofit.data import IGNORE, Batches, DataError
+from zerofit.data import Batches
+from zerofit.datafiles import DataError
+from zerofit.tokenizing import IGNORE
 
 from conftest import write_jsonl
 
@@ -15,7 +17,7 @@ def decode_learned(tokenizer, ids, labels):
 
 
 def test_text_rows_learn_every_token(tokenizer):
-    ids, labels = data.tokenize_row({"text": "hello"}, "text", tokenizer)
+    ids, labels = tokenizing.tokenize_row({"text": "hello"}, "text", tokenizer)
     assert ids == labels
     assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(ids[1:-1]) == "hello"
@@ -23,7 +25,7 @@ def test_text_rows_learn_every_token(tokenizer):
 
 def test_alpaca_masks_the_prompt(tokenizer):
     row = {"instruction": "Reverse the word.", "input": "abc", "output": "cba"}
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     assert len(ids) == len(labels)
     assert decode_learned(tokenizer, ids, labels) == "cba</s>"
     prompt = tokenizer.decode([t for t, l in zip(ids, labels) if l == IGNORE])
@@ -31,7 +33,7 @@ def test_alpaca_masks_the_prompt(tokenizer):
 
 
 def test_alpaca_without_input(tokenizer):
-    ids, labels = data.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenizing.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer, "alpaca")
     assert "### Input" not in tokenizer.decode(ids)
     assert decode_learned(tokenizer, ids, labels) == "hi</s>"
 
@@ -47,27 +49,27 @@ def test_alpaca_rows_take_the_tokenizers_chat_template(tokenizer):
                                  {"role": "assistant", "content": "hi"},
                                  {"role": "user", "content": "Reverse the word.\nabc"},
                                  {"role": "assistant", "content": "cba"}]}
-    assert data.tokenize_row(row, "alpaca", tokenizer) == data.tokenize_row(conversation, "messages", tokenizer)
-    assert data.trained_chat_template(("alpaca",), tokenizer) is None  # the tokenizer's own
-    assert data.trained_chat_template(("alpaca", "messages"), tokenizer) is None
-    assert data.trained_chat_template(("alpaca",), tokenizer, "alpaca") == data.ALPACA_CHAT_TEMPLATE
-    assert data.trained_chat_template(("alpaca", "messages"), tokenizer, "alpaca") is None  # layouts mixed
-    assert data.layouts(("alpaca", "messages"), tokenizer) == "alpaca/messages rows by the tokenizer's chat template"
-    assert data.layouts(("alpaca", "messages"), tokenizer, "alpaca") == \
+    assert tokenizing.tokenize_row(row, "alpaca", tokenizer) == tokenizing.tokenize_row(conversation, "messages", tokenizer)
+    assert tokenizing.trained_chat_template(("alpaca",), tokenizer) is None  # the tokenizer's own
+    assert tokenizing.trained_chat_template(("alpaca", "messages"), tokenizer) is None
+    assert tokenizing.trained_chat_template(("alpaca",), tokenizer, "alpaca") == tokenizing.ALPACA_CHAT_TEMPLATE
+    assert tokenizing.trained_chat_template(("alpaca", "messages"), tokenizer, "alpaca") is None  # layouts mixed
+    assert tokenizing.layouts(("alpaca", "messages"), tokenizer) == "alpaca/messages rows by the tokenizer's chat template"
+    assert tokenizing.layouts(("alpaca", "messages"), tokenizer, "alpaca") == \
         "messages rows by the tokenizer's chat template; alpaca rows in the alpaca layout"
-    assert data.layouts(("text",), tokenizer) == ""
+    assert tokenizing.layouts(("text",), tokenizer) == ""
     tokenizer.chat_template = None
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer)
+    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer)
     assert tokenizer.decode(ids).startswith("<s>be brief\n\n### Instruction:\nSay hi.")
-    assert data.trained_chat_template(("alpaca",), tokenizer) == data.ALPACA_CHAT_TEMPLATE
-    assert data.layouts(("alpaca",), tokenizer) == "alpaca rows in the alpaca layout"
+    assert tokenizing.trained_chat_template(("alpaca",), tokenizer) == tokenizing.ALPACA_CHAT_TEMPLATE
+    assert tokenizing.layouts(("alpaca",), tokenizer) == "alpaca rows in the alpaca layout"
 
 
 def test_messages_learn_only_assistant_turns_with_chat_template(tokenizer):
     row = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
                         {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
                         {"role": "assistant", "content": "6"}]}
-    ids, labels = data.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
     assert ids == list(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
     assert decode_learned(tokenizer, ids, labels) == "4</s>\n6</s>\n"
 
@@ -88,7 +90,7 @@ def test_a_chat_template_that_rewrites_earlier_turns_is_a_bad_row(tmp_path, toke
                            {"role": "assistant", "content": "4"}]}
     multi = {"messages": single["messages"] + [{"role": "user", "content": "3+3?"},
                                                {"role": "assistant", "content": "6"}]}
-    ids, labels = data.tokenize_row(single, "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(single, "messages", tokenizer)
     assert len(ids) == len(labels) and decode_learned(tokenizer, ids, labels) == "4</s>"
     path = write_jsonl(tmp_path / "d.jsonl", [single] * 30 + [multi])
     with pytest.raises(DataError, match=r"line 31: field `messages`: the tokenizer's chat template renders the first "
@@ -120,7 +122,7 @@ def test_a_chat_template_that_raises_is_a_bad_row_named_by_its_own_field(tmp_pat
 def test_messages_without_chat_template(tokenizer):
     tokenizer.chat_template = None
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-    ids, labels = data.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
     assert decode_learned(tokenizer, ids, labels) == "yo</s>"
     assert tokenizer.decode(ids) == "<s>user:\nhi</s>assistant:\nyo</s>"
 
@@ -198,12 +200,12 @@ def test_skip_bad_rows_counts_them(tmp_path, tokenizer):
 
 def test_missing_file_and_bad_suffix(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        data.data_files(str(tmp_path / "nope.jsonl"))
+        datafiles.data_files(str(tmp_path / "nope.jsonl"))
     with pytest.raises(DataError, match=r"nope.jsonl does not exist \(a relative path is read from the working dir"):
-        data.data_files("nope.jsonl")
+        datafiles.data_files("nope.jsonl")
     (tmp_path / "d.csv").write_text("a\n")
     with pytest.raises(DataError, match="unsupported suffix '.csv'"):
-        data.data_files(str(tmp_path / "d.csv"))
+        datafiles.data_files(str(tmp_path / "d.csv"))
 
 
 def test_unknown_columns(tmp_path, tokenizer):
@@ -227,10 +229,10 @@ def test_parquet_and_json_read_through_datasets(tmp_path, tokenizer):
 
 def test_packing_fills_rows_and_padding_pads_them():
     examples = [([1, 5, 6, 2], [IGNORE, 5, 6, 2]), ([1, 7, 2], [IGNORE, 7, 2]), ([1, 8, 8, 8, 8, 2], [1, 8, 8, 8, 8, 2])]
-    ids, labels = data.pack(examples, 4)
+    ids, labels = rowlayout.pack(examples, 4)
     assert ids.tolist() == [[1, 5, 6, 2], [1, 7, 2, 1], [8, 8, 8, 8]]
     assert labels.tolist()[1] == [IGNORE, 7, 2, 1]
-    ids, labels = data.pad(examples, 5, pad_id=0)
+    ids, labels = rowlayout.pad(examples, 5, pad_id=0)
     assert ids.tolist()[1] == [1, 7, 2, 0, 0] and labels.tolist()[1] == [IGNORE, 7, 2, IGNORE, IGNORE]
     assert ids.tolist()[2] == [1, 8, 8, 8, 8]  # truncated
 
@@ -239,8 +241,8 @@ def test_neat_packing_restarts_positions_at_every_example_and_row():
     """Position ids restart where an example starts and where a row does (a carried tail sees
     nothing of its head); an example's first label is not predicted from the one before it."""
     examples = [([1, 5, 6, 2], [1, 5, 6, 2]), ([1, 7, 2], [IGNORE, 7, 2]), ([1, 8, 8, 8, 8, 2], [1, 8, 8, 8, 8, 2])]
-    ids, labels = data.pack(examples, 4)
-    positions = data.isolate_examples(examples, labels)
+    ids, labels = rowlayout.pack(examples, 4)
+    positions = rowlayout.isolate_examples(examples, labels)
     assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
     assert labels.tolist() == [[IGNORE, 5, 6, 2], [IGNORE, 7, 2, IGNORE], [8, 8, 8, 8]]
 
@@ -251,13 +253,13 @@ def test_neat_packing_packs_whole_examples_best_fit():
     prompt), one longer than seq_len is cut to it first."""
     lengths = [5, 3, 4, 2, 8]
     examples = [([10 + i] * n, [10 + i] * n) for i, n in enumerate(lengths)]
-    laid, used = data.rows_of_whole_examples(data.truncated(examples, 6, "balanced")[0], 6, pad_id=0)
-    ids, labels = data.pack(laid, 6)
+    laid, used = rowlayout.rows_of_whole_examples(rowlayout.truncated(examples, 6, "balanced")[0], 6, pad_id=0)
+    ids, labels = rowlayout.pack(laid, 6)
     # filled longest first; laid out in data order (a row by its first example's place)
     assert ids.tolist() == [[10] * 5 + [0], [11] * 3 + [0] * 3, [12] * 4 + [13] * 2, [14] * 6]
     assert used.tolist() == [5, 3, 6, 6]
     assert labels.tolist()[1] == [11] * 3 + [IGNORE] * 3
-    positions = data.isolate_examples(laid, labels)
+    positions = rowlayout.isolate_examples(laid, labels)
     assert positions.tolist()[2] == [0, 1, 2, 3, 0, 1] and positions.tolist()[1] == [0, 1, 2, 0, 1, 2]
 
 
@@ -310,7 +312,7 @@ def test_examples_cut_to_seq_len_are_counted(tmp_path, tokenizer):
     into the next row, none cut."""
     rows = [{"instruction": "i", "output": "o" * 40}, {"instruction": "i", "output": "o"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    whole = len(data.tokenize_row(rows[0], "alpaca", tokenizer)[0])
+    whole = len(tokenizing.tokenize_row(rows[0], "alpaca", tokenizer)[0])
     for packing, neat, truncation in ((False, False, "balanced"), (True, False, "head"), (True, True, "balanced")):
         cfg = DataConfig(path=str(path), packing=packing, neat_packing=neat, truncation=truncation)
         seqs = data.build_sequences([path], cfg, tokenizer, 48)
@@ -327,7 +329,7 @@ def test_prompted_examples_are_packed_whole_and_text_concatenated(tmp_path, toke
     rows = [{"instruction": f"question {i}", "output": "answer " * (3 + i % 7)} for i in range(40)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     seqs = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 256)
-    examples = [data.tokenize_row(row, "alpaca", tokenizer) for row in rows]
+    examples = [tokenizing.tokenize_row(row, "alpaca", tokenizer) for row in rows]
     assert seqs.layout == "whole" and seqs.lengths.sum() == sum(len(ids) for ids, _ in examples)
     learned = lambda labels: int((labels != IGNORE).sum())
     assert learned(seqs.labels) == sum(learned(np.array(labels)) for _, labels in examples)  # none dropped, none cut
@@ -427,12 +429,12 @@ def test_a_long_prompt_is_cut_and_its_answer_kept_as_llama_factory_cuts(tmp_path
     rows that head truncation drops keep their answers, their prompts cut to the room left."""
     rows = [{"instruction": "word " * 100, "output": "yes"}] * 6 + [{"instruction": "hi", "output": "there"}] * 2
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    answer = int((np.array(data.tokenize_row(rows[0], "alpaca", tokenizer)[1]) != IGNORE).sum())
+    answer = int((np.array(tokenizing.tokenize_row(rows[0], "alpaca", tokenizer)[1]) != IGNORE).sum())
     for packing in (False, True):
         seqs = data.build_sequences([path], DataConfig(path=str(path), packing=packing), tokenizer, 128)
         assert seqs.prompt_only_rows == 0 and seqs.cut[:2] == (6, 0) and seqs.cut[2] > 0
         assert int((seqs.labels != IGNORE).sum()) == 6 * answer + 2 * int(
-            (np.array(data.tokenize_row(rows[-1], "alpaca", tokenizer)[1]) != IGNORE).sum())
+            (np.array(tokenizing.tokenize_row(rows[-1], "alpaca", tokenizer)[1]) != IGNORE).sum())
         assert f"losing 0 answer tokens and {seqs.cut[2]} prompt tokens" in seqs.cut_note(128)
 
 
@@ -440,19 +442,19 @@ def test_balanced_truncation_shares_each_turn_as_infer_seqlen_does():
     """LLaMA-Factory's infer_seqlen, one case per branch: an answer under half the room is kept
     whole; a prompt under half is kept whole; else both in proportion; and turn by turn, a
     later turn gets what the earlier left."""
-    assert data.cutoff_shares(prompt=100, answer=3, room=64) == (61, 3)
-    assert data.cutoff_shares(prompt=10, answer=100, room=64) == (10, 54)
-    assert data.cutoff_shares(prompt=60, answer=40, room=64) == (39, 25)  # int(64 * 40 / 100)
-    assert data.cutoff_shares(prompt=5, answer=3, room=64) == (5, 3)
+    assert rowlayout.cutoff_shares(prompt=100, answer=3, room=64) == (61, 3)
+    assert rowlayout.cutoff_shares(prompt=10, answer=100, room=64) == (10, 54)
+    assert rowlayout.cutoff_shares(prompt=60, answer=40, room=64) == (39, 25)  # int(64 * 40 / 100)
+    assert rowlayout.cutoff_shares(prompt=5, answer=3, room=64) == (5, 3)
     labels = [IGNORE] * 10 + [5, 5] + [IGNORE] * 2 + [6, 6]
-    assert data.turns_of(labels) == [(10, 2), (2, 2)] and data.turns_of([7, 7, IGNORE]) == [(0, 2), (1, 0)]
+    assert rowlayout.turns_of(labels) == [(10, 2), (2, 2)] and rowlayout.turns_of([7, 7, IGNORE]) == [(0, 2), (1, 0)]
     ids = list(range(16))
-    (kept_ids, kept_labels), = data.truncated([(ids, labels)], 8, "balanced")[0]
+    (kept_ids, kept_labels), = rowlayout.truncated([(ids, labels)], 8, "balanced")[0]
     assert kept_ids == [0, 1, 2, 3, 4, 5, 10, 11] and kept_labels == [IGNORE] * 6 + [5, 5]  # turn 2: no room
-    assert data.truncated([(ids, labels)], 8, "balanced")[1] == (1, 2, 6)
-    assert data.truncated([(ids, labels)], 8, "head")[0][0][0] == list(range(8))
-    assert data.truncated([(ids, labels)], 8, "head")[1] == (1, 4, 4)
-    (kept_ids, _), = data.truncated([(ids, labels)], 14, "balanced")[0]
+    assert rowlayout.truncated([(ids, labels)], 8, "balanced")[1] == (1, 2, 6)
+    assert rowlayout.truncated([(ids, labels)], 8, "head")[0][0][0] == list(range(8))
+    assert rowlayout.truncated([(ids, labels)], 8, "head")[1] == (1, 4, 4)
+    (kept_ids, _), = rowlayout.truncated([(ids, labels)], 14, "balanced")[0]
     assert kept_ids == [*range(12), 12, 14]  # turn 1 whole, then (1, 1) of turn 2 in the 2 tokens left
 
 
@@ -472,8 +474,8 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     rows and for messages rows without a template it is the layout tokenize_row trained on,
     token for token (chat used the tokenizer's unrelated template and `role: text` lines)."""
     row = {"instruction": "Reverse the word. abc", "output": "cba"}
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer, "alpaca")
-    template = data.trained_chat_template(("alpaca",), tokenizer, "alpaca")
+    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    template = tokenizing.trained_chat_template(("alpaca",), tokenizer, "alpaca")
     conversation = [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": "cba"}]
     render = lambda turns, prompt: list(tokenizer.apply_chat_template(  # noqa: E731
         turns, chat_template=template, tokenize=True, return_dict=False, add_generation_prompt=prompt))
@@ -481,12 +483,12 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
     tokenizer.chat_template = None
     messages = {"messages": conversation}
-    ids, labels = data.tokenize_row(messages, "messages", tokenizer)
-    template = data.trained_chat_template(("messages",), tokenizer)
+    ids, labels = tokenizing.tokenize_row(messages, "messages", tokenizer)
+    template = tokenizing.trained_chat_template(("messages",), tokenizer)
     assert render(conversation, False) == ids
     assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
-    assert data.trained_chat_template(("text",), tokenizer) is None
-    assert data.trained_chat_template(("alpaca", "messages"), tokenizer) is None
+    assert tokenizing.trained_chat_template(("text",), tokenizer) is None
+    assert tokenizing.trained_chat_template(("alpaca", "messages"), tokenizer) is None
 
 
 def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
@@ -532,18 +534,18 @@ def test_a_packed_row_whose_only_label_is_its_first_token_is_dropped():
 def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(tokenizer):
     row = {"instruction": "And times 3?", "input": "", "output": "0", "system": "You are a calculator.",
            "history": [["What is 0*2?", "0"]]}
-    ids, labels = data.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     assert tokenizer.decode(ids) == ("<s>You are a calculator.\n\n### Instruction:\nWhat is 0*2?\n\n### Response:\n0</s>"
                                      "### Instruction:\nAnd times 3?\n\n### Response:\n0</s>")
     assert decode_learned(tokenizer, ids, labels) == "0</s>0</s>"  # both answers, prompts and system masked
     conversation = [{"role": "system", "content": row["system"]}, {"role": "user", "content": "What is 0*2?"},
                     {"role": "assistant", "content": "0"}, {"role": "user", "content": row["instruction"]},
                     {"role": "assistant", "content": "0"}]
-    rendered = tokenizer.apply_chat_template(conversation, chat_template=data.ALPACA_CHAT_TEMPLATE, tokenize=True,
+    rendered = tokenizer.apply_chat_template(conversation, chat_template=tokenizing.ALPACA_CHAT_TEMPLATE, tokenize=True,
                                              return_dict=False)
     assert list(rendered) == ids  # the exported template prompts as training read it
-    with pytest.raises(data.RowError, match="history.*pairs"):
-        data.tokenize_row(row | {"history": ["What is 0*2?"]}, "alpaca", tokenizer)
+    with pytest.raises(tokenizing.RowError, match="history.*pairs"):
+        tokenizing.tokenize_row(row | {"history": ["What is 0*2?"]}, "alpaca", tokenizer)
 
 
 def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
@@ -554,9 +556,9 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
     plain = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
                           {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
                           {"role": "assistant", "content": "6"}]}
-    assert data.tokenize_row(share, "sharegpt", tokenizer) == data.tokenize_row(plain, "messages", tokenizer)
+    assert tokenizing.tokenize_row(share, "sharegpt", tokenizer) == tokenizing.tokenize_row(plain, "messages", tokenizer)
     named = {"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]}
-    assert decode_learned(tokenizer, *data.tokenize_row(named, "messages", tokenizer)) == "4</s>\n"
+    assert decode_learned(tokenizer, *tokenizing.tokenize_row(named, "messages", tokenizer)) == "4</s>\n"
     path = write_jsonl(tmp_path / "d.jsonl", [share] * 3)
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
     assert len(seqs) == 3 and seqs.formats == ("sharegpt",)
@@ -564,7 +566,7 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
                           {"role": "function_call", "content": '{"name": "get", "arguments": {}}'},
                           {"role": "observation", "content": "sun"}, {"role": "assistant", "content": "sunny"}]}
     tokenizer.chat_template = None
-    assert decode_learned(tokenizer, *data.tokenize_row(tools, "messages", tokenizer)) == \
+    assert decode_learned(tokenizer, *tokenizing.tokenize_row(tools, "messages", tokenizer)) == \
         '{"name": "get", "arguments": {}}</s>sunny</s>'
 
 
@@ -609,19 +611,19 @@ def test_turns_are_read_under_either_naming(tokenizer):
     format's own."""
     tokenizer.chat_template = CHATML
     plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    expected = data.tokenize_row(plain, "messages", tokenizer)
+    expected = tokenizing.tokenize_row(plain, "messages", tokenizer)
     conversations = {"conversations": plain["messages"]}
-    assert data.row_format(conversations) == "sharegpt"
-    assert data.tokenize_row(conversations, "sharegpt", tokenizer) == expected
+    assert tokenizing.row_format(conversations) == "sharegpt"
+    assert tokenizing.tokenize_row(conversations, "sharegpt", tokenizer) == expected
     shared = {"messages": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
-    assert data.tokenize_row(shared, "messages", tokenizer) == expected
+    assert tokenizing.tokenize_row(shared, "messages", tokenizer) == expected
     mixed = {"messages": [{"from": "human", "value": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    assert data.tokenize_row(mixed, "messages", tokenizer) == expected
-    with pytest.raises(data.RowError, match=r"messages\[1\]`: expected \{role: str, content: str\}"):
-        data.tokenize_row({"messages": [plain["messages"][0], {"speaker": "gpt", "text": "4"}]}, "messages",
+    assert tokenizing.tokenize_row(mixed, "messages", tokenizer) == expected
+    with pytest.raises(tokenizing.RowError, match=r"messages\[1\]`: expected \{role: str, content: str\}"):
+        tokenizing.tokenize_row({"messages": [plain["messages"][0], {"speaker": "gpt", "text": "4"}]}, "messages",
                           tokenizer)
-    with pytest.raises(data.RowError, match=r"conversations\[0\].role`: unknown speaker 'model'"):
-        data.tokenize_row({"conversations": [{"role": "model", "content": "4"}]}, "sharegpt", tokenizer)
+    with pytest.raises(tokenizing.RowError, match=r"conversations\[0\].role`: unknown speaker 'model'"):
+        tokenizing.tokenize_row({"conversations": [{"role": "model", "content": "4"}]}, "sharegpt", tokenizer)
 
 
 def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
@@ -630,15 +632,15 @@ def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
     tokenizer.chat_template = CHATML
     typo = {"conversations": [{"from": "human", "value": "q1"}, {"from": "model", "value": "a1"},
                               {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]}
-    with pytest.raises(data.RowError, match=r"conversations\[1\].from`: unknown speaker 'model'.*use system, user"):
-        data.tokenize_row(typo, "sharegpt", tokenizer)
+    with pytest.raises(tokenizing.RowError, match=r"conversations\[1\].from`: unknown speaker 'model'.*use system, user"):
+        tokenizing.tokenize_row(typo, "sharegpt", tokenizer)
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2?"}]},
                           {"role": "assistant", "content": "4"}]}
     plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    assert data.tokenize_row(parts, "messages", tokenizer) == data.tokenize_row(plain, "messages", tokenizer)
+    assert tokenizing.tokenize_row(parts, "messages", tokenizer) == tokenizing.tokenize_row(plain, "messages", tokenizer)
     parts["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
-    with pytest.raises(data.RowError, match=r"messages\[0\].content`: only text parts .* not image_url"):
-        data.tokenize_row(parts, "messages", tokenizer)
+    with pytest.raises(tokenizing.RowError, match=r"messages\[0\].content`: only text parts .* not image_url"):
+        tokenizing.tokenize_row(parts, "messages", tokenizer)
 
 
 # A tool-calling template in the way Qwen2.5's and Llama 3.1's are: tools offered in a system
@@ -669,12 +671,12 @@ def test_tool_calls_are_learned_through_the_chat_template(tmp_path, tokenizer):
     expect), the tool's answer and the offered tools are prompt; a file mixing argument shapes
     (datasets unifies them into one struct, filling in null keys) trains each row's own."""
     tokenizer.chat_template = TOOL_TEMPLATE
-    ids, labels = data.tokenize_row(tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS), "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS), "messages", tokenizer)
     assert decode_learned(tokenizer, ids, labels) == (
         '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n')
     assert tokenizer.decode(ids).startswith("<|im_start|>system\nTools: get_weather<|im_end|>")
     assert "sunny<|im_end|>" in tokenizer.decode(ids)
-    as_object = data.tokenize_row(tool_row({"city": "Paris"}, tools=json.dumps(WEATHER_TOOLS)), "messages", tokenizer)
+    as_object = tokenizing.tokenize_row(tool_row({"city": "Paris"}, tools=json.dumps(WEATHER_TOOLS)), "messages", tokenizer)
     assert as_object == (ids, labels)  # LLaMA-Factory's tools: a JSON string
     other = tool_row({"days": 3})
     other["messages"][1]["tool_calls"][0]["function"]["name"] = "get_forecast"
@@ -706,7 +708,7 @@ def test_parallel_tool_answers_a_template_groups_are_prompt(tokenizer):
     row = {"messages": [{"role": "user", "content": "weather and time?"}, call,
                         {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "noon"},
                         {"role": "assistant", "content": "Sunny, at noon."}, {"role": "user", "content": "thanks"}]}
-    ids, labels = data.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
     assert decode_learned(tokenizer, ids, labels) == (
         "<tool_call>get_weather</tool_call><tool_call>get_time</tool_call><|im_end|>\nSunny, at noon.<|im_end|>\n")
@@ -723,38 +725,38 @@ def test_sharegpt_function_calls_are_tool_calls(tokenizer):
     share = {"conversations": [{"from": "human", "value": "weather in Paris?"}, call,
                                {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "It is sunny."}],
              "tools": json.dumps(WEATHER_TOOLS)}
-    assert data.tokenize_row(share, "sharegpt", tokenizer) == \
-        data.tokenize_row(tool_row({"city": "Paris"}, tools=WEATHER_TOOLS), "messages", tokenizer)
+    assert tokenizing.tokenize_row(share, "sharegpt", tokenizer) == \
+        tokenizing.tokenize_row(tool_row({"city": "Paris"}, tools=WEATHER_TOOLS), "messages", tokenizer)
     call["value"] = json.dumps([{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Rome")])
-    learned = decode_learned(tokenizer, *data.tokenize_row(share, "sharegpt", tokenizer))
+    learned = decode_learned(tokenizer, *tokenizing.tokenize_row(share, "sharegpt", tokenizer))
     assert learned.startswith('<tool_call>get_weather {"city": "Paris"}</tool_call><tool_call>get_weather '
                               '{"city": "Rome"}</tool_call>')
     for value, problem in (("get_weather(Paris)", "not JSON"), ('{"city": "Paris"}', "holds the call as JSON")):
         call["value"] = value
-        with pytest.raises(data.RowError, match=f"conversations\\[1\\].value`: .*{problem}"):
-            data.tokenize_row(share, "sharegpt", tokenizer)
+        with pytest.raises(tokenizing.RowError, match=f"conversations\\[1\\].value`: .*{problem}"):
+            tokenizing.tokenize_row(share, "sharegpt", tokenizer)
 
 
 def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):
     """A template without function calling would drop the call (an empty turn learned): a bad row
     naming the fix. Without any template the `role:` layout writes calls as JSON lines."""
     tokenizer.chat_template = CHATML
-    with pytest.raises(data.RowError, match="does not render function calling \\(call get_weather"):
-        data.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
-    with pytest.raises(data.RowError, match="tool get_weather"):
-        data.tokenize_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+    with pytest.raises(tokenizing.RowError, match="does not render function calling \\(call get_weather"):
+        tokenizing.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
+    with pytest.raises(tokenizing.RowError, match="tool get_weather"):
+        tokenizing.tokenize_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
                            "tools": WEATHER_TOOLS}, "messages", tokenizer)
     tokenizer.chat_template = None
-    ids, labels = data.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
     assert decode_learned(tokenizer, ids, labels) == '{"name": "get_weather", "arguments": {"city": "Paris"}}</s>' \
                                                      'It is sunny.</s>'
     for calls, where in (("get_weather()", "messages[1].tool_calls"), ([{"function": {}}], "tool_calls[0]")):
         row = tool_row("{}")
         row["messages"][1]["tool_calls"] = calls
-        with pytest.raises(data.RowError, match=where.replace("[", "\\[")):
-            data.tokenize_row(row, "messages", tokenizer)
-    with pytest.raises(data.RowError, match="arguments`: not JSON"):
-        data.tokenize_row(tool_row("{city: Paris}"), "messages", tokenizer)
+        with pytest.raises(tokenizing.RowError, match=where.replace("[", "\\[")):
+            tokenizing.tokenize_row(row, "messages", tokenizer)
+    with pytest.raises(tokenizing.RowError, match="arguments`: not JSON"):
+        tokenizing.tokenize_row(tool_row("{city: Paris}"), "messages", tokenizer)
 
 
 def test_a_conversation_opening_with_the_assistant_is_a_bad_row(tmp_path, tokenizer):
@@ -807,24 +809,24 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     write_jsonl(tmp_path / "dir" / "a.jsonl", rows[:3])
     write_jsonl(tmp_path / "dir" / "sub" / "b.jsonl", rows[3:])
     (tmp_path / "dir" / "notes.txt").write_text("not data")
-    files = data.data_files(str(tmp_path / "dir"))
+    files = datafiles.data_files(str(tmp_path / "dir"))
     assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl"]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
                           "test": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(tmp_path / "splits"))
     for path, count in (("dir", 6), ("saved", 6), ("splits", 4)):
         cfg = DataConfig(path=str(tmp_path / path), packing=False)
-        seqs = data.build_sequences(data.data_files(cfg.path), cfg, tokenizer, 16)
+        seqs = data.build_sequences(datafiles.data_files(cfg.path), cfg, tokenizer, 16)
         assert len(seqs) == count and tokenizer.decode(seqs.input_ids[1][1:6]) == "row 1"
     (tmp_path / "nothing").mkdir()
     with pytest.raises(DataError, match="holds no .jsonl, .json or .parquet files"):
-        data.data_files(str(tmp_path / "nothing"))
-    assert data.left_out_files(str(tmp_path / "dir"), None) == [tmp_path / "dir" / "notes.txt"]
+        datafiles.data_files(str(tmp_path / "nothing"))
+    assert datafiles.left_out_files(str(tmp_path / "dir"), None) == [tmp_path / "dir" / "notes.txt"]
     # LLaMA-Factory's data/ (its dataset_info.json registry beside the files), a saved dataset inside: its rows
     # are read, the metadata .json files of both are not
     (tmp_path / "dir" / "dataset_info.json").write_text('{"mine": {"file_name": "a.jsonl"}}')
     datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tmp_path / "dir" / "sub" / "saved"))
-    files = data.data_files(str(tmp_path / "dir"))
+    files = datafiles.data_files(str(tmp_path / "dir"))
     assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl", tmp_path / "dir" / "sub" / "saved"]
     seqs = data.build_sequences(files, DataConfig(path=str(tmp_path / "dir"), packing=False), tokenizer, 16)
     assert len(seqs) == 8
@@ -851,14 +853,14 @@ def test_a_model_that_would_not_learn_to_stop_is_named(tokenizer):
     """A ChatML template ends a turn with <|im_end|>: with EOS </s> and no generation config
     that lists <|im_end|>, the trained model talks past its turn; a tokenizer without EOS trains
     answers without an end. The demo's own layouts end every answer with EOS."""
-    assert data.stop_problem(tokenizer, ("messages",)) is None and data.stop_problem(tokenizer, ("alpaca",)) is None
+    assert tokenizing.stop_problem(tokenizer, ("messages",)) is None and tokenizing.stop_problem(tokenizer, ("alpaca",)) is None
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML
-    problem = data.stop_problem(tokenizer, ("messages",))
+    problem = tokenizing.stop_problem(tokenizer, ("messages",))
     assert problem.startswith("the tokenizer's chat template ends an assistant turn with") and "'</s>'" in problem
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert data.stop_problem(tokenizer, ("messages",), generation_eos={end_of_turn}) is None
+    assert tokenizing.stop_problem(tokenizer, ("messages",), generation_eos={end_of_turn}) is None
     tokenizer.eos_token = "<|im_end|>"
-    assert data.stop_problem(tokenizer, ("sharegpt",)) is None
+    assert tokenizing.stop_problem(tokenizer, ("sharegpt",)) is None
     tokenizer.eos_token = None
-    assert data.stop_problem(tokenizer, ("text",)).startswith("the tokenizer has no EOS token")
+    assert tokenizing.stop_problem(tokenizer, ("text",)).startswith("the tokenizer has no EOS token")

@@ -276,7 +276,7 @@ def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampl
     """Complete `prompt` (as raw text: no chat template; BOS first, as training began every example)."""
     import torch
 
-    from zerofit.data import text_ids
+    from zerofit.tokenizing import text_ids
 
     loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
     ids = text_ids(loaded.tokenizer, prompt)
@@ -301,10 +301,10 @@ def eos_ids(loaded: Loaded) -> set[int]:
 def chat_input_ids(tokenizer, history: list[dict], limit: int):
     """The conversation as model input: the tokenizer's chat template (a zerofit export's is
     the layout its data trained), else the layout messages rows train on without one
-    (data.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens. A
+    (tokenizing.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens. A
     last message that alone outgrows it is refused: cut to fit, it lost the template's opening
     (the model saw the middle of a message, not a prompt)."""
-    from zerofit.data import PLAIN_CHAT_TEMPLATE
+    from zerofit.tokenizing import PLAIN_CHAT_TEMPLATE
 
     while True:
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, checkpoint, checkpointer, data, dsconfig, elastic, engine, faults, hostalloc, lastword,
-                     lora, loss, memory, models, nvme, planview, postmortem, runlock, watchdog)
+from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
+                     lastword, lora, loss, memory, models, nvme, planview, postmortem, runlock, tokenizing, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
 from zerofit.progress import StepProgress, say, warn
 
@@ -75,7 +75,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
-                        data.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
+                        tokenizing.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
         report_data(train_set, eval_set, config, tokenizer)
         say(planview.plan_line(decision))
 
@@ -359,7 +359,7 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
     written = run_dir / "model" / "chat_template.jinja"  # as transformers saves it: said once, not at each resume
     if chat_template and chat_template != own_template and not (written.is_file() and written.read_text() == chat_template):
         say(f"model/: the tokenizer's chat template is now the layout the data trains "
-            f"({'alpaca' if chat_template == data.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
+            f"({'alpaca' if chat_template == tokenizing.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
             f"exports prompt the model as it learned")
     tokenizer.chat_template = chat_template or own_template
     try:
@@ -369,7 +369,7 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
-    laid_out = data.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
+    laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
         f"{train_set.trained_tokens} tokens learned per epoch, {train_set.layout_note()}"
         f"{f'; {laid_out}' if laid_out else ''}")
@@ -377,7 +377,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         if sequences.skipped_rows:
             warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
                  f"{sequences.skipped_reasons[0]}")
-    left_out = data.left_out_files(config.data.path, config.data.eval_path)
+    left_out = datafiles.left_out_files(config.data.path, config.data.eval_path)
     if left_out:
         warn(f"not read (zerofit reads .jsonl, .json, .parquet and saved datasets): "
              f"{', '.join(map(str, left_out[:5]))}{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
@@ -390,7 +390,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         warn(train_set.dropped_note(config.train.seq_len))
     if train_set.cut[0]:
         warn(train_set.cut_note(config.train.seq_len))
-    stop = data.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model),
+    stop = tokenizing.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model),
                              config.data.alpaca_template)
     if stop:
         warn(stop)

@@ -1,0 +1,239 @@
+"""Local data files -> rows: jsonl/json/parquet files, directories of them and `datasets`
+save_to_disk directories, read through HF `datasets`; a broken file or line is named by
+file and line number, with the fix."""
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+from pathlib import Path
+
+from zerofit.config import ConfigError
+
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
+SAVED_DATASET_DICT_FILE = "dataset_dict.json"  # ... and above the splits' directories for a DatasetDict
+METADATA_FILES = (*SAVED_DATASET_FILES, SAVED_DATASET_DICT_FILE)  # LLaMA-Factory names its registry so too
+
+
+class DataError(ConfigError):
+    """A data problem the user fixes in the file: names file, row/line and field."""
+
+
+def data_files(path: str | list[str], key: str = "data.path") -> list[Path]:
+    """The files (and saved datasets) data.path (or `key`) names: a directory stands for the data
+    files under it, in name order, or for the dataset `datasets.save_to_disk` wrote there."""
+    files = []
+    for f in [Path(p) for p in ([path] if isinstance(path, str) else path)]:
+        if f.is_dir():
+            files += [f] if is_saved_dataset(f) else files_under(f, key)
+        elif not f.is_file():
+            relative = "" if f.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+            raise DataError(f"data file {f} does not exist{relative}; set {key} to local .jsonl/.json/.parquet "
+                            f"files or a directory of them")
+        elif f.suffix not in SUFFIXES:
+            raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
+        else:
+            files.append(f)
+    return files
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    return (all((directory / name).is_file() for name in SAVED_DATASET_FILES)
+            or (directory / SAVED_DATASET_DICT_FILE).is_file())
+
+
+def files_under(directory: Path, key: str = "data.path") -> list[Path]:
+    found, _ = walk_data(directory)
+    if not found:
+        raise DataError(f"data directory {directory} holds no .jsonl, .json or .parquet files (nor a dataset "
+                        f"saved with datasets' save_to_disk); point {key} at the data files")
+    return found
+
+
+def walk_data(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(read, left out) under a directory, in path order, hidden entries aside: data files, and
+    saved datasets read whole (their metadata .json files are not rows, nor is LLaMA-Factory's
+    dataset_info.json registry); left out, the files of other kinds."""
+    read, left_out = [], []
+    for entry in sorted(directory.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir() and is_saved_dataset(entry):
+            read.append(entry)
+        elif entry.is_dir():
+            deeper = walk_data(entry)
+            read, left_out = read + deeper[0], left_out + deeper[1]
+        elif entry.suffix in SUFFIXES and entry.name not in METADATA_FILES:
+            read.append(entry)
+        elif entry.is_file() and entry.name not in METADATA_FILES:
+            left_out.append(entry)
+    return read, left_out
+
+
+def left_out_files(*paths: str | list[str] | None) -> list[Path]:
+    """Files under the directories data.path / data.eval_path name that are not read (a .csv, a
+    .txt): said, so that none goes missing from training unnoticed."""
+    named = [Path(p) for path in paths if path not in (None, "demo", "synthetic")
+             for p in ([path] if isinstance(path, str) else path)]
+    return [f for d in named if d.is_dir() and not is_saved_dataset(d) for f in walk_data(d)[1]]
+
+
+def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
+    """One file as an HF Dataset (or its rows as written, `as_written`), and the jsonl line
+    numbers of its rows when it was read line by line (else None). A line that is not a JSON
+    object is reported with its number, or, with `skip_bad_lines` (data.skip_bad_rows), left
+    out and listed as (where, why)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if file.is_dir():
+        return saved_dataset(file), None, []
+    if file.suffix != ".parquet":
+        check_text(file)
+    # its "Failed to load JSON ... in row N" (rows counted its own way) would precede our line number
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    try:
+        rows, numbers, bad = datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
+    except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
+        if holds_json_lines(file):  # line by line: a bad line, or a value of another type than its column's
+            rows, numbers, bad = as_written(file, skip_bad_lines)
+        else:
+            raise DataError(json_array_problem(file) or f"{file}: cannot be read as {SUFFIXES[file.suffix]} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
+    if not isinstance(rows, JsonRows) and file.suffix != ".parquet" and decodes_json_text(rows.features):
+        rows, numbers, bad = as_written(file, skip_bad_lines)
+    if len(rows) == 0 and not bad:
+        raise DataError(f"{file} holds no rows; add data or leave the file out of data.path")
+    return rows, numbers, bad
+
+
+def decodes_json_text(feature) -> bool:
+    """Whether datasets holds some field as JSON text (datasets.Json): it does so for a field
+    whose values differ in type between rows, and decodes every value on reading, so a
+    string that is valid JSON comes back as something else ("8" as 8, "null" as None): one
+    row with a number for `output` made every digit answer a bad row."""
+    import datasets
+
+    if isinstance(feature, datasets.Json):
+        return True
+    if isinstance(feature, dict):
+        return any(decodes_json_text(inner) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List, Sequence, LargeList
+    return inner is not None and decodes_json_text(inner)
+
+
+def as_written(file: Path, skip_bad_lines: bool) -> tuple:
+    """A JSON file's rows with the types each row was written with (`read_rows`' layout)."""
+    if holds_json_lines(file):
+        rows, numbers, bad = _json_lines(file, skip_bad_lines)
+        return JsonRows(rows), numbers, bad
+    with file.open(encoding="utf-8-sig") as text:
+        return JsonRows(json.load(text)), None, []  # an array of objects: datasets has read it so already
+
+
+def saved_dataset(directory: Path):
+    """What datasets.save_to_disk wrote: one Dataset, or a DatasetDict's "train" split."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(directory))
+    except Exception as e:  # noqa: BLE001 - datasets raises several kinds for a damaged directory
+        raise DataError(f"{directory}: cannot be read as a saved dataset ({type(e).__name__}: {e}); save it again "
+                        f"with save_to_disk, or export it to .jsonl") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{directory} holds the splits {sorted(loaded)} and no `train`; point data.path at "
+                            f"{directory}/<split> (data.eval_path at another)")
+        loaded = loaded["train"]
+    return loaded
+
+
+def check_text(file: Path) -> None:
+    """A json/jsonl file must be UTF-8 and hold something: pyarrow raises a bare
+    UnicodeDecodeError mid-iteration, and an empty file reads as `columns []`."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, blank = 1, True
+    with file.open("rb") as chunks:
+        while chunk := chunks.read(1 << 24):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:  # e.start counts from this chunk (a cut character's first bytes aside)
+                line += chunk[:e.start].count(b"\n")
+                raise DataError(f"{file}, line {line}: not UTF-8 text (byte 0x{chunk[e.start]:02x}); save the file "
+                                f"as UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+            line += chunk.count(b"\n")
+            blank = blank and not chunk.strip()
+    if blank:
+        raise DataError(f"{file} is empty; add data or leave the file out of data.path")
+
+
+def json_array_problem(file: Path) -> str | None:
+    """Where a .json file that datasets could not load goes wrong: its JSON error's line and
+    column, or an empty list; None when it parses (the loader's own message is kept)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as e:
+        return (f"{file}, line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the file (a .json "
+                f"file is one JSON array of rows; one row per line is .jsonl)")
+    if value == []:
+        return f"{file} holds no rows (an empty list); add data or leave the file out of data.path"
+    return None
+
+
+class JsonRows(list):
+    """A jsonl file's rows parsed line by line, where pyarrow could not read it whole (types
+    are checked row by row, as tokenize_row reads them): what read_examples needs of a Dataset."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(dict.fromkeys(key for row in self for key in row))
+
+
+def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int], list[str]]:
+    """The rows of a jsonl file whose parse failed, their line numbers, and the bad lines."""
+    rows, numbers, bad = [], [], []
+    with file.open(encoding="utf-8-sig") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))  # else a cut line is "wrong" past its end
+                why = None if isinstance(row, dict) else f"a row must be a JSON object, got {type(row).__name__}"
+            except json.JSONDecodeError as e:
+                why = f"not valid JSON ({e.msg}, column {e.colno})"
+            if why is None:
+                rows.append(row)
+                numbers.append(number)
+            elif skip_bad_lines:
+                bad.append(f"{file}, line {number}: {why}")
+            else:
+                raise DataError(f"{file}, line {number}: {why}; fix or delete the line, or set "
+                                f"data.skip_bad_rows=true to skip such lines")
+    return rows, numbers, bad
+
+
+def holds_json_lines(file: Path) -> bool:
+    """JSON lines: a .jsonl file, or a .json one whose text opens with an object, not an array
+    (LLaMA-Factory's datasets often name JSON lines .json, and datasets reads either)."""
+    if file.suffix == ".jsonl":
+        return True
+    if file.suffix != ".json":
+        return False
+    with file.open(encoding="utf-8-sig") as text:
+        while (char := text.read(1)).isspace():
+            pass
+    return char == "{"
+
+
+def line_of_row(file: Path, row_index: int) -> str:
+    """Human position of a row: its line number in JSON lines (blank lines skipped), else the row."""
+    if not holds_json_lines(file):
+        return f"row {row_index + 1}"
+    seen = -1
+    with file.open(encoding="utf-8-sig") as lines:
+        for number, line in enumerate(lines, 1):
+            seen += bool(line.strip())
+            if seen == row_index:
+                return f"line {number}"
+    return f"row {row_index + 1}"

@@ -1,0 +1,400 @@
+"""Rows -> examples: each row's token ids and labels, by its format (text, alpaca, messages,
+sharegpt). Prompt tokens get label IGNORE, so only answers are learned; conversations go
+through the tokenizer's chat template, whose layout the run then keeps for chat."""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+
+from zerofit import toolcalls
+from zerofit.config import DataConfig
+from zerofit.datafiles import DataError, line_of_row, read_rows
+
+IGNORE = -100  # the label value HF causal-LM losses skip
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+CHAT_FORMATS = {"messages", "sharegpt"}  # the row formats read as conversations of chat messages
+# The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
+# into every export) so that `zerofit chat`, transformers and vLLM prompt the model as it was
+# trained. Alpaca: the system text and a blank line first, each user turn an instruction, each
+# answer its response and EOS; no template: `role:\n` heads, EOS after each turn.
+ALPACA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
+    "### Response:\n{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:\n{% endif %}")
+
+
+def row_format(row: dict) -> str | None:
+    """A row's format by the fields it fills (a Dataset gives every row every column of its
+    file, None where the row lacks it), None when they fit no format."""
+    fields = {key for key, value in row.items() if value is not None}
+    if "messages" in fields:
+        return "messages"
+    if "conversations" in fields:
+        return "sharegpt"
+    if "instruction" in fields and "output" in fields:
+        return "alpaca"
+    if "text" in fields:
+        return "text"
+    return None
+
+
+def row_formats(rows, file: Path) -> tuple[list[str | None], str]:
+    """Each row's format, and the file's most common one: rows of several formats may share a
+    file; a row that fits none is read as the file's format, so its error names the field it lacks."""
+    found = [row_format(row) for row in rows]
+    counts = Counter(fmt for fmt in found if fmt)
+    if not counts:
+        raise DataError(f"{file}: cannot tell the format from its fields {rows.column_names}; "
+                        f"expected `text`, `instruction`+`output` (alpaca), `messages`, or `conversations` "
+                        f"(sharegpt), or set data.format")
+    return found, counts.most_common(1)[0][0]
+
+
+# --------------------------------------------------------------------- tokenizing
+class RowError(ValueError):
+    def __init__(self, field_name: str | None, problem: str):
+        super().__init__(f"field `{field_name}`: {problem}" if field_name else problem)
+        self.field_name, self.problem = field_name, problem
+
+
+def _text(row: dict, key: str, required: bool = True) -> str:
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise RowError(key, "missing")
+        return ""
+    if not isinstance(value, str):
+        raise RowError(key, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """BOS (when the tokenizer has one), then the text: how every training example begins,
+    whatever the tokenizer's own add_bos setting (`zerofit generate` prompts the same way)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_formats(tokenizer, alpaca_template: str = "chat") -> set[str]:
+    """The row formats rendered as chat messages (by the tokenizer's chat template, or as
+    `role:` lines where it has none): messages and sharegpt always; alpaca rows too under
+    data.alpaca_template `chat` when the tokenizer has a template (as LLaMA-Factory renders
+    them through its `template`), else in the alpaca layout."""
+    return CHAT_FORMATS | ({"alpaca"} if alpaca_template == "chat" and tokenizer.chat_template else set())
+
+
+def tokenize_row(row: dict, fmt: str, tokenizer, alpaca_template: str = "chat") -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for one row: the prompt is masked, the response and EOS learned."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if fmt == "text":
+        ids = text_ids(tokenizer, _text(row, "text")) + eos
+        return ids, list(ids)
+    if fmt == "alpaca" and fmt not in chat_formats(tokenizer, alpaca_template):
+        return _tokenize_alpaca(row, tokenizer, bos, eos)
+    if fmt == "alpaca":
+        with conversation_named(ALPACA_AS_CHAT):
+            return _tokenize_messages(alpaca_messages(row), tokenizer, bos, eos, None)
+    if fmt in CHAT_FORMATS:
+        try:
+            messages, tools = (_messages(row) if fmt == "messages" else sharegpt_messages(row)), toolcalls.tools_of(row)
+        except toolcalls.ToolCallError as e:
+            raise RowError(e.field_name, e.problem) from None
+        with conversation_named("messages" if fmt == "messages" else "conversations"):
+            return _tokenize_messages(messages, tokenizer, bos, eos, tools)
+    raise ValueError(f"unknown format {fmt}")
+
+
+ALPACA_AS_CHAT = "instruction/output as a conversation (data.alpaca_template: chat; `alpaca` renders the alpaca layout)"
+
+
+@contextlib.contextmanager
+def conversation_named(field_name: str):
+    """A problem with the whole conversation (_tokenize_messages says `messages`) named under the
+    row's own field: `conversations` for ShareGPT rows, the alpaca fields for an alpaca row the chat
+    template renders."""
+    try:
+        yield
+    except RowError as e:
+        if e.field_name != "messages" or field_name == "messages":
+            raise
+        raise RowError(field_name, e.problem) from None
+
+
+def alpaca_messages(row: dict) -> list[dict]:
+    """An alpaca row as a conversation, as LLaMA-Factory's alpaca converter makes it: the system
+    text, each `history` pair a user and an assistant turn, then the instruction and its input
+    (on a line of its own) as the user's turn and the output as the answer."""
+    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
+    system = _text(row, "system", required=False)
+    turns = [*_history(row), ("\n".join(part for part in (instruction, extra) if part), _text(row, "output"))]
+    return [{"role": "system", "content": system}] * bool(system) + \
+        [{"role": role, "content": text} for pair in turns for role, text in zip(("user", "assistant"), pair)]
+
+
+def _tokenize_alpaca(row: dict, tokenizer, bos: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
+    """LLaMA-Factory's alpaca row: the system text opens the prompt, each `history` pair is an
+    earlier instruction and response (learned, as every assistant turn of a conversation is),
+    then the row's own instruction (with its input) and output."""
+    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
+    turns = [(ALPACA_PROMPT.format(instruction=q), a) for q, a in _history(row)]
+    turns.append(((ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra),
+                  _text(row, "output")))
+    system = _text(row, "system", required=False)
+    ids, labels = list(bos), [IGNORE] * len(bos)
+    for n, (prompt_text, answer_text) in enumerate(turns):
+        prompt = tokenizer.encode((f"{system}\n\n" if system and n == 0 else "") + prompt_text,
+                                  add_special_tokens=False)
+        answer = tokenizer.encode(answer_text, add_special_tokens=False) + eos
+        ids += prompt + answer
+        labels += [IGNORE] * len(prompt) + answer
+    return ids, labels
+
+
+def _history(row: dict) -> list[tuple[str, str]]:
+    history = row.get("history") or []
+    if not isinstance(history, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair) for pair in history):
+        raise RowError("history", "expected a list of [instruction, response] pairs of strings")
+    return [tuple(pair) for pair in history]
+
+
+# ShareGPT's speaker names (LLaMA-Factory's defaults) and the chat roles they are: a function
+# call is the assistant's output (learned; its value the call's JSON, read as tool_calls); an
+# observation is a tool's answer (masked).
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; any other role they skip unseen
+
+
+def _messages(row: dict) -> list[dict]:
+    return _turns(row, "messages", "role", "content", tool_calls=True)
+
+
+def sharegpt_messages(row: dict) -> list[dict]:
+    """A ShareGPT row ({conversations: [{from, value}], system?}) as chat messages."""
+    system = _text(row, "system", required=False)
+    return [{"role": "system", "content": system}] * bool(system) + _turns(row, "conversations", "from", "value")
+
+
+def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool = False) -> list[dict]:
+    """row[field_name], a non-empty list of {role: str, content: str} under the format's own key
+    names, as chat messages with ShareGPT's speaker names read as roles. With `tool_calls`
+    (OpenAI's messages), an assistant's `tool_calls` (its content may then be null) and a tool
+    turn's `tool_call_id` / `name` are kept for the chat template (toolcalls). A `function_call`
+    turn's value is the call's JSON, read as the assistant's tool_calls in either format."""
+    turns = row.get(field_name)
+    if not isinstance(turns, list) or not turns:
+        raise RowError(field_name, f"expected a non-empty list of {{{role}, {content}}}")
+    messages = []
+    for i, turn in enumerate(turns):
+        speaker, said = turn_keys(turn, (role, content))
+        where, shape = f"{field_name}[{i}]", f"expected {{{speaker}: str, {said}: str}}"
+        if not isinstance(turn, dict) or not isinstance(turn.get(speaker), str):
+            raise RowError(where, shape)
+        if ROLE_ALIASES.get(turn[speaker], turn[speaker]) not in ROLES:
+            raise RowError(f"{where}.{speaker}", f"unknown speaker {turn[speaker]!r}: a chat template would leave the "
+                                                 f"turn out; use {', '.join(ROLES)} (or ShareGPT's "
+                                                 f"{', '.join(ROLE_ALIASES)})")
+        calls = toolcalls.calls_of(turn, where) if tool_calls else []
+        text = "" if turn.get(said) is None and calls else text_of(turn.get(said), f"{where}.{said}")
+        if not isinstance(text, str):
+            raise RowError(where, shape + (f" ({said} may be null beside tool_calls)" if tool_calls else ""))
+        if turn[speaker] == "function_call":
+            text, calls = "", calls + toolcalls.calls_written(text, f"{where}.{said}")
+        message = {"role": ROLE_ALIASES.get(turn[speaker], turn[speaker]), "content": text}
+        message.update({"tool_calls": calls} if calls else {})
+        if tool_calls:
+            message.update({key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)})
+        messages.append(message)
+    return messages
+
+
+# A turn's speaker and text under either naming: OpenAI's and ShareGPT's. Published datasets mix
+# them (`conversations` of {role, content}, `messages` of {from, value}); LLaMA-Factory maps them
+# with dataset_info.json's role_tag / content_tag, which zerofit reads off the turn instead.
+TURN_KEYS = (("role", "content"), ("from", "value"))
+
+
+def turn_keys(turn, own: tuple[str, str]) -> tuple[str, str]:
+    """The (speaker, text) keys `turn` uses: its format's own, else the other naming's when it
+    holds that speaker key and not its own."""
+    if isinstance(turn, dict) and own[0] not in turn:
+        return next((keys for keys in TURN_KEYS if keys[0] in turn), own)
+    return own
+
+
+def text_of(content, where: str):
+    """A turn's content; OpenAI's list of parts ([{type: text, text}]) joined into its text."""
+    if not isinstance(content, list):
+        return content
+    kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+    if kinds - {"text"}:
+        raise RowError(where, f"only text parts ({{type: text, text: str}}) can be trained on, not "
+                              f"{', '.join(sorted(map(str, kinds - {'text'})))}")
+    if not all(isinstance(part.get("text"), str) for part in content):
+        raise RowError(where, "a text part is {type: text, text: str}")
+    return "".join(part["text"] for part in content)
+
+
+def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: list[int],
+                       tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    if not any(m["role"] == "assistant" for m in messages):
+        roles = sorted({m["role"] for m in messages})
+        raise RowError("messages", f"no assistant turn to learn from (roles: {', '.join(roles)}; the answers' role "
+                                   f"is `assistant`, or `gpt` in ShareGPT's naming)")
+    if tokenizer.chat_template:
+        if messages[0]["role"] == "assistant":  # nothing prompts it, and templates add their default system prompt
+            raise RowError("messages", "the conversation opens with an assistant turn; start it with a user (or "
+                                       "system) turn, or drop the opening assistant turn")
+        try:
+            ids, labels = _chat_template_spans(messages, tokenizer, tools)
+        except RowError:
+            raise
+        except (TemplateError, ValueError) as e:  # the template's raise_exception: Gemma's "System role not supported"
+            raise RowError("messages", f"the tokenizer's chat template refused it: {e}") from None
+        check_tools_rendered(messages, tools, ids, labels, tokenizer)
+        return ids, labels
+    # No template: a plain "role: content" layout, assistant turns learned (tool calls as JSON lines).
+    ids, labels = list(bos), [IGNORE] * len(bos)
+    if tools:
+        offered = tokenizer.encode(f"tools:\n{json.dumps(tools, ensure_ascii=False)}", add_special_tokens=False) + eos
+        ids, labels = ids + offered, labels + [IGNORE] * len(offered)
+    for m in messages:
+        head = tokenizer.encode(f"{m['role']}:\n", add_special_tokens=False)
+        text = "\n".join(filter(None, [m["content"], toolcalls.plain_call_text(m.get("tool_calls", []))]))
+        body = tokenizer.encode(text, add_special_tokens=False) + eos
+        learn = m["role"] == "assistant"
+        ids += head + body
+        labels += [IGNORE] * len(head) + (body if learn else [IGNORE] * len(body))
+    return ids, labels
+
+
+def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Render the conversation up to each assistant turn (with its generation prompt) and through
+    it; each assistant turn's new tokens are learned, everything else masked. Only an assistant
+    turn's edges are rendered: a template may close a turn differently when another of the same
+    role follows (Qwen2.5 joins consecutive tool answers into one user turn), so a prefix that
+    ends between two such turns is not the start of the whole."""
+    def render(upto: int, generation_prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=True, return_dict=False,
+                                                  add_generation_prompt=generation_prompt))
+    def extended(rendered: list[int], ids: list[int], turns: int) -> list[int]:
+        if rendered[:len(ids)] != ids:
+            raise RowError("messages", f"the tokenizer's chat template renders the first {turns} turn(s) differently "
+                                       f"from the start of the whole conversation (it rewrites earlier turns when "
+                                       f"one is added, as Mistral's does with a system prompt), so the answer's "
+                                       f"tokens cannot be told apart; use a template that only appends (model."
+                                       f"tokenizer: a directory with its own chat_template.jinja), or drop the "
+                                       f"system turn")
+        return rendered
+
+    ids, labels = [], []
+    for i in [i for i, m in enumerate(messages) if m["role"] == "assistant"]:
+        prompt = extended(render(i, True), ids, i)
+        labels += [IGNORE] * (len(prompt) - len(ids))
+        answered = extended(render(i + 1, False), prompt, i + 1)
+        labels += answered[len(prompt):]
+        ids = answered
+    whole = extended(render(len(messages), False), ids, len(messages))  # turns after the last answer: prompt
+    return whole, labels + [IGNORE] * (len(whole) - len(ids))
+
+
+def check_tools_rendered(messages: list[dict], tools: list[dict] | None, ids: list[int], labels: list[int],
+                         tokenizer) -> None:
+    """A chat template without function calling drops `tool_calls` and `tools` without a word:
+    the assistant turn would train as empty and the prompt would offer no tools. Each called
+    function's name must be in the learned tokens, each offered one's in the conversation."""
+    called = [c["function"]["name"] for m in messages for c in m.get("tool_calls", ())]
+    offered = toolcalls.names_offered(tools)
+    if not called and not offered:
+        return
+    learned = tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
+    text = tokenizer.decode(ids)
+    missing = [f"call {name}" for name in called if name not in learned] + \
+        [f"tool {name}" for name in offered if name not in text]
+    if missing:
+        raise RowError("tool_calls" if called else "tools",
+                       f"the tokenizer's chat template does not render function calling ({', '.join(missing[:3])} "
+                       f"is not in what it made of the row); use the model's tool-calling template (model.tokenizer: "
+                       f"a directory whose chat_template.jinja renders tool_calls and tools), or write the calls "
+                       f"as the assistant's text")
+
+
+def trained_chat_template(formats: tuple[str, ...], tokenizer, alpaca_template: str = "chat") -> str | None:
+    """The chat template that prompts the model as `formats` rows trained it; None when the
+    tokenizer's own template is that (rows rendered with it) or there is no prompt layout
+    (text rows, or layouts mixed)."""
+    if formats and set(formats) <= chat_formats(tokenizer, alpaca_template):
+        return None if tokenizer.chat_template else PLAIN_CHAT_TEMPLATE
+    if formats == ("alpaca",):
+        return ALPACA_CHAT_TEMPLATE
+    return None
+
+
+def layouts(formats: tuple[str, ...], tokenizer, alpaca_template: str = "chat") -> str:
+    """How the rows read were laid out, for the data line ("" for text rows alone)."""
+    chat = [fmt for fmt in formats if fmt in chat_formats(tokenizer, alpaca_template)]
+    how = "by the tokenizer's chat template" if tokenizer.chat_template else \
+        "as `role:` lines (the tokenizer has no chat template)"
+    said = [f"{'/'.join(chat)} rows {how}"] * bool(chat)
+    return "; ".join(said + ["alpaca rows in the alpaca layout"] * ("alpaca" in formats and "alpaca" not in chat))
+
+
+def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] = frozenset(),
+                 alpaca_template: str = "chat") -> str | None:
+    """Why a model trained on these rows would not stop generating, or None: the tokenizer has
+    no EOS (answers are trained without an end, packed examples run into each other), or its
+    chat template ends an assistant turn with a token that neither is EOS nor is one of the
+    generation config's end tokens (`generation_eos`), so generation runs past the turn."""
+    if tokenizer.eos_token_id is None:
+        return ("the tokenizer has no EOS token: answers are trained without an end, so the model does not learn to "
+                "stop, and packed examples run into each other; give it one (eos_token in tokenizer_config.json)")
+    if not formats or not set(formats) <= chat_formats(tokenizer, alpaca_template) or not tokenizer.chat_template:
+        return None  # the alpaca and `role:` layouts end every answer with EOS themselves
+    try:
+        ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello"}], tokenizer)
+    except (RowError, TemplateError, ValueError):
+        return None  # a template that refuses a plain exchange: its rows said so already
+    learned = [t for t, label in zip(ids, labels) if label != IGNORE]
+    if {tokenizer.eos_token_id, *generation_eos} & set(learned):
+        return None
+    return (f"the tokenizer's chat template ends an assistant turn with {tokenizer.decode(learned[-3:])!r}, never "
+            f"with the EOS token {tokenizer.eos_token!r}: a model trained on it stops only where generation lists "
+            f"its turn's end token; add that token's id to eos_token_id in the model's generation_config.json, or "
+            f"set the tokenizer's eos_token to it")
+
+
+def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, int, list[str], tuple[str, ...]]:
+    """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read."""
+    examples, skipped, reasons, formats = [], 0, [], {}
+    for file in files:
+        rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows)
+        skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
+        if not len(rows):  # every line skipped: nothing to tell a format by
+            continue
+        found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
+        for index, row in enumerate(rows):
+            fmt = found[index] or usual
+            try:
+                examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
+                formats[fmt] = True
+            except RowError as e:
+                line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
+                where = f"{file}, {line}: {e} ({fmt} format)"
+                if not cfg.skip_bad_rows:
+                    raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
+                skipped += 1
+                reasons.append(where)
+    if skipped and not examples:
+        raise DataError(f"every row was bad ({skipped} skipped under data.skip_bad_rows), e.g. {reasons[0]}; "
+                        f"fix the data, or point data.path (data.eval_path) at the right files")
+    return examples, skipped, reasons[:10], tuple(formats)
