@@ -299,6 +299,43 @@ def test_neat_packing_needs_packing_and_a_masking_architecture():
         check_neat_packing(neat, RemoteConfig())
 
 
+def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, tokenizer):
+    """data.columns takes dataset_info.json's `columns`: the file's names for prompt, query,
+    response, system and the conversation; the examples are those of the usual names, and a
+    bad row, a missing column or a field under two names is said in the file's own terms."""
+    alpaca = [{"question": "add 2 and 2", "context": "as numbers", "answer": "4", "persona": "a calculator"}]
+    usual = [{"instruction": "add 2 and 2", "input": "as numbers", "output": "4", "system": "a calculator"}]
+    columns = {"prompt": "question", "query": "context", "response": "answer", "system": "persona"}
+    mapped = DataConfig(path="x", columns=columns)
+    for rows_as in (write_jsonl(tmp_path / "a.jsonl", alpaca), tmp_path / "a.parquet"):
+        if rows_as.suffix == ".parquet":
+            import pandas as pd
+
+            pd.DataFrame(alpaca).to_parquet(rows_as)
+        assert tokenizing.read_examples([rows_as], mapped, tokenizer)[0] == \
+            [tokenizing.tokenize_row(usual[0], "alpaca", tokenizer)]
+    talk = [{"dialog": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "sys": "be brief"}]
+    read = tokenizing.read_examples([write_jsonl(tmp_path / "s.jsonl", talk)],
+                                    DataConfig(path="x", columns={"messages": "dialog", "system": "sys"}), tokenizer)
+    assert read[0] == [tokenizing.tokenize_row({"conversations": talk[0]["dialog"], "system": "be brief"}, "sharegpt",
+                                               tokenizer)] and read[3] == ("sharegpt",)
+    # only the optional query missing: fine; the response's column missing: named, with the file's columns
+    assert tokenizing.read_examples([write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "a"}])],
+                                    mapped, tokenizer)[0]
+    with pytest.raises(DataError, match=r"c\.jsonl has no column response: answer \(data\.columns\); its columns "
+                                        r"are question, reply"):
+        tokenizing.read_examples([write_jsonl(tmp_path / "c.jsonl", [{"question": "q", "reply": "a"}])], mapped,
+                                 tokenizer)
+    with pytest.raises(DataError, match=r"holds output both under its own name and under the column"):
+        tokenizing.read_examples([write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a", "output": "o"}])],
+                                 mapped, tokenizer)
+    with pytest.raises(DataError, match=r"e\.jsonl, line 1: field `answer`: expected a string, got int"):
+        tokenizing.read_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": 4}])], mapped,
+                                 tokenizer)
+    with pytest.raises(ConfigError, match=r"data\.columns names answer: the keys are the fields instruction"):
+        validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "data": {"columns": {"answer": "a"}}})
+
+
 def test_rows_without_learnable_tokens_are_dropped(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "x" * 100, "output": "y"}, {"instruction": "a", "output": "b"}])
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False, truncation="head"), tokenizer, 64)

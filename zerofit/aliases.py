@@ -8,8 +8,10 @@ THEIRS = {
     "template": "the tokenizer's own chat template: model.tokenizer, a directory whose chat_template.jinja "
                 "renders the conversation (a model directory carries its own); `template: alpaca` is "
                 "data.alpaca_template: alpaca",
-    "dataset": "data.path (files or directories; there is no dataset registry)",
-    "dataset_dir": "data.path (files or directories; there is no dataset registry)",
+    "dataset": "data.path (files or directories; there is no dataset registry: a dataset_info.json entry's "
+               "file_name is data.path, its columns data.columns)",
+    "dataset_dir": "data.path (files or directories; there is no dataset registry: a dataset_info.json entry's "
+               "file_name is data.path, its columns data.columns)",
     "cutoff_len": "train.seq_len (an example over it is cut as LLaMA-Factory cuts: data.truncation: balanced)",
     "val_size": "data.eval_fraction (zerofit holds 0.05 of the rows out by default, LLaMA-Factory none: 0 for "
                 "theirs)",

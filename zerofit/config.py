@@ -134,6 +134,12 @@ class LoraConfig(Section):
                              f"a module either gets an adapter or is trained fully")
         return self
 
+# data.columns' keys: LLaMA-Factory's dataset_info.json names, and zerofit's own, to the field read
+COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output", "messages": "conversations",
+                 **{name: name for name in ("instruction", "input", "output", "conversations", "text", "system",
+                                            "history", "tools")}}
+
+
 class DataConfig(Section):
     path: str | list[str] = "demo"
     """Training data: local .jsonl/.json/.parquet file(s) or directories of them (or of a
@@ -150,6 +156,12 @@ class DataConfig(Section):
     as the answer, as LLaMA-Factory does), in the alpaca layout where the tokenizer has
     none; `alpaca` always in the alpaca layout ("### Instruction: ... ### Response:"),
     which then becomes the exported tokenizer's chat template."""
+    columns: dict[str, str] = {}
+    """The files' column for a field whose name differs, keyed as LLaMA-Factory's
+    dataset_info.json `columns` are (prompt, query, response, system, history, messages,
+    tools) or by zerofit's own field names (instruction, input, output, conversations, text):
+    e.g. {prompt: question, response: answer}. `messages` is the conversation column, its
+    turns {from, value} or {role, content} (LLaMA-Factory's sharegpt formatting)."""
     eval_path: str | list[str] | None = None
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
@@ -175,6 +187,20 @@ class DataConfig(Section):
     """Skip and count malformed rows instead of failing on the first one."""
     synthetic_samples: int = Field(4096, ge=1)
     """Number of random-token sequences when path is `synthetic`."""
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(columns) - set(COLUMN_FIELDS))
+        if unknown:
+            raise ValueError(f"data.columns names {', '.join(unknown)}: the keys are the fields "
+                             f"{', '.join(dict.fromkeys(COLUMN_FIELDS.values()))}, or LLaMA-Factory's "
+                             f"{', '.join(k for k in COLUMN_FIELDS if k not in COLUMN_FIELDS.values())}")
+        fields = [COLUMN_FIELDS[key] for key in columns]
+        if len(set(fields)) < len(fields) or len(set(columns.values())) < len(columns):
+            raise ValueError(f"data.columns {columns} maps two keys to one field or one column; "
+                             f"give each field one column")
+        return columns
 
     @model_validator(mode="after")
     def _neat_needs_packing(self) -> "DataConfig":

@@ -108,6 +108,34 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     return rows, numbers, bad
 
 
+# fields a row of its format may leave out: a file need not hold the column data.columns names for them
+OPTIONAL_FIELDS = {"input", "system", "history", "tools"}
+
+
+def with_columns(rows, columns: dict[str, str], file: Path):
+    """`read_rows`' rows with the files' columns renamed to the fields they hold (data.columns,
+    config.COLUMN_FIELDS). A column named for a required field must be in the file; a field
+    held under both names is refused (which one is meant?)."""
+    from zerofit.config import COLUMN_FIELDS
+
+    if not columns:
+        return rows
+    present = set(rows.column_names)
+    renames = {column: COLUMN_FIELDS[key] for key, column in columns.items() if column in present}
+    missing = [f"{key}: {column}" for key, column in columns.items()
+               if column not in present and COLUMN_FIELDS[key] not in OPTIONAL_FIELDS]
+    if missing:
+        raise DataError(f"{file} has no column {', '.join(missing)} (data.columns); its columns are "
+                        f"{', '.join(sorted(present))}: fix data.columns, or leave the file out of data.path")
+    both = sorted(field for column, field in renames.items() if field in present and field != column)
+    if both:
+        raise DataError(f"{file} holds {', '.join(both)} both under its own name and under the column data.columns "
+                        f"names for it; drop one of the two columns, or the data.columns entry")
+    if isinstance(rows, JsonRows):
+        return JsonRows([{renames.get(key, key): value for key, value in row.items()} for row in rows])
+    return rows.rename_columns(renames)
+
+
 def decodes_json_text(feature) -> bool:
     """Whether datasets holds some field as JSON text (datasets.Json): it does so for a field
     whose values differ in type between rows, and decodes every value on reading, so a

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 
 from zerofit import toolcalls
-from zerofit.config import DataConfig
-from zerofit.datafiles import DataError, line_of_row, read_rows
+from zerofit.config import COLUMN_FIELDS, DataConfig
+from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
 
 IGNORE = -100  # the label value HF causal-LM losses skip
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -54,7 +55,8 @@ def row_formats(rows, file: Path) -> tuple[list[str | None], str]:
     if not counts:
         raise DataError(f"{file}: cannot tell the format from its fields {rows.column_names}; "
                         f"expected `text`, `instruction`+`output` (alpaca), `messages`, or `conversations` "
-                        f"(sharegpt), or set data.format")
+                        f"(sharegpt); name the columns that hold them with data.columns (e.g. {{prompt: question, "
+                        f"response: answer}}, as dataset_info.json's columns), or set data.format")
     return found, counts.most_common(1)[0][0]
 
 
@@ -373,6 +375,15 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
             f"set the tokenizer's eos_token to it")
 
 
+def as_in_file(error: RowError, columns: dict[str, str]) -> RowError:
+    """The row's error with its field named as the file names it (data.columns)."""
+    column_of = {COLUMN_FIELDS[key]: column for key, column in columns.items()}
+    head = re.match(r"[^\[.]*", error.field_name or "").group()
+    if head not in column_of:
+        return error
+    return RowError(column_of[head] + error.field_name[len(head):], error.problem)
+
+
 def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, int, list[str], tuple[str, ...]]:
     """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read."""
     examples, skipped, reasons, formats = [], 0, [], {}
@@ -381,6 +392,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
         skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
         if not len(rows):  # every line skipped: nothing to tell a format by
             continue
+        rows = with_columns(rows, cfg.columns, file)
         found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
         for index, row in enumerate(rows):
             fmt = found[index] or usual
@@ -389,7 +401,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
                 formats[fmt] = True
             except RowError as e:
                 line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
-                where = f"{file}, {line}: {e} ({fmt} format)"
+                where = f"{file}, {line}: {as_in_file(e, cfg.columns)} ({fmt} format)"
                 if not cfg.skip_bad_rows:
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 skipped += 1
