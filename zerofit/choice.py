@@ -21,14 +21,14 @@ from zerofit.config import Config, ConfigError
 from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
-from zerofit.planner import Candidate, Plan, Shape, predict
+from zerofit.planner import Candidate, Plan, Shape, predict, zero_default
 from zerofit.swaplayout import bandwidth_to_hide
 from zerofit.zerostates import largest_partition_numel, param_buffer_numel, swap_layout
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
 # Reduce-bucket sizes tried beside HF's hidden^2 when the user set none, in elements: zerofit's
 # default and a larger one, short of DeepSpeed's own default (5e8).
-REDUCE_BUCKETS = (50_000_000, 200_000_000)
+REDUCE_BUCKETS = (zero_default("reduce_bucket_size"), 200_000_000)
 MAX_MICRO_BATCH = 64
 # DeepSpeed's defaults for stage3_max_live_parameters / stage3_max_reuse_distance: a window of
 # 1e9 gathered elements that keeps what forward fetched until backward reuses it. With the

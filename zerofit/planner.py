@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from zerofit import hardware as hw_rates
-from zerofit.config import DEFAULT_HEADROOM
+from zerofit.config import DEFAULT_HEADROOM, ZeroConfig
 from zerofit.activations import BACKWARD_MOMENTS, device_phases
 from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
-from zerofit.swaplayout import nvme_seconds
+from zerofit.swaplayout import Aio, nvme_seconds
 from zerofit.zerostates import (PARAM_MAX_IN_CPU, engine_start_host, model_states, optimizer_groups, optimizer_step_host,
                                 partition_numel, swap_layout, zero3_trace)
 
@@ -77,25 +77,31 @@ class Shape:
         return 4 if self.precision == "fp32" else 2
 
 
+def zero_default(key: str):
+    """zero.<key>'s default (the config holds them; a Candidate built without one takes it)."""
+    return ZeroConfig.model_fields[key].default
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """The DeepSpeed knobs one configuration sets (names as in zerofit's zero section)."""
-    stage: int = 3
-    offload_optimizer: str = "cpu"
-    offload_optimizer_ratio: float = 1.0
-    offload_param: str = "none"
-    param_buffer_size: int = 100_000_000     # NVMe parameters: elements per swap buffer
-    pin_memory: bool = True
-    reduce_bucket_size: int = 50_000_000
-    prefetch_bucket_size: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    sub_group_size: int = 100_000_000
-    gather_16bit_weights_on_save: bool = False
-    aio_block_size: int = 1_048_576          # NVMe: sub groups under one block stay in RAM
-    aio_intra_op_parallelism: int = 1
-    nvme_pipeline: bool = False              # NVMe: swap overlapped with the neighbouring sub groups' steps
+    """The DeepSpeed knobs one configuration sets (names as in zerofit's zero section; the
+    defaults are its defaults, DeepSpeed's for the aio settings zerofit leaves unset)."""
+    stage: int = zero_default("stage")
+    offload_optimizer: str = zero_default("offload_optimizer")
+    offload_optimizer_ratio: float = zero_default("offload_optimizer_ratio")
+    offload_param: str = zero_default("offload_param")
+    param_buffer_size: int = zero_default("param_buffer_size")  # NVMe parameters: elements per swap buffer
+    pin_memory: bool = zero_default("pin_memory")
+    reduce_bucket_size: int = zero_default("reduce_bucket_size")
+    prefetch_bucket_size: int = zero_default("prefetch_bucket_size")
+    param_persistence_threshold: int = zero_default("param_persistence_threshold")
+    max_live_parameters: int = zero_default("max_live_parameters")
+    max_reuse_distance: int = zero_default("max_reuse_distance")
+    sub_group_size: int = zero_default("sub_group_size")
+    gather_16bit_weights_on_save: bool = zero_default("gather_16bit_weights_on_save")
+    aio_block_size: int = Aio.block_size     # NVMe: sub groups under one block stay in RAM
+    aio_intra_op_parallelism: int = Aio.intra_op_parallelism
+    nvme_pipeline: bool = zero_default("nvme_pipeline")  # NVMe: swap overlapped with the neighbouring sub groups' steps
 
 
 @dataclass
