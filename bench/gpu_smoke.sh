@@ -42,3 +42,11 @@ python -m zerofit doctor $OUT/r05n > $OUT/doctor-neat.log 2>&1; echo "doctor nea
 python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05p --set model.path=/tmp/exp --set model.config=null \
   --set model.tokenizer=null --set train.max_steps=5 --set checkpoint.every_steps=0 > $OUT/r05p.log 2>&1
 echo "r05p rc $?"; grep -v "^\[20" $OUT/r05p.log | tail -8
+# async saves capped as the planner caps them (half of plan.host_mem), 0.5B checkpoints of ~6 GB
+python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05a --set plan.host_mem=64GiB \
+  --set checkpoint.async_save=true --set train.max_steps=10 --set checkpoint.every_steps=5 > $OUT/r05a.log 2>&1
+echo "r05a rc $?"; grep -v "^\[20" $OUT/r05a.log | grep -E "async|checkpoint|done|plan:"
+# examples over seq_len cut as LLaMA-Factory's cutoff_len cuts (data.truncation: balanced), padded rows
+python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05t --set train.seq_len=96 \
+  --set train.max_steps=5 --set checkpoint.every_steps=0 > $OUT/r05t.log 2>&1
+echo "r05t rc $?"; grep -v "^\[20" $OUT/r05t.log | grep -E "data:|cut to|done|plan:"
