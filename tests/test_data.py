@@ -317,18 +317,32 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
     talk = [{"dialog": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "sys": "be brief"}]
     read = tokenizing.read_examples([write_jsonl(tmp_path / "s.jsonl", talk)],
                                     DataConfig(path="x", columns={"messages": "dialog", "system": "sys"}), tokenizer)
-    assert read[0] == [tokenizing.tokenize_row({"conversations": talk[0]["dialog"], "system": "be brief"}, "sharegpt",
-                                               tokenizer)] and read[3] == ("sharegpt",)
+    as_sharegpt = tokenizing.tokenize_row({"conversations": talk[0]["dialog"], "system": "be brief"}, "sharegpt",
+                                          tokenizer)
+    assert read[0] == [as_sharegpt] and read[3] == ("messages",)
     # only the optional query missing: fine; the response's column missing: named, with the file's columns
     assert tokenizing.read_examples([write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "a"}])],
                                     mapped, tokenizer)[0]
-    with pytest.raises(DataError, match=r"c\.jsonl has no column response: answer \(data\.columns\); its columns "
-                                        r"are question, reply"):
+    with pytest.raises(DataError, match=r"c\.jsonl has no column response: answer \(data\.columns\), though it has "
+                                        r"question; its columns are question, reply"):
         tokenizing.read_examples([write_jsonl(tmp_path / "c.jsonl", [{"question": "q", "reply": "a"}])], mapped,
                                  tokenizer)
-    with pytest.raises(DataError, match=r"holds output both under its own name and under the column"):
+    with pytest.raises(DataError, match=r"holds output \(and answer, which data\.columns names for it\)"):
         tokenizing.read_examples([write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a", "output": "o"}])],
                                  mapped, tokenizer)
+    # a field's own column renamed away itself is no clash: instruction -> system, input -> instruction
+    chain = [{"instruction": "You translate", "input": "bonjour", "output": "hello"}]
+    assert tokenizing.read_examples([write_jsonl(tmp_path / "f.jsonl", chain)],
+                                    DataConfig(path="x", columns={"system": "instruction", "prompt": "input"}),
+                                    tokenizer)[0] == \
+        [tokenizing.tokenize_row({"system": "You translate", "instruction": "bonjour", "output": "hello"}, "alpaca",
+                                 tokenizer)]
+    # a directory mixing formats: a file with none of the mapped columns keeps its own names
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_jsonl(mixed / "a.jsonl", alpaca)
+    write_jsonl(mixed / "b.jsonl", [{"conversations": talk[0]["dialog"]}])
+    assert len(tokenizing.read_examples(datafiles.data_files(str(mixed)), mapped, tokenizer)[0]) == 2
     with pytest.raises(DataError, match=r"e\.jsonl, line 1: field `answer`: expected a string, got int"):
         tokenizing.read_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": 4}])], mapped,
                                  tokenizer)
@@ -483,6 +497,7 @@ def test_balanced_truncation_shares_each_turn_as_infer_seqlen_does():
     assert rowlayout.cutoff_shares(prompt=10, answer=100, room=64) == (10, 54)
     assert rowlayout.cutoff_shares(prompt=60, answer=40, room=64) == (39, 25)  # int(64 * 40 / 100)
     assert rowlayout.cutoff_shares(prompt=5, answer=3, room=64) == (5, 3)
+    assert rowlayout.cutoff_shares(prompt=14, answer=30, room=22) == (8, 14)  # int(22 * (30 / 44)): 14.999...
     labels = [IGNORE] * 10 + [5, 5] + [IGNORE] * 2 + [6, 6]
     assert rowlayout.turns_of(labels) == [(10, 2), (2, 2)] and rowlayout.turns_of([7, 7, IGNORE]) == [(0, 2), (1, 0)]
     ids = list(range(16))
@@ -700,6 +715,33 @@ def tool_row(arguments, **extra) -> dict:
                                                                            "arguments": arguments}}]},
                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
                          {"role": "assistant", "content": "It is sunny."}], **extra}
+
+
+def test_a_mapped_conversation_column_keeps_tool_calls_system_and_tools(tmp_path, tokenizer):
+    """OpenAI-style messages under another column name (data.columns {messages: chat}) read as
+    the messages format: tool calls learned as they are under `messages` (they were dropped:
+    the column was read as ShareGPT turns); a `system` column opens the conversation unless it
+    opens with its own system turn; an alpaca row's tools column is offered by the template."""
+    tokenizer.chat_template = TOOL_TEMPLATE
+    row = tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS)
+    path = write_jsonl(tmp_path / "o.jsonl", [{"chat": row["messages"], "tools": WEATHER_TOOLS}])
+    read = tokenizing.read_examples([path], DataConfig(path="x", columns={"messages": "chat"}), tokenizer)[0]
+    assert read == [tokenizing.tokenize_row(row, "messages", tokenizer)]
+    assert "<tool_call>get_weather" in decode_learned(tokenizer, *read[0])
+    with_system = tokenizing.tokenize_row({**row, "system": "be brief"}, "messages", tokenizer)
+    assert tokenizer.decode(with_system[0]).count("<|im_start|>system\nbe brief<|im_end|>") == 1
+    own_turn = {"role": "system", "content": "mine"}
+    ids, _ = tokenizing.tokenize_row({"messages": [own_turn, *row["messages"]], "system": "theirs"}, "messages",
+                                     tokenizer)
+    assert "mine" in tokenizer.decode(ids) and "theirs" not in tokenizer.decode(ids)
+    alpaca = {"instruction": "weather in Paris?", "output": "sunny", "tools": WEATHER_TOOLS}
+    assert "Tools: get_weather" in tokenizer.decode(tokenizing.tokenize_row(alpaca, "alpaca", tokenizer)[0])
+    with pytest.raises(tokenizing.RowError, match="the alpaca layout has no place for tools"):
+        tokenizing.tokenize_row(alpaca, "alpaca", tokenizer, alpaca_template="alpaca")
+    # data.format sharegpt (LLaMA-Factory's formatting) over OpenAI-style rows: the file's columns said
+    with pytest.raises(DataError, match=r"o\.jsonl has no conversations column for data\.format sharegpt; its "
+                                        r"columns are chat, tools: set data\.format: auto"):
+        tokenizing.read_examples([path], DataConfig(path="x", format="sharegpt"), tokenizer)
 
 
 def test_tool_calls_are_learned_through_the_chat_template(tmp_path, tokenizer):

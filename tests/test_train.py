@@ -168,6 +168,27 @@ def test_a_step_trains_on_the_mean_over_its_tokens_however_it_is_split(tmp_path)
     assert len(losses["4x1"]) == 4 and losses["4x1"][2] < losses["4x1"][0]
 
 
+def test_the_data_line_counts_examples_and_says_where_eval_comes_from(tmp_path, tokenizer, capsys):
+    """The data line counts examples as well as the sequences laid out from them, and says where
+    the eval set comes from (a default 5% hold-out surprises a LLaMA-Factory user: val_size is 0
+    there); an eval_fraction beside eval_path is said to be unused; examples cut in the eval set
+    are said too."""
+    from zerofit import data, train
+    from zerofit.config import validate
+
+    rows = [{"instruction": f"say {i} " * (1 + i % 9), "output": "ab" * (1 + i % 5)} for i in range(40)]
+    path, held = write_jsonl(tmp_path / "d.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows[:6])
+    for extra in ({}, {"eval_path": str(held), "eval_fraction": 0.1}):
+        config = validate(tiny_config(tmp_path / "run", data_path=str(path), data=extra, train={"seq_len": 24}))
+        train_set, eval_set = data.load_splits(config.data, tokenizer, 24, 7, 4096)
+        train.report_data(train_set, eval_set, config, tokenizer)
+        said = capsys.readouterr().err.replace("\n", " ")
+        source = "6 from data.eval_path" if extra else "2 held out (data.eval_fraction 0.05)"
+        assert f"data: {len(rows) - (0 if extra else 2)} examples, eval {source} -> {len(train_set)} train / " in said
+        assert ("data.eval_fraction 0.1 is not used: the eval set is data.eval_path" in said) == bool(extra)
+        assert "eval set: " in said and "examples longer than train.seq_len 24 were cut" in said
+
+
 def isolated_loss(model, batches) -> float:
     """The mean next-token loss over `batches` (data.MicroBatch) with each packed example run
     through `model` alone: a row is cut where its position ids restart."""

@@ -17,6 +17,12 @@ THEIRS = {
                 "theirs)",
     "train_on_prompt": "not offered: prompts are masked, answers learned (a `text` row learns every token)",
     "mask_history": "not offered: every assistant turn of a conversation is learned",
+    "formatting": "data.format (auto, the default, tells each row's format by its fields: alpaca, sharegpt, or "
+                  "OpenAI-style messages, which LLaMA-Factory calls sharegpt with role/content tags)",
+    "columns": "data.columns (keyed as dataset_info.json's columns: {prompt: question, response: answer})",
+    "file_name": "data.path (files or directories)",
+    "tags": "not offered: turns are read as {role, content} (OpenAI roles) or {from, value} (human, gpt, "
+            "observation, function_call), the tags LLaMA-Factory's defaults name",
     "finetuning_type": "lora.enabled: true for LoRA (full fine-tuning otherwise)",
     "lora_rank": "lora.r",
     "lora_alpha": "lora.alpha",

@@ -135,7 +135,7 @@ class LoraConfig(Section):
         return self
 
 # data.columns' keys: LLaMA-Factory's dataset_info.json names, and zerofit's own, to the field read
-COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output", "messages": "conversations",
+COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output", "messages": "messages",
                  **{name: name for name in ("instruction", "input", "output", "conversations", "text", "system",
                                             "history", "tools")}}
 
@@ -160,8 +160,10 @@ class DataConfig(Section):
     """The files' column for a field whose name differs, keyed as LLaMA-Factory's
     dataset_info.json `columns` are (prompt, query, response, system, history, messages,
     tools) or by zerofit's own field names (instruction, input, output, conversations, text):
-    e.g. {prompt: question, response: answer}. `messages` is the conversation column, its
-    turns {from, value} or {role, content} (LLaMA-Factory's sharegpt formatting)."""
+    e.g. {prompt: question, response: answer}. `messages` is the conversation column, read in
+    the messages format: turns {role, content} (OpenAI's, tool_calls kept) or {from, value}
+    (ShareGPT's), a `system` column as its first turn. Columns named for a format's fields
+    are mapped in every file that holds at least one of them; other files keep their names."""
     eval_path: str | list[str] | None = None
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
@@ -193,7 +195,9 @@ class DataConfig(Section):
     def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
         unknown = sorted(set(columns) - set(COLUMN_FIELDS))
         if unknown:
-            raise ValueError(f"data.columns names {', '.join(unknown)}: the keys are the fields "
+            near = [f"{key} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(key, COLUMN_FIELDS, 1))
+                    else key for key in unknown]
+            raise ValueError(f"data.columns names {', '.join(near)}: the keys are the fields "
                              f"{', '.join(dict.fromkeys(COLUMN_FIELDS.values()))}, or LLaMA-Factory's "
                              f"{', '.join(k for k in COLUMN_FIELDS if k not in COLUMN_FIELDS.values())}")
         fields = [COLUMN_FIELDS[key] for key in columns]

@@ -35,6 +35,7 @@ class Sequences:
     cut: tuple[int, int, int] = (0, 0, 0)  # `truncated`'s (examples cut to seq_len, answer, prompt tokens lost)
     layout: str = "concatenated"  # packing_layout (padded | whole | concatenated), or synthetic
     truncation: str = "balanced"  # data.truncation, which made `cut`
+    examples: int = 0             # the examples (rows read and tokenized) the sequences were laid out from
 
     @property
     def packed(self) -> bool:
@@ -84,7 +85,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     does not fill a row, unless `keep_tail` (an eval set: a small one would otherwise vanish),
     which pads it."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    longest = max((len(e_ids) for e_ids, _ in examples), default=0)
+    longest, count = max((len(e_ids) for e_ids, _ in examples), default=0), len(examples)
     layout = packing_layout(cfg, formats)
     cut = (0, 0, 0)  # concatenating splits an example, cuts none
     if layout != "concatenated":
@@ -105,7 +106,8 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     return Sequences(ids[learnable], labels[learnable], skipped, list(reasons), int((~learnable).sum()),
                      longest, formats,
                      lengths[learnable] if lengths is not None else None,
-                     positions[learnable] if positions is not None else None, cut, layout, cfg.truncation)
+                     positions[learnable] if positions is not None else None, cut, layout, cfg.truncation,
+                     count)
 
 
 def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int, keep_tail: bool = False) -> Sequences:
@@ -126,8 +128,9 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = int(len(full) * cfg.eval_fraction)
-        return Sequences(full.input_ids[n_eval:], full.labels[n_eval:], layout=full.layout), \
-            Sequences(full.input_ids[:n_eval], full.labels[:n_eval], layout=full.layout)
+        return Sequences(full.input_ids[n_eval:], full.labels[n_eval:], layout=full.layout,
+                         examples=len(full) - n_eval), \
+            Sequences(full.input_ids[:n_eval], full.labels[:n_eval], layout=full.layout, examples=n_eval)
     from zerofit.demo import DEMO_DATA
 
     files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)

@@ -114,23 +114,26 @@ OPTIONAL_FIELDS = {"input", "system", "history", "tools"}
 
 def with_columns(rows, columns: dict[str, str], file: Path):
     """`read_rows`' rows with the files' columns renamed to the fields they hold (data.columns,
-    config.COLUMN_FIELDS). A column named for a required field must be in the file; a field
+    config.COLUMN_FIELDS). A file holding none of the columns named keeps its own names (a
+    directory may mix files); one holding some must hold those of the required fields. A field
     held under both names is refused (which one is meant?)."""
     from zerofit.config import COLUMN_FIELDS
 
-    if not columns:
-        return rows
     present = set(rows.column_names)
     renames = {column: COLUMN_FIELDS[key] for key, column in columns.items() if column in present}
+    if not renames:
+        return rows
     missing = [f"{key}: {column}" for key, column in columns.items()
                if column not in present and COLUMN_FIELDS[key] not in OPTIONAL_FIELDS]
     if missing:
-        raise DataError(f"{file} has no column {', '.join(missing)} (data.columns); its columns are "
-                        f"{', '.join(sorted(present))}: fix data.columns, or leave the file out of data.path")
-    both = sorted(field for column, field in renames.items() if field in present and field != column)
+        raise DataError(f"{file} has no column {', '.join(missing)} (data.columns), though it has "
+                        f"{', '.join(sorted(renames))}; its columns are {', '.join(sorted(present))}: fix "
+                        f"data.columns, or the file")
+    # a field's own column that is renamed away itself leaves the name free
+    both = sorted(f"{field} (and {column}, which data.columns names for it)" for column, field in renames.items()
+                  if field in present and field not in renames and field != column)
     if both:
-        raise DataError(f"{file} holds {', '.join(both)} both under its own name and under the column data.columns "
-                        f"names for it; drop one of the two columns, or the data.columns entry")
+        raise DataError(f"{file} holds {', '.join(both)}: drop one of the two columns, or the data.columns entry")
     if isinstance(rows, JsonRows):
         return JsonRows([{renames.get(key, key): value for key, value in row.items()} for row in rows])
     return rows.rename_columns(renames)

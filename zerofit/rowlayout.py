@@ -139,7 +139,7 @@ def cutoff_shares(prompt: int, answer: int, room: int) -> tuple[int, int]:
     elif prompt * 2 < room:
         most_answer = room - prompt
     else:
-        most_answer = int(room * answer / (prompt + answer))
+        most_answer = int(room * (answer / (prompt + answer)))  # LLaMA-Factory's float rounding, to the token
     kept_answer = min(most_answer, answer)
     return min(max(room - kept_answer, 0), prompt), kept_answer
 

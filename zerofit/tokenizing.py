@@ -100,19 +100,20 @@ def tokenize_row(row: dict, fmt: str, tokenizer, alpaca_template: str = "chat") 
     if fmt == "text":
         ids = text_ids(tokenizer, _text(row, "text")) + eos
         return ids, list(ids)
-    if fmt == "alpaca" and fmt not in chat_formats(tokenizer, alpaca_template):
-        return _tokenize_alpaca(row, tokenizer, bos, eos)
-    if fmt == "alpaca":
-        with conversation_named(ALPACA_AS_CHAT):
-            return _tokenize_messages(alpaca_messages(row), tokenizer, bos, eos, None)
-    if fmt in CHAT_FORMATS:
-        try:
-            messages, tools = (_messages(row) if fmt == "messages" else sharegpt_messages(row)), toolcalls.tools_of(row)
-        except toolcalls.ToolCallError as e:
-            raise RowError(e.field_name, e.problem) from None
-        with conversation_named("messages" if fmt == "messages" else "conversations"):
-            return _tokenize_messages(messages, tokenizer, bos, eos, tools)
-    raise ValueError(f"unknown format {fmt}")
+    if fmt not in ("alpaca", *CHAT_FORMATS):
+        raise ValueError(f"unknown format {fmt}")
+    try:
+        tools = toolcalls.tools_of(row)
+        if fmt == "alpaca" and fmt not in chat_formats(tokenizer, alpaca_template):
+            if tools:
+                raise RowError("tools", "the alpaca layout has no place for tools: give the run a tokenizer whose "
+                                        "chat template renders them (model.tokenizer), with data.alpaca_template: chat")
+            return _tokenize_alpaca(row, tokenizer, bos, eos)
+        messages = {"alpaca": alpaca_messages, "messages": _messages, "sharegpt": sharegpt_messages}[fmt](row)
+    except toolcalls.ToolCallError as e:
+        raise RowError(e.field_name, e.problem) from None
+    with conversation_named({"alpaca": ALPACA_AS_CHAT, "sharegpt": "conversations"}.get(fmt, "messages")):
+        return _tokenize_messages(messages, tokenizer, bos, eos, tools)
 
 
 ALPACA_AS_CHAT = "instruction/output as a conversation (data.alpaca_template: chat; `alpaca` renders the alpaca layout)"
@@ -177,13 +178,21 @@ ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; a
 
 
 def _messages(row: dict) -> list[dict]:
-    return _turns(row, "messages", "role", "content", tool_calls=True)
+    return with_system(row, _turns(row, "messages", "role", "content", tool_calls=True))
 
 
 def sharegpt_messages(row: dict) -> list[dict]:
     """A ShareGPT row ({conversations: [{from, value}], system?}) as chat messages."""
+    return with_system(row, _turns(row, "conversations", "from", "value"))
+
+
+def with_system(row: dict, messages: list[dict]) -> list[dict]:
+    """The row's `system` column as the conversation's first turn, unless the conversation opens
+    with a system turn of its own, which wins (LLaMA-Factory's sharegpt converter)."""
     system = _text(row, "system", required=False)
-    return [{"role": "system", "content": system}] * bool(system) + _turns(row, "conversations", "from", "value")
+    if not system or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system}] + messages
 
 
 def _turns(row: dict, field_name: str, role: str, content: str, tool_calls: bool = False) -> list[dict]:
@@ -375,6 +384,21 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
             f"set the tokenizer's eos_token to it")
 
 
+# the columns a file read in a format (data.format) cannot do without
+FORMAT_FIELDS = {"text": ("text",), "alpaca": ("instruction", "output"), "messages": ("messages",),
+                 "sharegpt": ("conversations",)}
+
+
+def check_format_fields(rows, fmt: str, file: Path) -> None:
+    """A file read in data.format `fmt` holds that format's columns: named with the file's columns,
+    not row by row (`sharegpt` over OpenAI-style `messages` said every row lacked `conversations`)."""
+    missing = [name for name in FORMAT_FIELDS.get(fmt, ()) if name not in rows.column_names]
+    if missing:
+        raise DataError(f"{file} has no {', '.join(missing)} column for data.format {fmt}; its columns are "
+                        f"{', '.join(sorted(rows.column_names))}: set data.format: auto (each row's format told by "
+                        f"its fields), or name the column with data.columns")
+
+
 def as_in_file(error: RowError, columns: dict[str, str]) -> RowError:
     """The row's error with its field named as the file names it (data.columns)."""
     column_of = {COLUMN_FIELDS[key]: column for key, column in columns.items()}
@@ -393,6 +417,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
         if not len(rows):  # every line skipped: nothing to tell a format by
             continue
         rows = with_columns(rows, cfg.columns, file)
+        check_format_fields(rows, cfg.format, file)
         found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
         for index, row in enumerate(rows):
             fmt = found[index] or usual

@@ -370,9 +370,13 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
-    say(f"data: {len(train_set)} train / {len(eval_set)} eval sequences, "
-        f"{train_set.trained_tokens} tokens learned per epoch, {train_set.layout_note()}"
+    held = f"{eval_set.examples} from data.eval_path" if config.data.eval_path else \
+        f"{eval_set.examples} held out (data.eval_fraction {config.data.eval_fraction})"
+    say(f"data: {train_set.examples} examples, eval {held} -> {len(train_set)} train / {len(eval_set)} eval "
+        f"sequences, {train_set.trained_tokens} tokens learned per epoch, {train_set.layout_note()}"
         f"{f'; {laid_out}' if laid_out else ''}")
+    if config.data.eval_path and "eval_fraction" in config.data.model_fields_set:
+        warn(f"data.eval_fraction {config.data.eval_fraction} is not used: the eval set is data.eval_path")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
         if sequences.skipped_rows:
             warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
@@ -388,8 +392,9 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
              f"the whole eval set)")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
-    if train_set.cut[0]:
-        warn(train_set.cut_note(config.train.seq_len))
+    for name, sequences in (("", train_set), ("eval set: ", eval_set)):
+        if sequences.cut[0]:
+            warn(name + sequences.cut_note(config.train.seq_len))
     stop = tokenizing.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model),
                              config.data.alpaca_template)
     if stop:
