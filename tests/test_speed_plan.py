@@ -87,6 +87,11 @@ def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident()
     held = planner.HEAP_TEMPORARIES_HELD * largest
     assert kept.phases["forward"]["host"] == fresh.phases["forward"]["host"] + held
     assert kept.phases["optimizer_step"]["host"] == fresh.phases["optimizer_step"]["host"] - largest + held
+    # the planned machine's libc decides, not this one's: no glibc, no heap temporaries (hostalloc does nothing)
+    asked = config(train={"heap_step_temporaries": True, "micro_batch_size": 1})
+    for glibc in (True, False):
+        box = hardware.with_overrides(hw, glibc_heap=glibc)
+        assert choice.decide(asked, spec, box, 1).plan.shape.heap_step_temporaries is glibc
 
 
 def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():

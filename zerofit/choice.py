@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from zerofit import hostalloc
 from zerofit.activations import NORM_BUFFER_NUMEL
 from zerofit.config import Config, ConfigError
 from zerofit.hardware import Hardware
@@ -56,14 +55,15 @@ class Decision:
 
 
 # ---------------------------------------------------------------- config <-> plan
-def shape_of(config: Config, world_size: int, dataset_bytes: int = 0) -> Shape:
+def shape_of(config: Config, world_size: int, dataset_bytes: int = 0, glibc_heap: bool = True) -> Shape:
+    """The config's shape; heap temporaries only where the planned machine has glibc (Hardware.glibc_heap)."""
     train = config.train
     return Shape(seq_len=train.seq_len, micro_batch=train.micro_batch_size, grad_accum=train.grad_accum_steps,
                  world_size=world_size, precision=train.precision,
                  gradient_checkpointing=config.model.gradient_checkpointing, chunked_loss=config.train.chunked_loss,
                  eager_attention=config.model.attn_implementation == "eager",
                  packed_mask=config.data.packing and config.data.neat_packing,
-                 heap_step_temporaries=config.train.heap_step_temporaries and hostalloc.available(),
+                 heap_step_temporaries=config.train.heap_step_temporaries and glibc_heap,
                  dataset_bytes=dataset_bytes,
                  checkpoints_on_disk=checkpoints_on_disk(config), async_snapshot_max=async_snapshot_max(config))
 
@@ -162,7 +162,7 @@ def batch_splits(config: Config, world_size: int) -> list[tuple[int, int]]:
 def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
                dataset_bytes: int = 0) -> list[tuple[Shape, Candidate]]:
     zero_set, model_set = config.zero.model_fields_set, config.model.model_fields_set
-    base_shape, base = shape_of(config, world_size, dataset_bytes), candidate_of(config, spec, world_size)
+    base_shape, base = shape_of(config, world_size, dataset_bytes, hw.glibc_heap), candidate_of(config, spec, world_size)
     base = replace(base, **{k: v for k, v in auto_buckets(spec).items() if k not in zero_set})
     # NVMe under stage 3 only: stages 1 and 2 keep an "nvme" optimizer in CPU memory (config.ZeroConfig)
     devices = ["none", "cpu"] + (["nvme"] if config.zero.nvme_path and base.stage == 3 else []) \
@@ -241,7 +241,7 @@ def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, datas
     """The fastest fitting configuration. When plan.enabled is false, the config as given."""
     headroom = config.plan.headroom
     options = candidates(config, spec, hw, world_size, dataset_bytes) if config.plan.enabled else \
-        [(shape_of(config, world_size, dataset_bytes), candidate_of(config, spec, world_size))]
+        [(shape_of(config, world_size, dataset_bytes, hw.glibc_heap), candidate_of(config, spec, world_size))]
     plans = [predict(spec, hw, shape, cand, headroom) for shape, cand in options]
     fitting = [p for p in plans if p.fits]
     if fitting:

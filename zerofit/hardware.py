@@ -15,6 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from zerofit import hostalloc
 from zerofit.config import ConfigError
 from zerofit.memory import parse_bytes
 
@@ -112,6 +113,7 @@ class Hardware:
     nvme_shares_disk: bool = False   # nvme_path on disk_path's filesystem: one free space for both
     nvme_read_bytes_per_s: float | None = None    # measured by the aio sweep (zerofit.nvme cache)
     nvme_write_bytes_per_s: float | None = None
+    glibc_heap: bool = True          # glibc's mallopt is there: train.heap_step_temporaries can work (hostalloc)
 
     @property
     def on_gpu(self) -> bool:
@@ -159,7 +161,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         nvme_free_bytes=shutil.disk_usage(nvme_dir).free if nvme_dir else None,
         nvme_shares_disk=bool(nvme_dir) and os.stat(nvme_dir).st_dev == os.stat(disk).st_dev,
         overridden=tuple(overridden), nvme_read_bytes_per_s=measured.get("read_bytes_per_s"),
-        nvme_write_bytes_per_s=measured.get("write_bytes_per_s"))
+        nvme_write_bytes_per_s=measured.get("write_bytes_per_s"), glibc_heap=hostalloc.available())
 
 
 def with_overrides(hw: Hardware, **changes) -> Hardware:
