@@ -443,10 +443,9 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     host_peak_extra = {f"optimizer_step:{k}": v for k, v in host_step.items()}
     if not on_gpu:
         host_peak_extra = {**peak_transient, **(host_peak_extra if peak_name == "optimizer_step" else {})}
-    disk_free = hw.disk_free_bytes
     devices = {"gpu": gpu_device(peak_transient, fragmentation), "host": host_device(host_peak_extra),
                "disk": _device({"checkpoints": ckpt_bytes * shape.checkpoints_on_disk,
-                                "save_margin": save_margin_bytes(ckpt_bytes)}, disk_free, headroom)}
+                                "save_margin": save_margin_bytes(ckpt_bytes)}, hw.disk_free_bytes, headroom)}
     if nvme_states:
         # on the checkpoints' filesystem the swap files get what the checkpoints leave; every
         # rank on this host writes its own swap files under the one zero.nvme_path
@@ -454,17 +453,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
         devices["nvme"] = _device({k: v * ranks_here for k, v in nvme_states.items()},
                                   max(0, (hw.nvme_free_bytes or 0) - shared), headroom)
 
-    # Checkpoint save: between steps (no activations). torch.save copies device-resident
-    # storages to the host one at a time (largest: an fp32 sub-group tensor); a consolidated
-    # 16-bit model (gather_16bit_weights_on_save) gathers module by module on the GPU
-    # (engine._zero3_consolidated_16bit_state_dict) and holds the whole model on the host.
-    largest_group = max(optimizer_groups(spec, shape, cand))
-    save_gpu, save_host = {}, {}
-    if on_gpu and cand.offload_optimizer == "none":
-        save_host["torch_save_staging"] = 4 * largest_group
-    if cand.gather_16bit_weights_on_save:
-        save_gpu["gathered_module"] = shape.element_bytes * spec.largest_module.numel
-        save_host["consolidated_16bit_model"] = shape.element_bytes * spec.total_params
+    save_gpu, save_host = save_components(spec, shape, cand, on_gpu)
     save_peak = {"gpu": gpu_device(save_gpu, 0), "host": host_device(save_host if on_gpu else {**save_host, **{
         f"device:{k}": v for k, v in save_gpu.items()}}),
         "disk": devices["disk"]}
@@ -473,18 +462,48 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     # (fragmentation), on top of the usual step peak.
     residue = save_gpu.get("gathered_module", 0)
     first_step = {"gpu": gpu_device(peak_transient, fragmentation + residue), "host": devices["host"]}
-    # Export: zerofit export's streaming reader, within its default RAM cap.
-    export = {"host": _device({"process": HOST_PROCESS_BYTES,
-                               "read_and_cast_blocks": EXPORT_MAX_RAM_BYTES - HOST_PROCESS_BYTES},
-                              hw.host_budget_bytes, headroom),
-              "disk": _device({"safetensors": export_bytes(spec.total_params)}, disk_free, headroom)}
-
     pinned_total = sum(v for k, v in host_states.items() if "pinned" in k) * ranks_here
     if on_gpu and hw.pinned_limit_bytes is not None and pinned_total > hw.pinned_limit_bytes:
         notes.append(f"{pinned_total / GIB:.1f} GiB pinned exceeds ulimit -l ({hw.pinned_limit_bytes / GIB:.2f} GiB); "
                      f"fine with torch's pinning (cudaHostAlloc), fatal with DS_PIN_MEMORY_BACKEND=native")
     terms = step_time_terms(spec, hw, shape, cand)
     seconds = step_seconds(terms)
+    notes += step_time_notes(terms, seconds, on_gpu)
+    fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step) for d in peak.values())
+    host_rss_peak = max(max(p["host"] for p in per_phase.values()), start_peak["host"].total_bytes // ranks_here)
+    return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
+                devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
+                host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak, start_peak=start_peak,
+                first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes,
+                export_peak=export_peak(spec, hw, headroom),
+                step_seconds=seconds, step_terms=terms, notes=notes, ranks_on_host=ranks_here)
+
+
+def save_components(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> tuple[dict, dict]:
+    """(GPU, host) bytes a checkpoint save adds, between steps (no activations). torch.save copies
+    device-resident storages to the host one at a time (largest: an fp32 sub-group tensor); a
+    consolidated 16-bit model (gather_16bit_weights_on_save) gathers module by module on the
+    GPU (engine._zero3_consolidated_16bit_state_dict) and holds the whole model on the host."""
+    save_gpu, save_host = {}, {}
+    if on_gpu and cand.offload_optimizer == "none":
+        save_host["torch_save_staging"] = 4 * max(optimizer_groups(spec, shape, cand))
+    if cand.gather_16bit_weights_on_save:
+        save_gpu["gathered_module"] = shape.element_bytes * spec.largest_module.numel
+        save_host["consolidated_16bit_model"] = shape.element_bytes * spec.total_params
+    return save_gpu, save_host
+
+
+def export_peak(spec: ModelSpec, hw: Hardware, headroom: float) -> dict[str, Device]:
+    """`zerofit export`: its streaming reader within its default RAM cap, and the safetensors on disk."""
+    return {"host": _device({"process": HOST_PROCESS_BYTES,
+                             "read_and_cast_blocks": EXPORT_MAX_RAM_BYTES - HOST_PROCESS_BYTES},
+                            hw.host_budget_bytes, headroom),
+            "disk": _device({"safetensors": export_bytes(spec.total_params)}, hw.disk_free_bytes, headroom)}
+
+
+def step_time_notes(terms: dict[str, float], seconds: float, on_gpu: bool) -> list[str]:
+    """What the step's time says to change: an optimizer step that dominates, a slow copy-out."""
+    notes = []
     optimizer_step = sum(terms.get(k, 0.0) for k in OPTIMIZER_STEP_TERMS)
     if on_gpu and optimizer_step > seconds / 3:
         # DeepSpeed 0.19.8 overlaps none of it here (README: Speed; bench/results/README.md)
@@ -497,13 +516,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
                      "masters into the offloaded 16-bit parameters (a blocking pageable copy, "
                      "hardware.COPY_OUT_BYTES_PER_S): leave zero.offload_optimizer_ratio unset, or keep the "
                      "parameters on the GPU (zero.offload_param: none)")
-    fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step) for d in peak.values())
-    host_rss_peak = max(max(p["host"] for p in per_phase.values()), start_peak["host"].total_bytes // ranks_here)
-    return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
-                devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
-                host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak, start_peak=start_peak,
-                first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes, export_peak=export,
-                step_seconds=seconds, step_terms=terms, notes=notes, ranks_on_host=ranks_here)
+    return notes
 
 
 def _device(components: dict[str, int], budget: int, headroom: float) -> Device:
