@@ -2,6 +2,8 @@
 pure decisions. Its save action on a real run: test_doctor's near-budget run."""
 import json
 
+import pytest
+
 from conftest import read_jsonl, run_zerofit, tiny_config, write_config
 from timelines import GiB, synthetic_run
 
@@ -32,15 +34,17 @@ def test_stop_action_saves_and_stops_with_exit_1(tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "step-000001"
 
 
-def test_stop_after_a_failed_save_names_no_checkpoint_of_that_step(tmp_path):
-    """The watchdog's save fails (a full disk, checkpoint.on_error continue): the stop names the
-    checkpoint that exists, not the step's that does not."""
+@pytest.mark.parametrize("async_save, fault", [(False, "nospace@save:1"), (True, "enospc@save:1")])
+def test_stop_after_a_failed_save_names_no_checkpoint_of_that_step(tmp_path, async_save, fault):
+    """The watchdog's save fails (a full disk before it, or the background writer's ENOSPC;
+    checkpoint.on_error continue): the stop names the checkpoint that exists, not the step's
+    that does not."""
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 5},
-                                                             checkpoint={"every_steps": 0, "on_error": "continue"},
+                                                             checkpoint={"every_steps": 0, "on_error": "continue",
+                                                                         "async_save": async_save},
                                                              memory={"watchdog_threshold": 0.01,
                                                                      "watchdog_action": "stop"}))
-    done = run_zerofit(["train", "--config", str(config)], env={**WIDE, "ZEROFIT_FAULT": "nospace@save:1"},
-                       check=False)
+    done = run_zerofit(["train", "--config", str(config)], env={**WIDE, "ZEROFIT_FAULT": fault}, check=False)
     assert done.returncode == 1 and "checkpoint step-000001 was not saved" in done.stderr
     assert "checkpoint: none of step 1 (its save failed, above); the newest is none" in done.stderr
     assert not (tmp_path / "run" / "checkpoints" / "step-000001").exists()

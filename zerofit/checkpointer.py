@@ -400,9 +400,14 @@ class Checkpointer:
         if self._all(not self.io.writing):
             self._finish_in_flight(step)
 
-    def close(self, step: int) -> None:
-        """Drain: wait for the save in flight and publish it (normal end and SIGTERM)."""
+    def drain(self, step: int) -> None:
+        """Wait for the save in flight and publish it (or say it failed): afterwards saved_step
+        is a checkpoint that exists."""
         self._finish_in_flight(step)
+
+    def close(self, step: int) -> None:
+        """Drain, and give SIGTERM back to its earlier handler (normal end and SIGTERM)."""
+        self.drain(step)
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
 
@@ -457,7 +462,7 @@ class Checkpointer:
         return published[0].name if published else None
 
     def _failed(self, step: int, name: str, tmp: Path | None, reason: str) -> None:
-        if self.saved_step == step:  # not saved: a later save of this step (SIGTERM, the watchdog) tries again
+        if self.saved_step == checkpoint.step_of(Path(name)):  # not saved: a later save of it tries again
             self.saved_step = None
         if self.dist.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -377,7 +377,8 @@ def emergency_checkpoint(event: OomEvent, session: Session) -> tuple[str | None,
     path = saver.root / checkpoint.step_name(state.step)
     if saver.saved_step == state.step:
         saver.close(state.step)  # a save of this step may still be in flight: publish it
-        return str(path), f"step {state.step} was already saved"
+        if saver.saved_step == state.step:  # published, not failed
+            return str(path), f"step {state.step} was already saved"
     state.extra["emergency"] = f"oom in {event.phase} of step {event.step}"
     try:
         saver.save(state)

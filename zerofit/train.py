@@ -148,8 +148,10 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
             stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
             signalled = saver.stop_requested()  # SIGTERM (every rank agrees): save this step, then stop
-            if signalled and config.checkpoint.save_on_sigterm and saver.saved_step != state.step:
-                saver.save(state)
+            if signalled and config.checkpoint.save_on_sigterm:
+                saver.drain(state.step)  # a save of this step in flight that then fails is made again
+                if saver.saved_step != state.step:
+                    saver.save(state)
             if stop_reason or signalled:
                 break
 
@@ -255,6 +257,7 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
         saver.save(state)
     if action != "stop":
         return None
+    saver.drain(state.step)  # an async save's outcome known before the stop names it
     why = crossing.message() if crossing else "watchdog: another rank crossed memory.watchdog_threshold"
     saved = saver.root / checkpoint.step_name(state.step) if saver.saved_step == state.step else \
         f"none of step {state.step} (its save failed, above); the newest is {saver.newest() or 'none'}"
