@@ -236,6 +236,9 @@ def test_changed_settings_names_each_difference():
         "train.warmup_ratio (unset) -> 0.1"]
     assert changed_settings({"data": {}}, {"data": {"alpaca_template": "chat"}}) == [
         "data.alpaca_template (unset) -> chat"]
+    # an empty mapping added since is no change; a key whose older behaviour differs says what it was
+    assert changed_settings({"data": {}}, {"data": {"columns": {}, "truncation": "balanced"}}) == [
+        "data.truncation head -> balanced"]
 
 
 def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):

@@ -337,12 +337,20 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
                                     tokenizer)[0] == \
         [tokenizing.tokenize_row({"system": "You translate", "instruction": "bonjour", "output": "hello"}, "alpaca",
                                  tokenizer)]
-    # a directory mixing formats: a file with none of the mapped columns keeps its own names
+    # a directory mixing formats: a file with none of the mapped columns keeps its own names; one
+    # mapping names two formats' columns, each file holding one format's
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     write_jsonl(mixed / "a.jsonl", alpaca)
     write_jsonl(mixed / "b.jsonl", [{"conversations": talk[0]["dialog"]}])
-    assert len(tokenizing.read_examples(datafiles.data_files(str(mixed)), mapped, tokenizer)[0]) == 2
+    write_jsonl(mixed / "c.jsonl", [{"dialog": talk[0]["dialog"]}])
+    both = DataConfig(path="x", columns={**columns, "messages": "dialog"})
+    assert len(tokenizing.read_examples(datafiles.data_files(str(mixed)), both, tokenizer)[0]) == 3
+    # LLaMA-Factory's own sharegpt entry, {formatting: sharegpt, columns: {messages: conversations}}
+    entry = DataConfig(path="x", format="sharegpt", columns={"messages": "conversations", "system": "sys"})
+    assert tokenizing.read_examples([write_jsonl(tmp_path / "lf.jsonl", [{"conversations": talk[0]["dialog"],
+                                                                           "sys": "be brief"}])],
+                                    entry, tokenizer)[0] == [as_sharegpt]
     with pytest.raises(DataError, match=r"e\.jsonl, line 1: field `answer`: expected a string, got int"):
         tokenizing.read_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": 4}])], mapped,
                                  tokenizer)

@@ -140,6 +140,18 @@ COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output"
                                             "history", "tools")}}
 
 
+# the columns a file read in a format cannot do without
+FORMAT_FIELDS = {"text": ("text",), "alpaca": ("instruction", "output"), "messages": ("messages",),
+                 "sharegpt": ("conversations",)}
+
+
+def column_fields(fmt: str) -> dict[str, str]:
+    """data.columns' keys to the fields they name under data.format `fmt`: LLaMA-Factory's
+    `messages` column (the conversation of its sharegpt formatting) is read as zerofit's sharegpt
+    where data.format says so, else in the messages format (either naming of turns)."""
+    return {**COLUMN_FIELDS, "messages": "conversations"} if fmt == "sharegpt" else COLUMN_FIELDS
+
+
 class DataConfig(Section):
     path: str | list[str] = "demo"
     """Training data: local .jsonl/.json/.parquet file(s) or directories of them (or of a
@@ -162,8 +174,9 @@ class DataConfig(Section):
     tools) or by zerofit's own field names (instruction, input, output, conversations, text):
     e.g. {prompt: question, response: answer}. `messages` is the conversation column, read in
     the messages format: turns {role, content} (OpenAI's, tool_calls kept) or {from, value}
-    (ShareGPT's), a `system` column as its first turn. Columns named for a format's fields
-    are mapped in every file that holds at least one of them; other files keep their names."""
+    (ShareGPT's), a `system` column as its first turn (under data.format: sharegpt, as
+    sharegpt). A file holding a format's mapped column must hold that format's other required
+    ones; files holding none keep their names (a directory may mix formats)."""
     eval_path: str | list[str] | None = None
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
@@ -536,14 +549,19 @@ class Config(Section):
         return hashlib.sha256(json.dumps(self.fingerprinted(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+# What an older zerofit did for a key it did not have yet, where the key's default now differs
+BEFORE_THE_KEY = {"data.truncation": "head"}
+
+
 def changed_settings(before: dict, after: dict, prefix: str = "") -> list[str]:
     """`section.key old -> new` for every setting that differs between two config dumps. A key one
     dump lacks (an older zerofit's) and the other holds as None (unset) is no change."""
     changes = []
     for key in sorted(set(before) | set(after)):
-        old, new = before.get(key, "(unset)"), after.get(key, "(unset)")
-        if (old, new) in (("(unset)", None), (None, "(unset)")):
-            continue
+        old = before.get(key, BEFORE_THE_KEY.get(prefix + key, "(unset)"))
+        new = after.get(key, "(unset)")
+        if (old, new) in (("(unset)", None), (None, "(unset)")) or (old == "(unset)" and new in ({}, [])):
+            continue  # a key added since, left unset (None, or an empty mapping or list)
         if isinstance(old, dict) and isinstance(new, dict):
             changes += changed_settings(old, new, f"{prefix}{key}.")
         elif old != new:

@@ -108,23 +108,22 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     return rows, numbers, bad
 
 
-# fields a row of its format may leave out: a file need not hold the column data.columns names for them
-OPTIONAL_FIELDS = {"input", "system", "history", "tools"}
-
-
-def with_columns(rows, columns: dict[str, str], file: Path):
+def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto"):
     """`read_rows`' rows with the files' columns renamed to the fields they hold (data.columns,
-    config.COLUMN_FIELDS). A file holding none of the columns named keeps its own names (a
-    directory may mix files); one holding some must hold those of the required fields. A field
-    held under both names is refused (which one is meant?)."""
-    from zerofit.config import COLUMN_FIELDS
+    config.column_fields under data.format `fmt`). A file holding none of the columns named
+    keeps its own names (a directory may mix files); one holding a format's mapped column must
+    hold that format's other required ones (config.FORMAT_FIELDS). A field held under both
+    names is refused (which one is meant?)."""
+    from zerofit.config import FORMAT_FIELDS, column_fields
 
-    present = set(rows.column_names)
-    renames = {column: COLUMN_FIELDS[key] for key, column in columns.items() if column in present}
+    field_of, present = column_fields(fmt), set(rows.column_names)
+    renames = {column: field_of[key] for key, column in columns.items() if column in present}
     if not renames:
         return rows
+    format_of = {field: name for name, fields in FORMAT_FIELDS.items() for field in fields}
+    in_play = {format_of[field] for field in renames.values() if field in format_of}
     missing = [f"{key}: {column}" for key, column in columns.items()
-               if column not in present and COLUMN_FIELDS[key] not in OPTIONAL_FIELDS]
+               if column not in present and format_of.get(field_of[key]) in in_play]
     if missing:
         raise DataError(f"{file} has no column {', '.join(missing)} (data.columns), though it has "
                         f"{', '.join(sorted(renames))}; its columns are {', '.join(sorted(present))}: fix "

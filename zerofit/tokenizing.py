@@ -12,7 +12,7 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 
 from zerofit import toolcalls
-from zerofit.config import COLUMN_FIELDS, DataConfig
+from zerofit.config import FORMAT_FIELDS, DataConfig, column_fields
 from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
 
 IGNORE = -100  # the label value HF causal-LM losses skip
@@ -384,11 +384,6 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
             f"set the tokenizer's eos_token to it")
 
 
-# the columns a file read in a format (data.format) cannot do without
-FORMAT_FIELDS = {"text": ("text",), "alpaca": ("instruction", "output"), "messages": ("messages",),
-                 "sharegpt": ("conversations",)}
-
-
 def check_format_fields(rows, fmt: str, file: Path) -> None:
     """A file read in data.format `fmt` holds that format's columns: named with the file's columns,
     not row by row (`sharegpt` over OpenAI-style `messages` said every row lacked `conversations`)."""
@@ -399,9 +394,10 @@ def check_format_fields(rows, fmt: str, file: Path) -> None:
                         f"its fields), or name the column with data.columns")
 
 
-def as_in_file(error: RowError, columns: dict[str, str]) -> RowError:
+def as_in_file(error: RowError, columns: dict[str, str], fmt: str) -> RowError:
     """The row's error with its field named as the file names it (data.columns)."""
-    column_of = {COLUMN_FIELDS[key]: column for key, column in columns.items()}
+    field_of = column_fields(fmt)
+    column_of = {field_of[key]: column for key, column in columns.items()}
     head = re.match(r"[^\[.]*", error.field_name or "").group()
     if head not in column_of:
         return error
@@ -416,7 +412,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
         skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
         if not len(rows):  # every line skipped: nothing to tell a format by
             continue
-        rows = with_columns(rows, cfg.columns, file)
+        rows = with_columns(rows, cfg.columns, file, cfg.format)
         check_format_fields(rows, cfg.format, file)
         found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
         for index, row in enumerate(rows):
@@ -426,7 +422,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
                 formats[fmt] = True
             except RowError as e:
                 line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
-                where = f"{file}, {line}: {as_in_file(e, cfg.columns)} ({fmt} format)"
+                where = f"{file}, {line}: {as_in_file(e, cfg.columns, cfg.format)} ({fmt} format)"
                 if not cfg.skip_bad_rows:
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 skipped += 1
