@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from zerofit import (checkpoint, checkpoint_io, choice, data, elastic, engine, faults, lora, memory, nvme, planner, universal,
-                     zerofiles)
+from zerofit import (checkpoint, checkpoint_io, choice, data, elastic, engine, faults, lora, memory, nvme, planner,
+                     universal, zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
@@ -248,7 +248,7 @@ class Checkpointer:
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
                                            self.settings.zip_crc32)
         self._pending: dict | None = None
-        self.saved_step: int | None = None  # the step of the newest save started and not failed (published or in flight)
+        self.saved_step: int | None = None  # the newest save's step: published or in flight, not failed
         self._terminated = False
         self._previous_handler = None
         if threading.current_thread() is threading.main_thread():
