@@ -134,6 +134,7 @@ class LoraConfig(Section):
                              f"a module either gets an adapter or is trained fully")
         return self
 
+
 # data.columns' keys: LLaMA-Factory's dataset_info.json names, and zerofit's own, to the field read
 COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output", "messages": "messages",
                  **{name: name for name in ("instruction", "input", "output", "conversations", "text", "system",
