@@ -750,8 +750,8 @@ def test_kill_at_random_moments(reference, tmp_path):
     """SIGKILL at a random fault point of a random save, or from outside at a random moment
     while a save is in flight, sync and async; every resume succeeds and ends with the
     uninterrupted run's weights, and a valid checkpoint always survives. 3 trials in the suite
-    (one of each kind: a fault point sync, one async, a kill from outside; ~2 min), more with
-    ZEROFIT_KILL_TRIALS (12 for the full stress) and ZEROFIT_TEST_SEED."""
+    (~2 min; under the default seed one of each kind: kill@latest sync, kill@retention async, a
+    kill from outside), more with ZEROFIT_KILL_TRIALS (12 for the full stress) and ZEROFIT_TEST_SEED."""
     rng = random.Random(int(os.environ.get("ZEROFIT_TEST_SEED", "1234")))
     for trial in range(int(os.environ.get("ZEROFIT_KILL_TRIALS", "3"))):
         async_save = rng.random() < 0.5
