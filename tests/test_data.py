@@ -354,6 +354,10 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
     with pytest.raises(DataError, match=r"e\.jsonl, line 1: field `answer`: expected a string, got int"):
         tokenizing.read_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": 4}])], mapped,
                                  tokenizer)
+    # a file that keeps its own names (none of the mapped columns) is told in its own names
+    with pytest.raises(DataError, match=r"g\.jsonl, line 1: field `output`: expected a string, got int"):
+        tokenizing.read_examples([write_jsonl(tmp_path / "g.jsonl", [{"instruction": "q", "output": 4}])], mapped,
+                                 tokenizer)
     with pytest.raises(ConfigError, match=r"data\.columns names answer: the keys are the fields instruction"):
         validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "data": {"columns": {"answer": "a"}}})
 

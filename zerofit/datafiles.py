@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from zerofit.config import ConfigError
+from zerofit.config import FORMAT_FIELDS, ConfigError, column_fields
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
@@ -108,18 +108,16 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
     return rows, numbers, bad
 
 
-def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto"):
-    """`read_rows`' rows with the files' columns renamed to the fields they hold (data.columns,
-    config.column_fields under data.format `fmt`). A file holding none of the columns named
-    keeps its own names (a directory may mix files); one holding a format's mapped column must
-    hold that format's other required ones (config.FORMAT_FIELDS). A field held under both
-    names is refused (which one is meant?)."""
-    from zerofit.config import FORMAT_FIELDS, column_fields
-
+def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto") -> tuple:
+    """(`read_rows`' rows with the files' columns renamed to the fields they hold, the renames
+    {column: field}): data.columns, config.column_fields under data.format `fmt`. A file holding
+    none of the columns named keeps its own names (a directory may mix files); one holding a
+    format's mapped column must hold that format's other required ones (config.FORMAT_FIELDS).
+    A field held under both names is refused (which one is meant?)."""
     field_of, present = column_fields(fmt), set(rows.column_names)
     renames = {column: field_of[key] for key, column in columns.items() if column in present}
     if not renames:
-        return rows
+        return rows, renames
     format_of = {field: name for name, fields in FORMAT_FIELDS.items() for field in fields}
     in_play = {format_of[field] for field in renames.values() if field in format_of}
     missing = [f"{key}: {column}" for key, column in columns.items()
@@ -134,8 +132,8 @@ def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto"):
     if both:
         raise DataError(f"{file} holds {', '.join(both)}: drop one of the two columns, or the data.columns entry")
     if isinstance(rows, JsonRows):
-        return JsonRows([{renames.get(key, key): value for key, value in row.items()} for row in rows])
-    return rows.rename_columns(renames)
+        return JsonRows([{renames.get(key, key): value for key, value in row.items()} for row in rows]), renames
+    return rows.rename_columns(renames), renames
 
 
 def decodes_json_text(feature) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 
 from zerofit import toolcalls
-from zerofit.config import FORMAT_FIELDS, DataConfig, column_fields
+from zerofit.config import FORMAT_FIELDS, DataConfig
 from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
 
 IGNORE = -100  # the label value HF causal-LM losses skip
@@ -394,10 +394,9 @@ def check_format_fields(rows, fmt: str, file: Path) -> None:
                         f"its fields), or name the column with data.columns")
 
 
-def as_in_file(error: RowError, columns: dict[str, str], fmt: str) -> RowError:
-    """The row's error with its field named as the file names it (data.columns)."""
-    field_of = column_fields(fmt)
-    column_of = {field_of[key]: column for key, column in columns.items()}
+def as_in_file(error: RowError, renames: dict[str, str]) -> RowError:
+    """The row's error with its field named as the file names it (with_columns' renames)."""
+    column_of = {field: column for column, field in renames.items()}
     head = re.match(r"[^\[.]*", error.field_name or "").group()
     if head not in column_of:
         return error
@@ -412,7 +411,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
         skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
         if not len(rows):  # every line skipped: nothing to tell a format by
             continue
-        rows = with_columns(rows, cfg.columns, file, cfg.format)
+        rows, renames = with_columns(rows, cfg.columns, file, cfg.format)
         check_format_fields(rows, cfg.format, file)
         found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
         for index, row in enumerate(rows):
@@ -422,7 +421,7 @@ def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, 
                 formats[fmt] = True
             except RowError as e:
                 line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
-                where = f"{file}, {line}: {as_in_file(e, cfg.columns, cfg.format)} ({fmt} format)"
+                where = f"{file}, {line}: {as_in_file(e, renames)} ({fmt} format)"
                 if not cfg.skip_bad_rows:
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 skipped += 1
