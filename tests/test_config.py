@@ -213,6 +213,21 @@ def test_plan_presets_lists_what_model_config_accepts(capsys):
     assert "tiny" in listed and "2 layers, hidden 64" in listed["tiny"]
 
 
+def test_max_samples_needs_data_files(tmp_path):
+    """data.max_samples keeps the first rows of files: synthetic data has none (its count is
+    synthetic_samples); a count below 1 is no count; LLaMA-Factory's flat key is moved under data."""
+    with pytest.raises(ConfigError, match=r"data.max_samples 100 keeps the first rows of each data file, but "
+                                          r"data.path synthetic reads none .*: set data.synthetic_samples: 100 instead"):
+        validate(tiny_config(tmp_path, data_path="synthetic", data={"max_samples": 100}))
+    with pytest.raises(ConfigError, match=r"data\.max_samples=0: Input should be greater than or equal to 1"):
+        validate(tiny_config(tmp_path, data={"max_samples": 0}))
+    assert validate(tiny_config(tmp_path, data={"max_samples": 100})).data.max_samples == 100
+    raw = tiny_config(tmp_path)
+    raw["max_samples"] = 100
+    with pytest.raises(ConfigError, match="unknown key max_samples; it is a key of data: move it under `data:`"):
+        validate(raw)
+
+
 def test_train_help_lists_config_keys(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])

@@ -936,6 +936,78 @@ def test_eval_path_takes_several_files(tmp_path, tokenizer):
     assert list(eval_set.positions[0][:12]) == list(range(10)) + [0, 1]  # the padding is an example of its own
 
 
+def test_max_samples_keeps_the_first_rows_of_each_entry(tmp_path, tokenizer):
+    """data.max_samples is LLaMA-Factory's: the first rows of each dataset, here each data.path
+    and data.eval_path entry (a directory's files in name order, one dataset), before the eval
+    split. Lines past them are never read: a broken one there stops nothing."""
+    import datasets
+
+    texts = lambda seqs: [tokenizer.decode(r, skip_special_tokens=True) for r in seqs.input_ids]
+    one = write_jsonl(tmp_path / "one.jsonl", [{"text": f"one {i}"} for i in range(10)])
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "a.jsonl", [{"text": f"a {i}"} for i in range(3)])
+    broken = write_jsonl(tmp_path / "dir" / "b.jsonl", [{"text": f"b {i}"} for i in range(2)])
+    broken.write_text(broken.read_text() + "{not json\n")
+    held = write_jsonl(tmp_path / "held.jsonl", [{"text": f"held {i}"} for i in range(6)])
+    cfg = DataConfig(path=[str(one), str(tmp_path / "dir")], eval_path=str(held), packing=False, max_samples=4)
+    train, eval_set = data.load_splits(cfg, tokenizer, 16, seed=0, vocab_size=128)
+    assert texts(train) == ["one 0", "one 1", "one 2", "one 3", "a 0", "a 1", "a 2", "b 0"]
+    assert texts(eval_set) == ["held 0", "held 1", "held 2", "held 3"]
+    assert train.capped and eval_set.capped and train.examples == 8
+    whole = cfg.model_copy(update={"max_samples": 10, "path": str(one), "eval_path": None, "eval_fraction": 0.0})
+    all_rows, _ = data.load_splits(whole, tokenizer, 16, seed=0, vocab_size=128)
+    assert len(all_rows) == 10 and all_rows.capped  # as many rows as max_samples: said, nothing lost
+    more = whole.model_copy(update={"max_samples": 11})
+    assert not data.load_splits(more, tokenizer, 16, seed=0, vocab_size=128)[0].capped
+    # a resume on other max_samples is told its data changed: the fingerprint is of the rows trained
+    fewer, _ = data.load_splits(whole.model_copy(update={"max_samples": 9}), tokenizer, 16, seed=0, vocab_size=128)
+    assert data.fingerprint(fewer) != data.fingerprint(all_rows)
+    saved = tmp_path / "saved"  # a saved dataset and a parquet file, read through datasets, are cut so too
+    datasets.Dataset.from_list([{"text": f"s {i}"} for i in range(5)]).save_to_disk(str(saved))
+    datasets.Dataset.from_list([{"text": f"p {i}"} for i in range(5)]).to_parquet(str(tmp_path / "p.parquet"))
+    both = whole.model_copy(update={"path": [str(saved), str(tmp_path / "p.parquet")], "max_samples": 2})
+    assert texts(data.load_splits(both, tokenizer, 16, seed=0, vocab_size=128)[0]) == ["s 0", "s 1", "p 0", "p 1"]
+
+
+def test_max_samples_cuts_before_the_eval_split_and_counts_bad_rows(tmp_path, tokenizer):
+    """The held-out rows come from the first max_samples rows, as LLaMA-Factory splits after
+    cutting; a bad row or line among them counts as one of them and is skipped, not replaced
+    (LLaMA-Factory cuts before it converts rows)."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
+    cfg = DataConfig(path=str(path), eval_fraction=0.1, packing=False, max_samples=20)
+    train, held = data.load_splits(cfg, tokenizer, 16, seed=1, vocab_size=128)
+    read = {tokenizer.decode(r, skip_special_tokens=True) for seqs in (train, held) for r in seqs.input_ids}
+    assert (len(train), len(held)) == (18, 2) and read == {f"row {i}" for i in range(20)}
+    rows = [{"instruction": "i", "output": "o"}, {"instruction": "no output"}, {"instruction": "j", "output": "p"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows * 4)
+    bad.write_text("{not json\n" + bad.read_text())  # line 1
+    skipping = DataConfig(path=str(bad), eval_fraction=0.0, packing=False, skip_bad_rows=True, max_samples=4)
+    train, _ = data.load_splits(skipping, tokenizer, 64, seed=1, vocab_size=4096)
+    assert (train.examples, train.skipped_rows) == (2, 2)  # lines 1-4: a bad line, a row, a bad row, a row
+    assert "line 1: not valid JSON" in train.skipped_reasons[0] and "line 3: field `output`" in train.skipped_reasons[1]
+
+
+def test_the_data_line_says_what_max_samples_cut(tmp_path, tokenizer, capsys):
+    from zerofit import train
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(40)])
+    held = write_jsonl(tmp_path / "e.jsonl", [{"text": f"held {i}"} for i in range(8)])
+    for extra, said in (({"max_samples": 20}, "data: 19 examples from the first 20 rows of each data.path entry "
+                                              "(data.max_samples), eval 1 held out (data.eval_fraction 0.05) -> "),
+                        ({"max_samples": 5, "eval_path": str(held)},
+                         "data: 5 examples from the first 5 rows of each data.path entry (data.max_samples), eval 5 "
+                         "from the first 5 rows of each data.eval_path entry (data.max_samples) -> "),
+                        ({"max_samples": 10, "eval_path": str(held)},
+                         "data: 10 examples from the first 10 rows of each data.path entry (data.max_samples), eval 8 "
+                         "from data.eval_path -> "),
+                        ({"max_samples": 50}, "data: 38 examples, eval 2 held out (data.eval_fraction 0.05) -> ")):
+        config = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1, "seq_len": 16},
+                           "data": {"path": str(path), "packing": False, **extra}})
+        train_set, eval_set = data.load_splits(config.data, tokenizer, 16, 7, 4096)
+        train.report_data(train_set, eval_set, config, tokenizer)
+        assert said in capsys.readouterr().err.replace("\n", " ")
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

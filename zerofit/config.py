@@ -182,6 +182,12 @@ class DataConfig(Section):
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
     """Fraction of training rows held out for eval when no eval_path is given."""
+    max_samples: int | None = Field(None, ge=1)
+    """Read only the first max_samples rows of each data.path entry (a file, or a directory's
+    files in name order), and of each data.eval_path entry, before the eval split
+    (LLaMA-Factory's max_samples, for debugging). A bad row among them counts and is skipped,
+    not replaced (LLaMA-Factory cuts before converting rows). Not for `synthetic` (set
+    synthetic_samples)."""
     packing: bool = True
     """Pack examples into seq_len rows (True) or pad each to its own row (False). Examples
     with a prompt (alpaca, messages, sharegpt) are packed whole, best fit, rows closed by
@@ -219,6 +225,14 @@ class DataConfig(Section):
             raise ValueError(f"data.columns {columns} maps two keys to one field or one column; "
                              f"give each field one column")
         return columns
+
+    @model_validator(mode="after")
+    def _max_samples_reads_files(self) -> "DataConfig":
+        if self.max_samples is not None and self.path == "synthetic":
+            raise ValueError(f"data.max_samples {self.max_samples} keeps the first rows of each data file, but "
+                             f"data.path synthetic reads none (it draws data.synthetic_samples random sequences): "
+                             f"set data.synthetic_samples: {self.max_samples} instead")
+        return self
 
     @model_validator(mode="after")
     def _neat_needs_packing(self) -> "DataConfig":

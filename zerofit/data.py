@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from zerofit.config import DataConfig
-from zerofit.datafiles import DataError, data_files
+from zerofit.datafiles import DataError, data_entries
 from zerofit.tokenizing import IGNORE, read_examples
 from zerofit.rowlayout import isolate_examples, pack, packing_layout, pad, rows_of_whole_examples, tail_padding, truncated
 
@@ -36,6 +36,7 @@ class Sequences:
     layout: str = "concatenated"  # packing_layout (padded | whole | concatenated), or synthetic
     truncation: str = "balanced"  # data.truncation, which made `cut`
     examples: int = 0             # the examples (rows read and tokenized) the sequences were laid out from
+    capped: bool = False          # data.max_samples cut the rows read: some entry gave that many
 
     @property
     def packed(self) -> bool:
@@ -80,10 +81,11 @@ class Sequences:
 
 
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
-                 reasons: list[str] = (), formats: tuple[str, ...] = (), keep_tail: bool = False) -> Sequences:
+                 reasons: list[str] = (), formats: tuple[str, ...] = (), keep_tail: bool = False,
+                 capped: bool = False) -> Sequences:
     """Packed or padded rows of the examples (packing_layout). Concatenating drops the tail that
     does not fill a row, unless `keep_tail` (an eval set: a small one would otherwise vanish),
-    which pads it."""
+    which pads it. `capped`: data.max_samples cut the rows they were read from."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest, count = max((len(e_ids) for e_ids, _ in examples), default=0), len(examples)
     layout = packing_layout(cfg, formats)
@@ -107,12 +109,15 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
                      longest, formats,
                      lengths[learnable] if lengths is not None else None,
                      positions[learnable] if positions is not None else None, cut, layout, cfg.truncation,
-                     count)
+                     count, capped)
 
 
-def build_sequences(files: list[Path], cfg: DataConfig, tokenizer, seq_len: int, keep_tail: bool = False) -> Sequences:
-    examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
-    return to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, keep_tail)
+def build_sequences(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer, seq_len: int,
+                    keep_tail: bool = False) -> Sequences:
+    """The sequences of the files (read_examples: paths, or per data.path entry a list of them)."""
+    read = read_examples(files, cfg, tokenizer)
+    return to_sequences(read.examples, cfg, tokenizer, seq_len, read.skipped, read.reasons, read.formats, keep_tail,
+                        read.capped)
 
 
 def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Sequences:
@@ -124,7 +129,8 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
 
 def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int) -> tuple[Sequences, Sequences]:
     """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction of the
-    rows, split before packing so no example straddles the two."""
+    rows, split before packing so no example straddles the two (and after data.max_samples
+    cut each entry, as LLaMA-Factory splits after it)."""
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = int(len(full) * cfg.eval_fraction)
@@ -133,17 +139,18 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
             Sequences(full.input_ids[:n_eval], full.labels[:n_eval], layout=full.layout, examples=n_eval)
     from zerofit.demo import DEMO_DATA
 
-    files = [DEMO_DATA] if cfg.path == "demo" else data_files(cfg.path)
-    examples, skipped, reasons, formats = read_examples(files, cfg, tokenizer)
+    entries = [[DEMO_DATA]] if cfg.path == "demo" else data_entries(cfg.path)
+    examples, skipped, reasons, formats, capped = read_examples(entries, cfg, tokenizer)
     if cfg.eval_path:
-        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats),
-                  build_sequences(data_files(cfg.eval_path, "data.eval_path"), cfg, tokenizer, seq_len,
+        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, capped=capped),
+                  build_sequences(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, seq_len,
                                   keep_tail=True))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
         n_eval = int(len(examples) * cfg.eval_fraction)
         held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
-        splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats),
+        splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats,
+                               capped=capped),
                   to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len, formats=formats, keep_tail=True))
     check_vocabulary(splits, len(tokenizer), vocab_size)
     return splits

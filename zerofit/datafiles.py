@@ -23,19 +23,25 @@ class DataError(ConfigError):
 def data_files(path: str | list[str], key: str = "data.path") -> list[Path]:
     """The files (and saved datasets) data.path (or `key`) names: a directory stands for the data
     files under it, in name order, or for the dataset `datasets.save_to_disk` wrote there."""
-    files = []
-    for f in [Path(p) for p in ([path] if isinstance(path, str) else path)]:
-        if f.is_dir():
-            files += [f] if is_saved_dataset(f) else files_under(f, key)
-        elif not f.is_file():
-            relative = "" if f.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
-            raise DataError(f"data file {f} does not exist{relative}; set {key} to local .jsonl/.json/.parquet "
-                            f"files or a directory of them")
-        elif f.suffix not in SUFFIXES:
-            raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
-        else:
-            files.append(f)
-    return files
+    return [file for entry in data_entries(path, key) for file in entry]
+
+
+def data_entries(path: str | list[str], key: str = "data.path") -> list[list[Path]]:
+    """`data_files` per entry of data.path (or `key`): each entry is one dataset, whose first
+    rows data.max_samples keeps."""
+    return [entry_files(Path(p), key) for p in ([path] if isinstance(path, str) else path)]
+
+
+def entry_files(f: Path, key: str) -> list[Path]:
+    if f.is_dir():
+        return [f] if is_saved_dataset(f) else files_under(f, key)
+    if not f.is_file():
+        relative = "" if f.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+        raise DataError(f"data file {f} does not exist{relative}; set {key} to local .jsonl/.json/.parquet "
+                        f"files or a directory of them")
+    if f.suffix not in SUFFIXES:
+        raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")
+    return [f]
 
 
 def is_saved_dataset(directory: Path) -> bool:
@@ -79,16 +85,17 @@ def left_out_files(*paths: str | list[str] | None) -> list[Path]:
     return [f for d in named if d.is_dir() and not is_saved_dataset(d) for f in walk_data(d)[1]]
 
 
-def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
+def read_rows(file: Path, skip_bad_lines: bool = False, limit: int | None = None) -> tuple:
     """One file as an HF Dataset (or its rows as written, `as_written`), and the jsonl line
     numbers of its rows when it was read line by line (else None). A line that is not a JSON
     object is reported with its number, or, with `skip_bad_lines` (data.skip_bad_rows), left
-    out and listed as (where, why)."""
+    out and listed as (where, why). With `limit` (data.max_samples), only the file's first
+    `limit` rows, a bad line left out counting as one of them."""
     import datasets
 
     datasets.disable_progress_bars()
     if file.is_dir():
-        return saved_dataset(file), None, []
+        return first_rows(saved_dataset(file), limit), None, []
     if file.suffix != ".parquet":
         check_text(file)
     # its "Failed to load JSON ... in row N" (rows counted its own way) would precede our line number
@@ -97,15 +104,23 @@ def read_rows(file: Path, skip_bad_lines: bool = False) -> tuple:
         rows, numbers, bad = datasets.load_dataset(SUFFIXES[file.suffix], data_files=str(file), split="train"), None, []
     except Exception as e:  # pyarrow's parse errors carry no line number: find it ourselves
         if holds_json_lines(file):  # line by line: a bad line, or a value of another type than its column's
-            rows, numbers, bad = as_written(file, skip_bad_lines)
+            rows, numbers, bad = as_written(file, skip_bad_lines, limit)
         else:
             raise DataError(json_array_problem(file) or f"{file}: cannot be read as {SUFFIXES[file.suffix]} "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
     if not isinstance(rows, JsonRows) and file.suffix != ".parquet" and decodes_json_text(rows.features):
-        rows, numbers, bad = as_written(file, skip_bad_lines)
+        rows, numbers, bad = as_written(file, skip_bad_lines, limit)
     if len(rows) == 0 and not bad:
         raise DataError(f"{file} holds no rows; add data or leave the file out of data.path")
-    return rows, numbers, bad
+    return first_rows(rows, limit), numbers, bad
+
+
+def first_rows(rows, limit: int | None):
+    """The first `limit` rows (all when None), as LLaMA-Factory's max_samples keeps them
+    (data/loader.py, _load_single_dataset: `dataset.select(range(min(max_samples, len)))`)."""
+    if limit is None or len(rows) <= limit:
+        return rows
+    return JsonRows(rows[:limit]) if isinstance(rows, JsonRows) else rows.select(range(limit))
 
 
 def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto") -> tuple:
@@ -151,10 +166,11 @@ def decodes_json_text(feature) -> bool:
     return inner is not None and decodes_json_text(inner)
 
 
-def as_written(file: Path, skip_bad_lines: bool) -> tuple:
-    """A JSON file's rows with the types each row was written with (`read_rows`' layout)."""
+def as_written(file: Path, skip_bad_lines: bool, limit: int | None = None) -> tuple:
+    """A JSON file's rows with the types each row was written with (`read_rows`' layout); JSON
+    lines past the first `limit` rows are not read."""
     if holds_json_lines(file):
-        rows, numbers, bad = _json_lines(file, skip_bad_lines)
+        rows, numbers, bad = _json_lines(file, skip_bad_lines, limit)
         return JsonRows(rows), numbers, bad
     with file.open(encoding="utf-8-sig") as text:
         return JsonRows(json.load(text)), None, []  # an array of objects: datasets has read it so already
@@ -218,13 +234,16 @@ class JsonRows(list):
         return list(dict.fromkeys(key for row in self for key in row))
 
 
-def _json_lines(file: Path, skip_bad_lines: bool) -> tuple[list[dict], list[int], list[str]]:
-    """The rows of a jsonl file whose parse failed, their line numbers, and the bad lines."""
+def _json_lines(file: Path, skip_bad_lines: bool, limit: int | None = None) -> tuple[list[dict], list[int], list[str]]:
+    """The rows of a jsonl file whose parse failed, their line numbers, and the bad lines: the
+    first `limit` of the two together (a bad line past them is never seen)."""
     rows, numbers, bad = [], [], []
     with file.open(encoding="utf-8-sig") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            if limit is not None and len(rows) + len(bad) == limit:
+                break
             try:
                 row = json.loads(line.rstrip("\r\n"))  # else a cut line is "wrong" past its end
                 why = None if isinstance(row, dict) else f"a row must be a JSON object, got {type(row).__name__}"

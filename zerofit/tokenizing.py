@@ -8,6 +8,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
@@ -403,30 +404,58 @@ def as_in_file(error: RowError, renames: dict[str, str]) -> RowError:
     return RowError(column_of[head] + error.field_name[len(head):], error.problem)
 
 
-def read_examples(files: list[Path], cfg: DataConfig, tokenizer) -> tuple[list, int, list[str], tuple[str, ...]]:
-    """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read."""
-    examples, skipped, reasons, formats = [], 0, [], {}
-    for file in files:
-        rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows)
-        skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
-        if not len(rows):  # every line skipped: nothing to tell a format by
-            continue
-        rows, renames = with_columns(rows, cfg.columns, file, cfg.format)
-        check_format_fields(rows, cfg.format, file)
-        found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
-        for index, row in enumerate(rows):
-            fmt = found[index] or usual
-            try:
-                examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
-                formats[fmt] = True
-            except RowError as e:
-                line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
-                where = f"{file}, {line}: {as_in_file(e, renames)} ({fmt} format)"
-                if not cfg.skip_bad_rows:
-                    raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
-                skipped += 1
-                reasons.append(where)
+class Read(NamedTuple):
+    """What `read_examples` read: the examples, the rows skipped (how many, the first reasons),
+    the formats read, and whether data.max_samples cut some entry (it read that many rows)."""
+    examples: list
+    skipped: int
+    reasons: list[str]
+    formats: tuple[str, ...]
+    capped: bool
+
+
+def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer) -> Read:
+    """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read.
+    `files`: paths, or per data.path entry a list of them (datafiles.data_entries); under
+    data.max_samples only each entry's first rows are read (a lone path is an entry)."""
+    examples, skipped, reasons, formats, capped = [], 0, [], {}, False
+    for entry in [file if isinstance(file, list) else [file] for file in files]:
+        taken = 0  # the entry's rows read, bad ones too: LLaMA-Factory cuts each dataset before converting it
+        for file in entry:
+            left = None if cfg.max_samples is None else cfg.max_samples - taken
+            if left == 0:
+                break
+            rows, line_numbers, bad_lines = read_rows(file, cfg.skip_bad_rows, left)
+            taken += len(rows) + len(bad_lines)
+            skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
+            if len(rows):  # not every line skipped (then there is nothing to tell a format by)
+                more, bad_rows, read_formats = file_examples(rows, line_numbers, file, cfg, tokenizer)
+                examples += more
+                skipped, reasons = skipped + len(bad_rows), reasons + bad_rows
+                formats.update(dict.fromkeys(read_formats, True))
+        capped = capped or taken == cfg.max_samples
     if skipped and not examples:
         raise DataError(f"every row was bad ({skipped} skipped under data.skip_bad_rows), e.g. {reasons[0]}; "
                         f"fix the data, or point data.path (data.eval_path) at the right files")
-    return examples, skipped, reasons[:10], tuple(formats)
+    return Read(examples, skipped, reasons[:10], tuple(formats), capped)
+
+
+def file_examples(rows, line_numbers, file: Path, cfg: DataConfig,
+                  tokenizer) -> tuple[list, list[str], tuple[str, ...]]:
+    """One file's rows tokenized: the examples, the bad rows skipped (where and why), the formats read."""
+    examples, bad, formats = [], [], {}
+    rows, renames = with_columns(rows, cfg.columns, file, cfg.format)
+    check_format_fields(rows, cfg.format, file)
+    found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
+    for index, row in enumerate(rows):
+        fmt = found[index] or usual
+        try:
+            examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
+            formats[fmt] = True
+        except RowError as e:
+            line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
+            where = f"{file}, {line}: {as_in_file(e, renames)} ({fmt} format)"
+            if not cfg.skip_bad_rows:
+                raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
+            bad.append(where)
+    return examples, bad, tuple(formats)

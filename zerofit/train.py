@@ -373,10 +373,11 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
-    held = f"{eval_set.examples} from data.eval_path" if config.data.eval_path else \
-        f"{eval_set.examples} held out (data.eval_fraction {config.data.eval_fraction})"
-    say(f"data: {train_set.examples} examples, eval {held} -> {len(train_set)} train / {len(eval_set)} eval "
-        f"sequences, {train_set.trained_tokens} tokens learned per epoch, {train_set.layout_note()}"
+    held = f"{eval_set.examples}{first_rows(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
+        if config.data.eval_path else f"{eval_set.examples} held out (data.eval_fraction {config.data.eval_fraction})"
+    say(f"data: {train_set.examples} examples{first_rows(config, train_set, 'data.path')}, eval {held} -> "
+        f"{len(train_set)} train / {len(eval_set)} eval sequences, {train_set.trained_tokens} tokens learned per "
+        f"epoch, {train_set.layout_note()}"
         f"{f'; {laid_out}' if laid_out else ''}")
     if config.data.eval_path and "eval_fraction" in config.data.model_fields_set:
         warn(f"data.eval_fraction {config.data.eval_fraction} is not used: the eval set is data.eval_path")
@@ -406,6 +407,12 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         fix = "none of data.eval_path's rows holds an answer to learn" if config.data.eval_path else \
             "raise data.eval_fraction, or set data.eval_path"
         warn(f"the eval set is empty: no eval loss will be measured ({fix})")
+
+
+def first_rows(config: Config, sequences: data.Sequences, key: str) -> str:
+    """What data.max_samples left of `key`'s rows, for the data line; "" when it cut none."""
+    return f" from the first {config.data.max_samples} rows of each {key} entry (data.max_samples)" \
+        if sequences.capped else ""
 
 
 def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0,
