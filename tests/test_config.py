@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from zerofit import cli
-from zerofit.config import Config, ConfigError, changed_settings, example_yaml, load, parse_override, validate
+from zerofit.config import (Config, ConfigError, changed_settings, dump_yaml, example_yaml, load, parse_override,
+                            validate)
 
 from conftest import run_zerofit, tiny_config, write_config
 
@@ -225,6 +226,27 @@ def test_max_samples_needs_data_files(tmp_path):
     raw = tiny_config(tmp_path)
     raw["max_samples"] = 100
     with pytest.raises(ConfigError, match="unknown key max_samples; it is a key of data: move it under `data:`"):
+        validate(raw)
+
+
+def test_eval_examples_is_one_way_to_the_eval_set(tmp_path):
+    """data.eval_examples (a count held out) excludes data.eval_path and an eval_fraction the
+    user chose; the default eval_fraction the run's own config.yaml writes beside it loads back."""
+    with pytest.raises(ConfigError, match=r"data.eval_examples 200 holds training rows out for eval, but "
+                                          r"data.eval_path names the eval set: drop one of the two"):
+        validate(tiny_config(tmp_path, data={"eval_examples": 200, "eval_path": "e.jsonl"}))
+    with pytest.raises(ConfigError, match=r"data.eval_examples 200 and data.eval_fraction 0.1 both say how many rows "
+                                          r"to hold out: drop data.eval_fraction"):
+        validate(tiny_config(tmp_path, data={"eval_examples": 200, "eval_fraction": 0.1}))
+    with pytest.raises(ConfigError, match=r"data\.eval_examples=0: Input should be greater than or equal to 1"):
+        validate(tiny_config(tmp_path, data={"eval_examples": 0}))
+    config = validate(tiny_config(tmp_path, data={"eval_examples": 200}))  # tiny_config sets eval_fraction 0.05
+    assert validate(yaml.safe_load(dump_yaml(config))).data.eval_examples == 200
+    assert load(None, ["data.eval_examples=20"]).data.eval_examples == 20  # beside the demo's eval_fraction 0.05
+    raw = tiny_config(tmp_path)
+    raw["data"]["val_size"] = 200
+    with pytest.raises(ConfigError, match="LLaMA-Factory's / HF Trainer's val_size is data.eval_fraction for a "
+                                          "fraction, data.eval_examples for an integer"):
         validate(raw)
 
 

@@ -430,6 +430,37 @@ def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
     assert (held.trained_tokens, packed_held.trained_tokens) == (labelled(held) - 10, labelled(packed_held) - rows)
 
 
+def test_eval_examples_holds_out_that_many_rows_seeded(tmp_path, tokenizer, capsys):
+    """data.eval_examples is LLaMA-Factory's integer val_size: exactly that many rows held out,
+    chosen as eval_fraction chooses them; a count that leaves nothing to train is refused with
+    the figures; synthetic data is held out so too; the data line names the key."""
+    from zerofit import train
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
+    cfg = DataConfig(path=str(path), eval_examples=7, packing=False)
+    kept, held = data.load_splits(cfg, tokenizer, 16, seed=1, vocab_size=128)
+    assert (len(kept), len(held), held.examples) == (93, 7, 7)
+    as_fraction = data.load_splits(DataConfig(path=str(path), eval_fraction=0.07, packing=False), tokenizer, 16, 1, 128)
+    assert np.array_equal(held.input_ids, as_fraction[1].input_ids)  # the same seeded rows
+    other_seed = data.load_splits(cfg, tokenizer, 16, seed=2, vocab_size=128)[1]
+    assert not np.array_equal(held.input_ids, other_seed.input_ids)
+    with pytest.raises(DataError, match=r"data.eval_examples 100 would hold out all 100 examples read, leaving none "
+                                        r"to train on: set it below 100"):
+        data.load_splits(cfg.model_copy(update={"eval_examples": 100}), tokenizer, 16, 1, 128)
+    with pytest.raises(DataError, match=r"all 10 examples read \(data.max_samples 10 kept the first rows of each "
+                                        r"entry\), leaving none to train on: set it below 10"):
+        data.load_splits(cfg.model_copy(update={"eval_examples": 12, "max_samples": 10}), tokenizer, 16, 1, 128)
+    synthetic = DataConfig(path="synthetic", synthetic_samples=64, eval_examples=10)
+    assert [len(s) for s in data.load_splits(synthetic, tokenizer, 16, 1, 128)] == [54, 10]
+    with pytest.raises(DataError, match=r"would hold out all 64 random sequences of data.synthetic_samples"):
+        data.load_splits(synthetic.model_copy(update={"eval_examples": 64}), tokenizer, 16, 1, 128)
+    config = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1, "seq_len": 16},
+                       "data": {"path": str(path), "packing": False, "eval_examples": 7}})
+    train.report_data(kept, held, config, tokenizer)
+    assert "data: 93 examples, eval 7 held out (data.eval_examples 7) -> 93 train / 7 eval sequences" in \
+        capsys.readouterr().err.replace("\n", " ")
+
+
 def test_batches_resume_mid_stream_and_shard_by_rank():
     seqs = data.synthetic_sequences(40, 8, 100, seed=0)
     whole = Batches(seqs, micro_batch=2, rank=0, world=1, seed=3)

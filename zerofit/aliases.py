@@ -13,7 +13,8 @@ THEIRS = {
     "dataset_dir": "data.path (files or directories; there is no dataset registry: a dataset_info.json entry's "
                "file_name is data.path, its columns data.columns)",
     "cutoff_len": "train.seq_len (an example over it is cut as LLaMA-Factory cuts: data.truncation: balanced)",
-    "val_size": "data.eval_fraction (zerofit holds 0.05 of the rows out by default, LLaMA-Factory none: 0 for "
+    "val_size": "data.eval_fraction for a fraction, data.eval_examples for an integer (a count of rows held "
+                "out; zerofit holds 0.05 of the rows out by default, LLaMA-Factory none: eval_fraction 0 for "
                 "theirs)",
     "train_on_prompt": "not offered: prompts are masked, answers learned (a `text` row learns every token)",
     "mask_history": "not offered: every assistant turn of a conversation is learned",

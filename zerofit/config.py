@@ -182,6 +182,10 @@ class DataConfig(Section):
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
     """Fraction of training rows held out for eval when no eval_path is given."""
+    eval_examples: int | None = Field(None, ge=1)
+    """Hold out exactly this many training rows for eval (seeded, as eval_fraction's are
+    chosen), instead of eval_fraction (LLaMA-Factory's val_size given as an integer). Not with
+    eval_path, nor with eval_fraction set to other than its default."""
     max_samples: int | None = Field(None, ge=1)
     """Read only the first max_samples rows of each data.path entry (a file, or a directory's
     files in name order), and of each data.eval_path entry, before the eval split
@@ -225,6 +229,17 @@ class DataConfig(Section):
             raise ValueError(f"data.columns {columns} maps two keys to one field or one column; "
                              f"give each field one column")
         return columns
+
+    @model_validator(mode="after")
+    def _one_eval_set(self) -> "DataConfig":
+        if self.eval_examples is not None and self.eval_path:
+            raise ValueError(f"data.eval_examples {self.eval_examples} holds training rows out for eval, but "
+                             f"data.eval_path names the eval set: drop one of the two")
+        # the default as well is no choice: a run's config.yaml writes every key, and must load back
+        if self.eval_examples is not None and self.eval_fraction != type(self).model_fields["eval_fraction"].default:
+            raise ValueError(f"data.eval_examples {self.eval_examples} and data.eval_fraction {self.eval_fraction} "
+                             f"both say how many rows to hold out: drop data.eval_fraction (a count replaces it)")
+        return self
 
     @model_validator(mode="after")
     def _max_samples_reads_files(self) -> "DataConfig":

@@ -128,12 +128,12 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
 
 
 def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int) -> tuple[Sequences, Sequences]:
-    """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction of the
-    rows, split before packing so no example straddles the two (and after data.max_samples
+    """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction (or
+    eval_examples) of the rows, split before packing so no example straddles the two (and after data.max_samples
     cut each entry, as LLaMA-Factory splits after it)."""
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
-        n_eval = int(len(full) * cfg.eval_fraction)
+        n_eval = held_out_count(cfg, len(full), "random sequences of data.synthetic_samples")
         return Sequences(full.input_ids[n_eval:], full.labels[n_eval:], layout=full.layout,
                          examples=len(full) - n_eval), \
             Sequences(full.input_ids[:n_eval], full.labels[:n_eval], layout=full.layout, examples=n_eval)
@@ -147,13 +147,25 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
                                   keep_tail=True))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
-        n_eval = int(len(examples) * cfg.eval_fraction)
+        n_eval = held_out_count(cfg, len(examples), "examples read")
         held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
         splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats,
                                capped=capped),
                   to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len, formats=formats, keep_tail=True))
     check_vocabulary(splits, len(tokenizer), vocab_size)
     return splits
+
+
+def held_out_count(cfg: DataConfig, rows: int, what: str) -> int:
+    """The rows held out for eval: data.eval_examples, else data.eval_fraction of `rows`. A
+    count must leave rows to train on."""
+    if cfg.eval_examples is None:
+        return int(rows * cfg.eval_fraction)
+    if cfg.eval_examples >= rows:
+        cut = f" (data.max_samples {cfg.max_samples} kept the first rows of each entry)" if cfg.max_samples else ""
+        raise DataError(f"data.eval_examples {cfg.eval_examples} would hold out all {rows} {what}{cut}, leaving none "
+                        f"to train on: set it below {rows} (or use data.eval_fraction), or add data")
+    return cfg.eval_examples
 
 
 FINGERPRINT_SCHEME = "train:"  # before it, the eval split's tokens were hashed in too

@@ -374,7 +374,7 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     held = f"{eval_set.examples}{first_rows(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
-        if config.data.eval_path else f"{eval_set.examples} held out (data.eval_fraction {config.data.eval_fraction})"
+        if config.data.eval_path else f"{eval_set.examples} held out ({held_out_by(config)})"
     say(f"data: {train_set.examples} examples{first_rows(config, train_set, 'data.path')}, eval {held} -> "
         f"{len(train_set)} train / {len(eval_set)} eval sequences, {train_set.trained_tokens} tokens learned per "
         f"epoch, {train_set.layout_note()}"
@@ -405,8 +405,15 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         warn(stop)
     if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
         fix = "none of data.eval_path's rows holds an answer to learn" if config.data.eval_path else \
-            "raise data.eval_fraction, or set data.eval_path"
+            f"raise data.eval_{'fraction' if config.data.eval_examples is None else 'examples'}, or set data.eval_path"
         warn(f"the eval set is empty: no eval loss will be measured ({fix})")
+
+
+def held_out_by(config: Config) -> str:
+    """The key that says how many training rows are held out, with its value."""
+    if config.data.eval_examples is not None:
+        return f"data.eval_examples {config.data.eval_examples}"
+    return f"data.eval_fraction {config.data.eval_fraction}"
 
 
 def first_rows(config: Config, sequences: data.Sequences, key: str) -> str:
