@@ -250,6 +250,17 @@ def test_eval_examples_is_one_way_to_the_eval_set(tmp_path):
         validate(raw)
 
 
+def test_a_resume_from_before_max_samples_and_eval_examples_sees_no_change_unless_set(tmp_path):
+    """Both keys' default (None) is what a zerofit without them did: a checkpoint written before
+    them resumes without a warning, and setting one is named."""
+    older = validate(tiny_config(tmp_path)).fingerprinted()
+    for key in ("max_samples", "eval_examples"):
+        del older["data"][key]
+    assert changed_settings(older, validate(tiny_config(tmp_path)).fingerprinted()) == []
+    now = validate(tiny_config(tmp_path, data={"max_samples": 1000, "eval_examples": 20})).fingerprinted()
+    assert changed_settings(older, now) == ["data.eval_examples (unset) -> 20", "data.max_samples (unset) -> 1000"]
+
+
 def test_train_help_lists_config_keys(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
