@@ -129,8 +129,8 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
 
 def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int) -> tuple[Sequences, Sequences]:
     """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction (or
-    eval_examples) of the rows, split before packing so no example straddles the two (and after data.max_samples
-    cut each entry, as LLaMA-Factory splits after it)."""
+    eval_examples) of the rows, split before packing so no example straddles the two, and
+    after data.max_samples cut each entry (LLaMA-Factory's get_dataset splits after it)."""
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = held_out_count(cfg, len(full), "random sequences of data.synthetic_samples")

@@ -117,7 +117,7 @@ def read_rows(file: Path, skip_bad_lines: bool = False, limit: int | None = None
 
 def first_rows(rows, limit: int | None):
     """The first `limit` rows (all when None), as LLaMA-Factory's max_samples keeps them
-    (data/loader.py, _load_single_dataset: `dataset.select(range(min(max_samples, len)))`)."""
+    (src/llamafactory/data/loader.py, _load_single_dataset: `dataset.select(range(min(max_samples, len)))`)."""
     if limit is None or len(rows) <= limit:
         return rows
     return JsonRows(rows[:limit]) if isinstance(rows, JsonRows) else rows.select(range(limit))
