@@ -30,8 +30,6 @@ THEIRS = {
     "lora_dropout": "lora.dropout",
     "lora_target": "lora.target_modules",
     "additional_target": "lora.modules_to_save",
-    "deepspeed": "the zero: section (zerofit writes DeepSpeed's config from its plan; `zerofit lint` checks a "
-                 "JSON of your own)",
     "output_dir": "run_dir",
     "per_device_train_batch_size": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.grad_accum_steps",
@@ -54,10 +52,36 @@ THEIRS = {
     "logging_steps": "log.every_steps",
     "report_to": "log.tensorboard",
     "flash_attn": "model.attn_implementation",
-    "resume_from_checkpoint": "nothing to set: a run resumes from its newest intact checkpoint (--no-resume starts over)",
+}
+
+
+# their keys that change nothing in how zerofit trains (a run needs no counterpart), and why
+NO_EFFECT = {
+    "do_train": "zerofit train trains",
+    "overwrite_cache": "zerofit keeps no tokenized cache",
+    "preprocessing_num_workers": "zerofit tokenizes in the training process",
+    "dataloader_num_workers": "batches come from memory",
+    "plot_loss": "zerofit writes metrics.jsonl and plots memory over time (log.tensorboard for loss curves)",
+    "overwrite_output_dir": "a run directory resumes, or starts over with `zerofit train --no-resume`",
+    "save_only_model": "checkpoints always hold the optimizer, to resume; `zerofit export` writes the model",
+    "ddp_timeout": "zerofit sets DeepSpeed's timeouts and tells a lost rank apart (elastic.lost_node_after_s)",
+    "resume_from_checkpoint": "a run resumes from its newest intact checkpoint by itself",
+    "per_device_eval_batch_size": "eval runs at the planner's training micro batch",
+    "logging_dir": "TensorBoard files go to RUN_DIR/tensorboard",
+    "run_name": "the run is named by run_dir",
+    "deepspeed": "zerofit writes DeepSpeed's config from its memory plan (`zerofit lint FILE` checks yours)",
+    "gradient_checkpointing": "the planner turns it on where memory needs it (model.gradient_checkpointing fixes it)",
+    "mix_strategy": "several datasets are concatenated (LLaMA-Factory's default, concat)",
+    "streaming": "datasets are read whole",
+    "tokenized_path": "zerofit keeps no tokenized cache",
+    "do_predict": "`zerofit chat` answers prompts from the exported model",
+    "predict_with_generate": "`zerofit chat` answers prompts from the exported model",
+    "do_eval": "eval runs when an eval set exists (val_size, eval_dataset)",
 }
 
 
 def hint(name: str) -> str | None:
     """What zerofit calls another tool's key `name`, or None when it is not one of theirs."""
+    if name in NO_EFFECT:
+        return f"not needed: {NO_EFFECT[name]}"
     return THEIRS.get(name)

@@ -243,6 +243,8 @@ def cmd_config(args) -> int:
                               "`zerofit config --config FILE [--set k=v]` prints your config resolved")
         print(example_yaml(), end="")
         return 0
+    if args.from_llamafactory:
+        return print_translation(args)
     config = load_config(args)
     if not config.plan.enabled:
         print(dump_yaml(config), end="")
@@ -253,6 +255,29 @@ def cmd_config(args) -> int:
     print("# the resolved config. Keys marked `planner` are not set, so the planner chooses them at the start\n"
           "# (the value shown is only the default); `zerofit plan --config FILE` shows its choice.")
     print(dump_yaml(config, marked=free, mark="planner"), end="")
+    return 0
+
+
+def print_translation(args) -> int:
+    """`zerofit config --from-llamafactory FILE [--set k=v]`: their YAML as zerofit's, checked
+    as `zerofit train` will read it."""
+    from zerofit import lfconfig
+    from zerofit.config import parse_override, validate
+    from zerofit.progress import warn
+
+    if args.config:
+        raise ConfigError("--from-llamafactory FILE is the config to translate; drop --config")
+    source = Path(args.from_llamafactory)
+    translation = lfconfig.from_file(source)
+    if translation.refused:
+        raise ConfigError(f"{source} trains what zerofit does not: " + "; ".join(translation.refused))
+    for item in args.overrides or []:
+        key, value = parse_override(item)
+        translation.set(key, value, "--set")
+    validate(translation.raw())  # a translation train would refuse is said here, naming the key
+    print(lfconfig.render(translation, str(source)), end="")
+    for item in translation.todo:
+        warn(f"before `zerofit train`: {item}")
     return 0
 
 
@@ -414,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     config = verbs.add_parser("config", help="print the resolved config, or --example for every key")
     add_config_args(config)
     config.add_argument("--example", action="store_true", help="every key with its default and doc")
+    config.add_argument("--from-llamafactory", metavar="FILE",
+                        help="print a LLaMA-Factory training YAML (its dataset_info.json read from dataset_dir) as "
+                             "zerofit's config, their defaults written out where zerofit's differ; --set applies "
+                             "on top")
     config.set_defaults(run=cmd_config)
 
     export = verbs.add_parser("export", help="ZeRO-3 checkpoint -> Hugging Face safetensors model, under a RAM cap")

@@ -617,6 +617,10 @@ DEMO_ONLY = {"model.path": ("model", "config"), "data.path": ("data", "format")}
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """YAML file (default: the embedded demo) plus `section.key=value` overrides."""
     raw = read_yaml(Path(path) if path else DEMO_CONFIG)
+    if path and looks_like_llamafactory(raw):
+        raise ConfigError(f"{path} is a LLaMA-Factory config ({', '.join(sorted(LLAMAFACTORY_KEYS & set(raw)))} "
+                          f"at the top level): `zerofit config --from-llamafactory {path} > zerofit.yaml` translates "
+                          f"it, then `zerofit train --config zerofit.yaml`")
     for item in overrides:
         key, value = parse_override(item)
         if path is None and key in DEMO_ONLY:
@@ -624,6 +628,15 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
             raw.get(section, {}).pop(demo_key, None)
         set_dotted(raw, key, value)
     return validate(raw)
+
+
+# keys every LLaMA-Factory training YAML holds some of, and no zerofit config does
+LLAMAFACTORY_KEYS = {"model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len"}
+
+
+def looks_like_llamafactory(raw: dict) -> bool:
+    """A flat config with two of LLaMA-Factory's keys and none of zerofit's sections."""
+    return len(LLAMAFACTORY_KEYS & set(raw)) >= 2 and not set(raw) & set(Config.model_fields)
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
