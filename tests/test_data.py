@@ -1058,3 +1058,53 @@ def test_a_model_that_would_not_learn_to_stop_is_named(tokenizer):
     assert tokenizing.stop_problem(tokenizer, ("sharegpt",)) is None
     tokenizer.eos_token = None
     assert tokenizing.stop_problem(tokenizer, ("text",)).startswith("the tokenizer has no EOS token")
+
+
+def test_mask_history_keeps_the_last_turns_first_and_learns_the_last_answer():
+    """LLaMA-Factory's mask_history encodes the turns reversed: the room goes to the last turn
+    first, the oldest is dropped when none is left, and only the last answer is learned;
+    train_on_prompt learns the prompts' tokens as well."""
+    labels = [IGNORE] * 4 + [4, 5] + [IGNORE] * 3 + [9, 10, 11]  # turns (4, 2), (3, 3)
+    ids = list(range(12))
+    assert rowlayout.balanced_cut(labels, 8) == [0, 1, 2, 3, 4, 5, 6, 9]  # in order: turn 2 gets (1, 1)
+    # the last turn whole (6 tokens), then of the first what infer_seqlen gives 2 tokens of room: (2, 0)
+    assert rowlayout.balanced_cut(labels, 8, last_first=True) == [0, 1, 6, 7, 8, 9, 10, 11]
+    (cut_ids, cut_labels), = rowlayout.truncated([(ids, labels)], 8, "balanced", last_first=True)[0]
+    assert cut_ids == [0, 1, 6, 7, 8, 9, 10, 11] and cut_labels == [IGNORE] * 5 + [9, 10, 11]
+    assert rowlayout.balanced_cut(labels, 6, last_first=True) == [6, 7, 8, 9, 10, 11]  # the first turn gone
+    whole = [(ids, labels)]
+    assert rowlayout.relabelled(whole, False, False) is whole
+    assert rowlayout.relabelled(whole, False, True)[0][1] == [IGNORE] * 9 + [9, 10, 11]
+    assert rowlayout.relabelled(whole, True, False)[0][1] == ids
+    assert rowlayout.relabelled(whole, True, True)[0][1] == [0, 1, 2, 3, IGNORE, IGNORE, 6, 7, 8, 9, 10, 11]
+    text = [([7, 8, 9], [7, 8, 9])]
+    assert rowlayout.relabelled(text, True, True) == text  # a text row learns every token either way
+
+
+def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, tokenizer, capsys):
+    """Through load_splits and the data line, with a real tokenizer's chat template: a two-turn
+    conversation learns both answers by default, the prompts too with train_on_prompt, only the
+    second answer with mask_history; a cut under mask_history keeps that answer."""
+    turns = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "alpha beta"},
+             {"role": "user", "content": "second question"}, {"role": "assistant", "content": "gamma delta"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": turns}] * 4)
+
+    def learned(seq_len: int = 256, **options) -> str:
+        config = DataConfig(path=str(path), eval_fraction=0.0, packing=False, **options)
+        train, _ = data.load_splits(config, tokenizer, seq_len, seed=0, vocab_size=len(tokenizer))
+        return tokenizer.decode(train.input_ids[0][train.labels[0] != IGNORE])
+
+    assert "alpha beta" in learned() and "gamma delta" in learned() and "question" not in learned()
+    assert "first question" in learned(train_on_prompt=True) and "second question" in learned(train_on_prompt=True)
+    only_last = learned(mask_history=True)
+    assert "gamma delta" in only_last and "alpha" not in only_last and "question" not in only_last
+    first_turn = len(tokenizing.tokenize_row({"messages": turns[:2]}, "messages", tokenizer)[0])
+    assert "gamma delta" not in learned(seq_len=first_turn)  # in order, the first turn takes the room
+    assert "gamma delta" in learned(seq_len=first_turn, mask_history=True)  # the last turn's first
+
+    from zerofit.train import learned_note
+    from zerofit.config import Config
+
+    config = Config.model_validate({"model": {"config": "tiny"}, "train": {"max_steps": 1},
+                                    "data": {"mask_history": True}})
+    assert learned_note(config) == " (each conversation's last answer only: data.mask_history)"

@@ -130,6 +130,8 @@ def test_their_defaults_are_written_where_zerofits_differ(tmp_path, monkeypatch,
     ("dataset: identity,openai_chat\n", {"columns": {"messages": "dialog"}}),  # two formats: auto, per row
     ("stage: pt\ndataset: identity\n", {"format": "text"}),
     ("dataset: identity\nval_size: 200\n", {"eval_examples": 200}),  # an integer val_size is a count
+    ("dataset: identity\ntrain_on_prompt: true\nmask_history: true\n", {"train_on_prompt": True,
+                                                                        "mask_history": True}),
 ])
 def test_dataset_info_entries_become_format_and_columns(tmp_path, monkeypatch, capsys, extra, expected):
     config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\nfinetuning_type: full\n" + extra)

@@ -16,8 +16,6 @@ THEIRS = {
     "val_size": "data.eval_fraction for a fraction, data.eval_examples for an integer (a count of rows held "
                 "out; zerofit holds 0.05 of the rows out by default, LLaMA-Factory none: eval_fraction 0 for "
                 "theirs)",
-    "train_on_prompt": "not offered: prompts are masked, answers learned (a `text` row learns every token)",
-    "mask_history": "not offered: every assistant turn of a conversation is learned",
     "formatting": "data.format (auto, the default, tells each row's format by its fields: alpaca, sharegpt, or "
                   "OpenAI-style messages, which LLaMA-Factory calls sharegpt with role/content tags)",
     "columns": "data.columns (keyed as dataset_info.json's columns: {prompt: question, response: answer})",

@@ -209,6 +209,14 @@ class DataConfig(Section):
     turn by turn, each prompt and answer keep their heads in proportion to their lengths (an
     answer shorter than half of what is left is kept whole), so a long prompt still leaves its
     answer to learn; `head`: the first seq_len tokens (a long prompt leaves none)."""
+    train_on_prompt: bool = False
+    """Learn the prompt tokens too (system and user turns, tool results, the template's
+    markup), not only the answers (LLaMA-Factory's train_on_prompt). Plain `text` rows learn
+    every token either way."""
+    mask_history: bool = False
+    """Learn only the last answer of each conversation (an alpaca row's history pairs are
+    earlier turns), as LLaMA-Factory's mask_history; a balanced cut then keeps the last turns
+    first and drops the oldest, as theirs does."""
     skip_bad_rows: bool = False
     """Skip and count malformed rows instead of failing on the first one."""
     synthetic_samples: int = Field(4096, ge=1)

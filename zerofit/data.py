@@ -17,7 +17,8 @@ import numpy as np
 from zerofit.config import DataConfig
 from zerofit.datafiles import DataError, data_entries
 from zerofit.tokenizing import IGNORE, read_examples
-from zerofit.rowlayout import isolate_examples, pack, packing_layout, pad, rows_of_whole_examples, tail_padding, truncated
+from zerofit.rowlayout import (isolate_examples, pack, packing_layout, pad, relabelled, rows_of_whole_examples,
+                               tail_padding, truncated)
 
 
 @dataclass
@@ -91,7 +92,8 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
     layout = packing_layout(cfg, formats)
     cut = (0, 0, 0)  # concatenating splits an example, cuts none
     if layout != "concatenated":
-        examples, cut = truncated(examples, seq_len, cfg.truncation)
+        examples, cut = truncated(examples, seq_len, cfg.truncation, last_first=cfg.mask_history)
+    examples = relabelled(examples, cfg.train_on_prompt, cfg.mask_history)
     lengths = None  # concatenated rows: every token real
     if layout == "whole":
         examples, lengths = rows_of_whole_examples(examples, seq_len, pad_id)

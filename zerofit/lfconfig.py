@@ -46,6 +46,8 @@ RENAMED = {
     "save_total_limit": "checkpoint.keep_last",
     "packing": "data.packing",
     "neat_packing": "data.neat_packing",
+    "train_on_prompt": "data.train_on_prompt",
+    "mask_history": "data.mask_history",
     "trust_remote_code": "model.trust_remote_code",
     "additional_target": "lora.modules_to_save",
 }

@@ -80,14 +80,15 @@ def isolate_examples(examples: list[tuple[list[int], list[int]]], labels: np.nda
     return np.minimum(in_example, flat % seq_len).reshape(rows, seq_len)
 
 
-def truncated(examples: list[tuple[list[int], list[int]]], seq_len: int,
-              how: str) -> tuple[list[tuple[list[int], list[int]]], tuple[int, int, int]]:
-    """The examples cut to seq_len (data.truncation), and what that cost: (examples cut, answer
-    tokens lost, prompt tokens lost)."""
+def truncated(examples: list[tuple[list[int], list[int]]], seq_len: int, how: str,
+              last_first: bool = False) -> tuple[list[tuple[list[int], list[int]]], tuple[int, int, int]]:
+    """The examples cut to seq_len (data.truncation; `last_first`: a balanced cut keeps the last
+    turns first, data.mask_history), and what that cost: (examples cut, answer tokens lost,
+    prompt tokens lost)."""
     out, cut, answer_lost, prompt_lost = [], 0, 0, 0
     for ids, labels in examples:
         if len(ids) > seq_len:
-            kept = head_of(len(ids), seq_len) if how == "head" else balanced_cut(labels, seq_len)
+            kept = head_of(len(ids), seq_len) if how == "head" else balanced_cut(labels, seq_len, last_first)
             lost_answer = sum(label != IGNORE for label in labels) - sum(labels[i] != IGNORE for i in kept)
             cut, answer_lost, prompt_lost = cut + 1, answer_lost + lost_answer, \
                 prompt_lost + len(ids) - len(kept) - lost_answer
@@ -100,18 +101,45 @@ def head_of(length: int, seq_len: int) -> list[int]:
     return list(range(min(length, seq_len)))
 
 
-def balanced_cut(labels: list[int], seq_len: int) -> list[int]:
+def balanced_cut(labels: list[int], seq_len: int, last_first: bool = False) -> list[int]:
     """The token indices an over-long example keeps under LLaMA-Factory's cutoff_len
     (data/processor/supervised.py, _encode_data_example): turn by turn, in order, each (prompt,
-    answer) pair is cut to what is left of seq_len by `cutoff_shares`, each keeping its head."""
-    kept, start, room = [], 0, seq_len
-    for prompt, answer in turns_of(labels):
+    answer) pair is cut to what is left of seq_len by `cutoff_shares`, each keeping its head.
+    `last_first`: the turns are taken from the last back, as LLaMA-Factory encodes them reversed
+    under mask_history, so the answer learned is kept first and the oldest turns go."""
+    turns = turns_of(labels)
+    starts = list(itertools.accumulate((prompt + answer for prompt, answer in turns), initial=0))
+    kept, room = [], seq_len
+    for turn in (reversed(range(len(turns))) if last_first else range(len(turns))):
         if room <= 0:
             break
+        (prompt, answer), start = turns[turn], starts[turn]
         keep_prompt, keep_answer = cutoff_shares(prompt, answer, room)
         kept += [*range(start, start + keep_prompt), *range(start + prompt, start + prompt + keep_answer)]
-        start, room = start + prompt + answer, room - keep_prompt - keep_answer
-    return kept
+        room -= keep_prompt + keep_answer
+    return sorted(kept)
+
+
+def relabelled(examples: list[tuple[list[int], list[int]]], train_on_prompt: bool,
+               mask_history: bool) -> list[tuple[list[int], list[int]]]:
+    """The tokens each example learns, after the cut (which told prompt from answer by the
+    labels): `train_on_prompt` learns the prompts too, `mask_history` only the last answer
+    (LLaMA-Factory's options of those names, supervised.py: source_label, target_label). A
+    text row learns every token either way."""
+    if not (train_on_prompt or mask_history):
+        return examples
+    out = []
+    for ids, labels in examples:
+        turns = turns_of(labels)
+        last_answer = max((turn for turn, (_, answer) in enumerate(turns) if answer), default=-1)
+        learned, start = [], 0
+        for turn, (prompt, answer) in enumerate(turns):
+            learned += ids[start:start + prompt] if train_on_prompt else [IGNORE] * prompt
+            start += prompt
+            learned += ids[start:start + answer] if turn == last_answer or not mask_history else [IGNORE] * answer
+            start += answer
+        out.append((ids, learned))
+    return out
 
 
 def turns_of(labels: list[int]) -> list[tuple[int, int]]:

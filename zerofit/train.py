@@ -377,7 +377,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         if config.data.eval_path else f"{eval_set.examples} held out ({held_out_by(config)})"
     say(f"data: {train_set.examples} examples{first_rows(config, train_set, 'data.path')}, eval {held} -> "
         f"{len(train_set)} train / {len(eval_set)} eval sequences, {train_set.trained_tokens} tokens learned per "
-        f"epoch, {train_set.layout_note()}"
+        f"epoch{learned_note(config)}, {train_set.layout_note()}"
         f"{f'; {laid_out}' if laid_out else ''}")
     if config.data.eval_path and "eval_fraction" in config.data.model_fields_set:
         warn(f"data.eval_fraction {config.data.eval_fraction} is not used: the eval set is data.eval_path")
@@ -407,6 +407,15 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         fix = "none of data.eval_path's rows holds an answer to learn" if config.data.eval_path else \
             f"raise data.eval_{'fraction' if config.data.eval_examples is None else 'examples'}, or set data.eval_path"
         warn(f"the eval set is empty: no eval loss will be measured ({fix})")
+
+
+def learned_note(config: Config) -> str:
+    """Which tokens the data line's `tokens learned` are, where not only the answers."""
+    if config.data.train_on_prompt and config.data.mask_history:
+        return " (the prompts and each conversation's last answer: data.train_on_prompt, data.mask_history)"
+    if config.data.train_on_prompt:
+        return " (the prompts too: data.train_on_prompt)"
+    return " (each conversation's last answer only: data.mask_history)" if config.data.mask_history else ""
 
 
 def held_out_by(config: Config) -> str:
