@@ -327,9 +327,12 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
                                         r"question; its columns are question, reply"):
         tokenizing.read_examples([write_jsonl(tmp_path / "c.jsonl", [{"question": "q", "reply": "a"}])], mapped,
                                  tokenizer)
-    with pytest.raises(DataError, match=r"holds output \(and answer, which data\.columns names for it\)"):
-        tokenizing.read_examples([write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a", "output": "o"}])],
-                                 mapped, tokenizer)
+    # a field under both names: the column data.columns names is read, as LLaMA-Factory reads it, and the
+    # other is said to be left out
+    both = tokenizing.read_examples([write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a",
+                                                                         "output": "o"}])], mapped, tokenizer)
+    assert both.examples == [tokenizing.tokenize_row({"instruction": "q", "output": "a"}, "alpaca", tokenizer)]
+    assert both.unread == [f"{tmp_path / 'd.jsonl'}: its output column (answer is read as output, data.columns)"]
     # a field's own column renamed away itself is no clash: instruction -> system, input -> instruction
     chain = [{"instruction": "You translate", "input": "bonjour", "output": "hello"}]
     assert tokenizing.read_examples([write_jsonl(tmp_path / "f.jsonl", chain)],
@@ -1108,3 +1111,37 @@ def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, to
     config = Config.model_validate({"model": {"config": "tiny"}, "train": {"max_steps": 1},
                                     "data": {"mask_history": True}})
     assert learned_note(config) == " (each conversation's last answer only: data.mask_history)"
+
+
+def test_a_column_mapped_to_null_is_not_read(tmp_path, tokenizer):
+    """LLaMA-Factory reads a row's system, history and tools only where its dataset_info.json
+    entry names their columns (and its query only where `columns` is absent or names it):
+    data.columns {system: null} leaves that field out of every file, as theirs does."""
+    rows = [{"instruction": "add 2 and 2", "input": "as numbers", "output": "4", "system": "a calculator",
+             "history": [["hi", "hello"]]}]
+    unread = DataConfig(path="x", columns={"system": None, "history": None, "query": None})
+    for file in (write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "a.parquet"):
+        if file.suffix == ".parquet":
+            import pandas as pd
+
+            pd.DataFrame(rows).to_parquet(file)
+        assert tokenizing.read_examples([file], unread, tokenizer).examples == \
+            [tokenizing.tokenize_row({"instruction": "add 2 and 2", "output": "4"}, "alpaca", tokenizer)]
+    assert tokenizing.read_examples([tmp_path / "a.jsonl"], DataConfig(path="x"), tokenizer).examples != \
+        tokenizing.read_examples([tmp_path / "a.jsonl"], unread, tokenizer).examples  # read when not null
+    with pytest.raises(ConfigError, match=r"data.columns prompt: null: only an optional field \(input, system, "
+                                          r"history, tools\) can be left unread"):
+        validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "data": {"columns": {"prompt": None}}})
+
+
+def test_the_data_line_names_a_column_left_out_for_the_one_data_columns_names(tmp_path, tokenizer, capsys):
+    from zerofit import train
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"q {i}", "output": f"a {i}", "system": "unused",
+                                               "persona": "terse"} for i in range(20)])
+    config = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1, "seq_len": 32},
+                       "data": {"path": str(path), "columns": {"system": "persona"}}})
+    train_set, eval_set = data.load_splits(config.data, tokenizer, 32, 7, 4096)
+    train.report_data(train_set, eval_set, config, tokenizer)
+    assert f"not read: {path}: its system column (persona is read as system, data.columns)" in \
+        capsys.readouterr().err.replace("\n", " ")

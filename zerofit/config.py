@@ -141,6 +141,8 @@ COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output"
                                             "history", "tools")}}
 
 
+# the fields a row may go without, which data.columns may leave unread (null)
+OPTIONAL_FIELDS = ("input", "system", "history", "tools")
 # the columns a file read in a format cannot do without
 FORMAT_FIELDS = {"text": ("text",), "alpaca": ("instruction", "output"), "messages": ("messages",),
                  "sharegpt": ("conversations",)}
@@ -169,7 +171,7 @@ class DataConfig(Section):
     as the answer, as LLaMA-Factory does), in the alpaca layout where the tokenizer has
     none; `alpaca` always in the alpaca layout ("### Instruction: ... ### Response:"),
     which then becomes the exported tokenizer's chat template."""
-    columns: dict[str, str] = {}
+    columns: dict[str, str | None] = {}
     """The files' column for a field whose name differs, keyed as LLaMA-Factory's
     dataset_info.json `columns` are (prompt, query, response, system, history, messages,
     tools) or by zerofit's own field names (instruction, input, output, conversations, text):
@@ -177,7 +179,11 @@ class DataConfig(Section):
     the messages format: turns {role, content} (OpenAI's, tool_calls kept) or {from, value}
     (ShareGPT's), a `system` column as its first turn (under data.format: sharegpt, as
     sharegpt). A file holding a format's mapped column must hold that format's other required
-    ones; files holding none keep their names (a directory may mix formats)."""
+    ones; files holding none keep their names (a directory may mix formats); a file holding a
+    field under its own name too has that column left out (said at the start), as LLaMA-Factory
+    reads only the column named. null: an optional field (query/input, system, history, tools) is
+    not read, its column in any file left out, as LLaMA-Factory leaves out a column its
+    dataset_info.json entry does not name."""
     eval_path: str | list[str] | None = None
     """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
@@ -224,7 +230,7 @@ class DataConfig(Section):
 
     @field_validator("columns")
     @classmethod
-    def _known_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+    def _known_columns(cls, columns: dict[str, str | None]) -> dict[str, str | None]:
         unknown = sorted(set(columns) - set(COLUMN_FIELDS))
         if unknown:
             near = [f"{key} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(key, COLUMN_FIELDS, 1))
@@ -232,8 +238,12 @@ class DataConfig(Section):
             raise ValueError(f"data.columns names {', '.join(near)}: the keys are the fields "
                              f"{', '.join(dict.fromkeys(COLUMN_FIELDS.values()))}, or LLaMA-Factory's "
                              f"{', '.join(k for k in COLUMN_FIELDS if k not in COLUMN_FIELDS.values())}")
-        fields = [COLUMN_FIELDS[key] for key in columns]
-        if len(set(fields)) < len(fields) or len(set(columns.values())) < len(columns):
+        required = [key for key, column in columns.items() if column is None and COLUMN_FIELDS[key] not in OPTIONAL_FIELDS]
+        if required:
+            raise ValueError(f"data.columns {', '.join(f'{key}: null' for key in required)}: only an optional field "
+                             f"({', '.join(OPTIONAL_FIELDS)}) can be left unread; name the column that holds it")
+        fields, named = [COLUMN_FIELDS[key] for key in columns], [c for c in columns.values() if c is not None]
+        if len(set(fields)) < len(fields) or len(set(named)) < len(named):
             raise ValueError(f"data.columns {columns} maps two keys to one field or one column; "
                              f"give each field one column")
         return columns

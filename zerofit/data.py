@@ -38,6 +38,7 @@ class Sequences:
     truncation: str = "balanced"  # data.truncation, which made `cut`
     examples: int = 0             # the examples (rows read and tokenized) the sequences were laid out from
     capped: bool = False          # data.max_samples cut the rows read: some entry gave that many
+    unread_columns: list[str] = field(default_factory=list)  # left out: data.columns names another for the field
 
     @property
     def packed(self) -> bool:
@@ -83,10 +84,11 @@ class Sequences:
 
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
                  reasons: list[str] = (), formats: tuple[str, ...] = (), keep_tail: bool = False,
-                 capped: bool = False) -> Sequences:
+                 capped: bool = False, unread: list[str] = ()) -> Sequences:
     """Packed or padded rows of the examples (packing_layout). Concatenating drops the tail that
     does not fill a row, unless `keep_tail` (an eval set: a small one would otherwise vanish),
-    which pads it. `capped`: data.max_samples cut the rows they were read from."""
+    which pads it. `capped`: data.max_samples cut the rows they were read from; `unread`: the
+    columns left out of them."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     longest, count = max((len(e_ids) for e_ids, _ in examples), default=0), len(examples)
     layout = packing_layout(cfg, formats)
@@ -111,7 +113,7 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
                      longest, formats,
                      lengths[learnable] if lengths is not None else None,
                      positions[learnable] if positions is not None else None, cut, layout, cfg.truncation,
-                     count, capped)
+                     count, capped, list(unread))
 
 
 def build_sequences(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer, seq_len: int,
@@ -119,7 +121,7 @@ def build_sequences(files: list[Path] | list[list[Path]], cfg: DataConfig, token
     """The sequences of the files (read_examples: paths, or per data.path entry a list of them)."""
     read = read_examples(files, cfg, tokenizer)
     return to_sequences(read.examples, cfg, tokenizer, seq_len, read.skipped, read.reasons, read.formats, keep_tail,
-                        read.capped)
+                        read.capped, read.unread)
 
 
 def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Sequences:
@@ -142,9 +144,10 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     from zerofit.demo import DEMO_DATA
 
     entries = [[DEMO_DATA]] if cfg.path == "demo" else data_entries(cfg.path)
-    examples, skipped, reasons, formats, capped = read_examples(entries, cfg, tokenizer)
+    examples, skipped, reasons, formats, capped, unread = read_examples(entries, cfg, tokenizer)
     if cfg.eval_path:
-        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, capped=capped),
+        splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, capped=capped,
+                               unread=unread),
                   build_sequences(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, seq_len,
                                   keep_tail=True))
     else:
@@ -152,7 +155,7 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
         n_eval = held_out_count(cfg, len(examples), "examples read")
         held, kept = np.sort(order[:n_eval]), np.sort(order[n_eval:])
         splits = (to_sequences([examples[i] for i in kept], cfg, tokenizer, seq_len, skipped, reasons, formats,
-                               capped=capped),
+                               capped=capped, unread=unread),
                   to_sequences([examples[i] for i in held], cfg, tokenizer, seq_len, formats=formats, keep_tail=True))
     check_vocabulary(splits, len(tokenizer), vocab_size)
     return splits

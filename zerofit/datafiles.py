@@ -123,16 +123,22 @@ def first_rows(rows, limit: int | None):
     return JsonRows(rows[:limit]) if isinstance(rows, JsonRows) else rows.select(range(limit))
 
 
-def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto") -> tuple:
+def with_columns(rows, columns: dict[str, str | None], file: Path, fmt: str = "auto") -> tuple:
     """(`read_rows`' rows with the files' columns renamed to the fields they hold, the renames
-    {column: field}): data.columns, config.column_fields under data.format `fmt`. A file holding
-    none of the columns named keeps its own names (a directory may mix files); one holding a
-    format's mapped column must hold that format's other required ones (config.FORMAT_FIELDS).
-    A field held under both names is refused (which one is meant?)."""
-    field_of, present = column_fields(fmt), set(rows.column_names)
+    {column: field}, the columns left out): data.columns, config.column_fields under data.format
+    `fmt`. A file holding none of the columns named keeps its own names (a directory may mix
+    files); one holding a format's mapped column must hold that format's other required ones
+    (config.FORMAT_FIELDS). A field held under both names is read from the column named for it;
+    one mapped to None is not read: its column is dropped."""
+    field_of = column_fields(fmt)
+    unread = {field_of[key] for key, column in columns.items() if column is None} & set(rows.column_names)
+    if unread:
+        rows = JsonRows([{k: v for k, v in row.items() if k not in unread} for row in rows]) \
+            if isinstance(rows, JsonRows) else rows.remove_columns(sorted(unread))
+    columns, present = {key: column for key, column in columns.items() if column is not None}, set(rows.column_names)
     renames = {column: field_of[key] for key, column in columns.items() if column in present}
     if not renames:
-        return rows, renames
+        return rows, renames, []
     format_of = {field: name for name, fields in FORMAT_FIELDS.items() for field in fields}
     in_play = {format_of[field] for field in renames.values() if field in format_of}
     missing = [f"{key}: {column}" for key, column in columns.items()
@@ -141,14 +147,16 @@ def with_columns(rows, columns: dict[str, str], file: Path, fmt: str = "auto") -
         raise DataError(f"{file} has no column {', '.join(missing)} (data.columns), though it has "
                         f"{', '.join(sorted(renames))}; its columns are {', '.join(sorted(present))}: fix "
                         f"data.columns, or the file")
-    # a field's own column that is renamed away itself leaves the name free
-    both = sorted(f"{field} (and {column}, which data.columns names for it)" for column, field in renames.items()
-                  if field in present and field not in renames and field != column)
-    if both:
-        raise DataError(f"{file} holds {', '.join(both)}: drop one of the two columns, or the data.columns entry")
+    # the column data.columns names for a field is the one read, as in LLaMA-Factory: a column under
+    # the field's own name is then left out (one renamed away itself leaves the name free)
+    shadowed = sorted(field for column, field in renames.items()
+                      if field in present and field not in renames and field != column)
+    unread = [f"{file}: its {field} column ({source} is read as {field}, data.columns)"
+              for field in shadowed for source, named in renames.items() if named == field]
     if isinstance(rows, JsonRows):
-        return JsonRows([{renames.get(key, key): value for key, value in row.items()} for row in rows]), renames
-    return rows.rename_columns(renames), renames
+        return JsonRows([{renames.get(key, key): value for key, value in row.items() if key not in shadowed}
+                         for row in rows]), renames, unread
+    return rows.remove_columns(shadowed).rename_columns(renames), renames, unread
 
 
 def decodes_json_text(feature) -> bool:

@@ -406,19 +406,21 @@ def as_in_file(error: RowError, renames: dict[str, str]) -> RowError:
 
 class Read(NamedTuple):
     """What `read_examples` read: the examples, the rows skipped (how many, the first reasons),
-    the formats read, and whether data.max_samples cut some entry (it read that many rows)."""
+    the formats read, whether data.max_samples cut some entry (it read that many rows), and the
+    columns not read (data.columns names another column for their field)."""
     examples: list
     skipped: int
     reasons: list[str]
     formats: tuple[str, ...]
     capped: bool
+    unread: list[str]
 
 
 def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer) -> Read:
     """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read.
     `files`: paths, or per data.path entry a list of them (datafiles.data_entries); under
     data.max_samples only each entry's first rows are read (a lone path is an entry)."""
-    examples, skipped, reasons, formats, capped = [], 0, [], {}, False
+    examples, skipped, reasons, formats, capped, unread = [], 0, [], {}, False, []
     for entry in [file if isinstance(file, list) else [file] for file in files]:
         taken = 0  # the entry's rows read, bad ones too: LLaMA-Factory cuts each dataset before converting it
         for file in entry:
@@ -429,22 +431,23 @@ def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokeniz
             taken += len(rows) + len(bad_lines)
             skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
             if len(rows):  # not every line skipped (then there is nothing to tell a format by)
-                more, bad_rows, read_formats = file_examples(rows, line_numbers, file, cfg, tokenizer)
-                examples += more
+                more, bad_rows, read_formats, left_out = file_examples(rows, line_numbers, file, cfg, tokenizer)
+                examples, unread = examples + more, unread + left_out
                 skipped, reasons = skipped + len(bad_rows), reasons + bad_rows
                 formats.update(dict.fromkeys(read_formats, True))
         capped = capped or taken == cfg.max_samples
     if skipped and not examples:
         raise DataError(f"every row was bad ({skipped} skipped under data.skip_bad_rows), e.g. {reasons[0]}; "
                         f"fix the data, or point data.path (data.eval_path) at the right files")
-    return Read(examples, skipped, reasons[:10], tuple(formats), capped)
+    return Read(examples, skipped, reasons[:10], tuple(formats), capped, unread)
 
 
 def file_examples(rows, line_numbers, file: Path, cfg: DataConfig,
-                  tokenizer) -> tuple[list, list[str], tuple[str, ...]]:
-    """One file's rows tokenized: the examples, the bad rows skipped (where and why), the formats read."""
+                  tokenizer) -> tuple[list, list[str], tuple[str, ...], list[str]]:
+    """One file's rows tokenized: the examples, the bad rows skipped (where and why), the formats
+    read, the columns left out (with_columns)."""
     examples, bad, formats = [], [], {}
-    rows, renames = with_columns(rows, cfg.columns, file, cfg.format)
+    rows, renames, unread = with_columns(rows, cfg.columns, file, cfg.format)
     check_format_fields(rows, cfg.format, file)
     found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
     for index, row in enumerate(rows):
@@ -458,4 +461,4 @@ def file_examples(rows, line_numbers, file: Path, cfg: DataConfig,
             if not cfg.skip_bad_rows:
                 raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
             bad.append(where)
-    return examples, bad, tuple(formats)
+    return examples, bad, tuple(formats), unread

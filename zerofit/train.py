@@ -18,7 +18,7 @@ import numpy as np
 from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
                      lastword, lora, loss, memory, models, nvme, planview, postmortem, runlock, tokenizing, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
-from zerofit.progress import StepProgress, say, warn
+from zerofit.progress import StepProgress, counted, say, warn
 
 
 @dataclass
@@ -285,10 +285,10 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
     if not batches:
         return None
     ds_engine.eval()
-    counted = [data.targets(batch.labels) for batch in batches]
+    learned_counts = [data.targets(batch.labels) for batch in batches]
     summed = []
     with torch.no_grad():  # the mean over every token evaluated, as the training loss is
-        for batch, n in zip(batches, counted):
+        for batch, n in zip(batches, learned_counts):
             loss_value = forward_loss(ds_engine, batch, config.train.chunked_loss).float()
             summed.append(loss_value * n if n else torch.zeros((), device=ds_engine.device))  # a stand-in row: 0/0
     ds_engine.train()
@@ -382,8 +382,11 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     if config.data.eval_path and "eval_fraction" in config.data.model_fields_set:
         warn(f"data.eval_fraction {config.data.eval_fraction} is not used: the eval set is data.eval_path")
     for name, sequences in (("", train_set), ("eval ", eval_set)):  # eval: data.eval_path's own rows
+        if sequences.unread_columns:
+            warn(f"not read: {'; '.join(sequences.unread_columns[:3])}"
+                 f"{f' and in {len(sequences.unread_columns) - 3} more files' if len(sequences.unread_columns) > 3 else ''}")
         if sequences.skipped_rows:
-            warn(f"skipped {sequences.skipped_rows} bad {name}rows (data.skip_bad_rows), e.g. "
+            warn(f"skipped {counted(sequences.skipped_rows, f'bad {name}row')} (data.skip_bad_rows), e.g. "
                  f"{sequences.skipped_reasons[0]}")
     left_out = datafiles.left_out_files(config.data.path, config.data.eval_path)
     if left_out:
