@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from zerofit import cli
-from zerofit.config import ConfigError, load
+from zerofit.config import ConfigError, load, validate
 
 from conftest import read_jsonl, run_zerofit, write_jsonl
 
@@ -65,6 +65,14 @@ DATASET_INFO = {
     "openai_chat": {"file_name": "chat.jsonl", "formatting": "sharegpt", "columns": {"messages": "dialog"},
                     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                              "assistant_tag": "assistant", "system_tag": "system"}},
+    "mixed_tags": {"file_name": "mixed.json", "formatting": "sharegpt",
+                   "tags": {"role_tag": "from", "content_tag": "value", "user_tag": "user", "assistant_tag": "assistant"}},
+    "openorca": {"file_name": "openorca.json", "columns": {"prompt": "question", "response": "response",
+                                                           "system": "system_prompt"}},
+    "openo1": {"file_name": "openo1.json", "columns": {"prompt": "prompt", "response": "response"}},
+    "c4_demo": {"file_name": "c4_demo.jsonl", "columns": {"prompt": "content"}},
+    "no_file": {"formatting": "alpaca"},
+    "resampled": {"file_name": "identity.json", "num_samples": 100},
     "odd_tags": {"file_name": "odd.json", "formatting": "sharegpt",
                  "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "q", "assistant_tag": "a"}},
     "alpaca_en": {"hf_hub_url": "llamafactory/alpaca_en", "ms_hub_url": "llamafactory/alpaca_en"},
@@ -86,10 +94,14 @@ def translated(tmp_path, monkeypatch, capsys, text: str, *extra: str) -> tuple[d
 
 def test_llamafactorys_full_sft_example_trains_as_theirs(tmp_path, monkeypatch, capsys):
     config, text, err = translated(tmp_path, monkeypatch, capsys, LLAMA3_FULL_SFT)
+    data_dir = tmp_path / "data"
     assert config["run_dir"] == "saves/llama3-8b/full/sft"
     assert config["model"] == {"path": "meta-llama/Meta-Llama-3-8B-Instruct", "trust_remote_code": True}
     assert "lora" not in config
-    assert config["data"] == {"path": ["data/identity.json", "data/alpaca_en_demo.json"], "format": "alpaca",
+    # paths absolute (the translation runs from anywhere); the optional columns their entries do not
+    # name are not read (LLaMA-Factory's parser.py leaves them None)
+    assert config["data"] == {"path": [str(data_dir / "identity.json"), str(data_dir / "alpaca_en_demo.json")],
+                              "format": "alpaca", "columns": {"history": None, "system": None, "tools": None},
                               "eval_fraction": 0.1, "packing": False, "max_samples": 1000}
     assert config["train"] == {"global_batch_size": 2, "seq_len": 2048, "lr": 1e-5, "epochs": 3.0,
                                "warmup_ratio": 0.1, "lr_schedule": "cosine", "min_lr_ratio": 0.0,
@@ -98,38 +110,49 @@ def test_llamafactorys_full_sft_example_trains_as_theirs(tmp_path, monkeypatch, 
     assert config["eval"] == {"every_steps": 500}
     assert config["log"] == {"every_steps": 10}
     # every key is accounted for: carried over (commented with its name) or left out with why, but
-    # those whose value is what zerofit does anyway (stage sft, full, report to none, eval by steps)
+    # those whose value is what zerofit does anyway (stage sft, full, report to none, eval by steps,
+    # a null: the default)
     silent = {key for key in yaml.safe_load(LLAMA3_FULL_SFT)
               if f"# {key}" not in text and f"#   {key}:" not in text and f"{key} " not in text}
-    assert silent == {"stage", "finetuning_type", "report_to", "eval_strategy"}
-    assert "#   template: llama3 -- conversations are rendered by the tokenizer's own chat template" in text
+    assert silent == {"stage", "finetuning_type", "report_to", "eval_strategy", "resume_from_checkpoint"}
+    assert "#   template: llama3 -- zerofit renders conversations and alpaca rows with the tokenizer's own" in text
     assert "#   deepspeed: examples/deepspeed/ds_z3_config.json -- zerofit writes DeepSpeed's config" in text
-    # what stops the run is said, on stderr, not in the YAML a user redirects
+    # what stops the run, and what trains otherwise, said on stderr too (the YAML is redirected)
     assert "hf download meta-llama/Meta-Llama-3-8B-Instruct --local-dir DIR" in err
-    assert "data/identity.json, data/alpaca_en_demo.json not found here" in err
+    assert f"{data_dir / 'identity.json'}, {data_dir / 'alpaca_en_demo.json'} not found" in err
+    assert "on N GPUs LLaMA-Factory steps on N x that, so set N x 2 for a run under torchrun" in err
 
 
 def test_their_defaults_are_written_where_zerofits_differ(tmp_path, monkeypatch, capsys):
     """A LoRA config that leaves everything at LLaMA-Factory's and HF's defaults: lora rank 8, alpha
     2 x rank, dropout 0, target all; lr 5e-5, 3 epochs, linear to 0, Adam's beta2 0.999, fp32, micro
-    batch 8, no hold-out, no packing, a save every 500 steps, LLaMA-Factory's cutoff_len 2048."""
+    batch 8, no hold-out (and so no eval), no packing, a save every 500 steps, cutoff_len 2048."""
     config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: identity\n"
-                                                            "template: llama3\nlora_rank: 4\n")
+                                                            "template: llama3\nlora_rank: 4\nlora_alpha: 0\n")
     assert config["lora"] == {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["all"]}
     assert config["train"] == {"global_batch_size": 8, "seq_len": 2048, "lr": 5e-5, "epochs": 3.0,
                                "lr_schedule": "linear", "min_lr_ratio": 0.0, "adam_betas": [0.9, 0.999],
                                "precision": "fp32"}
-    assert config["data"] == {"path": "data/identity.json", "format": "alpaca", "eval_fraction": 0.0,
-                              "packing": False}
+    assert config["data"]["eval_fraction"] == 0.0 and config["data"]["packing"] is False
+    assert config["eval"] == {"at_end": False}  # no eval set: no "the eval set is empty" at every start
     assert config["checkpoint"] == {"every_steps": 500}
 
 
 @pytest.mark.parametrize("extra, expected", [
-    ("dataset: glaive_toolcall_en_demo\n", {"format": "sharegpt", "columns": {"messages": "conversations"}}),
-    ("dataset: openai_chat\n", {"format": "messages", "columns": {"messages": "dialog"}}),
-    ("dataset: identity,openai_chat\n", {"columns": {"messages": "dialog"}}),  # two formats: auto, per row
-    ("stage: pt\ndataset: identity\n", {"format": "text"}),
+    ("dataset: glaive_toolcall_en_demo\n", {"format": "sharegpt", "columns": {"system": None}}),
+    ("dataset: openai_chat\n", {"format": "messages", "columns": {"messages": "dialog", "system": None,
+                                                                   "tools": None}}),
+    ("dataset: mixed_tags\n", {"format": "sharegpt"}),  # {from, value} turns with OpenAI's speaker names
+    # named columns under zerofit's names are still mapped from LLaMA-Factory's keys (prompt -> instruction)
+    ("dataset: openorca\n", {"columns": {"prompt": "question", "query": None, "response": "response",
+                                         "history": None, "system": "system_prompt", "tools": None}}),
+    ("dataset: openo1\n", {"columns": {"prompt": "prompt", "response": "response", "query": None,
+                                       "history": None, "system": None, "tools": None}}),
+    ("dataset: identity,openai_chat\n", {"columns": {"history": None, "system": None, "tools": None,
+                                                      "messages": "dialog"}}),  # two formats: auto, per row
+    ("stage: pt\ndataset: c4_demo\n", {"format": "text", "columns": {"text": "content"}}),
     ("dataset: identity\nval_size: 200\n", {"eval_examples": 200}),  # an integer val_size is a count
+    ("dataset: identity\nneat_packing: true\n", {"packing": True, "neat_packing": True}),  # theirs sets packing
     ("dataset: identity\ntrain_on_prompt: true\nmask_history: true\n", {"train_on_prompt": True,
                                                                         "mask_history": True}),
 ])
@@ -138,16 +161,51 @@ def test_dataset_info_entries_become_format_and_columns(tmp_path, monkeypatch, c
     assert expected.items() <= config["data"].items(), config["data"]
     if "," in extra:
         assert "format" not in config["data"]
+    validate({**config, "model": {"config": "tiny"}})  # what train will read
+
+
+@pytest.mark.parametrize("extra, expected", [
+    # null is the default (LLaMA-Factory's WebUI writes these into every LoRA run)
+    ("use_dora: false\nuse_rslora: false\npissa_init: false\nquantization_bit: null\nadditional_target: null\n"
+     "save_total_limit: null\nadapter_name_or_path: null\n", {"lora.modules_to_save": None,
+                                                               "checkpoint.keep_last": None}),
+    ("warmup_steps: 1e2\nlearning_rate: 1e-4\n", {"train.warmup_steps": 100, "train.lr": 1e-4}),  # OmegaConf's
+    ("warmup_steps: 0.1\n", {"train.warmup_ratio": 0.1}),  # transformers 5: a warmup_steps below 1 is a ratio
+    ("lr_scheduler_type: constant\nwarmup_ratio: 0.1\n", {"train.lr_schedule": "constant",
+                                                            "train.warmup_ratio": None}),  # HF's has none
+    ("lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: '{\"min_lr_rate\": 0.1}'\n",
+     {"train.lr_schedule": "cosine", "train.min_lr_ratio": 0.1}),  # JSON text, as HF takes it
+    ("save_strategy: epoch\n", {"checkpoint.every_steps": 0}),
+])
+def test_values_read_as_llamafactory_reads_them(tmp_path, monkeypatch, capsys, extra, expected):
+    config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: identity\n" + extra)
+    for key, value in expected.items():
+        section, name = key.split(".")
+        assert config.get(section, {}).get(name) == value, (key, config.get(section))
 
 
 @pytest.mark.parametrize("text, message", [
     ("stage: dpo\ndataset: identity\n", "stage: dpo -- zerofit trains sft"),
-    ("dataset: alpaca_en\n", "dataset alpaca_en: a hub dataset (llamafactory/alpaca_en)"),
+    ("dataset: alpaca_en\n", "dataset alpaca_en: a hub dataset (llamafactory/alpaca_en) and nothing downloads at "
+     "run time: download it once (`hf download llamafactory/alpaca_en --repo-type dataset --local-dir DIR`)"),
     ("dataset: dpo_en_demo\n", "dataset dpo_en_demo: preference data"),
-    ("dataset: odd_tags\n", "zerofit reads turns as {from, value}"),
-    ("dataset: nowhere\n", "dataset nowhere: not in data/dataset_info.json"),
-    ("dataset: identity\nquantization_bit: 4\n", "quantization_bit: QLoRA (a quantized base) is not offered"),
+    ("dataset: odd_tags\n", "zerofit reads turns as {from, value} or {role, content}"),
+    ("dataset: nowhere\n", "dataset nowhere: not in"),
+    ("dataset: no_file\n", "dataset no_file: its entry has no file_name"),
+    ("dataset: resampled\n", "dataset resampled: num_samples 100 (LLaMA-Factory resamples"),
+    ("dataset: identity\nquantization_bit: 4\n", "quantization_bit: 4 -- QLoRA (a quantized base) is not offered"),
+    ("dataset: identity\nneftune_noise_alpha: 5\n", "neftune_noise_alpha: 5 -- NEFTune noise is not offered"),
+    ("dataset: identity\noptim: sgd\n", "optim: sgd -- zerofit trains with AdamW"),
+    ("dataset: identity,glaive_toolcall_en_demo\nmix_strategy: interleave_under\n",
+     "mix_strategy: interleave_under -- zerofit concatenates"),
     ("dataset: identity\nlr_scheduler_type: polynomial\n", "lr_scheduler_type: polynomial -- zerofit offers"),
+    ("dataset: identity\nlr_scheduler_type: cosine\nlr_scheduler_kwargs: {num_cycles: 2}\n",
+     "lr_scheduler_kwargs: {'num_cycles': 2} -- zerofit's cosine schedule takes none of them"),
+    ("dataset: identity\nsave_steps: 0.1\n", "save_steps: 0.1 -- a ratio of the run's steps is not offered"),
+    ("dataset: identity\nval_size: 0.5\n", "val_size: 0.5 -- zerofit holds out less than half"),
+    ("dataset: identity\neval_dataset: identity\nval_size: 0.1\n", "val_size: 0.1 beside eval_dataset"),
+    ("eval_dataset: identity\ndo_predict: true\n", "dataset: missing -- name the training data"),
+    ("stage: pt\ndataset: c4_demo\nneat_packing: true\n", "neat_packing: true -- LLaMA-Factory refuses it"),
 ])
 def test_a_run_zerofit_cannot_do_is_refused_naming_why(tmp_path, monkeypatch, capsys, text, message):
     (tmp_path / "data").mkdir()
@@ -157,11 +215,61 @@ def test_a_run_zerofit_cannot_do_is_refused_naming_why(tmp_path, monkeypatch, ca
     assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
     out = capsys.readouterr()
     assert message in out.err
+    assert out.err.startswith("zerofit: error: lf.yaml cannot be trained as LLaMA-Factory would (")
     assert out.out == ""  # no half a config to redirect into a file
 
 
+@pytest.mark.parametrize("info, message", [
+    ("[1, 2]", "must hold a mapping of dataset names to entries, got list"),
+    ("{oops", "is not valid JSON"),
+])
+def test_a_broken_dataset_info_is_named(tmp_path, monkeypatch, capsys, info, message):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dataset_info.json").write_text(info)
+    (tmp_path / "lf.yaml").write_text("model_name_or_path: m\ndataset: identity\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_set_on_top_replaces_the_keys_it_excludes_and_its_todo(tmp_path, monkeypatch, capsys):
+    """--set train.max_steps replaced nothing ("set train.max_steps or train.epochs, not both");
+    a model.path given still printed the download to do."""
+    model = tmp_path / "base"
+    model.mkdir()
+    config, text, err = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: hub/model\ndataset: identity\n"
+                                   "warmup_ratio: 0.1\n", "--set", "train.max_steps=5", "--set", "train.warmup_steps=2",
+                                   "--set", "data.eval_examples=3", "--set", f"model.path={model}")
+    assert config["train"]["max_steps"] == 5 and "epochs" not in config["train"]
+    assert config["train"]["warmup_steps"] == 2 and "warmup_ratio" not in config["train"]
+    assert config["data"]["eval_examples"] == 3 and "eval_fraction" not in config["data"]
+    assert config["model"]["path"] == str(model)
+    assert "hf download" not in err and "hf download" not in text
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_todo(tmp_path, monkeypatch, capsys):
+    """LLaMA-Factory rendered the rows with its `qwen` template; zerofit would lay them out as
+    `role:` lines: said before training, not found in the data line after it."""
+    from zerofit.demo import build_tokenizer
+
+    model = tmp_path / "base"
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(model)
+    _, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
+                                                         f"template: qwen\n")
+    assert f"model.tokenizer: {model}'s tokenizer has no chat template" in err
+    build_tokenizer().save_pretrained(model)  # the demo tokenizer has one
+    _, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
+                                                         f"template: qwen\n")
+    assert "no chat template" not in err
+
+
 def test_a_translation_train_would_refuse_is_refused_naming_the_key(tmp_path, monkeypatch, capsys):
-    (tmp_path / "lf.yaml").write_text("model_name_or_path: m\nfinetuning_type: full\ncutoff_len: 4\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(DATASET_INFO))
+    (tmp_path / "lf.yaml").write_text("model_name_or_path: m\nfinetuning_type: full\ndataset: identity\n"
+                                      "cutoff_len: 4\n")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
     out = capsys.readouterr()
@@ -217,7 +325,7 @@ bf16: true
 save_strategy: "no"
 """)
     done = run_zerofit(["config", "--from-llamafactory", str(tmp_path / "lf.yaml"), "--set", "log.progress=false"])
-    assert done.stderr == ""  # nothing left to do before training
+    assert "before `zerofit train`" not in done.stderr  # nothing left to do
     (tmp_path / "zerofit.yaml").write_text(done.stdout)
     run_zerofit(["train", "--config", str(tmp_path / "zerofit.yaml")])
     steps = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in row]

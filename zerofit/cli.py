@@ -260,7 +260,8 @@ def cmd_config(args) -> int:
 
 def print_translation(args) -> int:
     """`zerofit config --from-llamafactory FILE [--set k=v]`: their YAML as zerofit's, checked
-    as `zerofit train` will read it."""
+    as `zerofit train` will read it; what trains otherwise than theirs, and what is left to do,
+    on stderr."""
     from zerofit import lfconfig
     from zerofit.config import parse_override, validate
     from zerofit.progress import warn
@@ -270,14 +271,16 @@ def print_translation(args) -> int:
     source = Path(args.from_llamafactory)
     translation = lfconfig.from_file(source)
     if translation.refused:
-        raise ConfigError(f"{source} trains what zerofit does not: " + "; ".join(translation.refused))
+        raise ConfigError(f"{source} cannot be trained as LLaMA-Factory would ({len(translation.refused)} "
+                          f"problem{'s' * (len(translation.refused) > 1)}):\n  " + "\n  ".join(translation.refused))
     for item in args.overrides or []:
-        key, value = parse_override(item)
-        translation.set(key, value, "--set")
+        translation.override(*parse_override(item))
     validate(translation.raw())  # a translation train would refuse is said here, naming the key
     print(lfconfig.render(translation, str(source)), end="")
-    for item in translation.todo:
-        warn(f"before `zerofit train`: {item}")
+    for item in translation.notes:
+        warn(item)
+    for key, item in translation.todo.items():
+        warn(f"before `zerofit train`: {key}: {item}")
     return 0
 
 

@@ -3,17 +3,21 @@
 Every key that has a zerofit counterpart is carried over, and where LLaMA-Factory or HF
 TrainingArguments default to something other than zerofit (the learning rate, Adam's beta2,
 a schedule decaying to 0, no eval hold-out, no packing for sft, fp32 unless bf16 is set,
-LoRA rank 8) their default is written out, so that the translated run trains as theirs
-did. The per-device batch and accumulation become train.global_batch_size, for the planner
-to split. Every other key is named with why it is left out; keys whose run zerofit cannot
-do (DPO, QLoRA, a hub dataset) are refusals. `translate` is pure (dicts in, a Translation
-out); `from_file` reads the YAML and its dataset_info.json, `render` writes zerofit's YAML.
+LoRA rank 8, the columns a dataset_info.json entry does not name left unread) their default
+is written out, so that the translated run trains as theirs did. The per-device batch and
+accumulation become train.global_batch_size, for the planner to split. Keys that change
+nothing in how zerofit trains are listed with why; keys whose value would train something
+zerofit does not (DPO, QLoRA, NEFTune, a hub dataset) are refusals. `translate` is pure
+(dicts in, a Translation out); `from_file` reads the YAML and its dataset_info.json,
+`render` writes zerofit's YAML.
 
-Sources for the defaults: LLaMA-Factory src/llamafactory/hparams (data_args.py cutoff_len
-2048, val_size 0, packing None -> on for stage pt only; finetuning_args.py lora_rank 8,
-lora_alpha None -> 2 x rank, lora_dropout 0, lora_target all), data/parser.py (dataset_info
-entries, their column and tag defaults), transformers TrainingArguments (learning_rate 5e-5,
-num_train_epochs 3, lr_scheduler_type linear, adam_beta2 0.999, save_steps 500).
+Sources: LLaMA-Factory src/llamafactory/hparams (data_args.py: cutoff_len 2048, val_size 0,
+packing None -> on for stage pt only, neat_packing turns packing on; finetuning_args.py:
+finetuning_type lora, lora_rank 8, lora_alpha None -> 2 x rank, lora_dropout 0, lora_target
+all), data/parser.py (dataset_info entries: an entry's `columns` names every column read,
+system / history / tools only when named), transformers TrainingArguments (learning_rate
+5e-5, num_train_epochs 3, lr_scheduler_type linear, adam_beta2 0.999, save_steps 500,
+per_device_train_batch_size 8, eval_steps = logging_steps, warmup_steps < 1 a ratio).
 """
 from __future__ import annotations
 
@@ -26,14 +30,16 @@ from typing import Any
 import yaml
 
 from zerofit.aliases import NO_EFFECT
-from zerofit.config import Config, ConfigError, expand_path, read_yaml
+from zerofit.config import EXPONENT_NUMBER, Config, ConfigError, expand_path, read_yaml
 
-# the ShareGPT tags LLaMA-Factory defaults to, and the OpenAI ones its dataset_info examples use:
-# the two turn layouts zerofit reads ({from, value} and {role, content})
+# a turn's (speaker, text) keys zerofit reads, and per LLaMA-Factory tag the speaker names it reads
+TURN_KEYS = {("from", "value"), ("role", "content")}
+SPEAKERS = {"user_tag": {"human", "user"}, "assistant_tag": {"gpt", "assistant"}, "system_tag": {"system"},
+            "observation_tag": {"observation", "tool"}, "function_tag": {"function_call"}}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
-OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"}
+# what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
+ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"}
 
 # their key: zerofit's, the value carried over as written
 RENAMED = {
@@ -42,39 +48,67 @@ RENAMED = {
     "max_grad_norm": "train.grad_clip",
     "adam_epsilon": "train.adam_eps",
     "seed": "train.seed",
-    "logging_steps": "log.every_steps",
     "save_total_limit": "checkpoint.keep_last",
-    "packing": "data.packing",
-    "neat_packing": "data.neat_packing",
+    "trust_remote_code": "model.trust_remote_code",
     "train_on_prompt": "data.train_on_prompt",
     "mask_history": "data.mask_history",
-    "trust_remote_code": "model.trust_remote_code",
-    "additional_target": "lora.modules_to_save",
 }
-# keys whose run zerofit does not do: translating them would train something else
+# keys that, set (true, a number, a name), train what zerofit does not: refused, with why
 REFUSED = {
-    "quantization_bit": "QLoRA (a quantized base) is not offered: drop quantization_bit for LoRA on the "
-                        "bf16 base, which ZeRO-3 offload fits in host RAM",
+    "quantization_bit": "QLoRA (a quantized base) is not offered: drop it for LoRA on the bf16 base, which ZeRO-3 "
+                        "offload fits in host RAM",
     "adapter_name_or_path": "training on top of an existing adapter is not offered: merge it into the base "
-                            "(`llamafactory-cli export`) and set that directory as model_name_or_path",
+                            "(`llamafactory-cli export`) and name that directory in model_name_or_path",
     "use_dora": "DoRA is not offered", "pissa_init": "PiSSA is not offered", "use_rslora": "rsLoRA is not offered",
-    "freeze_vision_tower": "multimodal models are not offered", "image_max_pixels": "multimodal models are not offered",
-    "pref_beta": "preference training (DPO, KTO, ORPO) is not offered",
+    "loraplus_lr_ratio": "LoRA+ is not offered", "use_galore": "GaLore is not offered",
+    "use_badam": "BAdam is not offered", "use_apollo": "APOLLO is not offered", "use_llama_pro": "LLaMA Pro is not offered",
+    "neftune_noise_alpha": "NEFTune noise is not offered",
+    "rope_scaling": "RoPE scaling is not offered: set it in the model's config.json",
+    "label_smoothing_factor": "label smoothing is not offered",
+    "resize_vocab": "resizing the vocabulary is not offered (ZeRO-3 partitions the embedding)",
+    "new_special_tokens": "new special tokens are not offered (ZeRO-3 partitions the embedding)",
+    "disable_shuffling": "zerofit always shuffles (seeded by train.seed)",
+    "interleave_probs": "zerofit concatenates the datasets (mix_strategy concat)",
+    "freeze_trainable_layers": "freeze tuning is not offered", "pure_bf16": "pure bf16 (no fp32 master weights) "
+    "is not offered: zerofit keeps fp32 master weights with bf16 training",
 }
+# keys consumed with others by the functions below
+READ_TOGETHER = {
+    "stage", "model_name_or_path", "template", "flash_attn", "disable_gradient_checkpointing",
+    "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target",
+    "dataset", "eval_dataset", "dataset_dir", "val_size", "max_samples", "packing", "neat_packing", "mix_strategy",
+    "do_train", "do_predict", "per_device_train_batch_size", "gradient_accumulation_steps", "cutoff_len",
+    "learning_rate", "max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+    "warmup_ratio", "adam_beta1", "adam_beta2", "bf16", "fp16", "optim", "save_strategy", "save_steps",
+    "eval_strategy", "evaluation_strategy", "eval_steps", "logging_steps", "report_to"}
+# keys of which one replaces the other (a --set of one drops the translation's other)
+EXCLUSIVE = {"train.max_steps": ("train.epochs",), "train.epochs": ("train.max_steps",),
+             "train.warmup_steps": ("train.warmup_ratio",), "train.warmup_ratio": ("train.warmup_steps",),
+             "data.eval_examples": ("data.eval_fraction",), "data.eval_fraction": ("data.eval_examples",),
+             "data.eval_path": ("data.eval_fraction", "data.eval_examples", "eval.at_end"),
+             "model.config": ("model.path",)}
 
 
 @dataclass
 class Translation:
-    """zerofit's config as sections of keys, each with the comment saying where it came from."""
+    """zerofit's config as dotted keys, each with the comment saying where it came from."""
     values: dict[str, Any] = field(default_factory=dict)  # dotted key -> value
     comments: dict[str, str] = field(default_factory=dict)  # dotted key -> its source
     left_out: list[str] = field(default_factory=list)  # "key: value -- why"
-    todo: list[str] = field(default_factory=list)  # what the user must still do before training
+    notes: list[str] = field(default_factory=list)  # what trains otherwise than theirs, for stderr
+    todo: dict[str, str] = field(default_factory=dict)  # zerofit key -> what to set before training
     refused: list[str] = field(default_factory=list)  # why this config cannot be trained by zerofit
 
     def set(self, key: str, value: Any, comment: str) -> None:
         self.values[key] = value
         self.comments[key] = comment
+
+    def override(self, key: str, value: Any) -> None:
+        """A --set on top: the key's value, the keys it excludes dropped, its to-do done."""
+        for other in EXCLUSIVE.get(key, ()):
+            self.values.pop(other, None)
+        self.todo.pop(key, None)
+        self.set(key, value, "--set")
 
     def raw(self) -> dict:
         """The values as the nested dict config.validate takes."""
@@ -88,12 +122,15 @@ class Translation:
         return out
 
 
-def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_dir: bool) -> Translation:
+def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_dir: bool,
+              has_chat_template: bool | None = None) -> Translation:
     """`lf`, a LLaMA-Factory training YAML; `dataset_info` its dataset_dir's dataset_info.json
-    (None when there is none); `model_is_dir`: whether model_name_or_path is a local directory."""
+    (None when there is none); `model_is_dir`: whether model_name_or_path is a local directory;
+    `has_chat_template`: whether its tokenizer has a chat template (None: unknown)."""
+    lf = as_omegaconf_reads(lf)
     out = Translation()
     stage = _stage(lf, out)
-    _model(lf, out, model_is_dir)
+    _model(lf, out, model_is_dir, has_chat_template, stage)
     _method(lf, out)
     _data(lf, out, stage, dataset_info, dataset_dir)
     _batch_and_schedule(lf, out)
@@ -102,23 +139,29 @@ def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_di
         if key in RENAMED:
             out.set(RENAMED[key], value, key)
         elif key in REFUSED:
-            out.refused.append(f"{key}: {REFUSED[key]}")
+            if value:  # false, 0 or an empty list: their default, nothing to refuse
+                out.refused.append(f"{key}: {_shown(value)} -- {REFUSED[key]}")
         elif key in NO_EFFECT:
             out.left_out.append(f"{key}: {_shown(value)} -- {NO_EFFECT[key]}")
         elif key not in READ_TOGETHER:
-            out.left_out.append(f"{key}: {_shown(value)} -- zerofit has no counterpart")
+            out.left_out.append(f"{key}: {_shown(value)} -- not read: zerofit has no such setting")
     return out
 
 
-# keys the functions above read, some of them together with others
-READ_TOGETHER = {
-    "stage", "model_name_or_path", "template", "flash_attn", "disable_gradient_checkpointing",
-    "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target",
-    "dataset", "eval_dataset", "dataset_dir", "val_size", "max_samples",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "cutoff_len", "learning_rate", "max_steps",
-    "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
-    "adam_beta1", "adam_beta2", "bf16", "fp16",
-    "save_strategy", "save_steps", "eval_strategy", "evaluation_strategy", "eval_steps", "report_to"}
+def as_omegaconf_reads(lf: dict) -> dict:
+    """The YAML's values as LLaMA-Factory reads them (OmegaConf): 1e-5 a number, not PyYAML's
+    string; a null is the default, as if the key were not there; lr_scheduler_kwargs may be
+    JSON text (HF's dict fields are)."""
+    out = {key: float(value) if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()) else value
+           for key, value in lf.items() if value is not None}
+    kwargs = out.get("lr_scheduler_kwargs")
+    if isinstance(kwargs, str):
+        try:
+            out["lr_scheduler_kwargs"] = json.loads(kwargs) if kwargs.strip() else {}
+        except ValueError:
+            raise ConfigError(f"lr_scheduler_kwargs {kwargs!r} is neither a mapping nor JSON text; write e.g. "
+                              f"{{min_lr_rate: 0.1}}") from None
+    return out
 
 
 def _source(lf: dict, key: str, default_from: str) -> str:
@@ -127,7 +170,7 @@ def _source(lf: dict, key: str, default_from: str) -> str:
 
 
 def _shown(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _stage(lf: dict, out: Translation) -> str:
@@ -135,18 +178,21 @@ def _stage(lf: dict, out: Translation) -> str:
     if stage not in ("sft", "pt"):
         out.refused.append(f"stage: {stage} -- zerofit trains sft (instruction and chat data) and pt (plain text); "
                            f"reward models, PPO, DPO and KTO are not offered")
+    if lf.get("do_predict") or lf.get("do_train") is False:
+        out.refused.append("do_predict / do_train: false -- a prediction run, not a training one: `zerofit chat` and "
+                           "`zerofit generate` answer prompts from an exported model")
     return stage
 
 
-def _model(lf: dict, out: Translation, model_is_dir: bool) -> None:
+def _model(lf: dict, out: Translation, model_is_dir: bool, has_chat_template: bool | None, stage: str) -> None:
     name = lf.get("model_name_or_path")
     if name is None:
-        out.todo.append("model.path: the config names no model_name_or_path; set the local model directory")
+        out.refused.append("model_name_or_path: missing -- name the local model directory")
         return
     out.set("model.path", name, "model_name_or_path")
     if not model_is_dir:
-        out.todo.append(f"model.path: {name} is not a directory here and nothing downloads at run time: download "
-                        f"it once (`hf download {name} --local-dir DIR`) and set model.path to DIR")
+        out.todo["model.path"] = (f"{name} is not a directory here and nothing downloads at run time: download it "
+                                  f"once (`hf download {name} --local-dir DIR`) and set model.path to DIR")
     attention = lf.get("flash_attn", "auto")
     if attention == "disabled":
         out.set("model.attn_implementation", "eager", "flash_attn: disabled")
@@ -156,12 +202,16 @@ def _model(lf: dict, out: Translation, model_is_dir: bool) -> None:
     if lf.get("disable_gradient_checkpointing"):
         out.set("model.gradient_checkpointing", False, "disable_gradient_checkpointing: true")
     template = lf.get("template")
-    if template == "alpaca":
-        out.set("data.alpaca_template", "alpaca", "template: alpaca")
-    elif template is not None:
-        out.left_out.append(f"template: {template} -- conversations are rendered by the tokenizer's own chat template "
-                            f"(model.path's tokenizer_config.json or chat_template.jinja), which a chat model "
-                            f"ships; `zerofit chat` renders the same one")
+    if template is None or stage == "pt":
+        return
+    out.left_out.append(f"template: {template} -- zerofit renders conversations and alpaca rows with the tokenizer's "
+                        f"own chat template (model.path's, or model.tokenizer's chat_template.jinja), which for a "
+                        f"chat model is what LLaMA-Factory's template of it writes")
+    if has_chat_template is False:
+        out.todo["model.tokenizer"] = (
+            f"{name}'s tokenizer has no chat template, so zerofit would lay conversations out as `role:` lines and "
+            f"alpaca rows as Stanford's `### Instruction:` layout, not LLaMA-Factory's `{template}` template: set "
+            f"model.tokenizer to a directory holding the tokenizer and that template as chat_template.jinja")
 
 
 def _method(lf: dict, out: Translation) -> None:
@@ -174,17 +224,17 @@ def _method(lf: dict, out: Translation) -> None:
     rank = lf.get("lora_rank", 8)
     out.set("lora.enabled", True, _source(lf, "finetuning_type", "LLaMA-Factory's default (lora)"))
     out.set("lora.r", rank, _source(lf, "lora_rank", "LLaMA-Factory's default"))
-    alpha = lf.get("lora_alpha")  # LLaMA-Factory: None means 2 x lora_rank
-    out.set("lora.alpha", alpha if alpha is not None else 2 * rank,
-            "lora_alpha" if alpha is not None else "LLaMA-Factory's default lora_alpha, 2 x lora_rank")
+    alpha = lf.get("lora_alpha")  # LLaMA-Factory: `lora_alpha or lora_rank * 2`
+    out.set("lora.alpha", alpha or 2 * rank, "lora_alpha" if alpha else "LLaMA-Factory's default lora_alpha, 2 x lora_rank")
     out.set("lora.dropout", lf.get("lora_dropout", 0.0), _source(lf, "lora_dropout", "LLaMA-Factory's default"))
     target = lf.get("lora_target", "all")
-    out.set("lora.target_modules", [t.strip() for t in target.split(",")] if isinstance(target, str) else target,
-            _source(lf, "lora_target", "LLaMA-Factory's default (all)"))
+    out.set("lora.target_modules", _names(target), _source(lf, "lora_target", "LLaMA-Factory's default (all)"))
+    if lf.get("additional_target"):
+        out.set("lora.modules_to_save", _names(lf["additional_target"]), "additional_target")
 
 
 def _names(value: Any) -> list[str]:
-    """LLaMA-Factory's `dataset: a,b` or a YAML list."""
+    """LLaMA-Factory's comma-separated names (`dataset: a,b`, `lora_target: q_proj,v_proj`) or a YAML list."""
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
     return [str(name) for name in value or []]
@@ -193,12 +243,12 @@ def _names(value: Any) -> list[str]:
 def _data(lf: dict, out: Translation, stage: str, dataset_info: dict | None, dataset_dir: str) -> None:
     if stage == "pt":
         out.set("data.format", "text", "stage: pt")
+    if not _names(lf.get("dataset")):
+        out.refused.append("dataset: missing -- name the training data (dataset_info.json entries)")
     entries = {}
     for key, zerofit_key in (("dataset", "data.path"), ("eval_dataset", "data.eval_path")):
         names = _names(lf.get(key))
-        if not names:
-            continue
-        if dataset_info is None:
+        if names and dataset_info is None:
             out.refused.append(f"{key}: {', '.join(names)} -- no dataset_info.json in {dataset_dir} (dataset_dir, read "
                                f"from the directory zerofit runs in, as LLaMA-Factory does): run from "
                                f"LLaMA-Factory's directory, or set dataset_dir")
@@ -211,15 +261,17 @@ def _data(lf: dict, out: Translation, stage: str, dataset_info: dict | None, dat
                 entries[name] = entry
         if paths:
             out.set(zerofit_key, paths if len(paths) > 1 else paths[0], f"{key} in {dataset_dir}/dataset_info.json")
-    if entries and stage == "sft":
-        _formats(entries, out)
-    if "dataset" not in lf:
-        out.todo.append("data.path: the config names no dataset; set the data files")
-    _hold_out(lf, out)
-    if stage == "sft" and "packing" not in lf:
-        out.set("data.packing", False, "LLaMA-Factory packs sft data only when packing: true")
+        if key == "eval_dataset" and len(names) > 1:
+            out.notes.append(f"eval_dataset {', '.join(names)} are evaluated as one eval set (LLaMA-Factory "
+                             f"reports each)")
+    if entries:
+        (_pretraining_columns if stage == "pt" else _formats)(entries, out)
+    if lf.get("mix_strategy", "concat") != "concat":
+        out.refused.append(f"mix_strategy: {lf['mix_strategy']} -- zerofit concatenates the datasets (concat)")
     if "max_samples" in lf:
         out.set("data.max_samples", lf["max_samples"], "max_samples")
+    _packing(lf, out, stage)
+    _hold_out(lf, out)
 
 
 def _entry(name: str, dataset_info: dict, dataset_dir: str, out: Translation) -> dict | None:
@@ -228,105 +280,152 @@ def _entry(name: str, dataset_info: dict, dataset_dir: str, out: Translation) ->
     if not isinstance(entry, dict):
         out.refused.append(f"dataset {name}: not in {dataset_dir}/dataset_info.json")
         return None
-    if "file_name" not in entry:
-        hub = next((entry[k] for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url") if k in entry), name)
+    hub = next((entry[k] for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url") if k in entry), None)
+    if hub is not None:
         out.refused.append(f"dataset {name}: a hub dataset ({hub}) and nothing downloads at run time: download it "
-                           f"once, then point a dataset_info.json entry's file_name (or data.path) at the files")
+                           f"once (`hf download {hub} --repo-type dataset --local-dir DIR`), then name the files "
+                           f"in its entry's file_name (or in data.path)")
+        return None
+    if not isinstance(entry.get("file_name"), str):
+        out.refused.append(f"dataset {name}: its entry has no file_name (a file or directory under dataset_dir)")
         return None
     if entry["file_name"].endswith((".csv", ".txt", ".arrow")):
         out.refused.append(f"dataset {name}: {entry['file_name']} -- zerofit reads .json, .jsonl and .parquet files "
-                           f"(and directories of them): convert it")
+                           f"(and directories of them): convert it (`datasets.load_dataset(...).to_json(FILE)`)")
         return None
-    if entry.get("ranking") or {"chosen", "rejected", "kto_tag"} & set(entry.get("columns", {})):
+    columns = entry.get("columns", {})
+    if entry.get("ranking") or {"chosen", "rejected", "kto_tag"} & set(columns):
         out.refused.append(f"dataset {name}: preference data (ranking, chosen/rejected) is for DPO and reward "
                            f"models, which zerofit does not train")
         return None
-    if {"images", "videos", "audios"} & set(entry.get("columns", {})):
+    if {"images", "videos", "audios"} & set(columns):
         out.refused.append(f"dataset {name}: images, videos and audio are not offered (text models only)")
         return None
-    for key in ("subset", "split", "folder", "num_samples"):
-        if key in entry and not (key == "split" and entry[key] == "train"):
-            out.left_out.append(f"dataset {name}: {key}: {entry[key]} -- not offered: every row of its files is read")
+    if entry.get("num_samples"):
+        out.refused.append(f"dataset {name}: num_samples {entry['num_samples']} (LLaMA-Factory resamples the "
+                           f"dataset to that size) is not offered: drop it, or set max_samples for the first rows")
     return entry
 
 
+def _pretraining_columns(entries: dict[str, dict], out: Translation) -> None:
+    """Stage pt reads each entry's `prompt` column (dataset_info's {prompt: text} in its demos)."""
+    named = {entry.get("columns", {}).get("prompt", "text") for entry in entries.values()}
+    if len(named) > 1:
+        out.refused.append(f"datasets {', '.join(entries)}: their text is in columns {', '.join(sorted(named))}; "
+                           f"data.columns maps one name per field: rename the files' columns to one")
+    elif named != {"text"}:
+        out.set("data.columns", {"text": named.pop()}, "columns.prompt in dataset_info.json (stage pt's text)")
+
+
 def _formats(entries: dict[str, dict], out: Translation) -> None:
-    """data.format and data.columns from the entries' formatting, columns and tags."""
+    """data.format and data.columns from the entries' formatting, columns and tags: what each
+    entry names read from its column, the optional fields it does not name left unread."""
     formats, columns = set(), {}
     for name, entry in entries.items():
         formatting = entry.get("formatting", "alpaca")
         tags = {**SHAREGPT_TAGS, **entry.get("tags", {})}
-        if formatting == "sharegpt" and not any(_same_turns(tags, known) for known in (SHAREGPT_TAGS, OPENAI_TAGS)):
-            out.refused.append(f"dataset {name}: tags {entry['tags']} -- zerofit reads turns as {{from, value}} "
-                               f"(human, gpt, observation, function_call) or {{role, content}} (OpenAI's roles): "
-                               f"rename the file's tags")
+        if formatting == "sharegpt" and not _readable_turns(tags):
+            out.refused.append(f"dataset {name}: tags {entry['tags']} -- zerofit reads turns as {{from, value}} or "
+                               f"{{role, content}}, speakers human/user, gpt/assistant, system, observation/tool and "
+                               f"function_call: rename the file's")
             continue
-        openai = formatting == "sharegpt" and tags["role_tag"] == "role"
-        formats.add("messages" if openai else formatting)
-        for column, file_column in entry.get("columns", {}).items():
-            if columns.setdefault(column, file_column) != file_column:
-                out.refused.append(f"dataset {name}: its {column} column is {file_column}, another dataset's "
-                                   f"{columns[column]}: data.columns maps one name per field; rename one file's")
-    if len(formats) == 1:
-        out.set("data.format", formats.pop(), "formatting in dataset_info.json")
-    columns = {key: value for key, value in columns.items() if key != value}
-    if columns:
-        out.set("data.columns", columns, "columns in dataset_info.json")
+        formats.add("messages" if formatting == "sharegpt" and tags["role_tag"] == "role" else formatting)
+        for key, column in _read_columns(formatting, entry.get("columns")).items():
+            known = columns.setdefault(key, column)
+            if column is not None and known is not None and known != column:
+                out.refused.append(f"dataset {name}: its {key} column is {column}, another dataset's "
+                                   f"{known}: data.columns maps one name per field; rename one file's")
+            elif known is None and column is not None or column is None and known is not None:
+                columns[key] = known or column  # read where one entry names it
+                out.notes.append(f"dataset {name}: its {key} is read from a {known or column} column where a "
+                                 f"file has one (another dataset's entry names it; LLaMA-Factory reads it only "
+                                 f"for that one)")
+    fmt = formats.pop() if len(formats) == 1 else "auto"
+    if fmt != "auto":
+        out.set("data.format", fmt, "formatting in dataset_info.json")
+    # a column under the field's own name needs no mapping (zerofit's own fields: config.column_fields)
+    own = {"prompt": "instruction", "query": "input", "response": "output",
+           "messages": "messages" if fmt == "messages" else "conversations"}
+    mapped = {key: column for key, column in columns.items() if column != own.get(key, key)}
+    if mapped:
+        out.set("data.columns", mapped, "columns in dataset_info.json; null: a column it does not name, which "
+                                        "LLaMA-Factory does not read")
 
 
-def _same_turns(tags: dict, known: dict) -> bool:
-    """Whether `tags` name turns as `known` does: roles and content (the tool turns' tags
-    aside, which LLaMA-Factory's OpenAI examples leave at the ShareGPT defaults)."""
-    return all(tags[key] == known[key] for key in ("role_tag", "content_tag", "user_tag", "assistant_tag",
-                                                   "system_tag"))
+def _readable_turns(tags: dict) -> bool:
+    return (tags["role_tag"], tags["content_tag"]) in TURN_KEYS and \
+        all(tags[tag] in speakers for tag, speakers in SPEAKERS.items())
+
+
+def _read_columns(formatting: str, columns: dict | None) -> dict[str, str | None]:
+    """The columns LLaMA-Factory reads of an entry (data/parser.py, DatasetAttr): named ones;
+    else prompt, query, response (alpaca) or messages (sharegpt) under their default names, and
+    system, tools, history not at all."""
+    if formatting == "alpaca":
+        read = {"prompt": "instruction", "query": "input", "response": "output", "history": None} if columns is None \
+            else {key: columns.get(key) for key in ("prompt", "query", "response", "history")}
+    else:
+        read = {"messages": "conversations"} if columns is None else {"messages": columns.get("messages")}
+    read |= {key: (columns or {}).get(key) for key in ("system", "tools")}
+    # a required column it does not name: zerofit's default name (LLaMA-Factory's reads nothing)
+    return {key: column for key, column in read.items() if column is not None or key in ("query", "history",
+                                                                                            "system", "tools")}
+
+
+def _packing(lf: dict, out: Translation, stage: str) -> None:
+    if lf.get("neat_packing"):  # LLaMA-Factory: neat_packing sets packing
+        if stage == "pt":
+            out.refused.append("neat_packing: true -- LLaMA-Factory refuses it for stage pt")
+        out.set("data.packing", True, "neat_packing: true (which packs)")
+        out.set("data.neat_packing", True, "neat_packing")
+    elif "packing" in lf:
+        out.set("data.packing", lf["packing"], "packing")
+    elif stage == "sft":
+        out.set("data.packing", False, "LLaMA-Factory packs sft data only when packing: true")
+    if lf.get("packing", stage == "pt") and "val_size" in lf:
+        out.notes.append("val_size: LLaMA-Factory holds out packed rows of packed data; zerofit holds out examples "
+                         "before packing")
 
 
 def _hold_out(lf: dict, out: Translation) -> None:
     size = lf.get("val_size", 0)
     if "eval_dataset" in lf:
+        if size:  # LLaMA-Factory: "Cannot specify `val_size` if `eval_dataset` is not None."
+            out.refused.append(f"val_size: {size} beside eval_dataset -- LLaMA-Factory refuses the two together: "
+                               f"drop one")
         return
     if isinstance(size, float) and 0 < size < 1:
+        if size >= 0.5:
+            out.refused.append(f"val_size: {size} -- zerofit holds out less than half of the rows (data.eval_fraction "
+                               f"< 0.5): lower it, or give eval_dataset")
         out.set("data.eval_fraction", size, "val_size")
+        out.notes.append(f"val_size {size}: LLaMA-Factory rounds the number of rows held out up, zerofit down (at "
+                         f"most one fewer; data.eval_examples holds out an exact count)")
     elif size:  # LLaMA-Factory: an integer val_size is a count of examples
         out.set("data.eval_examples", int(size), "val_size (a count)")
     else:
         out.set("data.eval_fraction", 0.0, "LLaMA-Factory's default val_size, 0: no hold-out")
+        out.set("eval.at_end", False, "no eval set (val_size 0, no eval_dataset)")
 
 
 def _batch_and_schedule(lf: dict, out: Translation) -> None:
     micro, accumulation = lf.get("per_device_train_batch_size", 8), lf.get("gradient_accumulation_steps", 1)
     out.set("train.global_batch_size", micro * accumulation,
-            f"per_device_train_batch_size {micro} x gradient_accumulation_steps {accumulation} on one GPU (x the "
-            f"GPU count under torchrun); the planner splits it")
+            f"per_device_train_batch_size {micro} x gradient_accumulation_steps {accumulation}; the planner splits it")
+    out.notes.append(f"train.global_batch_size {micro * accumulation} is one GPU's per_device_train_batch_size x "
+                     f"gradient_accumulation_steps: on N GPUs LLaMA-Factory steps on N x that, so set N x "
+                     f"{micro * accumulation} for a run under torchrun")
     out.set("train.seq_len", lf.get("cutoff_len", 2048), _source(lf, "cutoff_len", "LLaMA-Factory's default"))
     out.set("train.lr", lf.get("learning_rate", 5e-5), _source(lf, "learning_rate", "HF's default"))
     if lf.get("max_steps", -1) > 0:  # HF's -1: unset; steps win over epochs
         out.set("train.max_steps", lf["max_steps"], "max_steps")
     else:
         out.set("train.epochs", lf.get("num_train_epochs", 3.0), _source(lf, "num_train_epochs", "HF's default"))
-    if lf.get("warmup_steps", 0) > 0:  # HF: warmup_steps wins over warmup_ratio
-        out.set("train.warmup_steps", lf["warmup_steps"], "warmup_steps")
-    elif lf.get("warmup_ratio", 0) > 0:
-        out.set("train.warmup_ratio", lf["warmup_ratio"], "warmup_ratio")
-    schedule = lf.get("lr_scheduler_type", "linear")
-    where = "lr_scheduler_type" if "lr_scheduler_type" in lf else "HF's default lr_scheduler_type, linear"
-    if schedule in ("linear", "cosine"):
-        out.set("train.lr_schedule", schedule, where)
-        out.set("train.min_lr_ratio", 0.0, "HF's schedules decay to 0")
-    elif schedule == "cosine_with_min_lr":
-        kwargs = lf.get("lr_scheduler_kwargs") or {}
-        out.set("train.lr_schedule", "cosine", where)
-        if "min_lr_rate" in kwargs:
-            out.set("train.min_lr_ratio", kwargs["min_lr_rate"], "lr_scheduler_kwargs.min_lr_rate")
-        else:
-            out.refused.append("lr_scheduler_kwargs: cosine_with_min_lr needs min_lr_rate (a min_lr in absolute "
-                               "terms is not offered: divide it by learning_rate)")
-    elif schedule in ("constant", "constant_with_warmup"):
-        out.set("train.lr_schedule", "constant", where)
-        if schedule == "constant":
-            out.set("train.warmup_steps", 0, "HF's constant schedule has no warmup")
-    else:
-        out.refused.append(f"lr_scheduler_type: {schedule} -- zerofit offers linear, cosine and constant")
+    _schedule(lf, out)
+    optimizer = lf.get("optim", "adamw_torch")
+    if optimizer not in ADAMW:
+        out.refused.append(f"optim: {optimizer} -- zerofit trains with AdamW (DeepSpeed's CPU Adam when the optimizer "
+                           f"is offloaded, fused Adam on the GPU)")
     out.set("train.adam_betas", [lf.get("adam_beta1", 0.9), lf.get("adam_beta2", 0.999)],
             "adam_beta1, adam_beta2 (HF's defaults 0.9, 0.999 where unset)")
     precision = "bf16" if lf.get("bf16") else "fp16" if lf.get("fp16") else "fp32"
@@ -334,22 +433,65 @@ def _batch_and_schedule(lf: dict, out: Translation) -> None:
             "neither bf16 nor fp16 is set: LLaMA-Factory trains in fp32 (bf16 halves the GPU's share)")
 
 
+def _schedule(lf: dict, out: Translation) -> None:
+    schedule, kwargs = lf.get("lr_scheduler_type", "linear"), dict(lf.get("lr_scheduler_kwargs") or {})
+    where = "lr_scheduler_type" if "lr_scheduler_type" in lf else "HF's default lr_scheduler_type, linear"
+    if schedule in ("linear", "cosine", "cosine_with_min_lr"):
+        out.set("train.lr_schedule", "cosine" if schedule != "linear" else "linear", where)
+        if schedule != "cosine_with_min_lr":
+            out.set("train.min_lr_ratio", 0.0, "HF's schedules decay to 0")
+        elif "min_lr_rate" in kwargs:
+            out.set("train.min_lr_ratio", kwargs.pop("min_lr_rate"), "lr_scheduler_kwargs.min_lr_rate")
+        else:
+            out.refused.append("lr_scheduler_kwargs: cosine_with_min_lr needs min_lr_rate (a min_lr in absolute "
+                               "terms is not offered: divide it by learning_rate)")
+            kwargs.pop("min_lr", None)
+        if schedule != "linear" and kwargs.get("num_cycles", 0.5) == 0.5:  # half a cosine: zerofit's
+            kwargs.pop("num_cycles", None)
+    elif schedule in ("constant", "constant_with_warmup"):
+        out.set("train.lr_schedule", "constant", where)
+    else:
+        out.refused.append(f"lr_scheduler_type: {schedule} -- zerofit offers linear, cosine and constant")
+    if kwargs:
+        out.refused.append(f"lr_scheduler_kwargs: {kwargs} -- zerofit's {schedule} schedule takes none of them")
+    warmup_steps, warmup_ratio = lf.get("warmup_steps", 0), lf.get("warmup_ratio", 0)
+    if warmup_steps and 0 < warmup_steps < 1:  # transformers 5 reads a warmup_steps below 1 as a ratio
+        warmup_steps, warmup_ratio = 0, warmup_steps
+    if schedule == "constant":
+        if warmup_steps or warmup_ratio:
+            out.left_out.append("warmup: HF's constant schedule has none (constant_with_warmup warms up)")
+    elif warmup_steps > 0:  # HF: warmup_steps wins over warmup_ratio
+        out.set("train.warmup_steps", int(warmup_steps), "warmup_steps")
+    elif warmup_ratio > 0:
+        out.set("train.warmup_ratio", warmup_ratio, "warmup_ratio" if "warmup_ratio" in lf else
+                "warmup_steps below 1, a ratio")
+
+
 def _logging_and_saving(lf: dict, out: Translation) -> None:
+    for key in ("logging_steps", "save_steps", "eval_steps"):
+        if 0 < lf.get(key, 1) < 1:
+            out.refused.append(f"{key}: {lf[key]} -- a ratio of the run's steps is not offered: write a step count")
+    if "logging_steps" in lf:
+        out.set("log.every_steps", int(lf["logging_steps"]), "logging_steps")
     save = lf.get("save_strategy", "steps")
     if save == "no":
         out.set("checkpoint.every_steps", 0, "save_strategy: no")
-    elif save != "steps":
-        out.left_out.append(f"save_strategy: {save} -- checkpoints are taken every checkpoint.every_steps")
+    elif save == "steps":
+        out.set("checkpoint.every_steps", int(lf.get("save_steps", 500)), _source(lf, "save_steps", "HF's default"))
     else:
-        out.set("checkpoint.every_steps", lf.get("save_steps", 500), _source(lf, "save_steps", "HF's default"))
+        out.set("checkpoint.every_steps", 0, f"save_strategy: {save} is not offered: a checkpoint at the end "
+                                             f"(checkpoint.save_final); set a step count")
+    if "save_total_limit" not in lf and save != "no":
+        out.left_out.append("save_total_limit: unset -- HF keeps every checkpoint, zerofit the newest "
+                            "checkpoint.keep_last (2)")
     evaluate = lf.get("eval_strategy", lf.get("evaluation_strategy", "no"))
-    if evaluate == "steps" and "eval_steps" in lf:
-        out.set("eval.every_steps", lf["eval_steps"], "eval_steps")
-    elif evaluate == "steps":  # HF's eval_steps defaults to logging_steps
-        out.set("eval.every_steps", lf.get("logging_steps", 500), "eval_strategy: steps, at HF's default eval_steps "
-                "(logging_steps)")
+    if evaluate == "steps":  # HF's eval_steps defaults to logging_steps
+        out.set("eval.every_steps", int(lf.get("eval_steps", lf.get("logging_steps", 500))),
+                "eval_steps" if "eval_steps" in lf else "eval_strategy: steps, at HF's default eval_steps "
+                                                        "(logging_steps)")
     elif evaluate != "no":
-        out.left_out.append(f"eval_strategy: {evaluate} -- eval runs every eval.every_steps and at the end")
+        out.left_out.append(f"eval_strategy: {evaluate} -- not offered: eval runs every eval.every_steps and at the "
+                            f"end (eval.at_end)")
     reports = lf.get("report_to", [])
     reports = [reports] if isinstance(reports, str) else reports
     if "tensorboard" in reports or "all" in reports:
@@ -363,26 +505,44 @@ def _logging_and_saving(lf: dict, out: Translation) -> None:
 # ---------------------------------------------------------------------------- reading and writing
 def from_file(path: Path) -> Translation:
     """The LLaMA-Factory YAML at `path` translated; its dataset_dir (default `data`) is read from
-    the directory zerofit runs in, as llamafactory-cli reads it."""
+    the directory zerofit runs in, as llamafactory-cli reads it, and the data paths written
+    absolute, so the translation runs from anywhere."""
     lf = read_yaml(path)
-    dataset_dir = str(lf.get("dataset_dir", "data"))
-    info_path = Path(expand_path(dataset_dir)) / "dataset_info.json"
-    dataset_info = None
-    if info_path.is_file():
-        try:
-            dataset_info = json.loads(info_path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{info_path} is not valid JSON ({e}); fix it, or set dataset_dir to another "
-                              f"directory") from None
+    dataset_dir = os.path.abspath(expand_path(str(lf.get("dataset_dir") or "data")))
+    dataset_info = _dataset_info(Path(dataset_dir) / "dataset_info.json")
     model = lf.get("model_name_or_path")
-    translation = translate(lf, dataset_info, dataset_dir, model_is_dir=bool(model) and Path(expand_path(model)).is_dir())
+    model_dir = Path(expand_path(str(model))) if model else None
+    is_dir = model_dir is not None and model_dir.is_dir()
+    translation = translate(lf, dataset_info, dataset_dir, is_dir, has_chat_template(model_dir) if is_dir else None)
     for key in ("data.path", "data.eval_path"):
         paths = translation.values.get(key, [])
-        missing = [p for p in ([paths] if isinstance(paths, str) else paths) if not Path(expand_path(p)).exists()]
+        missing = [p for p in ([paths] if isinstance(paths, str) else paths) if not Path(p).exists()]
         if missing:
-            translation.todo.append(f"{key}: {', '.join(missing)} not found here (paths are read from the directory "
-                                    f"zerofit runs in): run from LLaMA-Factory's directory, or set {key}")
+            translation.todo[key] = f"{', '.join(missing)} not found: fix the entries' file_name, or set {key}"
     return translation
+
+
+def _dataset_info(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); fix it, or set dataset_dir to another directory") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{path} must hold a mapping of dataset names to entries, got {type(info).__name__}")
+    return info
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the tokenizer saved in `model_dir` has a chat template (transformers keeps it in
+    chat_template.jinja, chat_template.json or tokenizer_config.json's chat_template)."""
+    if (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def render(translation: Translation, source: str) -> str:
@@ -390,10 +550,10 @@ def render(translation: Translation, source: str) -> str:
     lines = [f"# zerofit config translated from the LLaMA-Factory config {source}",
              "# (`zerofit config --from-llamafactory`). Where LLaMA-Factory or HF default otherwise than",
              "# zerofit, their default is written out, so this run trains as theirs did."]
-    if translation.left_out:
-        lines += ["#", "# left out:"] + [f"#   {item}" for item in translation.left_out]
-    if translation.todo:
-        lines += ["#", "# to do before `zerofit train`:"] + [f"#   {item}" for item in translation.todo]
+    for title, items in (("left out", translation.left_out), ("trains otherwise than theirs", translation.notes),
+                         ("to do before `zerofit train`", [f"{k}: {v}" for k, v in translation.todo.items()])):
+        if items:
+            lines += ["#", f"# {title}:"] + [f"#   {item}" for item in items]
     sections: dict[str, list[str]] = {}
     for key, value in translation.values.items():
         section, _, name = key.rpartition(".")
