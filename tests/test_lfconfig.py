@@ -121,6 +121,7 @@ def test_llamafactorys_full_sft_example_trains_as_theirs(tmp_path, monkeypatch, 
     assert "hf download meta-llama/Meta-Llama-3-8B-Instruct --local-dir DIR" in err
     assert f"{data_dir / 'identity.json'}, {data_dir / 'alpaca_en_demo.json'} not found" in err
     assert "on N GPUs LLaMA-Factory steps on N x that, so set N x 2 for a run under torchrun" in err
+    assert "zerofit's warmup is one step ahead" in err
 
 
 def test_their_defaults_are_written_where_zerofits_differ(tmp_path, monkeypatch, capsys):

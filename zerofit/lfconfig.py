@@ -465,6 +465,9 @@ def _schedule(lf: dict, out: Translation) -> None:
     elif warmup_ratio > 0:
         out.set("train.warmup_ratio", warmup_ratio, "warmup_ratio" if "warmup_ratio" in lf else
                 "warmup_steps below 1, a ratio")
+    if schedule != "constant" and (warmup_steps > 0 or warmup_ratio > 0):
+        out.notes.append("warmup: zerofit's first step runs at lr / warmup steps, HF's at 0 (zerofit's warmup is one "
+                         "step ahead: no step is spent at a learning rate of 0)")
 
 
 def _logging_and_saving(lf: dict, out: Translation) -> None:
