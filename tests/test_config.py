@@ -250,15 +250,26 @@ def test_eval_examples_is_one_way_to_the_eval_set(tmp_path):
         validate(raw)
 
 
-def test_a_resume_from_before_max_samples_and_eval_examples_sees_no_change_unless_set(tmp_path):
-    """Both keys' default (None) is what a zerofit without them did: a checkpoint written before
-    them resumes without a warning, and setting one is named."""
+def test_a_resume_from_before_this_sessions_data_keys_sees_no_change_unless_set(tmp_path):
+    """The keys' defaults are what a zerofit without them did: a checkpoint written before them
+    resumes without a warning, and setting one is named."""
     older = validate(tiny_config(tmp_path)).fingerprinted()
-    for key in ("max_samples", "eval_examples"):
+    for key in ("max_samples", "eval_examples", "train_on_prompt", "mask_history"):
         del older["data"][key]
     assert changed_settings(older, validate(tiny_config(tmp_path)).fingerprinted()) == []
-    now = validate(tiny_config(tmp_path, data={"max_samples": 1000, "eval_examples": 20})).fingerprinted()
-    assert changed_settings(older, now) == ["data.eval_examples (unset) -> 20", "data.max_samples (unset) -> 1000"]
+    now = validate(tiny_config(tmp_path, data={"max_samples": 1000, "eval_examples": 20,
+                                               "mask_history": True})).fingerprinted()
+    assert changed_settings(older, now) == ["data.eval_examples (unset) -> 20", "data.mask_history false -> true",
+                                            "data.max_samples (unset) -> 1000"]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"mask_history": True, "train_on_prompt": True}, "LLaMA-Factory refuses the two together"),
+    ({"mask_history": True, "truncation": "head"}, "which a head cut drops first: set data.truncation: balanced"),
+])
+def test_ways_to_learn_that_contradict_are_refused(tmp_path, data, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(tmp_path, data=data))
 
 
 def test_train_help_lists_config_keys(capsys):

@@ -1079,7 +1079,6 @@ def test_mask_history_keeps_the_last_turns_first_and_learns_the_last_answer():
     assert rowlayout.relabelled(whole, False, False) is whole
     assert rowlayout.relabelled(whole, False, True)[0][1] == [IGNORE] * 9 + [9, 10, 11]
     assert rowlayout.relabelled(whole, True, False)[0][1] == ids
-    assert rowlayout.relabelled(whole, True, True)[0][1] == [0, 1, 2, 3, IGNORE, IGNORE, 6, 7, 8, 9, 10, 11]
     text = [([7, 8, 9], [7, 8, 9])]
     assert rowlayout.relabelled(text, True, True) == text  # a text row learns every token either way
 
@@ -1145,3 +1144,28 @@ def test_the_data_line_names_a_column_left_out_for_the_one_data_columns_names(tm
     train.report_data(train_set, eval_set, config, tokenizer)
     assert f"not read: {path}: its system column (persona is read as system, data.columns)" in \
         capsys.readouterr().err.replace("\n", " ")
+
+
+def test_a_null_field_does_not_drop_the_column_another_key_reads(tmp_path, tokenizer):
+    """{prompt: input, query: null} (LLaMA-Factory's entry naming its prompt column `input`):
+    the null dropped the `input` column the prompt was to be read from."""
+    rows = [{"input": "add 2 and 2", "output": "4"}, {"input": "add 3 and 3", "output": "6"}]
+    config = DataConfig(path="x", columns={"prompt": "input", "query": None})
+    for file in (write_jsonl(tmp_path / "a.jsonl", rows),
+                 write_jsonl(tmp_path / "b.jsonl", [*rows, '{"input": "x", "output": 7}'])):  # line by line: JsonRows
+        read = tokenizing.read_examples([file], config.model_copy(update={"skip_bad_rows": True}), tokenizer)
+        assert read.examples[:2] == [tokenizing.tokenize_row({"instruction": r["input"], "output": r["output"]},
+                                                             "alpaca", tokenizer) for r in rows]
+
+
+def test_the_eval_split_learns_what_the_training_split_learns(tmp_path, tokenizer):
+    """data.mask_history on the held-out rows too: an eval loss over the answers training learns."""
+    turns = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "alpha beta"},
+             {"role": "user", "content": "second question"}, {"role": "assistant", "content": "gamma delta"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": turns}] * 20)
+    config = DataConfig(path=str(path), eval_examples=4, packing=False, mask_history=True)
+    train, held = data.load_splits(config, tokenizer, 256, seed=0, vocab_size=len(tokenizer))
+    assert len(held) == 4
+    for split in (train, held):
+        learned = tokenizer.decode(split.input_ids[0][split.labels[0] != IGNORE])
+        assert "gamma delta" in learned and "alpha" not in learned

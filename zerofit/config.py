@@ -185,9 +185,10 @@ class DataConfig(Section):
     not read, its column in any file left out, as LLaMA-Factory leaves out a column its
     dataset_info.json entry does not name."""
     eval_path: str | list[str] | None = None
-    """Held-out data file(s) or directories. Default: `eval_fraction` of the training rows."""
+    """Held-out data file(s) or directories. Default: `eval_fraction` (or `eval_examples`) of the
+    training rows."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)
-    """Fraction of training rows held out for eval when no eval_path is given."""
+    """Fraction of training rows held out for eval when neither eval_path nor eval_examples is given."""
     eval_examples: int | None = Field(None, ge=1)
     """Hold out exactly this many training rows for eval (seeded, as eval_fraction's are
     chosen), instead of eval_fraction (LLaMA-Factory's val_size given as an integer). Not with
@@ -257,6 +258,17 @@ class DataConfig(Section):
         if self.eval_examples is not None and self.eval_fraction != type(self).model_fields["eval_fraction"].default:
             raise ValueError(f"data.eval_examples {self.eval_examples} and data.eval_fraction {self.eval_fraction} "
                              f"both say how many rows to hold out: drop data.eval_fraction (a count replaces it)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_learn(self) -> "DataConfig":
+        if self.mask_history and self.train_on_prompt:  # LLaMA-Factory's data_args.py refuses the two as well
+            raise ValueError("data.mask_history learns only the last answer, data.train_on_prompt every prompt as "
+                             "well: LLaMA-Factory refuses the two together; drop one")
+        if self.mask_history and self.truncation == "head":
+            raise ValueError("data.mask_history learns the last answer, which a head cut drops first: set "
+                             "data.truncation: balanced (which keeps the last turns first under mask_history, as "
+                             "LLaMA-Factory does)")
         return self
 
     @model_validator(mode="after")
@@ -598,7 +610,7 @@ class Config(Section):
 
 
 # What an older zerofit did for a key it did not have yet, where the key's default now differs
-BEFORE_THE_KEY = {"data.truncation": "head"}
+BEFORE_THE_KEY = {"data.truncation": "head", "data.train_on_prompt": False, "data.mask_history": False}
 
 
 def changed_settings(before: dict, after: dict, prefix: str = "") -> list[str]:

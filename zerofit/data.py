@@ -1,7 +1,8 @@
 """Local files -> tokenized, loss-masked, packed (or padded) sequences -> per-rank batches.
 
 The stages: datafiles (files -> rows, through HF `datasets`), tokenizing (rows -> examples,
-prompts masked so only answers are learned), rowlayout (examples -> seq_len rows); here the
+prompts masked so only answers are learned), rowlayout (examples cut to seq_len, relabelled
+where data.train_on_prompt / mask_history learn other tokens, laid out in rows); here the
 train/eval split, the Sequences they make, and the batches. The batch order is a pure
 function of (seed, position): a resumed run continues the very same stream, on any number
 of ranks.
@@ -85,7 +86,8 @@ class Sequences:
 def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipped: int = 0,
                  reasons: list[str] = (), formats: tuple[str, ...] = (), keep_tail: bool = False,
                  capped: bool = False, unread: list[str] = ()) -> Sequences:
-    """Packed or padded rows of the examples (packing_layout). Concatenating drops the tail that
+    """Packed or padded rows of the examples (packing_layout), cut to seq_len and relabelled
+    (rowlayout.truncated, relabelled) first. Concatenating drops the tail that
     does not fill a row, unless `keep_tail` (an eval set: a small one would otherwise vanish),
     which pads it. `capped`: data.max_samples cut the rows they were read from; `unread`: the
     columns left out of them."""

@@ -131,10 +131,12 @@ def with_columns(rows, columns: dict[str, str | None], file: Path, fmt: str = "a
     (config.FORMAT_FIELDS). A field held under both names is read from the column named for it;
     one mapped to None is not read: its column is dropped."""
     field_of = column_fields(fmt)
-    unread = {field_of[key] for key, column in columns.items() if column is None} & set(rows.column_names)
-    if unread:
-        rows = JsonRows([{k: v for k, v in row.items() if k not in unread} for row in rows]) \
-            if isinstance(rows, JsonRows) else rows.remove_columns(sorted(unread))
+    # a null field's own column is dropped, unless another key reads that column ({prompt: input, query: null})
+    dropped = ({field_of[key] for key, column in columns.items() if column is None} & set(rows.column_names)) - \
+        {column for column in columns.values() if column is not None}
+    if dropped:
+        rows = JsonRows([{k: v for k, v in row.items() if k not in dropped} for row in rows]) \
+            if isinstance(rows, JsonRows) else rows.remove_columns(sorted(dropped))
     columns, present = {key: column for key, column in columns.items() if column is not None}, set(rows.column_names)
     renames = {column: field_of[key] for key, column in columns.items() if column in present}
     if not renames:

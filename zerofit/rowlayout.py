@@ -1,6 +1,6 @@
-"""Examples -> rows of seq_len tokens: cut to seq_len (data.truncation), then packed whole
-(best fit), concatenated, or padded one per row (packing_layout); data.neat_packing's
-per-example positions."""
+"""Examples -> rows of seq_len tokens: cut to seq_len (data.truncation), relabelled
+(data.train_on_prompt, data.mask_history), then packed whole (best fit), concatenated, or
+padded one per row (packing_layout); data.neat_packing's per-example positions."""
 from __future__ import annotations
 
 import bisect
@@ -10,6 +10,7 @@ import numpy as np
 
 from zerofit.config import DataConfig
 from zerofit.tokenizing import IGNORE
+
 
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate examples into seq_len rows; the tail that does not fill a row is dropped."""

@@ -1,6 +1,7 @@
 """Rows -> examples: each row's token ids and labels, by its format (text, alpaca, messages,
-sharegpt). Prompt tokens get label IGNORE, so only answers are learned; conversations go
-through the tokenizer's chat template, whose layout the run then keeps for chat."""
+sharegpt). Prompt tokens get label IGNORE, so only answers are learned (rowlayout.relabelled
+learns others after the cut, which reads prompt and answer off these labels); conversations
+go through the tokenizer's chat template, whose layout the run then keeps for chat."""
 from __future__ import annotations
 
 import contextlib
@@ -417,8 +418,8 @@ class Read(NamedTuple):
 
 
 def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer) -> Read:
-    """Tokenized (input_ids, labels) per row, the rows skipped with why, and the formats read.
-    `files`: paths, or per data.path entry a list of them (datafiles.data_entries); under
+    """What the files hold (a Read): tokenized (input_ids, labels) per row, the rows skipped
+    with why, the formats read, whether max_samples cut, the columns left out. `files`: paths, or per data.path entry a list of them (datafiles.data_entries); under
     data.max_samples only each entry's first rows are read (a lone path is an entry)."""
     examples, skipped, reasons, formats, capped, unread = [], 0, [], {}, False, []
     for entry in [file if isinstance(file, list) else [file] for file in files]:

@@ -373,9 +373,9 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
-    held = f"{eval_set.examples}{first_rows(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
+    held = f"{eval_set.examples}{max_samples_note(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
         if config.data.eval_path else f"{eval_set.examples} held out ({held_out_by(config)})"
-    say(f"data: {train_set.examples} examples{first_rows(config, train_set, 'data.path')}, eval {held} -> "
+    say(f"data: {train_set.examples} examples{max_samples_note(config, train_set, 'data.path')}, eval {held} -> "
         f"{len(train_set)} train / {len(eval_set)} eval sequences, {train_set.trained_tokens} tokens learned per "
         f"epoch{learned_note(config)}, {train_set.layout_note()}"
         f"{f'; {laid_out}' if laid_out else ''}")
@@ -408,14 +408,12 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         warn(stop)
     if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
         fix = "none of data.eval_path's rows holds an answer to learn" if config.data.eval_path else \
-            f"raise data.eval_{'fraction' if config.data.eval_examples is None else 'examples'}, or set data.eval_path"
+            f"raise {held_out_by(config).split()[0]}, or set data.eval_path"
         warn(f"the eval set is empty: no eval loss will be measured ({fix})")
 
 
 def learned_note(config: Config) -> str:
     """Which tokens the data line's `tokens learned` are, where not only the answers."""
-    if config.data.train_on_prompt and config.data.mask_history:
-        return " (the prompts and each conversation's last answer: data.train_on_prompt, data.mask_history)"
     if config.data.train_on_prompt:
         return " (the prompts too: data.train_on_prompt)"
     return " (each conversation's last answer only: data.mask_history)" if config.data.mask_history else ""
@@ -428,7 +426,7 @@ def held_out_by(config: Config) -> str:
     return f"data.eval_fraction {config.data.eval_fraction}"
 
 
-def first_rows(config: Config, sequences: data.Sequences, key: str) -> str:
+def max_samples_note(config: Config, sequences: data.Sequences, key: str) -> str:
     """What data.max_samples left of `key`'s rows, for the data line; "" when it cut none."""
     return f" from the first {config.data.max_samples} rows of each {key} entry (data.max_samples)" \
         if sequences.capped else ""
