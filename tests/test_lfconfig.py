@@ -81,15 +81,29 @@ DATASET_INFO = {
 }
 
 
-def translated(tmp_path, monkeypatch, capsys, text: str, *extra: str) -> tuple[dict, str, str]:
-    """(the printed YAML as a dict, its text, stderr) of translating `text` in a LLaMA-Factory layout."""
+def lf_layout(tmp_path, monkeypatch, text: str, info=DATASET_INFO) -> None:
+    """LLaMA-Factory's directory: data/dataset_info.json (`info`, or its text), lf.yaml; run from it."""
     (tmp_path / "data").mkdir(exist_ok=True)
-    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(DATASET_INFO))
+    (tmp_path / "data" / "dataset_info.json").write_text(info if isinstance(info, str) else json.dumps(info))
     (tmp_path / "lf.yaml").write_text(text)
     monkeypatch.chdir(tmp_path)
+
+
+def translated(tmp_path, monkeypatch, capsys, text: str, *extra: str) -> tuple[dict, str, str]:
+    """(the printed YAML as a dict, its text, stderr) of translating `text` in a LLaMA-Factory layout."""
+    lf_layout(tmp_path, monkeypatch, text)
     assert cli.main(["config", "--from-llamafactory", "lf.yaml", *extra]) == 0
     out = capsys.readouterr()
     return yaml.safe_load(out.out), out.out, out.err
+
+
+def refusal(tmp_path, monkeypatch, capsys, text: str, info=DATASET_INFO) -> str:
+    """stderr of a translation that must exit 1, having printed no config to redirect."""
+    lf_layout(tmp_path, monkeypatch, text, info)
+    assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    return out.err
 
 
 def test_llamafactorys_full_sft_example_trains_as_theirs(tmp_path, monkeypatch, capsys):
@@ -154,8 +168,8 @@ def test_their_defaults_are_written_where_zerofits_differ(tmp_path, monkeypatch,
     ("stage: pt\ndataset: c4_demo\n", {"format": "text", "columns": {"text": "content"}}),
     ("dataset: identity\nval_size: 200\n", {"eval_examples": 200}),  # an integer val_size is a count
     ("dataset: identity\nneat_packing: true\n", {"packing": True, "neat_packing": True}),  # theirs sets packing
-    ("dataset: identity\ntrain_on_prompt: true\nmask_history: true\n", {"train_on_prompt": True,
-                                                                        "mask_history": True}),
+    ("dataset: identity\ntrain_on_prompt: true\n", {"train_on_prompt": True}),
+    ("dataset: identity\nmask_history: true\n", {"mask_history": True}),
 ])
 def test_dataset_info_entries_become_format_and_columns(tmp_path, monkeypatch, capsys, extra, expected):
     config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\nfinetuning_type: full\n" + extra)
@@ -209,15 +223,9 @@ def test_values_read_as_llamafactory_reads_them(tmp_path, monkeypatch, capsys, e
     ("stage: pt\ndataset: c4_demo\nneat_packing: true\n", "neat_packing: true -- LLaMA-Factory refuses it"),
 ])
 def test_a_run_zerofit_cannot_do_is_refused_naming_why(tmp_path, monkeypatch, capsys, text, message):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(DATASET_INFO))
-    (tmp_path / "lf.yaml").write_text("model_name_or_path: m\n" + text)
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
-    out = capsys.readouterr()
-    assert message in out.err
-    assert out.err.startswith("zerofit: error: lf.yaml cannot be trained as LLaMA-Factory would (")
-    assert out.out == ""  # no half a config to redirect into a file
+    err = refusal(tmp_path, monkeypatch, capsys, "model_name_or_path: m\n" + text)
+    assert message in err
+    assert err.startswith("zerofit: error: lf.yaml cannot be trained as LLaMA-Factory would (")
 
 
 @pytest.mark.parametrize("info, message", [
@@ -225,12 +233,7 @@ def test_a_run_zerofit_cannot_do_is_refused_naming_why(tmp_path, monkeypatch, ca
     ("{oops", "is not valid JSON"),
 ])
 def test_a_broken_dataset_info_is_named(tmp_path, monkeypatch, capsys, info, message):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "dataset_info.json").write_text(info)
-    (tmp_path / "lf.yaml").write_text("model_name_or_path: m\ndataset: identity\n")
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
-    assert message in capsys.readouterr().err
+    assert message in refusal(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: identity\n", info)
 
 
 def test_set_on_top_replaces_the_keys_it_excludes_and_its_todo(tmp_path, monkeypatch, capsys):
@@ -244,6 +247,7 @@ def test_set_on_top_replaces_the_keys_it_excludes_and_its_todo(tmp_path, monkeyp
     assert config["train"]["max_steps"] == 5 and "epochs" not in config["train"]
     assert config["train"]["warmup_steps"] == 2 and "warmup_ratio" not in config["train"]
     assert config["data"]["eval_examples"] == 3 and "eval_fraction" not in config["data"]
+    assert "eval" not in config  # eval.at_end false (no eval set) went with the eval_fraction 0 it came with
     assert config["model"]["path"] == str(model)
     assert "hf download" not in err and "hf download" not in text
 
@@ -267,15 +271,9 @@ def test_a_tokenizer_without_a_chat_template_is_a_todo(tmp_path, monkeypatch, ca
 
 
 def test_a_translation_train_would_refuse_is_refused_naming_the_key(tmp_path, monkeypatch, capsys):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(DATASET_INFO))
-    (tmp_path / "lf.yaml").write_text("model_name_or_path: m\nfinetuning_type: full\ndataset: identity\n"
-                                      "cutoff_len: 4\n")
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["config", "--from-llamafactory", "lf.yaml"]) == 1
-    out = capsys.readouterr()
-    assert "train.seq_len=4: Input should be greater than or equal to 8" in out.err
-    assert out.out == ""
+    err = refusal(tmp_path, monkeypatch, capsys, "model_name_or_path: m\nfinetuning_type: full\ndataset: identity\n"
+                                                  "cutoff_len: 4\n")
+    assert "train.seq_len=4: Input should be greater than or equal to 8" in err
 
 
 def test_a_llamafactory_config_given_to_train_points_to_the_translation(tmp_path):
@@ -336,3 +334,60 @@ save_strategy: "no"
     assert shape["micro_batch"] * shape["grad_accum"] * shape["world_size"] == 8  # their global batch, split
     assert plan["trainable_params"] < plan["params"] / 4  # adapters on every linear layer, the base frozen
     assert (tmp_path / "run" / "checkpoints" / "step-000003" / "MANIFEST.json").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_steps: '100'\nper_device_train_batch_size: '4'\nlora_rank: '8'\n", None),  # HF's parser types them
+    ("max_steps: [1]\n", "max_steps: [1] -- expected a number"),
+    ("optim: [adamw_torch]\n", "optim: ['adamw_torch'] -- expected a name"),
+    ("lr_scheduler_kwargs: [1]\n", "lr_scheduler_kwargs: [1] -- expected a mapping or JSON text"),
+    ("val_size: 1.0\n", "val_size: 1.0 -- holds out every row"),
+])
+def test_values_of_another_type_are_read_or_named(tmp_path, monkeypatch, capsys, text, message):
+    """A string where HF's parser takes a number doubled it ('4' x 2 = '44') or raised a traceback."""
+    if message is None:
+        config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: identity\n" + text)
+        assert config["train"]["max_steps"] == 100 and config["train"]["global_batch_size"] == 4
+        assert config["lora"]["r"] == 8 and config["lora"]["alpha"] == 16
+    else:
+        assert message in refusal(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: identity\n" + text)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"file_name": "a.json", "columns": None}, "its columns must be a mapping, got None"),
+    ({"file_name": "a.json", "columns": ["x"]}, "its columns must be a mapping, got ['x']"),
+    ({"file_name": "a.json", "formatting": "sharegpt", "tags": None}, "its tags must be a mapping"),
+    ({"file_name": "a.json", "formatting": "openai"}, "formatting openai -- LLaMA-Factory's are alpaca and sharegpt"),
+    ({"file_name": ["a.json"]}, "its entry has no file_name"),
+])
+def test_a_dataset_entry_of_another_shape_is_named(tmp_path, monkeypatch, capsys, entry, message):
+    assert f"dataset odd: {message}" in refusal(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: odd\n",
+                                                {"odd": entry})
+
+
+def test_a_translated_alpaca_entry_reads_its_file_as_llamafactory_does(tmp_path, monkeypatch, capsys, tokenizer):
+    """openorca's entry ({prompt: question, response: response, system: system_prompt}) through
+    the translation and zerofit's reader: the named columns are the example, the `input` and
+    `system` columns the entry does not name left out, as LLaMA-Factory leaves them."""
+    from zerofit import tokenizing
+    from zerofit.config import Config
+
+    row = {"question": "add 2 and 2", "response": "4", "system_prompt": "be terse", "input": "unnamed",
+           "system": "unnamed"}
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "openorca.json", [row] * 4)
+    config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: openorca\n")
+    data_config = Config.model_validate({**config, "model": {"config": "tiny"}}).data
+    read = tokenizing.read_examples([tmp_path / "data" / "openorca.json"], data_config, tokenizer)
+    assert read.examples[0] == tokenizing.tokenize_row({"instruction": "add 2 and 2", "output": "4",
+                                                        "system": "be terse"}, "alpaca", tokenizer)
+    assert read.unread == [f"{tmp_path / 'data' / 'openorca.json'}: its system column (system_prompt is read as "
+                           f"system, data.columns)"]
+
+
+def test_set_reaches_into_a_mapping_and_refuses_a_list_entry(tmp_path, monkeypatch, capsys):
+    config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\nstage: pt\ndataset: c4_demo\n",
+                              "--set", "data.columns.text=body")
+    assert config["data"]["columns"] == {"text": "body"}
+    assert cli.main(["config", "--from-llamafactory", "lf.yaml", "--set", "train.adam_betas.0=0.8"]) == 1
+    assert "--set train.adam_betas.0: train.adam_betas is not a mapping" in capsys.readouterr().err

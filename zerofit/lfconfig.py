@@ -29,15 +29,10 @@ from typing import Any
 
 import yaml
 
+from zerofit import lfdata
 from zerofit.aliases import NO_EFFECT
-from zerofit.config import EXPONENT_NUMBER, Config, ConfigError, expand_path, read_yaml
+from zerofit.config import Config, ConfigError, expand_path, read_yaml
 
-# a turn's (speaker, text) keys zerofit reads, and per LLaMA-Factory tag the speaker names it reads
-TURN_KEYS = {("from", "value"), ("role", "content")}
-SPEAKERS = {"user_tag": {"human", "user"}, "assistant_tag": {"gpt", "assistant"}, "system_tag": {"system"},
-            "observation_tag": {"observation", "tool"}, "function_tag": {"function_call"}}
-SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 # what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"}
 
@@ -84,7 +79,8 @@ READ_TOGETHER = {
 # keys of which one replaces the other (a --set of one drops the translation's other)
 EXCLUSIVE = {"train.max_steps": ("train.epochs",), "train.epochs": ("train.max_steps",),
              "train.warmup_steps": ("train.warmup_ratio",), "train.warmup_ratio": ("train.warmup_steps",),
-             "data.eval_examples": ("data.eval_fraction",), "data.eval_fraction": ("data.eval_examples",),
+             "data.eval_examples": ("data.eval_fraction", "eval.at_end"),
+             "data.eval_fraction": ("data.eval_examples", "eval.at_end"),
              "data.eval_path": ("data.eval_fraction", "data.eval_examples", "eval.at_end"),
              "model.config": ("model.path",)}
 
@@ -104,7 +100,14 @@ class Translation:
         self.comments[key] = comment
 
     def override(self, key: str, value: Any) -> None:
-        """A --set on top: the key's value, the keys it excludes dropped, its to-do done."""
+        """A --set on top: the key's value (`data.columns.text`: one entry of the mapping), the keys
+        it excludes dropped, its to-do done."""
+        if key.count(".") >= 2:
+            field_key, _, inner = key.rpartition(".")
+            mapping = self.values.get(field_key, {})
+            if not isinstance(mapping, dict):
+                raise ConfigError(f"--set {key}: {field_key} is not a mapping; set it whole (--set {field_key}=[...])")
+            key, value = field_key, {**mapping, inner: value}
         for other in EXCLUSIVE.get(key, ()):
             self.values.pop(other, None)
         self.todo.pop(key, None)
@@ -127,12 +130,12 @@ def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_di
     """`lf`, a LLaMA-Factory training YAML; `dataset_info` its dataset_dir's dataset_info.json
     (None when there is none); `model_is_dir`: whether model_name_or_path is a local directory;
     `has_chat_template`: whether its tokenizer has a chat template (None: unknown)."""
-    lf = as_omegaconf_reads(lf)
-    out = Translation()
+    lf, problems = as_llamafactory_reads(lf)
+    out = Translation(refused=problems)
     stage = _stage(lf, out)
     _model(lf, out, model_is_dir, has_chat_template, stage)
     _method(lf, out)
-    _data(lf, out, stage, dataset_info, dataset_dir)
+    lfdata.data_section(lf, out, stage, dataset_info, dataset_dir)
     _batch_and_schedule(lf, out)
     _logging_and_saving(lf, out)
     for key, value in lf.items():
@@ -148,20 +151,60 @@ def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_di
     return out
 
 
-def as_omegaconf_reads(lf: dict) -> dict:
-    """The YAML's values as LLaMA-Factory reads them (OmegaConf): 1e-5 a number, not PyYAML's
-    string; a null is the default, as if the key were not there; lr_scheduler_kwargs may be
-    JSON text (HF's dict fields are)."""
-    out = {key: float(value) if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()) else value
-           for key, value in lf.items() if value is not None}
-    kwargs = out.get("lr_scheduler_kwargs")
-    if isinstance(kwargs, str):
+# the types HF's argument parser reads a YAML's values into (LLaMA-Factory's hparams, TrainingArguments)
+NUMBERS = {"per_device_train_batch_size", "gradient_accumulation_steps", "lora_rank", "lora_alpha", "lora_dropout",
+           "cutoff_len", "max_samples", "val_size", "learning_rate", "num_train_epochs", "max_steps", "warmup_steps",
+           "warmup_ratio", "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon", "seed",
+           "logging_steps", "save_steps", "eval_steps", "save_total_limit", "quantization_bit"}
+NAMES = {"stage", "finetuning_type", "model_name_or_path", "output_dir", "dataset_dir", "template", "flash_attn",
+         "optim", "lr_scheduler_type", "mix_strategy", "save_strategy", "eval_strategy", "evaluation_strategy"}
+NAME_LISTS = {"dataset", "eval_dataset", "lora_target", "additional_target", "report_to"}  # `a,b` or a list
+
+
+def as_llamafactory_reads(lf: dict) -> tuple[dict, list[str]]:
+    """The YAML's values as LLaMA-Factory reads them, and the ones it could not: OmegaConf's YAML
+    (1e-5 a number, not PyYAML's string), then HfArgumentParser's types ("4" for an integer
+    field is 4); a null is the default, as if the key were not there; lr_scheduler_kwargs may
+    be JSON text (HF's dict fields are)."""
+    out, problems = {}, []
+    for key, value in lf.items():
+        if value is None:
+            continue
+        if key in NUMBERS:
+            value = _number(value)
+        elif key in NAMES and not isinstance(value, str) or key in NAME_LISTS and not isinstance(value, (str, list)):
+            value = None
+        elif key == "lr_scheduler_kwargs":
+            value = _mapping(value)
+        if value is None:
+            expected = "a number" if key in NUMBERS else "a mapping or JSON text" if key == "lr_scheduler_kwargs" \
+                else "a name" if key in NAMES else "names, comma-separated or a list"
+            problems.append(f"{key}: {lf[key]!r} -- expected {expected}")
+        else:
+            out[key] = value
+    return out, problems
+
+
+def _number(value: Any) -> int | float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    if not isinstance(value, str):
+        return value
+    for kind in (int, float):
         try:
-            out["lr_scheduler_kwargs"] = json.loads(kwargs) if kwargs.strip() else {}
+            return kind(value.strip())
         except ValueError:
-            raise ConfigError(f"lr_scheduler_kwargs {kwargs!r} is neither a mapping nor JSON text; write e.g. "
-                              f"{{min_lr_rate: 0.1}}") from None
-    return out
+            pass
+    return None
+
+
+def _mapping(value: Any) -> dict | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
 
 
 def _source(lf: dict, key: str, default_from: str) -> str:
@@ -228,184 +271,9 @@ def _method(lf: dict, out: Translation) -> None:
     out.set("lora.alpha", alpha or 2 * rank, "lora_alpha" if alpha else "LLaMA-Factory's default lora_alpha, 2 x lora_rank")
     out.set("lora.dropout", lf.get("lora_dropout", 0.0), _source(lf, "lora_dropout", "LLaMA-Factory's default"))
     target = lf.get("lora_target", "all")
-    out.set("lora.target_modules", _names(target), _source(lf, "lora_target", "LLaMA-Factory's default (all)"))
+    out.set("lora.target_modules", lfdata.names(target), _source(lf, "lora_target", "LLaMA-Factory's default (all)"))
     if lf.get("additional_target"):
-        out.set("lora.modules_to_save", _names(lf["additional_target"]), "additional_target")
-
-
-def _names(value: Any) -> list[str]:
-    """LLaMA-Factory's comma-separated names (`dataset: a,b`, `lora_target: q_proj,v_proj`) or a YAML list."""
-    if isinstance(value, str):
-        return [name.strip() for name in value.split(",") if name.strip()]
-    return [str(name) for name in value or []]
-
-
-def _data(lf: dict, out: Translation, stage: str, dataset_info: dict | None, dataset_dir: str) -> None:
-    if stage == "pt":
-        out.set("data.format", "text", "stage: pt")
-    if not _names(lf.get("dataset")):
-        out.refused.append("dataset: missing -- name the training data (dataset_info.json entries)")
-    entries = {}
-    for key, zerofit_key in (("dataset", "data.path"), ("eval_dataset", "data.eval_path")):
-        names = _names(lf.get(key))
-        if names and dataset_info is None:
-            out.refused.append(f"{key}: {', '.join(names)} -- no dataset_info.json in {dataset_dir} (dataset_dir, read "
-                               f"from the directory zerofit runs in, as LLaMA-Factory does): run from "
-                               f"LLaMA-Factory's directory, or set dataset_dir")
-            continue
-        paths = []
-        for name in names:
-            entry = _entry(name, dataset_info, dataset_dir, out)
-            if entry is not None:
-                paths.append(os.path.join(dataset_dir, entry["file_name"]))
-                entries[name] = entry
-        if paths:
-            out.set(zerofit_key, paths if len(paths) > 1 else paths[0], f"{key} in {dataset_dir}/dataset_info.json")
-        if key == "eval_dataset" and len(names) > 1:
-            out.notes.append(f"eval_dataset {', '.join(names)} are evaluated as one eval set (LLaMA-Factory "
-                             f"reports each)")
-    if entries:
-        (_pretraining_columns if stage == "pt" else _formats)(entries, out)
-    if lf.get("mix_strategy", "concat") != "concat":
-        out.refused.append(f"mix_strategy: {lf['mix_strategy']} -- zerofit concatenates the datasets (concat)")
-    if "max_samples" in lf:
-        out.set("data.max_samples", lf["max_samples"], "max_samples")
-    _packing(lf, out, stage)
-    _hold_out(lf, out)
-
-
-def _entry(name: str, dataset_info: dict, dataset_dir: str, out: Translation) -> dict | None:
-    """The dataset_info.json entry `name`, when zerofit can read its files."""
-    entry = dataset_info.get(name)
-    if not isinstance(entry, dict):
-        out.refused.append(f"dataset {name}: not in {dataset_dir}/dataset_info.json")
-        return None
-    hub = next((entry[k] for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url") if k in entry), None)
-    if hub is not None:
-        out.refused.append(f"dataset {name}: a hub dataset ({hub}) and nothing downloads at run time: download it "
-                           f"once (`hf download {hub} --repo-type dataset --local-dir DIR`), then name the files "
-                           f"in its entry's file_name (or in data.path)")
-        return None
-    if not isinstance(entry.get("file_name"), str):
-        out.refused.append(f"dataset {name}: its entry has no file_name (a file or directory under dataset_dir)")
-        return None
-    if entry["file_name"].endswith((".csv", ".txt", ".arrow")):
-        out.refused.append(f"dataset {name}: {entry['file_name']} -- zerofit reads .json, .jsonl and .parquet files "
-                           f"(and directories of them): convert it (`datasets.load_dataset(...).to_json(FILE)`)")
-        return None
-    columns = entry.get("columns", {})
-    if entry.get("ranking") or {"chosen", "rejected", "kto_tag"} & set(columns):
-        out.refused.append(f"dataset {name}: preference data (ranking, chosen/rejected) is for DPO and reward "
-                           f"models, which zerofit does not train")
-        return None
-    if {"images", "videos", "audios"} & set(columns):
-        out.refused.append(f"dataset {name}: images, videos and audio are not offered (text models only)")
-        return None
-    if entry.get("num_samples"):
-        out.refused.append(f"dataset {name}: num_samples {entry['num_samples']} (LLaMA-Factory resamples the "
-                           f"dataset to that size) is not offered: drop it, or set max_samples for the first rows")
-    return entry
-
-
-def _pretraining_columns(entries: dict[str, dict], out: Translation) -> None:
-    """Stage pt reads each entry's `prompt` column (dataset_info's {prompt: text} in its demos)."""
-    named = {entry.get("columns", {}).get("prompt", "text") for entry in entries.values()}
-    if len(named) > 1:
-        out.refused.append(f"datasets {', '.join(entries)}: their text is in columns {', '.join(sorted(named))}; "
-                           f"data.columns maps one name per field: rename the files' columns to one")
-    elif named != {"text"}:
-        out.set("data.columns", {"text": named.pop()}, "columns.prompt in dataset_info.json (stage pt's text)")
-
-
-def _formats(entries: dict[str, dict], out: Translation) -> None:
-    """data.format and data.columns from the entries' formatting, columns and tags: what each
-    entry names read from its column, the optional fields it does not name left unread."""
-    formats, columns = set(), {}
-    for name, entry in entries.items():
-        formatting = entry.get("formatting", "alpaca")
-        tags = {**SHAREGPT_TAGS, **entry.get("tags", {})}
-        if formatting == "sharegpt" and not _readable_turns(tags):
-            out.refused.append(f"dataset {name}: tags {entry['tags']} -- zerofit reads turns as {{from, value}} or "
-                               f"{{role, content}}, speakers human/user, gpt/assistant, system, observation/tool and "
-                               f"function_call: rename the file's")
-            continue
-        formats.add("messages" if formatting == "sharegpt" and tags["role_tag"] == "role" else formatting)
-        for key, column in _read_columns(formatting, entry.get("columns")).items():
-            known = columns.setdefault(key, column)
-            if column is not None and known is not None and known != column:
-                out.refused.append(f"dataset {name}: its {key} column is {column}, another dataset's "
-                                   f"{known}: data.columns maps one name per field; rename one file's")
-            elif known is None and column is not None or column is None and known is not None:
-                columns[key] = known or column  # read where one entry names it
-                out.notes.append(f"dataset {name}: its {key} is read from a {known or column} column where a "
-                                 f"file has one (another dataset's entry names it; LLaMA-Factory reads it only "
-                                 f"for that one)")
-    fmt = formats.pop() if len(formats) == 1 else "auto"
-    if fmt != "auto":
-        out.set("data.format", fmt, "formatting in dataset_info.json")
-    # a column under the field's own name needs no mapping (zerofit's own fields: config.column_fields)
-    own = {"prompt": "instruction", "query": "input", "response": "output",
-           "messages": "messages" if fmt == "messages" else "conversations"}
-    mapped = {key: column for key, column in columns.items() if column != own.get(key, key)}
-    if mapped:
-        out.set("data.columns", mapped, "columns in dataset_info.json; null: a column it does not name, which "
-                                        "LLaMA-Factory does not read")
-
-
-def _readable_turns(tags: dict) -> bool:
-    return (tags["role_tag"], tags["content_tag"]) in TURN_KEYS and \
-        all(tags[tag] in speakers for tag, speakers in SPEAKERS.items())
-
-
-def _read_columns(formatting: str, columns: dict | None) -> dict[str, str | None]:
-    """The columns LLaMA-Factory reads of an entry (data/parser.py, DatasetAttr): named ones;
-    else prompt, query, response (alpaca) or messages (sharegpt) under their default names, and
-    system, tools, history not at all."""
-    if formatting == "alpaca":
-        read = {"prompt": "instruction", "query": "input", "response": "output", "history": None} if columns is None \
-            else {key: columns.get(key) for key in ("prompt", "query", "response", "history")}
-    else:
-        read = {"messages": "conversations"} if columns is None else {"messages": columns.get("messages")}
-    read |= {key: (columns or {}).get(key) for key in ("system", "tools")}
-    # a required column it does not name: zerofit's default name (LLaMA-Factory's reads nothing)
-    return {key: column for key, column in read.items() if column is not None or key in ("query", "history",
-                                                                                            "system", "tools")}
-
-
-def _packing(lf: dict, out: Translation, stage: str) -> None:
-    if lf.get("neat_packing"):  # LLaMA-Factory: neat_packing sets packing
-        if stage == "pt":
-            out.refused.append("neat_packing: true -- LLaMA-Factory refuses it for stage pt")
-        out.set("data.packing", True, "neat_packing: true (which packs)")
-        out.set("data.neat_packing", True, "neat_packing")
-    elif "packing" in lf:
-        out.set("data.packing", lf["packing"], "packing")
-    elif stage == "sft":
-        out.set("data.packing", False, "LLaMA-Factory packs sft data only when packing: true")
-    if lf.get("packing", stage == "pt") and "val_size" in lf:
-        out.notes.append("val_size: LLaMA-Factory holds out packed rows of packed data; zerofit holds out examples "
-                         "before packing")
-
-
-def _hold_out(lf: dict, out: Translation) -> None:
-    size = lf.get("val_size", 0)
-    if "eval_dataset" in lf:
-        if size:  # LLaMA-Factory: "Cannot specify `val_size` if `eval_dataset` is not None."
-            out.refused.append(f"val_size: {size} beside eval_dataset -- LLaMA-Factory refuses the two together: "
-                               f"drop one")
-        return
-    if isinstance(size, float) and 0 < size < 1:
-        if size >= 0.5:
-            out.refused.append(f"val_size: {size} -- zerofit holds out less than half of the rows (data.eval_fraction "
-                               f"< 0.5): lower it, or give eval_dataset")
-        out.set("data.eval_fraction", size, "val_size")
-        out.notes.append(f"val_size {size}: LLaMA-Factory rounds the number of rows held out up, zerofit down (at "
-                         f"most one fewer; data.eval_examples holds out an exact count)")
-    elif size:  # LLaMA-Factory: an integer val_size is a count of examples
-        out.set("data.eval_examples", int(size), "val_size (a count)")
-    else:
-        out.set("data.eval_fraction", 0.0, "LLaMA-Factory's default val_size, 0: no hold-out")
-        out.set("eval.at_end", False, "no eval set (val_size 0, no eval_dataset)")
+        out.set("lora.modules_to_save", lfdata.names(lf["additional_target"]), "additional_target")
 
 
 def _batch_and_schedule(lf: dict, out: Translation) -> None:
@@ -512,7 +380,7 @@ def from_file(path: Path) -> Translation:
     absolute, so the translation runs from anywhere."""
     lf = read_yaml(path)
     dataset_dir = os.path.abspath(expand_path(str(lf.get("dataset_dir") or "data")))
-    dataset_info = _dataset_info(Path(dataset_dir) / "dataset_info.json")
+    dataset_info = lfdata.read_dataset_info(Path(dataset_dir) / "dataset_info.json")
     model = lf.get("model_name_or_path")
     model_dir = Path(expand_path(str(model))) if model else None
     is_dir = model_dir is not None and model_dir.is_dir()
@@ -523,18 +391,6 @@ def from_file(path: Path) -> Translation:
         if missing:
             translation.todo[key] = f"{', '.join(missing)} not found: fix the entries' file_name, or set {key}"
     return translation
-
-
-def _dataset_info(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); fix it, or set dataset_dir to another directory") from None
-    if not isinstance(info, dict):
-        raise ConfigError(f"{path} must hold a mapping of dataset names to entries, got {type(info).__name__}")
-    return info
 
 
 def has_chat_template(model_dir: Path) -> bool:
