@@ -64,8 +64,7 @@ REFUSED = {
     "new_special_tokens": "new special tokens are not offered (ZeRO-3 partitions the embedding)",
     "disable_shuffling": "zerofit always shuffles (seeded by train.seed)",
     "interleave_probs": "zerofit concatenates the datasets (mix_strategy concat)",
-    "freeze_trainable_layers": "freeze tuning is not offered", "pure_bf16": "pure bf16 (no fp32 master weights) "
-    "is not offered: zerofit keeps fp32 master weights with bf16 training",
+    "pure_bf16": "pure bf16 (no fp32 master weights) is not offered: zerofit keeps fp32 master weights",
 }
 # keys consumed with others by the functions below
 READ_TOGETHER = {
@@ -222,8 +221,9 @@ def _stage(lf: dict, out: Translation) -> str:
         out.refused.append(f"stage: {stage} -- zerofit trains sft (instruction and chat data) and pt (plain text); "
                            f"reward models, PPO, DPO and KTO are not offered")
     if lf.get("do_predict") or lf.get("do_train") is False:
-        out.refused.append("do_predict / do_train: false -- a prediction run, not a training one: `zerofit chat` and "
-                           "`zerofit generate` answer prompts from an exported model")
+        which = "do_predict: true" if lf.get("do_predict") else "do_train: false"
+        out.refused.append(f"{which} -- a prediction run, not a training one: `zerofit chat` and `zerofit generate` "
+                           f"answer prompts from an exported model")
     return stage
 
 
