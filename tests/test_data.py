@@ -1169,3 +1169,24 @@ def test_the_eval_split_learns_what_the_training_split_learns(tmp_path, tokenize
     for split in (train, held):
         learned = tokenizer.decode(split.input_ids[0][split.labels[0] != IGNORE])
         assert "gamma delta" in learned and "alpha" not in learned
+
+
+def test_model_chat_template_renders_the_rows_and_a_broken_one_is_named(tmp_path):
+    """model.chat_template: a base model's tokenizer (or one whose template is not the one wanted)
+    renders the conversations with the file's template; a template that does not parse is said
+    with its line before any row is rendered."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(template)))
+    assert tokenizer.chat_template == CHATML
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    ids, labels = tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+    assert tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+    template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor")
+    with pytest.raises(ConfigError, match=r"chatml.jinja, line 2: .*fix the template"):
+        models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(template)))
+    with pytest.raises(ConfigError, match="model.chat_template='nowhere.jinja' is not a file"):
+        models.load_tokenizer(ModelConfig(config="tiny", chat_template="nowhere.jinja"))

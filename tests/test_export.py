@@ -449,3 +449,20 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     expected = reference[target.name] + torch.arange(128.0).view(-1, 1)
     assert torch.equal(written[target.name], expected)
     assert torch.equal(written["model.norm.weight"], reference["model.norm.weight"])
+
+
+def test_a_run_with_its_own_chat_template_exports_it(tmp_path):
+    """model.chat_template trained the rows; the export's tokenizer renders chat with the same one."""
+    from conftest import write_jsonl
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "chatml.jinja").write_text(template)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}] * 64)
+    config = tiny_config(tmp_path / "run", data, model={"chat_template": str(tmp_path / "chatml.jinja")},
+                         train={"max_steps": 2}, eval={"at_end": False, "every_steps": 0}, checkpoint={"every_steps": 0})
+    done = run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
+    assert "messages rows by the tokenizer's chat template" in done.stderr
+    run_zerofit(["export", str(tmp_path / "run"), "--out", str(tmp_path / "model")])
+    assert (tmp_path / "model" / "chat_template.jinja").read_text() == template

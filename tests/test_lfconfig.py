@@ -263,7 +263,7 @@ def test_a_tokenizer_without_a_chat_template_is_a_todo(tmp_path, monkeypatch, ca
     tokenizer.save_pretrained(model)
     _, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
                                                          f"template: qwen\n")
-    assert f"model.tokenizer: {model}'s tokenizer has no chat template" in err
+    assert f"model.chat_template: {model}'s tokenizer has no chat template" in err
     build_tokenizer().save_pretrained(model)  # the demo tokenizer has one
     _, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
                                                          f"template: qwen\n")

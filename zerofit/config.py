@@ -26,7 +26,7 @@ from zerofit import aliases
 # PyYAML reads YAML 1.1, where 1e9 and 3e-4 (no dot) are strings, not numbers
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 # fields that name files or directories: `~` and $VARIABLES expanded, as a shell would
-PATH_FIELDS = ("path", "config", "tokenizer", "eval_path", "nvme_path", "run_dir")
+PATH_FIELDS = ("path", "config", "tokenizer", "chat_template", "eval_path", "nvme_path", "run_dir")
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -72,6 +72,10 @@ class ModelConfig(Section):
     preset name (`zerofit plan --presets` lists them). Exclusive with `path`."""
     tokenizer: str | None = None
     """Tokenizer directory. Default: `path`; for the `demo` preset the bundled demo tokenizer."""
+    chat_template: str | None = None
+    """A Jinja chat template file (.jinja) to render conversations and alpaca rows with, instead of
+    the tokenizer's own or where it has none: a base model trained on chat data, or the template
+    LLaMA-Factory's `template:` wrote. The run's tokenizer, and so the export, carry it."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward (HF gradient_checkpointing_enable, non-reentrant)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"

@@ -248,13 +248,13 @@ def _model(lf: dict, out: Translation, model_is_dir: bool, has_chat_template: bo
     if template is None or stage == "pt":
         return
     out.left_out.append(f"template: {template} -- zerofit renders conversations and alpaca rows with the tokenizer's "
-                        f"own chat template (model.path's, or model.tokenizer's chat_template.jinja), which for a "
+                        f"own chat template (model.path's, model.tokenizer's, or model.chat_template's file), which for a "
                         f"chat model is what LLaMA-Factory's template of it writes")
     if has_chat_template is False:
-        out.todo["model.tokenizer"] = (
+        out.todo["model.chat_template"] = (
             f"{name}'s tokenizer has no chat template, so zerofit would lay conversations out as `role:` lines and "
             f"alpaca rows as Stanford's `### Instruction:` layout, not LLaMA-Factory's `{template}` template: set "
-            f"model.tokenizer to a directory holding the tokenizer and that template as chat_template.jinja")
+            f"model.chat_template to a .jinja file of that template")
 
 
 def _method(lf: dict, out: Translation) -> None:

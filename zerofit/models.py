@@ -185,17 +185,39 @@ def load_tokenizer(model: ModelConfig):
     source = model.tokenizer or model.path
     if source:
         try:
-            return AutoTokenizer.from_pretrained(_existing_dir(source, "model.tokenizer"), local_files_only=True,
-                                                 trust_remote_code=model.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(_existing_dir(source, "model.tokenizer"), local_files_only=True,
+                                                      trust_remote_code=model.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load a tokenizer from {source}: {e}; point model.tokenizer "
                               f"at a directory with tokenizer.json or tokenizer_config.json") from None
-    if model.config in PRESETS:
+    elif model.config in PRESETS:
         from zerofit.demo import build_tokenizer
 
-        return build_tokenizer()
-    raise ConfigError(f"model.config={model.config} comes without a tokenizer; set model.tokenizer "
-                      f"to a local tokenizer directory")
+        tokenizer = build_tokenizer()
+    else:
+        raise ConfigError(f"model.config={model.config} comes without a tokenizer; set model.tokenizer "
+                          f"to a local tokenizer directory")
+    return with_chat_template(tokenizer, model.chat_template)
+
+
+def with_chat_template(tokenizer, path: str | None):
+    """The tokenizer, rendering with model.chat_template's Jinja text where one is given; a
+    template that does not parse is said with its line before any row is rendered."""
+    if path is None:
+        return tokenizer
+    import jinja2
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"model.chat_template={path!r} is not a file; give a Jinja template file (.jinja), such "
+                          f"as a model directory's chat_template.jinja")
+    text = file.read_text(encoding="utf-8")
+    try:
+        jinja2.Environment().parse(text)  # transformers compiles it in a sandboxed Environment: same syntax
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"model.chat_template {path}, line {e.lineno}: {e.message}; fix the template") from None
+    tokenizer.chat_template = text
+    return tokenizer
 
 
 def _existing_dir(path: str, key: str) -> str:
