@@ -434,7 +434,7 @@ def test_a_size_flag_with_a_typo_is_a_usage_error_naming_the_flag(capsys):
     ("model: {config: tiny}\ndata:\n  cutoff_len: 2048\n",  # it read "did you mean data.format?"
      "unknown key data.cutoff_len; LLaMA-Factory's / HF Trainer's cutoff_len is train.seq_len"),
     ("model: {config: tiny}\ntemplate: qwen\n", "unknown key template; LLaMA-Factory's / HF Trainer's template is "
-     "the tokenizer's own chat template: model.tokenizer"),
+     "the tokenizer's own chat template (a model directory carries its own), or model.chat_template"),
     ("model: {config: tiny}\nlr_scheduler_type: cosine\n", "unknown key lr_scheduler_type; LLaMA-Factory's / HF "
      "Trainer's lr_scheduler_type is train.lr_schedule (cosine, linear or constant, HF's cosine_with_min_lr and "
      "constant_with_warmup too; zerofit's decay ends at train.min_lr_ratio x lr, 0.1 by default, HF's at 0: "

@@ -1190,3 +1190,93 @@ def test_model_chat_template_renders_the_rows_and_a_broken_one_is_named(tmp_path
         models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(template)))
     with pytest.raises(ConfigError, match="model.chat_template='nowhere.jinja' is not a file"):
         models.load_tokenizer(ModelConfig(config="tiny", chat_template="nowhere.jinja"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "is empty"),
+    ("  \n", "is empty"),
+    ("{{ 1/0 }}", r"fails on a user and an assistant turn \(ZeroDivisionError"),
+    ("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}<|end|>{% endfor %}",
+     "without the assistant's content, so nothing of it would be learned"),
+    ("{\"chat_template\": 3}", None),  # written as .json below: not a template
+])
+def test_a_chat_template_that_cannot_train_is_named_before_any_row(tmp_path, text, message):
+    """An empty file dropped the tokenizer's template for none; a template failing at render
+    time, or leaving the answers out, failed (or learned only markup) row by row."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    file = tmp_path / ("t.json" if message is None else "t.jinja")
+    file.write_text(text)
+    with pytest.raises(ConfigError, match=message or r'a \.json template holds \{"chat_template": "\.\.\."\}'):
+        models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(file)))
+
+
+def test_chat_templates_as_transformers_compiles_them_and_json_files_are_read(tmp_path):
+    """{% generation %} (transformers' assistant-mask tag) and {% continue %} (loop controls) are
+    transformers' syntax: a plain jinja2 parse refused them. A chat_template.json is read."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    generation = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                  "{% endgeneration %}{% else %}{% if m.role == 'tool' %}{% continue %}{% endif %}{{ m.content }}"
+                  "{% endif %}\n{% endfor %}")
+    (tmp_path / "g.jinja").write_text(generation)
+    assert models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(tmp_path / "g.jinja"))).chat_template \
+        == generation
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}))
+    assert models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(tmp_path / "chat_template.json"))
+                                 ).chat_template == CHATML
+    (tmp_path / "latin1.jinja").write_bytes(b'{{ "\xe9" }}')
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(tmp_path / "latin1.jinja")))
+
+
+def test_a_template_failing_on_one_row_names_that_row(tokenizer):
+    tokenizer.chat_template = CHATML.replace("{% endfor %}", "{% if m.content == 'boom' %}{{ 1/0 }}{% endif %}"
+                                                             "{% endfor %}")
+    turns = [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]
+    with pytest.raises(tokenizing.RowError, match=r"failed on it \(ZeroDivisionError"):
+        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+
+
+def test_a_chat_template_counts_by_its_text_on_resume(tmp_path):
+    """The run's numbers depend on the template's text: one edited in place is a change (it said
+    nothing for text rows), one moved is none."""
+    from zerofit.config import changed_settings
+
+    (tmp_path / "a.jinja").write_text(CHATML)
+    (tmp_path / "b.jinja").write_text(CHATML)
+    config = {"model": {"config": "tiny", "chat_template": str(tmp_path / "a.jinja")}, "train": {"max_steps": 1}}
+    before = validate(config).fingerprinted()
+    moved = validate({**config, "model": {"config": "tiny", "chat_template": str(tmp_path / "b.jinja")}})
+    assert changed_settings(before, moved.fingerprinted()) == []
+    (tmp_path / "a.jinja").write_text(CHATML.replace("im_", "IM_"))
+    changes = changed_settings(before, validate(config).fingerprinted())
+    assert len(changes) == 1 and changes[0].startswith("model.chat_template sha256 ")
+
+
+def test_an_earlier_runs_template_does_not_stay_in_the_run_directory(tmp_path, tokenizer, capsys):
+    from zerofit import train
+    from zerofit.models import hf_config
+
+    config = validate({"run_dir": str(tmp_path), "model": {"config": "tiny"}, "train": {"max_steps": 1}})
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "chat_template.jinja").write_text(CHATML)  # an earlier run's
+    tokenizer.chat_template = None
+    train.write_run_files(tmp_path, config, {}, tokenizer, hf_config(config.model), {})
+    assert not (tmp_path / "model" / "chat_template.jinja").exists()
+
+
+def test_a_chat_template_the_rows_do_not_use_is_said(tmp_path, tokenizer, capsys):
+    from zerofit import train
+
+    (tmp_path / "t.jinja").write_text(CHATML)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"q {i}", "output": f"a {i}"} for i in range(20)])
+    config = validate({"model": {"config": "tiny", "chat_template": str(tmp_path / "t.jinja")},
+                       "train": {"max_steps": 1, "seq_len": 32},
+                       "data": {"path": str(path), "alpaca_template": "alpaca"}})
+    train_set, eval_set = data.load_splits(config.data, tokenizer, 32, 7, 4096)
+    train.report_data(train_set, eval_set, config, tokenizer)
+    assert "model.chat_template is not what the rows are laid out by (alpaca rows in the alpaca layout)" in \
+        capsys.readouterr().err.replace("\n", " ")

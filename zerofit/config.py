@@ -604,9 +604,13 @@ class Config(Section):
     plan: PlanConfig = PlanConfig()
 
     def fingerprinted(self) -> dict:
-        """What decides the numbers a run computes (not where it logs or saves)."""
-        return self.model_dump(mode="json",
-                               exclude={"run_dir", "log", "eval", "checkpoint", "memory", "elastic"})
+        """What decides the numbers a run computes (not where it logs or saves): model.chat_template
+        by its text's hash, not its path (a template moved is none changed, one edited in place is)."""
+        values = self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory", "elastic"})
+        template = Path(self.model.chat_template or "")
+        if self.model.chat_template and template.is_file():
+            values["model"]["chat_template"] = f"sha256 {hashlib.sha256(template.read_bytes()).hexdigest()[:12]}"
+        return values
 
     def fingerprint(self) -> str:
         """Hash of `fingerprinted()`."""

@@ -201,23 +201,62 @@ def load_tokenizer(model: ModelConfig):
 
 
 def with_chat_template(tokenizer, path: str | None):
-    """The tokenizer, rendering with model.chat_template's Jinja text where one is given; a
-    template that does not parse is said with its line before any row is rendered."""
+    """The tokenizer, rendering with model.chat_template's text where one is given, tried on a
+    user and an assistant turn first (probe_chat_template)."""
     if path is None:
         return tokenizer
-    import jinja2
+    tokenizer.chat_template = read_chat_template(path)
+    probe_chat_template(tokenizer, path)
+    return tokenizer
 
+
+def read_chat_template(path: str) -> str:
+    """model.chat_template's Jinja text: a .jinja file, or a chat_template.json as transformers
+    saves one ({"chat_template": "..."})."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"model.chat_template={path!r} is not a file; give a Jinja template file (.jinja), such "
                           f"as a model directory's chat_template.jinja")
-    text = file.read_text(encoding="utf-8")
     try:
-        jinja2.Environment().parse(text)  # transformers compiles it in a sandboxed Environment: same syntax
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"model.chat_template {path} is not UTF-8 text; save it as UTF-8") from None
+    if file.suffix == ".json":
+        try:
+            text = json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            text = None
+        if not isinstance(text, str):
+            raise ConfigError(f"model.chat_template {path}: a .json template holds {{\"chat_template\": \"...\"}} "
+                              f"(transformers' chat_template.json); give that, or the .jinja file")
+    if not text.strip():
+        raise ConfigError(f"model.chat_template {path} is empty; give the template's text (unset the key for the "
+                          f"tokenizer's own)")
+    return text
+
+
+# the conversation a chat template is tried on: each message's content must come out of it
+PROBE = [{"role": "user", "content": "zerofit probe question"}, {"role": "assistant", "content": "zerofit probe answer"}]
+
+
+def probe_chat_template(tokenizer, path: str) -> None:
+    """Render PROBE with the tokenizer's (new) template as training will: a syntax error, a
+    failure at render time, or a template that leaves a message's content out (then nothing of
+    the answers is learned) is said now, naming the file, and not as a fault of every row."""
+    import jinja2
+
+    try:
+        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)  # compiled as transformers compiles it
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"model.chat_template {path}, line {e.lineno}: {e.message}; fix the template") from None
-    tokenizer.chat_template = text
-    return tokenizer
+    except Exception as e:  # a template is code: whatever it raises is its own fault
+        raise ConfigError(f"model.chat_template {path} fails on a user and an assistant turn "
+                          f"({type(e).__name__}: {e}); fix the template") from None
+    left_out = [message["role"] for message in PROBE if message["content"] not in rendered]
+    if left_out:
+        raise ConfigError(f"model.chat_template {path} renders a user and an assistant turn without the "
+                          f"{' and '.join(left_out)}'s content, so nothing of it would be learned; render each "
+                          f"message's content (`{{{{ message['content'] }}}}`)")
 
 
 def _existing_dir(path: str, key: str) -> str:

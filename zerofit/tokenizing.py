@@ -273,6 +273,8 @@ def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: lis
             raise
         except (TemplateError, ValueError) as e:  # the template's raise_exception: Gemma's "System role not supported"
             raise RowError("messages", f"the tokenizer's chat template refused it: {e}") from None
+        except Exception as e:  # a template is code: what else it raises (1/0, str + int) is its fault on this row
+            raise RowError("messages", f"the tokenizer's chat template failed on it ({type(e).__name__}: {e})") from None
         check_tools_rendered(messages, tools, ids, labels, tokenizer)
         return ids, labels
     # No template: a plain "role: content" layout, assistant turns learned (tool calls as JSON lines).
@@ -304,9 +306,8 @@ def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | No
             raise RowError("messages", f"the tokenizer's chat template renders the first {turns} turn(s) differently "
                                        f"from the start of the whole conversation (it rewrites earlier turns when "
                                        f"one is added, as Mistral's does with a system prompt), so the answer's "
-                                       f"tokens cannot be told apart; use a template that only appends (model."
-                                       f"tokenizer: a directory with its own chat_template.jinja), or drop the "
-                                       f"system turn")
+                                       f"tokens cannot be told apart; use a template that only appends "
+                                       f"(model.chat_template: a .jinja file), or drop the system turn")
         return rendered
 
     ids, labels = [], []
@@ -336,9 +337,9 @@ def check_tools_rendered(messages: list[dict], tools: list[dict] | None, ids: li
     if missing:
         raise RowError("tool_calls" if called else "tools",
                        f"the tokenizer's chat template does not render function calling ({', '.join(missing[:3])} "
-                       f"is not in what it made of the row); use the model's tool-calling template (model.tokenizer: "
-                       f"a directory whose chat_template.jinja renders tool_calls and tools), or write the calls "
-                       f"as the assistant's text")
+                       f"is not in what it made of the row); use the model's tool-calling template (model."
+                       f"chat_template: a .jinja file that renders tool_calls and tools), or write the calls as the "
+                       f"assistant's text")
 
 
 def trained_chat_template(formats: tuple[str, ...], tokenizer, alpaca_template: str = "chat") -> str | None:

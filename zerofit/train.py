@@ -365,6 +365,9 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
             f"({'alpaca' if chat_template == tokenizing.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
             f"exports prompt the model as it learned")
     tokenizer.chat_template = chat_template or own_template
+    if not tokenizer.chat_template:  # save_pretrained leaves an earlier run's template file, which exports would carry
+        for stale in ("chat_template.jinja", "chat_template.json"):
+            (run_dir / "model" / stale).unlink(missing_ok=True)
     try:
         tokenizer.save_pretrained(run_dir / "model")
     finally:
@@ -402,6 +405,10 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     for name, sequences in (("", train_set), ("eval set: ", eval_set)):
         if sequences.cut[0]:
             warn(name + sequences.cut_note(config.train.seq_len))
+    if config.model.chat_template and tokenizing.trained_chat_template(train_set.formats, tokenizer,
+                                                                         config.data.alpaca_template) is not None:
+        warn(f"model.chat_template is not what the rows are laid out by ({laid_out or 'text rows'}), so the run's "
+             f"tokenizer and exports carry that layout instead")
     stop = tokenizing.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model),
                              config.data.alpaca_template)
     if stop:
