@@ -575,3 +575,44 @@ def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():
 
     with pytest.raises(ConfigError, match="set train.warmup_steps or train.warmup_ratio, not both"):
         load(None, ["train.warmup_ratio=0.1", "train.warmup_steps=5"])
+
+
+TRAIN_MODE_SCRIPT = """
+import sys
+sys.path.insert(0, "tests")
+import torch
+from transformers import AutoModelForCausalLM
+from conftest import tiny_config
+from zerofit import dsconfig, engine
+from zerofit.config import validate
+from zerofit.demo import build_tokenizer
+from zerofit.models import config_from_name
+
+AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained("{base}")
+build_tokenizer().save_pretrained("{base}")
+config = validate(tiny_config("{run}", model={{"path": "{base}", "config": None, "gradient_checkpointing": True}}))
+dist = engine.init_distributed()
+ds_config = dsconfig.build(config, 1, dist.on_gpu)
+built = engine.build_engine(engine.build_model(config, ds_config), config, ds_config, total_steps=4)
+mlp, calls = built.module.model.layers[0].mlp, []
+forward = mlp.forward  # wrapped, not hooked: forward hooks do not fire in a checkpoint's recompute
+mlp.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+logits = built(input_ids=torch.randint(0, 100, (2, 16))).logits
+built.backward(logits.float().mean())
+print("training:", built.module.training, "layer forwards:", len(calls))
+"""
+
+
+def test_a_model_from_a_directory_trains_in_training_mode(tmp_path):
+    """from_pretrained returns a model in eval mode, where transformers skips gradient
+    checkpointing and dropout: a model.path run trained without them until its first eval (on
+    the H200 a 0.5B full fine-tune peaked at 25.9 GiB against a plan of 15.3). With checkpointing
+    on, a layer's forward runs again in the backward."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = TRAIN_MODE_SCRIPT.format(base=tmp_path / "base", run=tmp_path / "run")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "training: True layer forwards: 2" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
