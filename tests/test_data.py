@@ -200,12 +200,12 @@ def test_skip_bad_rows_counts_them(tmp_path, tokenizer):
 
 def test_missing_file_and_bad_suffix(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        datafiles.data_files(str(tmp_path / "nope.jsonl"))
+        datafiles.data_entries(str(tmp_path / "nope.jsonl"))
     with pytest.raises(DataError, match=r"nope.jsonl does not exist \(a relative path is read from the working dir"):
-        datafiles.data_files("nope.jsonl")
+        datafiles.data_entries("nope.jsonl")
     (tmp_path / "d.csv").write_text("a\n")
     with pytest.raises(DataError, match="unsupported suffix '.csv'"):
-        datafiles.data_files(str(tmp_path / "d.csv"))
+        datafiles.data_entries(str(tmp_path / "d.csv"))
 
 
 def test_unknown_columns(tmp_path, tokenizer):
@@ -348,7 +348,7 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
     write_jsonl(mixed / "b.jsonl", [{"conversations": talk[0]["dialog"]}])
     write_jsonl(mixed / "c.jsonl", [{"dialog": talk[0]["dialog"]}])
     both = DataConfig(path="x", columns={**columns, "messages": "dialog"})
-    assert len(tokenizing.read_examples(datafiles.data_files(str(mixed)), both, tokenizer)[0]) == 3
+    assert len(tokenizing.read_examples(datafiles.data_entries(str(mixed)), both, tokenizer)[0]) == 3
     # LLaMA-Factory's own sharegpt entry, {formatting: sharegpt, columns: {messages: conversations}}
     entry = DataConfig(path="x", format="sharegpt", columns={"messages": "conversations", "system": "sys"})
     assert tokenizing.read_examples([write_jsonl(tmp_path / "lf.jsonl", [{"conversations": talk[0]["dialog"],
@@ -934,24 +934,24 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     write_jsonl(tmp_path / "dir" / "a.jsonl", rows[:3])
     write_jsonl(tmp_path / "dir" / "sub" / "b.jsonl", rows[3:])
     (tmp_path / "dir" / "notes.txt").write_text("not data")
-    files = datafiles.data_files(str(tmp_path / "dir"))
+    files, = datafiles.data_entries(str(tmp_path / "dir"))
     assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl"]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
                           "test": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(tmp_path / "splits"))
     for path, count in (("dir", 6), ("saved", 6), ("splits", 4)):
         cfg = DataConfig(path=str(tmp_path / path), packing=False)
-        seqs = data.build_sequences(datafiles.data_files(cfg.path), cfg, tokenizer, 16)
+        seqs = data.build_sequences(datafiles.data_entries(cfg.path), cfg, tokenizer, 16)
         assert len(seqs) == count and tokenizer.decode(seqs.input_ids[1][1:6]) == "row 1"
     (tmp_path / "nothing").mkdir()
     with pytest.raises(DataError, match="holds no .jsonl, .json or .parquet files"):
-        datafiles.data_files(str(tmp_path / "nothing"))
+        datafiles.data_entries(str(tmp_path / "nothing"))
     assert datafiles.left_out_files(str(tmp_path / "dir"), None) == [tmp_path / "dir" / "notes.txt"]
     # LLaMA-Factory's data/ (its dataset_info.json registry beside the files), a saved dataset inside: its rows
     # are read, the metadata .json files of both are not
     (tmp_path / "dir" / "dataset_info.json").write_text('{"mine": {"file_name": "a.jsonl"}}')
     datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tmp_path / "dir" / "sub" / "saved"))
-    files = datafiles.data_files(str(tmp_path / "dir"))
+    files, = datafiles.data_entries(str(tmp_path / "dir"))
     assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl", tmp_path / "dir" / "sub" / "saved"]
     seqs = data.build_sequences(files, DataConfig(path=str(tmp_path / "dir"), packing=False), tokenizer, 16)
     assert len(seqs) == 8

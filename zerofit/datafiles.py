@@ -20,15 +20,10 @@ class DataError(ConfigError):
     """A data problem the user fixes in the file: names file, row/line and field."""
 
 
-def data_files(path: str | list[str], key: str = "data.path") -> list[Path]:
-    """The files (and saved datasets) data.path (or `key`) names: a directory stands for the data
-    files under it, in name order, or for the dataset `datasets.save_to_disk` wrote there."""
-    return [file for entry in data_entries(path, key) for file in entry]
-
-
 def data_entries(path: str | list[str], key: str = "data.path") -> list[list[Path]]:
-    """`data_files` per entry of data.path (or `key`): each entry is one dataset, whose first
-    rows data.max_samples keeps."""
+    """The files (and saved datasets) data.path (or `key`) names, per entry: a directory stands
+    for the data files under it, in name order, or for the dataset `datasets.save_to_disk` wrote
+    there. Each entry is one dataset, whose first rows data.max_samples keeps."""
     return [entry_files(Path(p), key) for p in ([path] if isinstance(path, str) else path)]
 
 
@@ -130,17 +125,13 @@ def with_columns(rows, columns: dict[str, str | None], file: Path, fmt: str = "a
     files); one holding a format's mapped column must hold that format's other required ones
     (config.FORMAT_FIELDS). A field held under both names is read from the column named for it;
     one mapped to None is not read: its column is dropped."""
-    field_of = column_fields(fmt)
+    field_of, named = column_fields(fmt), {key: column for key, column in columns.items() if column is not None}
     # a null field's own column is dropped, unless another key reads that column ({prompt: input, query: null})
-    dropped = ({field_of[key] for key, column in columns.items() if column is None} & set(rows.column_names)) - \
-        {column for column in columns.values() if column is not None}
-    if dropped:
-        rows = JsonRows([{k: v for k, v in row.items() if k not in dropped} for row in rows]) \
-            if isinstance(rows, JsonRows) else rows.remove_columns(sorted(dropped))
-    columns, present = {key: column for key, column in columns.items() if column is not None}, set(rows.column_names)
+    unread = ({field_of[key] for key in columns.keys() - named.keys()} & set(rows.column_names)) - set(named.values())
+    columns, present = named, set(rows.column_names) - unread
     renames = {column: field_of[key] for key, column in columns.items() if column in present}
     if not renames:
-        return rows, renames, []
+        return dropped_and_renamed(rows, unread, {}), renames, []
     format_of = {field: name for name, fields in FORMAT_FIELDS.items() for field in fields}
     in_play = {format_of[field] for field in renames.values() if field in format_of}
     missing = [f"{key}: {column}" for key, column in columns.items()
@@ -153,12 +144,20 @@ def with_columns(rows, columns: dict[str, str | None], file: Path, fmt: str = "a
     # the field's own name is then left out (one renamed away itself leaves the name free)
     shadowed = sorted(field for column, field in renames.items()
                       if field in present and field not in renames and field != column)
-    unread = [f"{file}: its {field} column ({source} is read as {field}, data.columns)"
-              for field in shadowed for source, named in renames.items() if named == field]
+    said = [f"{file}: its {field} column ({source} is read as {field}, data.columns)"
+            for field in shadowed for source, read_as in renames.items() if read_as == field]
+    return dropped_and_renamed(rows, unread | set(shadowed), renames), renames, said
+
+
+def dropped_and_renamed(rows, dropped: set[str], renames: dict[str, str]):
+    """`rows` without the columns `dropped`, the others renamed {column: field}: one pass."""
+    if not dropped and not renames:
+        return rows
     if isinstance(rows, JsonRows):
-        return JsonRows([{renames.get(key, key): value for key, value in row.items() if key not in shadowed}
-                         for row in rows]), renames, unread
-    return rows.remove_columns(shadowed).rename_columns(renames), renames, unread
+        return JsonRows([{renames.get(key, key): value for key, value in row.items() if key not in dropped}
+                         for row in rows])
+    rows = rows.remove_columns(sorted(dropped)) if dropped else rows
+    return rows.rename_columns(renames) if renames else rows
 
 
 def decodes_json_text(feature) -> bool:

@@ -415,7 +415,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         warn(stop)
     if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
         fix = "none of data.eval_path's rows holds an answer to learn" if config.data.eval_path else \
-            f"raise {held_out_by(config).split()[0]}, or set data.eval_path"
+            f"raise {held_out_key(config)}, or set data.eval_path"
         warn(f"the eval set is empty: no eval loss will be measured ({fix})")
 
 
@@ -426,11 +426,15 @@ def learned_note(config: Config) -> str:
     return " (each conversation's last answer only: data.mask_history)" if config.data.mask_history else ""
 
 
+def held_out_key(config: Config) -> str:
+    """The key that says how many training rows are held out."""
+    return "data.eval_fraction" if config.data.eval_examples is None else "data.eval_examples"
+
+
 def held_out_by(config: Config) -> str:
-    """The key that says how many training rows are held out, with its value."""
-    if config.data.eval_examples is not None:
-        return f"data.eval_examples {config.data.eval_examples}"
-    return f"data.eval_fraction {config.data.eval_fraction}"
+    """held_out_key with its value."""
+    key = held_out_key(config)
+    return f"{key} {getattr(config.data, key.removeprefix('data.'))}"
 
 
 def max_samples_note(config: Config, sequences: data.Sequences, key: str) -> str:
