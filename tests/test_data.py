@@ -7,6 +7,7 @@ from zerofit import data, datafiles, rowlayout, tokenizing
 from zerofit.config import ConfigError, DataConfig, validate
 from zerofit.data import Batches
 from zerofit.datafiles import DataError
+from zerofit.models import BUNDLED_TEMPLATES as BUNDLED
 from zerofit.tokenizing import IGNORE
 
 from conftest import write_jsonl
@@ -1188,8 +1189,84 @@ def test_model_chat_template_renders_the_rows_and_a_broken_one_is_named(tmp_path
     template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor")
     with pytest.raises(ConfigError, match=r"chatml.jinja, line 2: .*fix the template"):
         models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(template)))
-    with pytest.raises(ConfigError, match="model.chat_template='nowhere.jinja' is not a file"):
+    with pytest.raises(ConfigError, match="model.chat_template='nowhere.jinja' is neither a file nor a bundled "
+                                          "template's name; .* or one of alpaca, chatml, "):
         models.load_tokenizer(ModelConfig(config="tiny", chat_template="nowhere.jinja"))
+
+
+# A system, two exchanges, as LLaMA-Factory's Template._encode lays them out: its register_template
+# slots (src/llamafactory/data/template.py) written out by hand, the demo tokenizer's <s> and </s>
+# for LLaMA-Factory's bos_token and eos_token slots.
+LLAMAFACTORY_LAYOUTS = {
+    "llama3": "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+              "\n\nhello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nbye<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\nsee you<|eot_id|>",
+    # Llama2Template: the system opens the first user turn
+    "mistral": "<s>[INST] Be brief.\n\nhi[/INST] hello</s>[INST] bye[/INST] see you</s>",
+    "llama2": "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nhi [/INST]hello</s><s>[INST] bye [/INST]see you</s>",
+    "qwen": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+            "hello<|im_end|>\n<|im_start|>user\nbye<|im_end|>\n<|im_start|>assistant\nsee you<|im_end|>\n",
+    "alpaca": "Be brief.### Instruction:\nhi\n\n### Response:\nhello</s>\n\n### Instruction:\nbye\n\n"
+              "### Response:\nsee you</s>\n\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMAFACTORY_LAYOUTS))
+def test_a_bundled_template_lays_rows_out_as_llamafactory_does(name):
+    """model.chat_template: llama3 (a base model's tokenizer has none): the rows train in
+    LLaMA-Factory's layout of that name, its answers and their turn ends learned."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+             {"role": "assistant", "content": "see you"}]
+    ids, labels = tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+    assert tokenizer.decode(ids) == LLAMAFACTORY_LAYOUTS[name]
+    learned = tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
+    ends = {"llama3": "<|eot_id|>", "mistral": "</s>", "llama2": "</s>", "qwen": "<|im_end|>\n", "alpaca": "</s>\n\n"}
+    start = " " if name == "mistral" else ""
+    assert learned == f"{start}hello{ends[name]}{start}see you{ends[name]}"
+
+
+def test_a_prompt_and_answer_the_tokenizer_joins_into_one_token_are_said_as_that():
+    """LLaMA-Factory's `empty` template puts the answer right after the question: a tokenizer
+    that merges across that edge leaves no token where the answer starts. Said as that, not as
+    a template rewriting earlier turns."""
+    from tokenizers import Tokenizer, models as token_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(token_models.WordLevel(vocab={"<unk>": 0, "</s>": 1, "hi": 2, "ho": 3, "hiho": 4},
+                                            unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = (BUNDLED / "empty.jinja").read_text()
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
+    with pytest.raises(tokenizing.RowError, match=r"joins the end of one turn and what follows it into one "
+                                                  r"token \('hi' then 'hiho'\)"):
+        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+
+
+@pytest.mark.parametrize("name", ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi",
+                                  "qwen", "qwen3_nothink", "vicuna"])
+def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
+    """Each name the config's doc lists is bundled (the package ships it) and renders a plain
+    exchange; a tool turn, which these layouts do not hold, is a bad row naming the template,
+    not one dropped without a word."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    assert name in models.bundled_chat_templates() and name in ModelConfig.model_fields["chat_template"].description
+    tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
+    ids, labels = tokenizing.tokenize_row({"instruction": "hi", "output": "hello"}, "alpaca", tokenizer)
+    assert "hello" in tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
+    turns = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny"},
+             {"role": "assistant", "content": "sunny"}]
+    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
+                                                  f"not tool"):
+        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -451,16 +451,22 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     assert torch.equal(written["model.norm.weight"], reference["model.norm.weight"])
 
 
-def test_a_run_with_its_own_chat_template_exports_it(tmp_path):
-    """model.chat_template trained the rows; the export's tokenizer renders chat with the same one."""
+@pytest.mark.parametrize("bundled", [False, True])
+def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
+    """model.chat_template (a file, or a bundled template's name) trained the rows; the export's
+    tokenizer renders chat with the same one."""
     from conftest import write_jsonl
+    from zerofit.models import BUNDLED_TEMPLATES
 
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (tmp_path / "chatml.jinja").write_text(template)
+    if bundled:
+        template = (BUNDLED_TEMPLATES / "llama3.jinja").read_text()
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}] * 64)
-    config = tiny_config(tmp_path / "run", data, model={"chat_template": str(tmp_path / "chatml.jinja")},
+    config = tiny_config(tmp_path / "run", data, model={"chat_template": "llama3" if bundled else
+                                                        str(tmp_path / "chatml.jinja")},
                          train={"max_steps": 2}, eval={"at_end": False, "every_steps": 0}, checkpoint={"every_steps": 0})
     done = run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
     assert "messages rows by the tokenizer's chat template" in done.stderr

@@ -252,22 +252,31 @@ def test_set_on_top_replaces_the_keys_it_excludes_and_its_todo(tmp_path, monkeyp
     assert "hf download" not in err and "hf download" not in text
 
 
-def test_a_tokenizer_without_a_chat_template_is_a_todo(tmp_path, monkeypatch, capsys):
-    """LLaMA-Factory rendered the rows with its `qwen` template; zerofit would lay them out as
-    `role:` lines: said before training, not found in the data line after it."""
+def test_a_tokenizer_without_a_chat_template_takes_the_bundled_one_or_is_a_todo(tmp_path, monkeypatch, capsys):
+    """LLaMA-Factory rendered a base model's rows with its `qwen` template: zerofit bundles that
+    one, so the translation sets it; one it does not bundle is a to-do (zerofit would lay the
+    rows out as `role:` lines), said before training, not found in the data line after it. A
+    tokenizer with its own template keeps it, the bundled one offered."""
     from zerofit.demo import build_tokenizer
 
     model = tmp_path / "base"
     tokenizer = build_tokenizer()
     tokenizer.chat_template = None
     tokenizer.save_pretrained(model)
-    _, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
-                                                         f"template: qwen\n")
+    config, text, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\n"
+                                                                   f"dataset: identity\ntemplate: qwen\n")
+    assert config["model"]["chat_template"] == "qwen" and "# template: qwen (bundled; " in text
+    assert "chat template" not in err and validate(config).model.chat_template == "qwen"
+    config, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
+                                                              f"template: baichuan2\n")
+    assert "chat_template" not in config["model"]
     assert f"model.chat_template: {model}'s tokenizer has no chat template" in err
+    assert "(zerofit bundles alpaca, chatml, default, " in err
     build_tokenizer().save_pretrained(model)  # the demo tokenizer has one
-    _, _, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\ndataset: identity\n"
-                                                         f"template: qwen\n")
-    assert "no chat template" not in err
+    config, text, err = translated(tmp_path, monkeypatch, capsys, f"model_name_or_path: {model}\n"
+                                                                   f"dataset: identity\ntemplate: qwen\n")
+    assert "no chat template" not in err and "chat_template" not in config["model"]
+    assert "for LLaMA-Factory's own layout set model.chat_template: qwen" in text
 
 
 def test_a_translation_train_would_refuse_is_refused_naming_the_key(tmp_path, monkeypatch, capsys):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 THEIRS = {
     "model_name_or_path": "model.path (a local model directory)",
-    "template": "the tokenizer's own chat template (a model directory carries its own), or model.chat_template, "
-                "a .jinja file that renders the conversation; `template: alpaca` is near data.alpaca_template: "
-                "alpaca (Stanford's layout)",
+    "template": "the tokenizer's own chat template (a model directory carries its own), or model.chat_template: "
+                "a .jinja file that renders the conversation, or the name of a LLaMA-Factory template zerofit "
+                "bundles (llama3, qwen, mistral, alpaca, ...: `zerofit config --example` lists them)",
     "dataset": "data.path (files or directories; there is no dataset registry: a dataset_info.json entry's "
                "file_name is data.path, its columns data.columns)",
     "dataset_dir": "data.path (files or directories; there is no dataset registry: a dataset_info.json entry's "

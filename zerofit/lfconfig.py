@@ -32,6 +32,7 @@ import yaml
 from zerofit import lfdata
 from zerofit.aliases import NO_EFFECT
 from zerofit.config import Config, ConfigError, expand_path, read_yaml
+from zerofit.models import bundled_chat_templates
 
 # what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"}
@@ -247,14 +248,21 @@ def _model(lf: dict, out: Translation, model_is_dir: bool, has_chat_template: bo
     template = lf.get("template")
     if template is None or stage == "pt":
         return
+    bundled = template in bundled_chat_templates()
+    if has_chat_template is False and bundled:
+        out.set("model.chat_template", template, f"template: {template} (bundled; {name}'s tokenizer has none)")
+        return
     out.left_out.append(f"template: {template} -- zerofit renders conversations and alpaca rows with the tokenizer's "
-                        f"own chat template (model.path's, model.tokenizer's, or model.chat_template's file), which for a "
-                        f"chat model is what LLaMA-Factory's template of it writes")
+                        f"own chat template (model.path's, model.tokenizer's, or model.chat_template's), which for a "
+                        f"chat model is what LLaMA-Factory's template of it writes"
+                        + (f"; for LLaMA-Factory's own layout set model.chat_template: {template} (bundled: system, "
+                           f"user and assistant turns, not tool calls)" if bundled else ""))
     if has_chat_template is False:
         out.todo["model.chat_template"] = (
             f"{name}'s tokenizer has no chat template, so zerofit would lay conversations out as `role:` lines and "
             f"alpaca rows as Stanford's `### Instruction:` layout, not LLaMA-Factory's `{template}` template: set "
-            f"model.chat_template to a .jinja file of that template")
+            f"model.chat_template to a .jinja file of that template (zerofit bundles "
+            f"{', '.join(bundled_chat_templates())})")
 
 
 def _method(lf: dict, out: Translation) -> None:

@@ -210,13 +210,26 @@ def with_chat_template(tokenizer, path: str | None):
     return tokenizer
 
 
+# LLaMA-Factory's templates for the models most often fine-tuned from a base checkpoint, as Jinja
+# files (their layouts: register_template's slots in LLaMA-Factory's src/llamafactory/data/template.py)
+BUNDLED_TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def bundled_chat_templates() -> list[str]:
+    """The names model.chat_template takes for a bundled template."""
+    return sorted(file.stem for file in BUNDLED_TEMPLATES.glob("*.jinja"))
+
+
 def read_chat_template(path: str) -> str:
-    """model.chat_template's Jinja text: a .jinja file, or a chat_template.json as transformers
-    saves one ({"chat_template": "..."})."""
+    """model.chat_template's Jinja text: a .jinja file, a chat_template.json as transformers
+    saves one ({"chat_template": "..."}), or a bundled template's name (a file of that name wins)."""
     file = Path(path)
+    if not file.is_file() and path in bundled_chat_templates():
+        file = BUNDLED_TEMPLATES / f"{path}.jinja"
     if not file.is_file():
-        raise ConfigError(f"model.chat_template={path!r} is not a file; give a Jinja template file (.jinja), such "
-                          f"as a model directory's chat_template.jinja")
+        raise ConfigError(f"model.chat_template={path!r} is neither a file nor a bundled template's name; give a "
+                          f"Jinja template file (.jinja), such as a model directory's chat_template.jinja, or one of "
+                          f"{', '.join(bundled_chat_templates())} (LLaMA-Factory's templates of those names)")
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError:

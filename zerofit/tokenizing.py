@@ -302,6 +302,13 @@ def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | No
         return list(tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=True, return_dict=False,
                                                   add_generation_prompt=generation_prompt))
     def extended(rendered: list[int], ids: list[int], turns: int) -> list[int]:
+        if rendered[:len(ids)] != ids and tokenizer.decode(rendered).startswith(tokenizer.decode(ids)):
+            apart = next((k for k, (a, b) in enumerate(zip(ids, rendered)) if a != b), len(rendered))
+            raise RowError("messages", f"the tokenizer joins the end of one turn and what follows it into one "
+                                       f"token ({tokenizer.decode(ids[apart:])!r} then "
+                                       f"{tokenizer.decode(rendered[apart:apart + 1])!r}), so where the answer "
+                                       f"starts is not a token boundary; use a template that ends each turn with "
+                                       f"a separator the next cannot merge with (a special token, a newline)")
         if rendered[:len(ids)] != ids:
             raise RowError("messages", f"the tokenizer's chat template renders the first {turns} turn(s) differently "
                                        f"from the start of the whole conversation (it rewrites earlier turns when "
