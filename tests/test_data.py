@@ -956,6 +956,19 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     assert files == [tmp_path / "dir" / "a.jsonl", tmp_path / "dir" / "sub" / "b.jsonl", tmp_path / "dir" / "sub" / "saved"]
     seqs = data.build_sequences(files, DataConfig(path=str(tmp_path / "dir"), packing=False), tokenizer, 16)
     assert len(seqs) == 8
+    # a run_dir inside data.path: its checkpoint manifests and logs are not rows (they failed a resume as
+    # "cannot tell the format"), the directory is said instead
+    from zerofit.runlock import LOCK_FILE
+
+    run = tmp_path / "dir" / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / LOCK_FILE).touch()
+    (run / "checkpoints" / "step-000002" / "MANIFEST.json").write_text('{"step": 2, "world_size": 1}')
+    write_jsonl(run / "metrics.jsonl", [{"step": 1, "loss": 2.0}])
+    assert datafiles.data_entries(str(tmp_path / "dir")) == [files]
+    left_out = datafiles.left_out_files(str(tmp_path / "dir"), None)
+    assert left_out == [tmp_path / "dir" / "notes.txt", run]
+    assert datafiles.shown_left_out(run) == f"{run}/ (a zerofit run directory)"
 
 
 def test_eval_path_takes_several_files(tmp_path, tokenizer):

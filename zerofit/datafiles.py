@@ -55,12 +55,15 @@ def files_under(directory: Path, key: str = "data.path") -> list[Path]:
 def walk_data(directory: Path) -> tuple[list[Path], list[Path]]:
     """(read, left out) under a directory, in path order, hidden entries aside: data files, and
     saved datasets read whole (their metadata .json files are not rows, nor is LLaMA-Factory's
-    dataset_info.json registry); left out, the files of other kinds."""
+    dataset_info.json registry); left out, the files of other kinds and zerofit run directories
+    whole (a run_dir inside data.path: its manifests and logs are .json and .jsonl, not rows)."""
     read, left_out = [], []
     for entry in sorted(directory.iterdir()):
         if entry.name.startswith("."):
             continue
-        if entry.is_dir() and is_saved_dataset(entry):
+        if is_run_dir(entry):
+            left_out.append(entry)
+        elif entry.is_dir() and is_saved_dataset(entry):
             read.append(entry)
         elif entry.is_dir():
             deeper = walk_data(entry)
@@ -70,6 +73,18 @@ def walk_data(directory: Path) -> tuple[list[Path], list[Path]]:
         elif entry.is_file() and entry.name not in METADATA_FILES:
             left_out.append(entry)
     return read, left_out
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is a zerofit run directory: every run holds its lock file there."""
+    from zerofit.runlock import LOCK_FILE
+
+    return (path / LOCK_FILE).is_file()
+
+
+def shown_left_out(path: Path) -> str:
+    """A left-out entry as the warning names it."""
+    return f"{path}/ (a zerofit run directory)" if is_run_dir(path) else str(path)
 
 
 def left_out_files(*paths: str | list[str] | None) -> list[Path]:

@@ -394,7 +394,8 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     left_out = datafiles.left_out_files(config.data.path, config.data.eval_path)
     if left_out:
         warn(f"not read (zerofit reads .jsonl, .json, .parquet and saved datasets): "
-             f"{', '.join(map(str, left_out[:5]))}{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
+             f"{', '.join(map(datafiles.shown_left_out, left_out[:5]))}"
+             f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
     if config.eval.max_batches is not None:
         warn(f"eval.max_batches {config.eval.max_batches} counts micro batches (of {config.train.micro_batch_size} "
              f"sequences x ranks): the sequences it evaluates change with the micro batch the planner or an OOM "
