@@ -472,3 +472,23 @@ def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
     assert "messages rows by the tokenizer's chat template" in done.stderr
     run_zerofit(["export", str(tmp_path / "run"), "--out", str(tmp_path / "model")])
     assert (tmp_path / "model" / "chat_template.jinja").read_text() == template
+
+
+def test_gather_16bit_weights_on_save_writes_the_16bit_model_into_each_checkpoint(tmp_path):
+    """zero.gather_16bit_weights_on_save: each checkpoint also holds DeepSpeed's consolidated 16-bit
+    state dict (save_16bit_model's pytorch_model.bin, HF key names), the same weights an export of
+    that checkpoint writes; it used to set DeepSpeed's flag and write nothing."""
+    config = tiny_config(tmp_path / "run", zero={"gather_16bit_weights_on_save": True},
+                         train={"max_steps": 2}, eval={"at_end": False, "every_steps": 0}, checkpoint={"every_steps": 2})
+    run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    gathered = torch.load(checkpoint / "pytorch_model.bin", weights_only=True)
+    manifest = json.loads((checkpoint / "MANIFEST.json").read_text())
+    assert manifest["files"].get("pytorch_model.bin")  # hashed, verified as the others are
+    planned = json.loads((tmp_path / "run" / "plan.json").read_text())["checkpoint_bytes"]
+    assert abs(planned - manifest["total_bytes"]) < 0.05 * manifest["total_bytes"]  # the disk plan counts it
+    run_zerofit(["export", str(checkpoint), "--out", str(tmp_path / "model"), "--dtype", "bf16"])
+    exported = exported_tensors(tmp_path / "model")
+    assert sorted(gathered) == sorted(exported) and len(gathered) == 2 * 9 + 3
+    for key, tensor in gathered.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, exported[key]), key

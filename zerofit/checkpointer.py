@@ -28,6 +28,7 @@ from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
+MODEL_16BIT_FILE = "pytorch_model.bin"  # zero.gather_16bit_weights_on_save, in each checkpoint: save_16bit_model's name
 
 
 @dataclass
@@ -79,6 +80,10 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
             say(f"removed {len(removed)} unfinished save(s) under {root}: {', '.join(removed)}")
         if resume is not False:
             point = _pick(root, config, dist.world_size, fresh)
+            if point.directory is None and point.error is None and resume is None:
+                # said: run_dir is read from the working directory, so a resume started from another one
+                # would otherwise train from step 0 into a new directory that looks like the old one
+                say(f"new run in {root.parent.resolve()}: no checkpoint there to resume from")
         elif moved := checkpoint.set_aside(root):
             for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"),
                            root.parent / "tensorboard"]:
@@ -375,6 +380,8 @@ class Checkpointer:
             if self.dist.world_size > 1:
                 raise  # the other ranks wait inside DeepSpeed's barrier: only a restart helps
             self.io.error = self.io.error or f"DeepSpeed's save_checkpoint: {e}"
+        if self.config.zero.gather_16bit_weights_on_save:
+            self._write_16bit_model(tmp)
         copies = zerofiles.nvme_copies(tmp, self.dist.rank)
         if self.config.zero.offload_optimizer == "nvme" and copies.is_dir():
             nvme.record_sub_groups(self.ds_engine.optimizer, copies)
@@ -386,6 +393,18 @@ class Checkpointer:
                  f"{self.io.fallback_reason or 'another rank is over its host RAM budget'}")
         self.io.launch(background=mode == "async")
         return mode
+
+    def _write_16bit_model(self, tmp: Path) -> None:
+        """zero.gather_16bit_weights_on_save: the consolidated 16-bit state dict (HF's key names) as
+        tmp/pytorch_model.bin, what DeepSpeed's save_16bit_model writes, through zerofit's engine
+        (its own call would open a second checkpoint in it). Under ZeRO-3 every rank gathers module
+        by module (the call accelerate's get_state_dict makes); rank 0 holds and writes it."""
+        if self.ds_engine.zero_optimization_partition_weights():
+            state = self.ds_engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.ds_engine.module_state_dict() if self.dist.is_main else None
+        if self.dist.is_main:
+            self.io.save(state, str(tmp / MODEL_16BIT_FILE))
 
     @property
     def in_flight(self) -> bool:

@@ -425,8 +425,10 @@ class ZeroConfig(Section):
     often fatal in the first step after a save); offloaded, each sub group's 16-bit copy passes
     through host RAM (2 bytes per element). 1e8 is the safe default."""
     gather_16bit_weights_on_save: bool = False
-    """Also write a consolidated 16-bit model at each save (a host-RAM and time spike);
-    `zerofit export` does it afterwards instead."""
+    """Also write a consolidated 16-bit model at each save (a host-RAM and time spike): DeepSpeed's
+    gathered 16-bit state dict (HF's key names; with LoRA the base and the adapters, unmerged) as
+    pytorch_model.bin in the checkpoint, as its save_16bit_model writes it; `zerofit export`
+    makes a model directory from a checkpoint afterwards instead."""
     aio_block_size: int | None = Field(None, ge=4096)
     """NVMe offload: bytes per async I/O request (DeepSpeed aio.block_size); optimizer sub
     groups smaller than max(1 MiB, this) are not swapped but kept in host RAM. Unset: the

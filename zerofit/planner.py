@@ -405,6 +405,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     ranks_here = ranks_on_this_node(hw, shape.world_size)
     # LoRA checkpoints leave the frozen base out (checkpoint.save exclude_frozen)
     ckpt_bytes = checkpoint_bytes(spec.trainable_params, shape.world_size, cand.stage, shape.element_bytes)
+    if cand.gather_16bit_weights_on_save:  # the consolidated model each checkpoint holds too, frozen base and all
+        ckpt_bytes += shape.element_bytes * spec.total_params
     snapshot = async_snapshot_bytes(ckpt_bytes, shape, hw)
     if snapshot:
         host_base["async_snapshot"] = snapshot
