@@ -437,6 +437,9 @@ def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     run, _, done = trained_run(tmp_path, config)
     assert "snapshots (at most 50.0MiB: checkpoint.async_host_max_gib" in done.stderr.replace("\n", " ")
     assert valid_steps(run) == [2]
+    # run_dir is read from the working directory: a fresh start says where it trains, so that a resume
+    # started from another directory is not mistaken for one
+    assert f"new run in {run.resolve()}: no checkpoint there to resume from" in done.stderr.replace("\n", "")
 
 
 @pytest.mark.parametrize("fault, async_save", [("kill@save:2", False), ("kill@rename:3", True)])
@@ -455,7 +458,7 @@ def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, t
     assert (summary["saves"], summary["saves_unfinished"]) == (len(survivors), 1 if async_save else 0)
     done = run_zerofit(["train", "--config", str(config)])
     assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(survivors[-1])}" in done.stderr.replace("\n", "")
-    assert "removed 1 unfinished save" in done.stderr
+    assert "removed 1 unfinished save" in done.stderr and "new run" not in done.stderr
     assert_same_weights(run, reference)
     assert valid_steps(run) == [4, 6]
 

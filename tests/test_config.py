@@ -300,6 +300,27 @@ def test_changed_settings_names_each_difference():
         "data.truncation head -> balanced"]
 
 
+def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeypatch):
+    """Config paths are read from the working directory (not the config file's): a config run
+    from elsewhere said "download it once" for a model directory one level up."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    where = rf"\(a relative path is read from the working directory, {tmp_path / 'elsewhere'}\)"
+    with pytest.raises(ConfigError, match=rf"model.path='../tiny' is not a directory {where}"):
+        models.hf_config(ModelConfig(path="../tiny"))
+    with pytest.raises(ConfigError, match=rf"model.path='../tiny' is not a directory {where}"):
+        models.load_tokenizer(ModelConfig(path="../tiny"))
+    with pytest.raises(ConfigError, match=rf"model.tokenizer='tok' is not a directory {where}"):
+        models.load_tokenizer(ModelConfig(config="tiny", tokenizer="tok"))
+    with pytest.raises(ConfigError, match=rf"nor an existing config.json or directory {where}"):
+        models.hf_config(ModelConfig(config="../configs/tiny.json"))
+    with pytest.raises(ConfigError, match="is not a directory; "):  # an absolute one needs no word
+        models.hf_config(ModelConfig(path=str(tmp_path / "nowhere")))
+
+
 def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     """A size is checked as the config loads (not once DeepSpeed has started); a directory
     where a file is wanted, or a path that does not exist, is said to be that."""

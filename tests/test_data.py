@@ -1202,8 +1202,9 @@ def test_model_chat_template_renders_the_rows_and_a_broken_one_is_named(tmp_path
     template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor")
     with pytest.raises(ConfigError, match=r"chatml.jinja, line 2: .*fix the template"):
         models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(template)))
-    with pytest.raises(ConfigError, match="model.chat_template='nowhere.jinja' is neither a file nor a bundled "
-                                          "template's name; .* or one of alpaca, chatml, "):
+    with pytest.raises(ConfigError, match=r"model.chat_template='nowhere.jinja' is neither a file \(a relative "
+                                          r"path is read from the working directory, .*\) nor a bundled template's "
+                                          r"name; .* or one of alpaca, chatml, "):
         models.load_tokenizer(ModelConfig(config="tiny", chat_template="nowhere.jinja"))
 
 

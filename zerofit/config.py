@@ -56,6 +56,12 @@ class Section(BaseModel):
         return value
 
 
+def read_from(path: str | Path) -> str:
+    """Where a relative path was looked for, for an error that found nothing there: config paths
+    are read from the working directory (as LLaMA-Factory's and HF's are), not the config file's."""
+    return "" if Path(path).is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+
+
 def expand_path(value: Any) -> Any:
     """`~` and $VARIABLES in a path (or each of a list of paths) expanded."""
     if isinstance(value, list):

@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from zerofit.config import FORMAT_FIELDS, ConfigError, column_fields
+from zerofit.config import FORMAT_FIELDS, ConfigError, column_fields, read_from
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
@@ -31,8 +31,7 @@ def entry_files(f: Path, key: str) -> list[Path]:
     if f.is_dir():
         return [f] if is_saved_dataset(f) else files_under(f, key)
     if not f.is_file():
-        relative = "" if f.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
-        raise DataError(f"data file {f} does not exist{relative}; set {key} to local .jsonl/.json/.parquet "
+        raise DataError(f"data file {f} does not exist{read_from(f)}; set {key} to local .jsonl/.json/.parquet "
                         f"files or a directory of them")
     if f.suffix not in SUFFIXES:
         raise DataError(f"data file {f}: unsupported suffix {f.suffix!r}; use .jsonl, .json or .parquet")

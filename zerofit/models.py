@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zerofit.config import ConfigError, DataConfig, ModelConfig
+from zerofit.config import ConfigError, DataConfig, ModelConfig, read_from
 
 # Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
 # embeddings (1.50e9 and 3.61e9 parameters): the sizes the GPU benchmarks use.
@@ -156,7 +156,7 @@ def config_from_name(name: str, trust_remote_code: bool = False):
         return CONFIG_MAPPING[fields.pop("model_type")](**fields)
     if not path.is_file():
         raise ConfigError(f"model.config={name!r} is neither a preset ({', '.join(PRESETS)}) "
-                          f"nor an existing config.json or directory")
+                          f"nor an existing config.json or directory{read_from(name)}")
     try:
         fields = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -185,7 +185,8 @@ def load_tokenizer(model: ModelConfig):
     source = model.tokenizer or model.path
     if source:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(_existing_dir(source, "model.tokenizer"), local_files_only=True,
+            directory = _existing_dir(source, "model.tokenizer" if model.tokenizer else "model.path")
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                                       trust_remote_code=model.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load a tokenizer from {source}: {e}; point model.tokenizer "
@@ -227,7 +228,8 @@ def read_chat_template(path: str) -> str:
     if not file.is_file() and path in bundled_chat_templates():
         file = BUNDLED_TEMPLATES / f"{path}.jinja"
     if not file.is_file():
-        raise ConfigError(f"model.chat_template={path!r} is neither a file nor a bundled template's name; give a "
+        raise ConfigError(f"model.chat_template={path!r} is neither a file{read_from(path)} nor a bundled "
+                          f"template's name; give a "
                           f"Jinja template file (.jinja), such as a model directory's chat_template.jinja, or one of "
                           f"{', '.join(bundled_chat_templates())} (LLaMA-Factory's templates of those names)")
     try:
@@ -274,6 +276,6 @@ def probe_chat_template(tokenizer, path: str) -> None:
 
 def _existing_dir(path: str, key: str) -> str:
     if not Path(path).is_dir():
-        raise ConfigError(f"{key}={path!r} is not a directory; models load from local files only "
+        raise ConfigError(f"{key}={path!r} is not a directory{read_from(path)}; models load from local files only "
                           f"(download once with `huggingface-cli download`, then point here)")
     return path
