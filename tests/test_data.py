@@ -1371,3 +1371,19 @@ def test_a_chat_template_the_rows_do_not_use_is_said(tmp_path, tokenizer, capsys
     train.report_data(train_set, eval_set, config, tokenizer)
     assert "model.chat_template is not what the rows are laid out by (alpaca rows in the alpaca layout)" in \
         capsys.readouterr().err.replace("\n", " ")
+
+
+def test_tokenizing_says_its_progress_on_rank_0_only(tmp_path, tokenizer, monkeypatch, capsys):
+    """100k rows tokenized for half a minute with nothing on the screen: a plain line every 5 s
+    where stderr is no terminal (rows done, rate, ETA); nothing from the other ranks."""
+    from zerofit import progress
+
+    clock = iter(range(0, 10_000, 6))  # every look at the clock 6 s after the one before
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(3)])
+    tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer, progress.Shown(True, bar=True))
+    said = capsys.readouterr().err.splitlines()
+    assert said[:3] == [f"tokenizing d.jsonl {n}/3 rows (0.17/s, ETA {progress.clock(6 * (3 - n))})" for n in (1, 2, 3)]
+    tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer, progress.Shown(False, bar=True))
+    tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer)
+    assert capsys.readouterr().err == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import NamedTuple
 
 from rich.console import Console
 from rich.table import Column
@@ -66,6 +67,60 @@ class StepProgress:
         return clock((time.monotonic() - self._start_time) / done * (self.total - step))
 
     def close(self) -> None:
+        if self._progress:
+            self._progress.stop()
+
+
+class Shown(NamedTuple):
+    """How work below the verb is shown: at all (rank 0), and as a bar where stderr is a terminal
+    (log.progress)."""
+    enabled: bool
+    bar: bool
+
+
+HIDDEN = Shown(False, False)
+
+
+class CountProgress:
+    """Items done of a known total (rows tokenized, eval batches run): on a terminal a bar with
+    the rate and ETA that goes when done (a result line follows); otherwise a plain line every
+    5 s, so work under 5 s says nothing; silent when not `enabled` (ranks other than 0). Used
+    as a context manager."""
+
+    def __init__(self, label: str, total: int, unit: str, enabled: bool = True, bar: bool = True):
+        from rich.progress import MofNCompleteColumn, TimeElapsedColumn
+
+        self.label, self.total, self.unit, self.done = label, total, unit, 0
+        self.enabled = enabled
+        self._started = self._last_line = time.monotonic()
+        self._progress = None
+        if enabled and bar and sys.stderr.isatty():
+            self._progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=16), MofNCompleteColumn(),
+                                      TextColumn(unit), TimeElapsedColumn(), TextColumn("ETA"),
+                                      TimeRemainingColumn(), console=console, transient=True)
+            self._task = self._progress.add_task(label, total=total)
+
+    def __enter__(self) -> "CountProgress":
+        from rich.errors import LiveError
+
+        if self._progress:
+            try:
+                self._progress.start()
+            except LiveError:  # the training bar is up (rich shows one at a time): plain lines above it
+                self._progress = None
+        return self
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self._progress:
+            self._progress.update(self._task, completed=self.done)
+        elif self.enabled and (now := time.monotonic()) - self._last_line > 5:
+            self._last_line, rate = now, self.done / (now - self._started)
+            shown_rate = f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
+            say(f"{self.label} {self.done}/{self.total} {self.unit} ({shown_rate}/s, ETA "
+                f"{clock((self.total - self.done) / rate)})")
+
+    def __exit__(self, *exc) -> None:
         if self._progress:
             self._progress.stop()
 

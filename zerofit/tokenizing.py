@@ -16,6 +16,7 @@ from jinja2.exceptions import TemplateError
 from zerofit import toolcalls
 from zerofit.config import FORMAT_FIELDS, DataConfig
 from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
+from zerofit.progress import HIDDEN, CountProgress, Shown
 
 IGNORE = -100  # the label value HF causal-LM losses skip
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -425,7 +426,7 @@ class Read(NamedTuple):
     unread: list[str]
 
 
-def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer) -> Read:
+def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer, shown: Shown = HIDDEN) -> Read:
     """What the files hold (a Read): tokenized (input_ids, labels) per row, the rows skipped
     with why, the formats read, whether max_samples cut, the columns left out. `files`: paths, or per data.path entry a list of them (datafiles.data_entries); under
     data.max_samples only each entry's first rows are read (a lone path is an entry)."""
@@ -440,7 +441,7 @@ def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokeniz
             taken += len(rows) + len(bad_lines)
             skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
             if len(rows):  # not every line skipped (then there is nothing to tell a format by)
-                more, bad_rows, read_formats, left_out = file_examples(rows, line_numbers, file, cfg, tokenizer)
+                more, bad_rows, read_formats, left_out = file_examples(rows, line_numbers, file, cfg, tokenizer, shown)
                 examples, unread = examples + more, unread + left_out
                 skipped, reasons = skipped + len(bad_rows), reasons + bad_rows
                 formats.update(dict.fromkeys(read_formats, True))
@@ -451,23 +452,25 @@ def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokeniz
     return Read(examples, skipped, reasons[:10], tuple(formats), capped, unread)
 
 
-def file_examples(rows, line_numbers, file: Path, cfg: DataConfig,
-                  tokenizer) -> tuple[list, list[str], tuple[str, ...], list[str]]:
+def file_examples(rows, line_numbers, file: Path, cfg: DataConfig, tokenizer,
+                  shown: Shown = HIDDEN) -> tuple[list, list[str], tuple[str, ...], list[str]]:
     """One file's rows tokenized: the examples, the bad rows skipped (where and why), the formats
-    read, the columns left out (with_columns)."""
+    read, the columns left out (with_columns). A long file shows its progress (`shown`)."""
     examples, bad, formats = [], [], {}
     rows, renames, unread = with_columns(rows, cfg.columns, file, cfg.format)
     check_format_fields(rows, cfg.format, file)
     found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
-    for index, row in enumerate(rows):
-        fmt = found[index] or usual
-        try:
-            examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
-            formats[fmt] = True
-        except RowError as e:
-            line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
-            where = f"{file}, {line}: {as_in_file(e, renames)} ({fmt} format)"
-            if not cfg.skip_bad_rows:
-                raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
-            bad.append(where)
+    with CountProgress(f"tokenizing {file.name}", len(rows), "rows", *shown) as progress:
+        for index, row in enumerate(rows):
+            fmt = found[index] or usual
+            try:
+                examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
+                formats[fmt] = True
+            except RowError as e:
+                line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
+                where = f"{file}, {line}: {as_in_file(e, renames)} ({fmt} format)"
+                if not cfg.skip_bad_rows:
+                    raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
+                bad.append(where)
+            progress.advance()
     return examples, bad, tuple(formats), unread

@@ -18,7 +18,7 @@ import numpy as np
 from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
                      lastword, lora, loss, memory, models, nvme, planview, postmortem, runlock, tokenizing, watchdog)
 from zerofit.config import Config, ConfigError, dump_yaml
-from zerofit.progress import StepProgress, counted, say, warn
+from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
 
 
 @dataclass
@@ -64,7 +64,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     models.check_neat_packing(config.data, hf_config)
     lora.check_base_files(config)
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
-                                           hf_config.vocab_size)
+                                           hf_config.vocab_size, Shown(dist.is_main, config.log.progress))
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
@@ -131,14 +131,16 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             step_records = timeline.flush(state.step)
             last = state.step == total_steps
 
+            if state.step % config.log.every_steps == 0 or last:  # before its eval's and its save's lines
+                progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
             if every(config.eval.every_steps, state.step) or (last and config.eval.at_end):
-                record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step)
+                # its progress as plain lines above the training bar: a second bar stayed drawn after it ended
+                record["eval_loss"] = eval_loss = evaluate(ds_engine, eval_set, config, dist, timeline, state.step,
+                                                           Shown(dist.is_main, bar=False))
 
             # the step's line before its checkpoint: a kill after the publish left it unwritten for good
             # (a resume keeps the lines up to the checkpoint's step), one before it is rolled back
             metrics.write(record)
-            if state.step % config.log.every_steps == 0 or last:  # the step's line before its save's
-                progress.update(state.step, progress_info(record, step_records, dist.on_gpu, dog.facts.gpu_budget))
             if record.get("eval_loss") is not None:  # every eval in the log, not only one a progress line shows
                 progress.note(state.step, f"eval loss {record['eval_loss']:.4f}")
             saver.poll(state.step)  # an async save whose writers all finished gets published
@@ -277,7 +279,7 @@ def eval_sequences(config: Config, world_size: int, held: int) -> int:
 
 
 def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,
-             timeline: memory.Timeline, step: int) -> float | None:
+             timeline: memory.Timeline, step: int, shown: Shown) -> float | None:
     import torch
 
     batches = list(data.eval_batches(eval_set, config.train.micro_batch_size, dist.rank, dist.world_size,
@@ -287,10 +289,11 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
     ds_engine.eval()
     learned_counts = [data.targets(batch.labels) for batch in batches]
     summed = []
-    with torch.no_grad():  # the mean over every token evaluated, as the training loss is
-        for batch, n in zip(batches, learned_counts):
+    with torch.no_grad(), CountProgress(f"step {step} eval", len(batches), "micro batches", *shown) as progress:
+        for batch, n in zip(batches, learned_counts):  # the mean over every token evaluated, as the training loss is
             loss_value = forward_loss(ds_engine, batch, config.train.chunked_loss).float()
             summed.append(loss_value * n if n else torch.zeros((), device=ds_engine.device))  # a stand-in row: 0/0
+            progress.advance()
     ds_engine.train()
     timeline.mark(step, "eval")
     tokens = torch.tensor(float(sum(learned_counts)), device=ds_engine.device)
