@@ -325,6 +325,8 @@ def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | No
         answered = extended(render(i + 1, False), prompt, i + 1)
         labels += answered[len(prompt):]
         ids = answered
+    if messages and messages[-1]["role"] == "assistant" and ids:
+        return ids, labels  # the last render was the whole conversation
     whole = extended(render(len(messages), False), ids, len(messages))  # turns after the last answer: prompt
     return whole, labels + [IGNORE] * (len(whole) - len(ids))
 
