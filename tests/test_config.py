@@ -321,6 +321,17 @@ def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeyp
         models.hf_config(ModelConfig(path=str(tmp_path / "nowhere")))
 
 
+def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monkeypatch, capsys):
+    """As in a config: `export RUN --out "~/models/my out"` wrote into a directory named `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["doctor", "~/nope"]) == 1
+    assert f"{tmp_path / 'nope'} is not a directory" in capsys.readouterr().err.replace("\n", "")
+    assert cli.main(["export", "$HOME/nope", "--out", "~/my out"]) == 1
+    assert str(tmp_path / "nope") in capsys.readouterr().err.replace("\n", "")
+    assert not (tmp_path / "~").exists()
+
+
 def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     """A size is checked as the config loads (not once DeepSpeed has started); a directory
     where a file is wanted, or a path that does not exist, is said to be that."""

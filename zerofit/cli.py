@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from zerofit import elastic
-from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section, TrainConfig
+from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section, TrainConfig, expand_path
 from zerofit.elastic import TerminatedOutsideTheLoop
 from zerofit.engine import end_after_error
 from zerofit.memory import human_bytes
@@ -499,9 +499,18 @@ def check_doctor_arguments(parser, args) -> None:
         parser.error(f"--out {args.out}: the folder {Path(args.out).parent} does not exist")
 
 
+# the arguments that name files or directories: `~` and $VARIABLES expanded, as in a config (a
+# quoted "~/models/my out" was a directory named `~` in the working directory)
+PATH_ARGUMENTS = ("config", "run_dir", "model_dir", "out", "nvme_path", "model", "ds_config", "file",
+                  "from_llamafactory", "source", "base")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for name in PATH_ARGUMENTS:
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, expand_path(getattr(args, name)))
     if args.verb == "doctor":
         check_doctor_arguments(args.verb_parser, args)
     try:
