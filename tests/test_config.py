@@ -321,6 +321,20 @@ def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeyp
         models.hf_config(ModelConfig(path=str(tmp_path / "nowhere")))
 
 
+def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
+    """The run directory (and the directories above it the start made) held only a lock file
+    after `model.path` was found missing; one that was there before stays."""
+    from conftest import run_zerofit
+
+    wrong = ["--set", "model.path=/nowhere", "--set", "model.config=null"]
+    failed = run_zerofit(["train", "--run-dir", str(tmp_path / "runs" / "new"), *wrong], check=False)
+    assert failed.returncode == 1 and "model.path='/nowhere' is not a directory" in failed.stderr
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    assert run_zerofit(["train", "--run-dir", str(tmp_path / "mine"), *wrong], check=False).returncode == 1
+    assert (tmp_path / "mine").is_dir()
+
+
 def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monkeypatch, capsys):
     """As in a config: `export RUN --out "~/models/my out"` wrote into a directory named `~`."""
     monkeypatch.setenv("HOME", str(tmp_path))

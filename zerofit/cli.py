@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -108,8 +109,16 @@ def cmd_train(args) -> int:
 
     if args.verify:
         config.checkpoint.verify = args.verify
+    run_dir = Path(config.run_dir).absolute()
+    made = next((d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()), None)  # the topmost new one
     try:
         result = train(config, resume=args.resume)
+    except ConfigError:
+        if made and int(os.environ.get("RANK", "0")) == 0:  # a start that found an error leaves nothing it made
+            from zerofit import runlock
+
+            runlock.remove_if_only_locked(run_dir, made)
+        raise
     except KeyboardInterrupt:  # the steps since the newest checkpoint are lost: say which one that is
         from zerofit.checkpointer import where_to_go_on
 

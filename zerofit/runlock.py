@@ -48,3 +48,22 @@ def holder(run_dir: Path) -> int | None:
     finally:
         os.close(fd)  # closing drops the shared lock taken when nobody held it
     return None
+
+
+def remove_if_only_locked(run_dir: Path, made: Path) -> None:
+    """A run directory that holds nothing but its lock file, removed with it, and the directories
+    above it up to `made` (the topmost the start made) where empty: what a start made before it
+    found a config error (a model path that is not there) and left behind."""
+    path = Path(run_dir).absolute()
+    if not path.is_dir() or [entry.name for entry in path.iterdir()] != [LOCK_FILE]:
+        return
+    fd = _held.pop((path / LOCK_FILE).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+    (path / LOCK_FILE).unlink()
+    for directory in [path, *path.parents]:
+        if any(directory.iterdir()):
+            return
+        directory.rmdir()
+        if directory == Path(made).absolute():
+            return
