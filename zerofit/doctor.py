@@ -362,7 +362,9 @@ def summarize(records: list[dict], facts: RunFacts, every_rank: list[dict] | Non
             "resumes": max(0, phases.count("start") - 1), "on_gpu": any(r.get("gpu_reserved") for r in records),
             "gpu_peak_reserved": peaks["gpu"], "gpu_peak": peaks["gpu_alloc"], "host_peak": peaks["host"],
             "pinned": peaks["pinned"], "nvme_swap": peaks["nvme"], "gpu_budget": facts.gpu_budget,
-            "host_budget": facts.host_budget}
+            "host_budget": facts.host_budget,
+            "data_load_host_peak": max((r.get("data_load_host_peak", 0) for r in records if r["phase"] == "start"),
+                                       default=0)}
 
 
 def save_outcomes(records: list[dict]) -> dict:

@@ -64,3 +64,16 @@ def heap_temporaries(enabled: bool = True):
         yield
     finally:
         libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+
+
+def return_freed_heap() -> None:
+    """Give the heap's free memory back to the system (malloc_trim): tokenizing leaves the Python
+    lists of every example freed on it, which glibc keeps (112 of 244 MiB of resident growth
+    for 100k alpaca rows on the CI machine), resident for the whole run beside the packed arrays
+    the planner counts. Python's own collection first, so that the lists are free."""
+    import gc
+
+    gc.collect()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -396,6 +396,9 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
                   f"{saves_phrase(s)}, {counted(s['evals'], 'eval')}, {gpu}host peak {gib(s['host_peak'])}"
                   + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
+    if s.get("data_load_host_peak", 0) > s["host_peak"]:
+        console.print(f"before training: loading the data peaked at {gib(s['data_load_host_peak'])} host (each "
+                      f"example's token lists while tokenizing; the plan counts the packed arrays that stay)")
     if diagnosis.running_note:
         console.print(f"[yellow]{escape(diagnosis.running_note)}[/]")
     if diagnosis.ending:

@@ -65,6 +65,11 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     lora.check_base_files(config)
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size, Shown(dist.is_main, config.log.progress))
+    hostalloc.return_freed_heap()  # the examples' lists, before the planner counts the packed arrays alone
+    # tokenizing peaks above what stays (each example's Python lists): said in the start record, apart
+    # from the peaks of what the plan predicts (VmHWM reset), which it would otherwise stand for
+    data_load_host_peak = memory.proc_status()["VmHWM"]
+    memory.reset_host_peak()
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
@@ -100,7 +105,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                            config.train.seed, position=state.micro_batches)
     dog = watchdog.arm(timeline, state.step, dist.on_gpu, config.memory.watchdog_threshold,
                        config.memory.watchdog_action, config.plan.gpu_mem, config.plan.host_mem, dist.world_size,
-                       settings=postmortem.memory_settings(config))
+                       settings=postmortem.memory_settings(config), data_load_host_peak=data_load_host_peak)
     metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
     progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
     train_loss = eval_loss = stop_reason = None
