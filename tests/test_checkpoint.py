@@ -459,6 +459,7 @@ def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, t
     done = run_zerofit(["train", "--config", str(config)])
     assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(survivors[-1])}" in done.stderr.replace("\n", "")
     assert "removed 1 unfinished save" in done.stderr and "new run" not in done.stderr
+    assert "train rows: tokenized by an earlier start of this run" in done.stderr  # not tokenized again
     assert_same_weights(run, reference)
     assert valid_steps(run) == [4, 6]
 

@@ -1387,3 +1387,41 @@ def test_tokenizing_says_its_progress_on_rank_0_only(tmp_path, tokenizer, monkey
     tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer, progress.Shown(False, bar=True))
     tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer)
     assert capsys.readouterr().err == ""
+
+
+def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, capsys):
+    """A resume tokenized every row again (35 s for 100k rows on 2 cores, per start and per
+    rank): the run directory keeps them, named by the files' size and time, the data keys
+    tokenizing reads, the tokenizer and the code; anything of those changed tokenizes again."""
+    import os
+    from zerofit import datacache
+    from zerofit.demo import build_tokenizer
+    from zerofit.progress import Shown
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
+    cfg = DataConfig(path=str(path))
+    first = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
+    kept = list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))
+    assert len(kept) == 1 and capsys.readouterr().err == ""
+    # the same size and time, other rows: what the cache holds comes back (it is read, not tokenized)
+    stat = path.stat()
+    path.write_text(path.read_text().replace("say", "sag"))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
+    assert again == first and "train rows: tokenized by an earlier start of this run" in capsys.readouterr().err
+    # the file's time, a data key tokenizing reads, the tokenizer's template: tokenized again, the old file gone
+    os.utime(path)
+    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train") != first
+    changed = DataConfig(path=str(path), alpaca_template="alpaca")
+    layouts = datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train")
+    assert "### Instruction:\nsag 0" in tokenizer.decode(layouts.examples[0][0])
+    assert len(list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))) == 1
+    assert datacache.cache_key([[path]], cfg, tokenizer) != datacache.cache_key([[path]], changed, tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert datacache.cache_key([[path]], cfg, tokenizer) != datacache.cache_key([[path]], cfg, build_tokenizer())
+    # a cache file cut short is tokenized again and replaced; the eval files' cache stays beside the train's
+    kept = next((tmp_path / "run" / "data-cache").glob("train-*.pkl"))
+    kept.write_bytes(kept.read_bytes()[:100])
+    assert datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train") == layouts
+    datacache.read([[path]], changed, tokenizer, tmp_path / "run", "eval")
+    assert len(list((tmp_path / "run" / "data-cache").glob("*.pkl"))) == 2

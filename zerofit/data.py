@@ -15,10 +15,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from zerofit import datacache
 from zerofit.config import DataConfig
 from zerofit.datafiles import DataError, data_entries
 from zerofit.progress import HIDDEN, Shown
-from zerofit.tokenizing import IGNORE, read_examples
+from zerofit.tokenizing import IGNORE, Read, read_examples
 from zerofit.rowlayout import (isolate_examples, pack, packing_layout, pad, relabelled, rows_of_whole_examples,
                                tail_padding, truncated)
 
@@ -122,7 +123,10 @@ def to_sequences(examples: list, cfg: DataConfig, tokenizer, seq_len: int, skipp
 def build_sequences(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer, seq_len: int,
                     keep_tail: bool = False, shown: Shown = HIDDEN) -> Sequences:
     """The sequences of the files (read_examples: paths, or per data.path entry a list of them)."""
-    read = read_examples(files, cfg, tokenizer, shown)
+    return sequences_of(read_examples(files, cfg, tokenizer, shown), cfg, tokenizer, seq_len, keep_tail)
+
+
+def sequences_of(read: Read, cfg: DataConfig, tokenizer, seq_len: int, keep_tail: bool = False) -> Sequences:
     return to_sequences(read.examples, cfg, tokenizer, seq_len, read.skipped, read.reasons, read.formats, keep_tail,
                         read.capped, read.unread)
 
@@ -135,11 +139,12 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
 
 
 def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int,
-                shown: Shown = HIDDEN) -> tuple[Sequences, Sequences]:
+                shown: Shown = HIDDEN, cache_root: Path | None = None) -> tuple[Sequences, Sequences]:
     """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction (or
     eval_examples) of the rows, split before packing so no example straddles the two, and
     after data.max_samples cut each entry (LLaMA-Factory's get_dataset splits after it).
-    Tokenizing shows its progress as `shown` says."""
+    Tokenizing shows its progress as `shown` says; with `cache_root` (the run directory) the
+    tokenized rows are kept there for the next start (datacache)."""
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = held_out_count(cfg, len(full), "random sequences of data.synthetic_samples")
@@ -149,12 +154,14 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     from zerofit.demo import DEMO_DATA
 
     entries = [[DEMO_DATA]] if cfg.path == "demo" else data_entries(cfg.path)
-    examples, skipped, reasons, formats, capped, unread = read_examples(entries, cfg, tokenizer, shown)
+    examples, skipped, reasons, formats, capped, unread = datacache.read(entries, cfg, tokenizer, cache_root, "train",
+                                                                         shown)
     if cfg.eval_path:
+        held_out = datacache.read(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, cache_root, "eval",
+                                  shown)
         splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, capped=capped,
                                unread=unread),
-                  build_sequences(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, seq_len,
-                                  keep_tail=True, shown=shown))
+                  sequences_of(held_out, cfg, tokenizer, seq_len, keep_tail=True))
     else:
         order = np.random.default_rng(seed).permutation(len(examples))
         n_eval = held_out_count(cfg, len(examples), "examples read")

@@ -1,0 +1,87 @@
+"""The tokenized rows of a run, kept in RUN_DIR/data-cache/ for its next start: a resume (after
+a preemption, an OOM retry, torchrun restarting the ranks) reads them instead of tokenizing
+every row again (100k short alpaca rows: 30 s on 2 cores, 1 s from the cache).
+
+A cache file is named by what decides its contents: each data file's path, size and
+modification time (a saved dataset's files too), the data keys tokenizing reads, the
+tokenizer (its tokenizer.json, chat template and special tokens) and zerofit's own code that
+reads and tokenizes rows. Anything else changed, and the rows are tokenized again. Only
+fast tokenizers (a tokenizer.json to hash) are cached."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+from zerofit.config import DataConfig
+from zerofit.progress import HIDDEN, Shown, say
+from zerofit.tokenizing import Read, read_examples
+
+CACHE_DIR = "data-cache"
+# the data keys tokenize_row and read_examples read: the others shape sequences from the examples
+READ_KEYS = ("format", "alpaca_template", "columns", "max_samples", "skip_bad_rows")
+CODE = ("tokenizing.py", "datafiles.py", "toolcalls.py", "datacache.py")
+
+
+def read(files: list[list[Path]], cfg: DataConfig, tokenizer, cache_root: Path | None, kind: str,
+         shown: Shown = HIDDEN) -> Read:
+    """read_examples(files, ...), from `cache_root` when an earlier start of this run tokenized
+    the same rows the same way; otherwise tokenized and kept there (the other `kind` files
+    of the run, train or eval, stay)."""
+    key = cache_key(files, cfg, tokenizer) if cache_root is not None else None
+    if key is None:
+        return read_examples(files, cfg, tokenizer, shown)
+    path = cache_root / CACHE_DIR / f"{kind}-{key}.pkl"
+    try:
+        with path.open("rb") as f:
+            cached = pickle.load(f)
+        if shown.enabled:
+            say(f"{kind} rows: tokenized by an earlier start of this run ({path})")
+        return cached
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        pass  # none yet, or unreadable: tokenize again
+    found = read_examples(files, cfg, tokenizer, shown)
+    keep(path, found, kind)
+    return found
+
+
+def keep(path: Path, found: Read, kind: str) -> None:
+    """Written whole or not at all (each rank writes its own temporary, then renames); a full
+    disk or a read-only run directory costs the next start its time, not this one its run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        with partial.open("wb") as f:
+            pickle.dump(found, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(partial, path)
+        for older in path.parent.glob(f"{kind}-*.pkl"):  # the same data tokenized otherwise before
+            if older != path:
+                older.unlink(missing_ok=True)
+    except OSError:
+        if "partial" in locals():
+            partial.unlink(missing_ok=True)
+
+
+def cache_key(files: list[list[Path]], cfg: DataConfig, tokenizer) -> str | None:
+    """What the tokenized rows depend on, hashed; None for a tokenizer without tokenizer.json."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    digest = hashlib.sha256()
+    for entry in files:
+        for file in entry:
+            for part in sorted(file.rglob("*")) if file.is_dir() else [file]:
+                if part.is_file():
+                    stat = part.stat()
+                    digest.update(f"{part.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest.update(b"\x01")  # where one data.path entry ends: max_samples counts per entry
+    digest.update(json.dumps({k: getattr(cfg, k) for k in READ_KEYS}, sort_keys=True, default=str).encode())
+    digest.update(backend.to_str().encode())
+    digest.update(json.dumps([type(tokenizer).__name__, tokenizer.chat_template, tokenizer.special_tokens_map],
+                             sort_keys=True, default=str).encode())
+    here = Path(__file__).parent
+    for name in CODE:
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]
