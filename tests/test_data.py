@@ -1245,22 +1245,27 @@ def test_a_bundled_template_lays_rows_out_as_llamafactory_does(name):
     assert learned == f"{start}hello{ends[name]}{start}see you{ends[name]}"
 
 
-def test_a_prompt_and_answer_the_tokenizer_joins_into_one_token_are_said_as_that():
+def test_a_row_whose_turns_the_tokenizer_joins_is_tokenized_turn_by_turn():
     """LLaMA-Factory's `empty` template puts the answer right after the question: a tokenizer
-    that merges across that edge leaves no token where the answer starts. Said as that, not as
-    a template rewriting earlier turns."""
+    that merges across that edge (vicuna's `ASSISTANT:` before a Llama-3 tokenizer's `:Hello`)
+    leaves no token where the answer starts, and every such row was refused. Tokenized turn by
+    turn instead, as LLaMA-Factory tokenizes every row; a row that needs no such cut keeps the
+    whole text's tokens, which chat prompts get."""
     from tokenizers import Tokenizer, models as token_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(token_models.WordLevel(vocab={"<unk>": 0, "</s>": 1, "hi": 2, "ho": 3, "hiho": 4},
+    core = Tokenizer(token_models.WordLevel(vocab={"<unk>": 0, "</s>": 1, "hi": 2, "ho": 3, "hiho": 4, "hohi": 5},
                                             unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
     tokenizer.chat_template = (BUNDLED / "empty.jinja").read_text()
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
-    with pytest.raises(tokenizing.RowError, match=r"joins the end of one turn and what follows it into one "
-                                                  r"token \('hi' then 'hiho'\)"):
-        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+    assert tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False) == [4]  # 'hiho', one token
+    assert tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer) == ([2, 3], [IGNORE, 3])
+    # two exchanges and a question after them: every edge cut, only the answers learned
+    turns += [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}, {"role": "user", "content": "hi"}]
+    assert tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer) == \
+        ([2, 3, 2, 3, 2], [IGNORE, 3, IGNORE, 3, IGNORE])
 
 
 @pytest.mark.parametrize("name", ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi",

@@ -298,37 +298,63 @@ def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | No
     it; each assistant turn's new tokens are learned, everything else masked. Only an assistant
     turn's edges are rendered: a template may close a turn differently when another of the same
     role follows (Qwen2.5 joins consecutive tool answers into one user turn), so a prefix that
-    ends between two such turns is not the start of the whole."""
+    ends between two such turns is not the start of the whole. The whole text's tokens are those
+    chat prompts get at inference; where the tokenizer joins or splits tokens across a turn's
+    edge, the row is tokenized turn by turn instead (_turn_by_turn)."""
     def render(upto: int, generation_prompt: bool) -> list[int]:
         return list(tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=True, return_dict=False,
                                                   add_generation_prompt=generation_prompt))
-    def extended(rendered: list[int], ids: list[int], turns: int) -> list[int]:
-        if rendered[:len(ids)] != ids and tokenizer.decode(rendered).startswith(tokenizer.decode(ids)):
-            apart = next((k for k, (a, b) in enumerate(zip(ids, rendered)) if a != b), len(rendered))
-            raise RowError("messages", f"the tokenizer joins the end of one turn and what follows it into one "
-                                       f"token ({tokenizer.decode(ids[apart:])!r} then "
-                                       f"{tokenizer.decode(rendered[apart:apart + 1])!r}), so where the answer "
-                                       f"starts is not a token boundary; use a template that ends each turn with "
-                                       f"a separator the next cannot merge with (a special token, a newline)")
+    def extended(rendered: list[int], ids: list[int]) -> list[int]:
         if rendered[:len(ids)] != ids:
-            raise RowError("messages", f"the tokenizer's chat template renders the first {turns} turn(s) differently "
+            raise _EdgeMoved
+        return rendered
+
+    ids, labels = [], []
+    try:
+        for i in [i for i, m in enumerate(messages) if m["role"] == "assistant"]:
+            prompt = extended(render(i, True), ids)
+            labels += [IGNORE] * (len(prompt) - len(ids))
+            answered = extended(render(i + 1, False), prompt)
+            labels += answered[len(prompt):]
+            ids = answered
+        if messages and messages[-1]["role"] == "assistant" and ids:
+            return ids, labels  # the last render was the whole conversation
+        whole = extended(render(len(messages), False), ids)  # turns after the last answer: prompt
+    except _EdgeMoved:
+        return _turn_by_turn(messages, tokenizer, tools)
+    return whole, labels + [IGNORE] * (len(whole) - len(ids))
+
+
+class _EdgeMoved(Exception):
+    """A render's tokens are not the start of the next's."""
+
+
+def _turn_by_turn(messages: list[dict], tokenizer, tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    """The text between an assistant turn's edges, each piece tokenized on its own, as LLaMA-
+    Factory tokenizes every row (slot by slot): for a tokenizer that joins tokens across an edge
+    (vicuna's `ASSISTANT:` then a Llama-3 tokenizer's `:Hello`) or splits them (`\n\n` at the
+    end of Llama-3's header, `\n` `\n` before a word). A template whose earlier turns' text
+    changes as turns are added has no edges to cut at: a bad row."""
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    edges = [edge for i in answers for edge in ((i, True, False), (i + 1, False, True))]  # (upto, prompt?, learned)
+    if not (messages and messages[-1]["role"] == "assistant"):
+        edges.append((len(messages), False, False))  # turns after the last answer: prompt
+    ids, labels, done = [], [], ""
+    for upto, generation_prompt, learned in edges:
+        text = render(upto, generation_prompt)
+        if not text.startswith(done):
+            raise RowError("messages", f"the tokenizer's chat template renders the first {upto} turn(s) differently "
                                        f"from the start of the whole conversation (it rewrites earlier turns when "
                                        f"one is added, as Mistral's does with a system prompt), so the answer's "
                                        f"tokens cannot be told apart; use a template that only appends "
                                        f"(model.chat_template: a .jinja file), or drop the system turn")
-        return rendered
-
-    ids, labels = [], []
-    for i in [i for i, m in enumerate(messages) if m["role"] == "assistant"]:
-        prompt = extended(render(i, True), ids, i)
-        labels += [IGNORE] * (len(prompt) - len(ids))
-        answered = extended(render(i + 1, False), prompt, i + 1)
-        labels += answered[len(prompt):]
-        ids = answered
-    if messages and messages[-1]["role"] == "assistant" and ids:
-        return ids, labels  # the last render was the whole conversation
-    whole = extended(render(len(messages), False), ids, len(messages))  # turns after the last answer: prompt
-    return whole, labels + [IGNORE] * (len(whole) - len(ids))
+        tokens = tokenizer.encode(text[len(done):], add_special_tokens=False) if len(text) > len(done) else []
+        ids, labels, done = ids + tokens, labels + (tokens if learned else [IGNORE] * len(tokens)), text
+    return ids, labels
 
 
 def check_tools_rendered(messages: list[dict], tools: list[dict] | None, ids: list[int], labels: list[int],
