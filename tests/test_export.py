@@ -454,24 +454,42 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
 @pytest.mark.parametrize("bundled", [False, True])
 def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
     """model.chat_template (a file, or a bundled template's name) trained the rows; the export's
-    tokenizer renders chat with the same one."""
+    tokenizer renders chat with the same one. Llama-3's turns end with <|eot_id|>, a base model's
+    EOS is another token: the export's generation config stops at both (LLaMA-Factory made
+    <|eot_id|> the EOS), else chat talked past the answer."""
     from conftest import write_jsonl
+    from zerofit.demo import build_tokenizer
+    from zerofit.infer import eos_ids, load
     from zerofit.models import BUNDLED_TEMPLATES
 
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (tmp_path / "chatml.jinja").write_text(template)
+    model = {"chat_template": str(tmp_path / "chatml.jinja")}
     if bundled:
         template = (BUNDLED_TEMPLATES / "llama3.jinja").read_text()
+        tokenizer = build_tokenizer()  # a base model's: Llama-3's markers, no chat template
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                                    "<|eot_id|>"]})
+        tokenizer.chat_template = None
+        tokenizer.save_pretrained(tmp_path / "base-tokenizer")
+        model = {"chat_template": "llama3", "tokenizer": str(tmp_path / "base-tokenizer")}
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}] * 64)
-    config = tiny_config(tmp_path / "run", data, model={"chat_template": "llama3" if bundled else
-                                                        str(tmp_path / "chatml.jinja")},
+    config = tiny_config(tmp_path / "run", data, model=model,
                          train={"max_steps": 2}, eval={"at_end": False, "every_steps": 0}, checkpoint={"every_steps": 0})
     done = run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
     assert "messages rows by the tokenizer's chat template" in done.stderr
     run_zerofit(["export", str(tmp_path / "run"), "--out", str(tmp_path / "model")])
     assert (tmp_path / "model" / "chat_template.jinja").read_text() == template
+    ends = eos_ids(load(str(tmp_path / "model")))
+    if bundled:
+        eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        assert f"generation also stops at <|eot_id|> (id {eot})" in done.stderr and "warning" not in done.stderr
+        assert ends == {tokenizer.eos_token_id, eot}
+    else:  # <|im_end|> is no token of the demo tokenizer: the stop problem is said, nothing written
+        assert "never with the EOS token" in done.stderr and ends == {build_tokenizer().eos_token_id}
+        assert not (tmp_path / "run" / "model" / "generation_config.json").exists()
 
 
 def test_gather_16bit_weights_on_save_writes_the_16bit_model_into_each_checkpoint(tmp_path):

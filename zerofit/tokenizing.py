@@ -398,6 +398,25 @@ def layouts(formats: tuple[str, ...], tokenizer, alpaca_template: str = "chat") 
     return "; ".join(said + ["alpaca rows in the alpaca layout"] * ("alpaca" in formats and "alpaca" not in chat))
 
 
+def turn_end_id(tokenizer, formats: tuple[str, ...], alpaca_template: str = "chat") -> int | None:
+    """The special token that ends an assistant turn of the chat template the rows are laid out
+    by, where that is not EOS (Llama-3's <|eot_id|>, ChatML's <|im_end|>): LLaMA-Factory makes it
+    the tokenizer's EOS (its templates' replace_eos); zerofit lists it among the generation
+    config's end tokens. None where the rows are not laid out by a template, or its turn learns
+    EOS, or no special token."""
+    if not formats or not set(formats) <= chat_formats(tokenizer, alpaca_template) or not tokenizer.chat_template:
+        return None
+    try:
+        ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello"}], tokenizer)
+    except (RowError, TemplateError, ValueError):
+        return None
+    learned = [t for t, label in zip(ids, labels) if label != IGNORE]
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} - {tokenizer.pad_token_id}
+    ends = [t for t in learned if t in special]
+    return None if tokenizer.eos_token_id in learned or not ends else ends[-1]
+
+
 def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] = frozenset(),
                  alpaca_template: str = "chat") -> str | None:
     """Why a model trained on these rows would not stop generating, or None: the tokenizer has

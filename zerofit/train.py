@@ -82,6 +82,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main:
         write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
                         tokenizing.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
+        write_generation_config(run_dir, config, tokenizer, hf_config, train_set.formats)
         report_data(train_set, eval_set, config, tokenizer)
         say(planview.plan_line(decision))
 
@@ -383,6 +384,36 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
         tokenizer.chat_template = own_template
 
 
+def generation_ends(config: Config, tokenizer, formats: tuple[str, ...]) -> set[int]:
+    """The tokens generation stops at: model.path's generation config's, and the special token that
+    ends the template's assistant turn where that is not EOS (tokenizing.turn_end_id)."""
+    end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
+    return models.generation_eos(config.model) | ({end} if end is not None else set())
+
+
+def write_generation_config(run_dir: Path, config: Config, tokenizer, hf_config, formats: tuple[str, ...]) -> None:
+    """model/generation_config.json listing the template's turn end among the end tokens, where
+    the rows learn to end their answers with it and not EOS (Llama-3's <|eot_id|> under
+    model.chat_template: llama3 on a base model, whose EOS is <|end_of_text|>): exports, `zerofit
+    chat`, transformers' generate and vLLM stop there, as LLaMA-Factory's replacing EOS with it
+    makes theirs stop. Otherwise none (an export writes config.json's end tokens)."""
+    path = run_dir / "model" / "generation_config.json"
+    end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
+    configured = hf_config.eos_token_id if isinstance(hf_config.eos_token_id, list) else [hf_config.eos_token_id]
+    ends = models.generation_eos(config.model) or {*configured, tokenizer.eos_token_id} - {None}
+    if end is None or end in ends:
+        path.unlink(missing_ok=True)  # an earlier start's, for rows laid out otherwise
+        return
+    own = Path(config.model.path or "") / "generation_config.json"
+    fields = json.loads(own.read_text()) if config.model.path and own.is_file() else \
+        {key: getattr(hf_config, key) for key in ("bos_token_id", "pad_token_id") if getattr(hf_config, key, None) is not None}
+    text = json.dumps({**fields, "eos_token_id": sorted(ends) + [end]}, indent=2) + "\n"
+    if not (path.is_file() and path.read_text() == text):  # said once, not at each resume
+        path.write_text(text)
+        say(f"model/generation_config.json: generation also stops at {tokenizer.convert_ids_to_tokens(end)} "
+            f"(id {end}), which ends the template's assistant turn (not EOS), as the rows learn it")
+
+
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     held = f"{eval_set.examples}{max_samples_note(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
@@ -419,8 +450,8 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
                                                                          config.data.alpaca_template) is not None:
         warn(f"model.chat_template is not what the rows are laid out by ({laid_out or 'text rows'}), so the run's "
              f"tokenizer and exports carry that layout instead")
-    stop = tokenizing.stop_problem(tokenizer, train_set.formats, models.generation_eos(config.model),
-                             config.data.alpaca_template)
+    stop = tokenizing.stop_problem(tokenizer, train_set.formats, generation_ends(config, tokenizer, train_set.formats),
+                                   config.data.alpaca_template)
     if stop:
         warn(stop)
     if not len(eval_set) and (config.eval.every_steps or config.eval.at_end):
