@@ -335,6 +335,33 @@ def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
     assert (tmp_path / "mine").is_dir()
 
 
+def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
+    """The start that found the run directory locked by a live run (made by it a moment before:
+    the refused start saw none) removed the other's lock and directory, so a third start ran
+    beside it."""
+    import os
+    import subprocess
+    import sys as system
+
+    from zerofit import runlock
+
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    holder = subprocess.Popen([system.executable, "-c", f"from zerofit import runlock; runlock.hold({str(run)!r}); "
+                               f"print('held', flush=True); import time; time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(system.path)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="is in use by another zerofit train"):
+            runlock.hold(run)
+        runlock.remove_if_only_locked(run, made=tmp_path / "runs")
+        assert (run / runlock.LOCK_FILE).is_file() and runlock.holder(run) == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monkeypatch, capsys):
     """As in a config: `export RUN --out "~/models/my out"` wrote into a directory named `~`."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -177,6 +177,13 @@ def test_adapter_only_loads_in_peft_and_generates(path_run, tmp_path):
     done = run_zerofit(["generate", str(out), "--prompt", "Add the two numbers.", "--max-new-tokens", "5",
                         "--min-new-tokens", "5"])
     assert "5 new tokens" in done.stderr and "+ the LoRA adapter" in done.stderr
+    # the run's generation config (a template's turn end among the end tokens: train.write_generation_config)
+    # stops generation on the base too, not only in a merged export
+    from zerofit.infer import eos_ids
+
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert eos_ids(load_adapter(out)) == {2, 7}
+    (out / "generation_config.json").unlink()
     # the base moved: pointing the adapter's base_model_name_or_path at it is enough (still fingerprinted)
     moved = tmp_path / "moved-base"
     base_dir.rename(moved)

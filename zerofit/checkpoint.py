@@ -313,13 +313,14 @@ def checkpoint_bytes(n_params: int, zero_stage: int) -> int:
     return planned(n_params, world_size=1, stage=zero_stage)
 
 
-def predicted_save_bytes(root: Path, n_params: int, zero_stage: int) -> int:
-    """The newest manifest's total (what a save of this run really wrote), else the formula."""
+def predicted_save_bytes(root: Path, n_params: int, zero_stage: int, gathered_bytes: int = 0) -> int:
+    """The newest manifest's total (what a save of this run really wrote), else the formula
+    plus `gathered_bytes` (a consolidated 16-bit model written beside the states)."""
     for path in published(root):
         manifest = read_manifest(path)
         if manifest and manifest.get("total_bytes"):
             return int(manifest["total_bytes"])
-    return checkpoint_bytes(n_params, zero_stage)
+    return checkpoint_bytes(n_params, zero_stage) + gathered_bytes
 
 
 def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = None) -> str | None:

@@ -83,7 +83,9 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
             if point.directory is None and point.error is None and resume is None:
                 # said: run_dir is read from the working directory, so a resume started from another one
                 # would otherwise train from step 0 into a new directory that looks like the old one
-                say(f"new run in {root.parent.resolve()}: no checkpoint there to resume from")
+                why = "none of its checkpoints can be resumed from (above)" if checkpoint.published(root) else \
+                    "no checkpoint there to resume from"
+                say(f"new run in {root.parent.resolve()}: {why}")
         elif moved := checkpoint.set_aside(root):
             for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"),
                            root.parent / "tensorboard"]:
@@ -248,6 +250,7 @@ class Checkpointer:
         self.zero_stage = config.zero.stage
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters()
                             if p.requires_grad)
+        self.total_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters())
         host_max = planner.async_snapshot_cap(choice.async_snapshot_max(config),
                                               host_budget_bytes or psutil.virtual_memory().available)
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
@@ -395,10 +398,11 @@ class Checkpointer:
         return mode
 
     def _write_16bit_model(self, tmp: Path) -> None:
-        """zero.gather_16bit_weights_on_save: the consolidated 16-bit state dict (HF's key names) as
-        tmp/pytorch_model.bin, what DeepSpeed's save_16bit_model writes, through zerofit's engine
-        (its own call would open a second checkpoint in it). Under ZeRO-3 every rank gathers module
-        by module (the call accelerate's get_state_dict makes); rank 0 holds and writes it."""
+        """zero.gather_16bit_weights_on_save: the consolidated 16-bit state dict (the module's key
+        names: HF's, or peft's under LoRA) as tmp/pytorch_model.bin, what DeepSpeed's
+        save_16bit_model writes, through zerofit's engine (its own call would open a second
+        checkpoint in it). Under ZeRO-3 every rank gathers module by module (the call
+        accelerate's get_state_dict makes); rank 0 holds and writes it."""
         if self.ds_engine.zero_optimization_partition_weights():
             state = self.ds_engine._zero3_consolidated_16bit_state_dict()
         else:
@@ -497,8 +501,14 @@ class Checkpointer:
             warn(f"{message}; training continues (checkpoint.on_error=continue)")
 
     # ---------------------------------------------------------------- helpers
+    def _predicted_save_bytes(self) -> int:
+        """The newest manifest's size, else the formula and, under gather_16bit_weights_on_save,
+        the whole 16-bit model (frozen base too: rank 0 writes every parameter)."""
+        gathered = 2 * self.total_params if self.config.zero.gather_16bit_weights_on_save else 0
+        return checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage, gathered)
+
     def _space_problem(self) -> str | None:
-        needed = checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage)
+        needed = self._predicted_save_bytes()
         self.root.mkdir(parents=True, exist_ok=True)
         free = 0 if faults.armed("nospace", "save", faults.count("save")) else None
         return checkpoint.free_space_problem(self.root, needed, free)
@@ -507,7 +517,9 @@ class Checkpointer:
         """Fault the snapshot buffer's pages in now, in the background, so the first async
         save copies into warm memory. Sized from the last manifest or the formula, with
         slack for partition padding: a buffer found too small is reallocated at the save."""
-        per_rank = checkpoint.predicted_save_bytes(self.root, self.n_params, self.zero_stage) // self.dist.world_size
+        per_rank = self._predicted_save_bytes() // self.dist.world_size
+        if self.config.zero.gather_16bit_weights_on_save and self.dist.is_main and self.dist.world_size > 1:
+            per_rank += 2 * self.total_params  # rank 0 writes the whole gathered model
         nbytes = min(planner.snapshot_buffer_bytes(per_rank), self.io.arena.max_bytes)
         if self.dist.is_main:
             say(f"async checkpoints: {memory.human_bytes(nbytes)} of host RAM per rank for snapshots (at most "

@@ -432,7 +432,7 @@ class ZeroConfig(Section):
     through host RAM (2 bytes per element). 1e8 is the safe default."""
     gather_16bit_weights_on_save: bool = False
     """Also write a consolidated 16-bit model at each save (a host-RAM and time spike): DeepSpeed's
-    gathered 16-bit state dict (HF's key names; with LoRA the base and the adapters, unmerged) as
+    gathered 16-bit state dict (HF's key names; with LoRA peft's, the base and the adapters unmerged) as
     pytorch_model.bin in the checkpoint, as its save_16bit_model writes it; `zerofit export`
     makes a model directory from a checkpoint afterwards instead."""
     aio_block_size: int | None = Field(None, ge=4096)

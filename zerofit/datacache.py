@@ -5,14 +5,17 @@ every row again (100k short alpaca rows: 30 s on 2 cores, 1 s from the cache).
 A cache file is named by what decides its contents: each data file's path, size and
 modification time (a saved dataset's files too), the data keys tokenizing reads, the
 tokenizer (its tokenizer.json, chat template and special tokens) and zerofit's own code that
-reads and tokenizes rows. Anything else changed, and the rows are tokenized again. Only
-fast tokenizers (a tokenizer.json to hash) are cached."""
+reads and tokenizes rows, and the versions of the libraries that render and tokenize them
+(transformers, tokenizers, jinja2, datasets). Anything else changed, and the rows are tokenized
+again. Only fast tokenizers (a tokenizer.json to hash) are cached."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import pickle
+import tempfile
 from pathlib import Path
 
 from zerofit.config import DataConfig
@@ -22,7 +25,8 @@ from zerofit.tokenizing import Read, read_examples
 CACHE_DIR = "data-cache"
 # the data keys tokenize_row and read_examples read: the others shape sequences from the examples
 READ_KEYS = ("format", "alpaca_template", "columns", "max_samples", "skip_bad_rows")
-CODE = ("tokenizing.py", "datafiles.py", "toolcalls.py", "datacache.py")
+CODE = ("tokenizing.py", "datafiles.py", "toolcalls.py", "config.py", "datacache.py")
+LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 
 def read(files: list[list[Path]], cfg: DataConfig, tokenizer, cache_root: Path | None, kind: str,
@@ -40,27 +44,30 @@ def read(files: list[list[Path]], cfg: DataConfig, tokenizer, cache_root: Path |
         if shown.enabled:
             say(f"{kind} rows: tokenized by an earlier start of this run ({path})")
         return cached
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-        pass  # none yet, or unreadable: tokenize again
+    except Exception:  # none yet, or unreadable (cut short, damaged: pickle raises what it meets): tokenize again
+        pass
     found = read_examples(files, cfg, tokenizer, shown)
     keep(path, found, kind)
     return found
 
 
 def keep(path: Path, found: Read, kind: str) -> None:
-    """Written whole or not at all (each rank writes its own temporary, then renames); a full
-    disk or a read-only run directory costs the next start its time, not this one its run."""
+    """Written whole or not at all (each rank its own temporary, unique across hosts sharing
+    the run directory, then renamed over); a full disk or a read-only run directory costs the
+    next start its time, not this one its run."""
+    partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        with partial.open("wb") as f:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        partial = Path(name)
+        with os.fdopen(fd, "wb") as f:
             pickle.dump(found, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(partial, path)
         for older in path.parent.glob(f"{kind}-*.pkl"):  # the same data tokenized otherwise before
             if older != path:
                 older.unlink(missing_ok=True)
     except OSError:
-        if "partial" in locals():
+        if partial is not None:
             partial.unlink(missing_ok=True)
 
 
@@ -84,4 +91,5 @@ def cache_key(files: list[list[Path]], cfg: DataConfig, tokenizer) -> str | None
     here = Path(__file__).parent
     for name in CODE:
         digest.update((here / name).read_bytes())
+    digest.update(" ".join(importlib.metadata.version(name) for name in LIBRARIES).encode())
     return digest.hexdigest()[:16]

@@ -130,6 +130,11 @@ def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str
         model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens, model=built)
     with basemodel.quiet_peft():
         model = PeftModel.from_pretrained(model, adapter_dir, autocast_adapter_dtype=False)
+    if (adapter_dir / "generation_config.json").is_file():  # the run's: its template's turn end among the ends
+        from transformers import GenerationConfig
+
+        ends = GenerationConfig.from_pretrained(adapter_dir).eos_token_id
+        model.get_base_model().generation_config.eos_token_id = ends
     placement["adapter"] = str(adapter_dir)
     return Loaded(model.eval(), tokenizer, device, str(torch_dtype), placement)
 

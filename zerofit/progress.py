@@ -88,6 +88,7 @@ class CountProgress:
     as a context manager."""
 
     def __init__(self, label: str, total: int, unit: str, enabled: bool = True, bar: bool = True):
+        from rich.markup import escape
         from rich.progress import MofNCompleteColumn, TimeElapsedColumn
 
         self.label, self.total, self.unit, self.done = label, total, unit, 0
@@ -95,7 +96,7 @@ class CountProgress:
         self._started = self._last_line = time.monotonic()
         self._progress = None
         if enabled and bar and sys.stderr.isatty():
-            self._progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=16), MofNCompleteColumn(),
+            self._progress = Progress(TextColumn(f"[bold]{escape(label)}"), BarColumn(bar_width=16), MofNCompleteColumn(),
                                       TextColumn(unit), TimeElapsedColumn(), TextColumn("ETA"),
                                       TimeRemainingColumn(), console=console, transient=True)
             self._task = self._progress.add_task(label, total=total)

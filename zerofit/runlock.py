@@ -51,16 +51,18 @@ def holder(run_dir: Path) -> int | None:
 
 
 def remove_if_only_locked(run_dir: Path, made: Path) -> None:
-    """A run directory that holds nothing but its lock file, removed with it, and the directories
-    above it up to `made` (the topmost the start made) where empty: what a start made before it
-    found a config error (a model path that is not there) and left behind."""
+    """A run directory that holds nothing but the lock file this process holds, removed with it,
+    and the directories above it up to `made` (the topmost the start made) where empty: what a
+    start made before it found a config error (a model path that is not there) and left behind.
+    A lock another process holds (a start refused because the run is in use) is never touched."""
     path = Path(run_dir).absolute()
     if not path.is_dir() or [entry.name for entry in path.iterdir()] != [LOCK_FILE]:
         return
     fd = _held.pop((path / LOCK_FILE).resolve(), None)
-    if fd is not None:
-        os.close(fd)
+    if fd is None:
+        return
     (path / LOCK_FILE).unlink()
+    os.close(fd)
     for directory in [path, *path.parents]:
         if any(directory.iterdir()):
             return

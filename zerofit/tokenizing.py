@@ -404,6 +404,15 @@ def turn_end_id(tokenizer, formats: tuple[str, ...], alpaca_template: str = "cha
     the tokenizer's EOS (its templates' replace_eos); zerofit lists it among the generation
     config's end tokens. None where the rows are not laid out by a template, or its turn learns
     EOS, or no special token."""
+    learned = _answer_learned(tokenizer, formats, alpaca_template)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} - {tokenizer.pad_token_id}
+    ends = [t for t in learned or () if t in special]
+    return None if not ends or tokenizer.eos_token_id in learned else ends[-1]
+
+
+def _answer_learned(tokenizer, formats: tuple[str, ...], alpaca_template: str) -> list[int] | None:
+    """The tokens a plain exchange's answer learns under the chat template the rows are laid out
+    by; None where they are not laid out by one, or it refuses the exchange (its rows said so)."""
     if not formats or not set(formats) <= chat_formats(tokenizer, alpaca_template) or not tokenizer.chat_template:
         return None
     try:
@@ -411,10 +420,7 @@ def turn_end_id(tokenizer, formats: tuple[str, ...], alpaca_template: str = "cha
                                             {"role": "assistant", "content": "Hello"}], tokenizer)
     except (RowError, TemplateError, ValueError):
         return None
-    learned = [t for t, label in zip(ids, labels) if label != IGNORE]
-    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} - {tokenizer.pad_token_id}
-    ends = [t for t in learned if t in special]
-    return None if tokenizer.eos_token_id in learned or not ends else ends[-1]
+    return [t for t, label in zip(ids, labels) if label != IGNORE]
 
 
 def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] = frozenset(),
@@ -426,14 +432,9 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
     if tokenizer.eos_token_id is None:
         return ("the tokenizer has no EOS token: answers are trained without an end, so the model does not learn to "
                 "stop, and packed examples run into each other; give it one (eos_token in tokenizer_config.json)")
-    if not formats or not set(formats) <= chat_formats(tokenizer, alpaca_template) or not tokenizer.chat_template:
+    learned = _answer_learned(tokenizer, formats, alpaca_template)
+    if learned is None:
         return None  # the alpaca and `role:` layouts end every answer with EOS themselves
-    try:
-        ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
-                                            {"role": "assistant", "content": "Hello"}], tokenizer)
-    except (RowError, TemplateError, ValueError):
-        return None  # a template that refuses a plain exchange: its rows said so already
-    learned = [t for t, label in zip(ids, labels) if label != IGNORE]
     if {tokenizer.eos_token_id, *generation_eos} & set(learned):
         return None
     return (f"the tokenizer's chat template ends an assistant turn with {tokenizer.decode(learned[-3:])!r}, never "

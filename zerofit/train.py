@@ -63,6 +63,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     models.check_attention(config.model, hf_config)
     models.check_neat_packing(config.data, hf_config)
     lora.check_base_files(config)
+    memory.reset_host_peak()  # an in-process OOM retry's earlier attempt peaked above the loading
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size, Shown(dist.is_main, config.log.progress),
                                            cache_root=run_dir)
@@ -399,19 +400,32 @@ def write_generation_config(run_dir: Path, config: Config, tokenizer, hf_config,
     makes theirs stop. Otherwise none (an export writes config.json's end tokens)."""
     path = run_dir / "model" / "generation_config.json"
     end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
-    configured = hf_config.eos_token_id if isinstance(hf_config.eos_token_id, list) else [hf_config.eos_token_id]
-    ends = models.generation_eos(config.model) or {*configured, tokenizer.eos_token_id} - {None}
+    config_eos = hf_config.eos_token_id if isinstance(hf_config.eos_token_id, list) else [hf_config.eos_token_id]
+    ends = models.generation_eos(config.model) or {*config_eos, tokenizer.eos_token_id} - {None}
     if end is None or end in ends:
         path.unlink(missing_ok=True)  # an earlier start's, for rows laid out otherwise
         return
-    own = Path(config.model.path or "") / "generation_config.json"
-    fields = json.loads(own.read_text()) if config.model.path and own.is_file() else \
-        {key: getattr(hf_config, key) for key in ("bos_token_id", "pad_token_id") if getattr(hf_config, key, None) is not None}
-    text = json.dumps({**fields, "eos_token_id": sorted(ends) + [end]}, indent=2) + "\n"
+    text = json.dumps({**model_generation_fields(config, hf_config), "eos_token_id": sorted(ends) + [end]},
+                      indent=2) + "\n"
     if not (path.is_file() and path.read_text() == text):  # said once, not at each resume
         path.write_text(text)
         say(f"model/generation_config.json: generation also stops at {tokenizer.convert_ids_to_tokens(end)} "
             f"(id {end}), which ends the template's assistant turn (not EOS), as the rows learn it")
+
+
+def model_generation_fields(config: Config, hf_config) -> dict:
+    """model.path's generation_config.json (its sampling defaults too), else the HF config's BOS
+    and padding ids; a file that is not JSON counts as none (models.generation_eos reads it so)."""
+    own = Path(config.model.path or "") / "generation_config.json"
+    if config.model.path and own.is_file():
+        try:
+            fields = json.loads(own.read_text())
+            if isinstance(fields, dict):
+                return fields
+        except (OSError, ValueError):
+            pass
+    return {key: getattr(hf_config, key) for key in ("bos_token_id", "pad_token_id")
+            if getattr(hf_config, key, None) is not None}
 
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
