@@ -1,9 +1,13 @@
 import json
+import multiprocessing
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
-from zerofit import data, datafiles, rowlayout, tokenizing
+from zerofit import data, datafiles, rowlayout, tokenizing, tokenworkers
 from zerofit.config import ConfigError, DataConfig, validate
 from zerofit.data import Batches
 from zerofit.datafiles import DataError
@@ -1430,3 +1434,83 @@ def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, 
     assert datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train") == layouts
     datacache.read([[path]], changed, tokenizer, tmp_path / "run", "eval")
     assert len(list((tmp_path / "run" / "data-cache").glob("*.pkl"))) == 2
+
+
+# --------------------------------------------------------------------- data.num_workers
+def test_worker_processes_tokenize_the_same_rows_and_name_the_same_bad_row(tmp_path, tokenizer):
+    """Two forked workers (data.num_workers: 2, chunks of 25 rows) give the examples, formats,
+    rows skipped and their reasons of the training process alone, in the file's order; without
+    skip_bad_rows the first bad row is the one named, though a later chunk holds another."""
+    rows = []
+    for i in range(200):
+        rows.append([{"text": f"plain row {i}"}, {"instruction": f"say {i}", "output": f"{i}!"},
+                     {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]},
+                     {"conversations": [{"from": "human", "value": f"h{i}"}, {"from": "gpt", "value": f"g{i}"}]}][i % 4])
+    rows[57], rows[140] = {"instruction": "says", "output": 5}, {"text": 5}
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    alone, forked = (tokenizing.read_examples([path], DataConfig(path=str(path), skip_bad_rows=True, num_workers=n),
+                                              tokenizer) for n in (1, 2))
+    assert len(alone.examples) == 198 and alone.skipped == 2
+    assert forked.examples == alone.examples and forked.reasons == alone.reasons
+    assert forked.formats == alone.formats and forked.skipped == alone.skipped
+    assert "line 58: field `output`: expected a string" in forked.reasons[0]
+    assert "line 141: field `text`" in forked.reasons[1]
+    with pytest.raises(DataError, match=r"mixed\.jsonl, line 58: field `output`: expected a string, got int "
+                                        r"\(alpaca format\)"):
+        tokenizing.read_examples([path], DataConfig(path=str(path), num_workers=2), tokenizer)
+
+
+def test_tokenizing_workers_are_forked_processes_and_keep_the_order():
+    parent = os.getpid()
+
+    def which(i):
+        time.sleep(0.002)  # long enough that both workers take chunks
+        return i, os.getpid()
+
+    results = list(tokenworkers.tokenized(100, which, workers=2))
+    assert [i for i, _ in results] == list(range(100))
+    pids = {pid for _, pid in results}
+    assert parent not in pids and len(pids) == 2
+
+
+def test_closing_the_rows_early_leaves_the_later_chunks_undone():
+    """A bad row ends the reading: the chunks not yet handed to a worker are dropped, not
+    tokenized for nothing (8 chunks of 500 rows; at most the running ones and the queued finish)."""
+    done = multiprocessing.get_context("fork").Value("i", 0)
+
+    def slow(i):
+        time.sleep(0.0005)
+        with done.get_lock():
+            done.value += 1
+        return i
+
+    results = tokenworkers.tokenized(4000, slow, workers=2)
+    assert next(results) == 0
+    results.close()
+    assert 500 <= done.value < 4000
+
+
+def test_a_killed_tokenizing_worker_is_said_with_the_fix_not_waited_on():
+    parent = os.getpid()
+
+    def dies_at_7(i):
+        if i == 7 and os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+    with pytest.raises(tokenworkers.WorkerDied, match=r"a tokenizing worker process died .* set data.num_workers "
+                                                      r"lower, 1 to tokenize in the training process alone"):
+        list(tokenworkers.tokenized(100, dies_at_7, workers=2))
+
+
+@pytest.mark.parametrize("setting, rows, cores, local_ranks, expected", [
+    (None, 4_999, 16, 1, 1),  # a small file: the training process alone
+    (None, 5_000, 16, 1, 8),  # at most 8 by default
+    (None, 100_000, 16, 4, 4),  # the node's cores shared by its ranks
+    (None, 100_000, 2, 4, 1),  # fewer cores than ranks: one each
+    (16, 100_000, 64, 1, 16),  # asked for: as many, up to this rank's share
+    (16, 100_000, 64, 8, 8),
+    (4, 3, 64, 1, 3),  # never more than the rows
+], ids=["small", "auto", "shared", "starved", "asked", "asked-shared", "few-rows"])
+def test_worker_count(setting, rows, cores, local_ranks, expected):
+    assert tokenworkers.worker_count(setting, rows, cores, local_ranks) == expected

@@ -116,7 +116,8 @@ def test_llamafactorys_full_sft_example_trains_as_theirs(tmp_path, monkeypatch, 
     # name are not read (LLaMA-Factory's parser.py leaves them None)
     assert config["data"] == {"path": [str(data_dir / "identity.json"), str(data_dir / "alpaca_en_demo.json")],
                               "format": "alpaca", "columns": {"history": None, "system": None, "tools": None},
-                              "eval_fraction": 0.1, "packing": False, "max_samples": 1000}
+                              "eval_fraction": 0.1, "packing": False, "max_samples": 1000,
+                              "num_workers": 16}
     assert config["train"] == {"global_batch_size": 2, "seq_len": 2048, "lr": 1e-5, "epochs": 3.0,
                                "warmup_ratio": 0.1, "lr_schedule": "cosine", "min_lr_ratio": 0.0,
                                "adam_betas": [0.9, 0.999], "precision": "bf16"}

@@ -56,8 +56,8 @@ THEIRS = {
 # their keys that change nothing in how zerofit trains (a run needs no counterpart), and why
 NO_EFFECT = {
     "do_train": "zerofit train trains",
-    "overwrite_cache": "zerofit keeps no tokenized cache",
-    "preprocessing_num_workers": "zerofit tokenizes in the training process",
+    "overwrite_cache": "zerofit's tokenized rows (RUN_DIR/data-cache) are named by the data files, the data keys, "
+                       "the tokenizer and zerofit's code: any change tokenizes them again",
     "dataloader_num_workers": "batches come from memory",
     "plot_loss": "zerofit writes metrics.jsonl and plots memory over time (log.tensorboard for loss curves)",
     "overwrite_output_dir": "a run directory resumes, or starts over with `zerofit train --no-resume`",
@@ -71,7 +71,7 @@ NO_EFFECT = {
     "gradient_checkpointing": "the planner turns it on where memory needs it (model.gradient_checkpointing fixes it)",
     "mix_strategy": "several datasets are concatenated (LLaMA-Factory's default, concat)",
     "streaming": "datasets are read whole",
-    "tokenized_path": "zerofit keeps no tokenized cache",
+    "tokenized_path": "zerofit keeps the tokenized rows in RUN_DIR/data-cache for the run's next start",
     "do_predict": "`zerofit chat` answers prompts from the exported model",
     "predict_with_generate": "`zerofit chat` answers prompts from the exported model",
     "do_eval": "eval runs when an eval set exists (val_size, eval_dataset)",

@@ -48,6 +48,7 @@ RENAMED = {
     "trust_remote_code": "model.trust_remote_code",
     "train_on_prompt": "data.train_on_prompt",
     "mask_history": "data.mask_history",
+    "preprocessing_num_workers": "data.num_workers",
 }
 # keys that, set (true, a number, a name), train what zerofit does not: refused, with why
 REFUSED = {
@@ -155,7 +156,8 @@ def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_di
 NUMBERS = {"per_device_train_batch_size", "gradient_accumulation_steps", "lora_rank", "lora_alpha", "lora_dropout",
            "cutoff_len", "max_samples", "val_size", "learning_rate", "num_train_epochs", "max_steps", "warmup_steps",
            "warmup_ratio", "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon", "seed",
-           "logging_steps", "save_steps", "eval_steps", "save_total_limit", "quantization_bit"}
+           "logging_steps", "save_steps", "eval_steps", "save_total_limit", "quantization_bit",
+           "preprocessing_num_workers"}
 NAMES = {"stage", "finetuning_type", "model_name_or_path", "output_dir", "dataset_dir", "template", "flash_attn",
          "optim", "lr_scheduler_type", "mix_strategy", "save_strategy", "eval_strategy", "evaluation_strategy"}
 NAME_LISTS = {"dataset", "eval_dataset", "lora_target", "additional_target", "report_to"}  # `a,b` or a list

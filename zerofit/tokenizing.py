@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -13,9 +14,10 @@ from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
-from zerofit import toolcalls
+from zerofit import tokenworkers, toolcalls
 from zerofit.config import FORMAT_FIELDS, DataConfig
 from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
+from zerofit.hardware import cpu_cores
 from zerofit.progress import HIDDEN, CountProgress, Shown
 
 IGNORE = -100  # the label value HF causal-LM losses skip
@@ -68,6 +70,9 @@ class RowError(ValueError):
     def __init__(self, field_name: str | None, problem: str):
         super().__init__(f"field `{field_name}`: {problem}" if field_name else problem)
         self.field_name, self.problem = field_name, problem
+
+    def __reduce__(self):  # sent back by a tokenizing worker process (tokenworkers)
+        return type(self), (self.field_name, self.problem)
 
 
 def _text(row: dict, key: str, required: bool = True) -> str:
@@ -508,17 +513,28 @@ def file_examples(rows, line_numbers, file: Path, cfg: DataConfig, tokenizer,
     rows, renames, unread = with_columns(rows, cfg.columns, file, cfg.format)
     check_format_fields(rows, cfg.format, file)
     found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
-    with CountProgress(f"tokenizing {file.name}", len(rows), "rows", *shown) as progress:
-        for index, row in enumerate(rows):
-            fmt = found[index] or usual
-            try:
-                examples.append(tokenize_row(row, fmt, tokenizer, cfg.alpaca_template))
-                formats[fmt] = True
-            except RowError as e:
+    row_formats_read = [fmt or usual for fmt in found]
+
+    def tokenize_at(index: int):  # in this process or a forked worker (tokenworkers): a RowError comes back
+        try:
+            return tokenize_row(rows[index], row_formats_read[index], tokenizer, cfg.alpaca_template)
+        except RowError as e:
+            return e
+
+    workers = tokenworkers.worker_count(cfg.num_workers, len(rows), cpu_cores(),
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    results = tokenworkers.tokenized(len(rows), tokenize_at, workers)
+    with CountProgress(f"tokenizing {file.name}", len(rows), "rows", *shown) as progress, contextlib.closing(results):
+        for index, result in enumerate(results):
+            fmt = row_formats_read[index]
+            if isinstance(result, RowError):
                 line = f"line {line_numbers[index]}" if line_numbers else line_of_row(file, index)
-                where = f"{file}, {line}: {as_in_file(e, renames)} ({fmt} format)"
+                where = f"{file}, {line}: {as_in_file(result, renames)} ({fmt} format)"
                 if not cfg.skip_bad_rows:
                     raise DataError(f"{where}; fix the row, or set data.skip_bad_rows=true to skip such rows") from None
                 bad.append(where)
+            else:
+                examples.append(result)
+                formats[fmt] = True
             progress.advance()
     return examples, bad, tuple(formats), unread
