@@ -1505,12 +1505,13 @@ def test_a_killed_tokenizing_worker_is_said_with_the_fix_not_waited_on():
 
 @pytest.mark.parametrize("setting, rows, cores, local_ranks, expected", [
     (None, 4_999, 16, 1, 1),  # a small file: the training process alone
-    (None, 5_000, 16, 1, 8),  # at most 8 by default
+    (None, 5_000, 16, 1, 16),
+    (None, 5_000, 64, 1, 16),  # at most 16 by default
     (None, 100_000, 16, 4, 4),  # the node's cores shared by its ranks
     (None, 100_000, 2, 4, 1),  # fewer cores than ranks: one each
     (16, 100_000, 64, 1, 16),  # asked for: as many, up to this rank's share
     (16, 100_000, 64, 8, 8),
     (4, 3, 64, 1, 3),  # never more than the rows
-], ids=["small", "auto", "shared", "starved", "asked", "asked-shared", "few-rows"])
+], ids=["small", "auto", "auto-most", "shared", "starved", "asked", "asked-shared", "few-rows"])
 def test_worker_count(setting, rows, cores, local_ranks, expected):
     assert tokenworkers.worker_count(setting, rows, cores, local_ranks) == expected

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 AUTO_MIN_ROWS = 5_000  # below it, a few seconds at stake (5k short alpaca rows: 3 s on one core), one process kept
-AUTO_MOST_WORKERS = 8
+AUTO_MOST_WORKERS = 16  # 100k rows on the H200 host: 1 -> 82 s, 8 -> 17 s, 16 -> 10 s (bench/results/tokenize-h200)
 CHUNKS_PER_WORKER = 4  # small enough that the progress moves and the workers finish together
 MOST_ROWS_PER_CHUNK = 1000
 
