@@ -55,7 +55,7 @@ def parse_args():
 
 
 def bench_config(args, run_dir: Path):
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     return validate({
         "run_dir": str(run_dir),

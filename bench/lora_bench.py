@@ -96,7 +96,7 @@ def run_case(spec: dict) -> dict:
     """Child process: cap the GPU, train, measure; returns the case's record."""
     import torch
 
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     on_gpu = torch.cuda.is_available()

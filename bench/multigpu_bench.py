@@ -75,7 +75,7 @@ def worker(config_file: str, resume: bool) -> None:
     """A rank of a run (under torchrun): cap this rank's allocator, then zerofit's own train()."""
     import torch
 
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     spec = json.loads(Path(config_file).read_text())

@@ -65,7 +65,7 @@ def worker(spec_file: Path) -> None:
     import torch
 
     from zerofit import memory
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     if torch.cuda.is_available():

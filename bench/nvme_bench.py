@@ -124,7 +124,7 @@ def refusal(args, preset: str, nvme_path: Path, seconds: float) -> str | None:
     """None when the NVMe run of `preset` fits the free disk and `seconds`, by zerofit's own
     prediction (plan.json's figures, the measured disk rates when the doctor cached them)."""
     from zerofit import nvme, planview
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     config = validate(run_config(argparse.Namespace(**{**vars(args), "preset": preset}), "nvme",
                                  Path(args.nvme_dir) / "probe", nvme_path))

@@ -36,7 +36,7 @@ def case(threads: int, load: str, params: int, steps: int) -> float:
     if load == "set_by_zerofit":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from zerofit import engine
-        from zerofit.config import validate
+        from zerofit.configfile import validate
 
         engine.apply_cpu_threads(validate({"model": {"config": "tiny"},
                                            "train": {"max_steps": 1, "cpu_threads": threads}}))

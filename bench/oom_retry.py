@@ -58,7 +58,7 @@ def memory_now() -> dict:
 def worker(spec: dict, out: Path) -> None:
     from zerofit import planview
     from zerofit.choice import describe
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     speed_bench.cap_gpu(spec["cap_gib"])

@@ -56,7 +56,7 @@ DEFAULT_RUNS = "clip,no_clip,superoffload_no_clip,superoffload_clip"
 def demo_config(run_dir: Path, grad_clip: float, steps: int) -> dict:
     import yaml
 
-    from zerofit.config import DEMO_CONFIG
+    from zerofit.configfile import DEMO_CONFIG
 
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
     raw["run_dir"] = str(run_dir)

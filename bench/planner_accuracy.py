@@ -95,7 +95,7 @@ def worker(cell_file: Path) -> None:
     import torch
 
     from zerofit import memory
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     on_gpu = spec["accelerator"] == "cuda"
@@ -148,7 +148,7 @@ CONTEXT_PER_PROCESS = GIB   # CUDA context and workspaces, outside the allocator
 def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     """The plan for a cell, made here without touching the GPU (decides fit and scheduling)."""
     from zerofit import hardware, modelspec, planview
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))
     spec = SPECS.setdefault(cell.model, modelspec.from_config(config))

@@ -81,7 +81,7 @@ def preempt(config_path: Path, run_dir: Path, at_step: int) -> dict:
 
 def resume(run_dir: Path, stopped_at: int, lr: float, more: int) -> dict:
     """The resume command the stop names, with the LR changed and `more` steps to train."""
-    from zerofit.config import load
+    from zerofit.configfile import load
     from zerofit.engine import lr_lambda
 
     changes = [f"train.lr={lr}", f"train.max_steps={stopped_at + more}"]

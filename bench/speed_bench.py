@@ -172,7 +172,7 @@ def worker_roofline(spec: dict, out: Path) -> None:
 
 
 def worker_zerofit(spec: dict, out: Path) -> None:
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     cap_gpu(spec["cap_gib"])
@@ -356,7 +356,7 @@ def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> d
 def planning(case: dict, accelerator: str):
     """(spec, hw) the planner sees for this case here: the cap and the real available RAM."""
     from zerofit import hardware, modelspec
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     config = validate(zerofit_config(case, Path("/tmp/unused"), 2, accelerator))
     hw = hardware.probe(disk_path=ROOT, gpu_mem=config.plan.gpu_mem, accelerator=accelerator)
@@ -811,7 +811,7 @@ def main() -> None:
         write_markdown(out / f"{stem}.md", result)
 
     from zerofit import modelspec
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     first = cases[0][1]
     params = modelspec.from_config(validate(zerofit_config(first, Path("/tmp/unused"), 2, accelerator))).total_params

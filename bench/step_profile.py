@@ -148,7 +148,7 @@ class StepCounters:
 
 def worker(spec: dict, out: Path) -> None:
     from zerofit import train as train_module
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     speed_bench.cap_gpu(spec["cap_gib"])
     original = train_module.train_step

@@ -88,7 +88,7 @@ class RandomBatches:
 
 def build(args, run_dir: Path):
     from zerofit import dsconfig, engine
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.models import hf_config
 
     config = validate({

@@ -38,7 +38,7 @@ STACK_EVERY_S = 45
 
 def probe_config(case: dict, run_dir: Path, steps: int, fields: dict) -> dict:
     from zerofit import modelspec
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     config = zerofit_config(case, run_dir, steps, "cuda")
     fields = {**zenflow_shape(modelspec.from_config(validate(config))), **fields}
@@ -67,7 +67,7 @@ def main() -> None:
     os.dup2(log.fileno(), 2)
     faulthandler.dump_traceback_later(STACK_EVERY_S, repeat=True, file=log)
 
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import train
 
     case = CASES[args.case]

@@ -117,7 +117,7 @@ def test_free_space_check_and_size_prediction(tmp_path):
 
 
 def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path):
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     monkeypatch.chdir(tmp_path)
     relative = validate(tiny_config(Path("runs/x")))
@@ -677,7 +677,7 @@ def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path)
     them (the warning says "continuing with the current one"), from the schedule's position."""
     import torch
 
-    from zerofit.config import load
+    from zerofit.configfile import load
     from zerofit.engine import lr_lambda
 
     config = config_for(tmp_path, "run", max_steps=4)

@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from zerofit import cli
-from zerofit.config import (Config, ConfigError, changed_settings, dump_yaml, example_yaml, load, parse_override,
-                            validate)
+from zerofit.config import Config, ConfigError, changed_settings
+from zerofit.configfile import dump_yaml, example_yaml, load, parse_override, validate
 
 from conftest import run_zerofit, tiny_config, write_config
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from zerofit import data, datafiles, rowlayout, tokenizing, tokenworkers
-from zerofit.config import ConfigError, DataConfig, validate
+from zerofit.config import ConfigError, DataConfig
+from zerofit.configfile import validate
 from zerofit.data import Batches
 from zerofit.datafiles import DataError
 from zerofit.models import BUNDLED_TEMPLATES as BUNDLED

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from zerofit import cli
-from zerofit.config import ConfigError, load, validate
+from zerofit.config import ConfigError
+from zerofit.configfile import load, validate
 
 from conftest import read_jsonl, run_zerofit, write_jsonl
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from zerofit import dsconfig, hardware, lint, modelspec
-from zerofit.config import load
+from zerofit.configfile import load
 
 from conftest import run_zerofit
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from zerofit import adapters, lora
-from zerofit.config import ConfigError, LoraConfig, validate
+from zerofit.config import ConfigError, LoraConfig
+from zerofit.configfile import validate
 from zerofit.export import export
 from zerofit.models import config_from_name
 
@@ -191,7 +192,7 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from zerofit import data
-    from zerofit.config import load
+    from zerofit.configfile import load
 
     torch.manual_seed(0)
     base_dir = tmp_path / "base"

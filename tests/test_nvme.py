@@ -15,7 +15,8 @@ from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_conf
                       write_config)
 
 from zerofit import aiotune, checkpoint, dsconfig, hardware, nvme, planner, planview, swaplayout, zerofiles
-from zerofit.config import ConfigError, validate
+from zerofit.config import ConfigError
+from zerofit.configfile import validate
 from zerofit.export import export
 from zerofit.swaplayout import Aio
 

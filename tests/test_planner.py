@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from zerofit import activations, choice, hardware, modelspec, planner, zerostates
-from zerofit.config import validate
+from zerofit.configfile import validate
 from zerofit.memory import human_bytes
 from zerofit.planner import Candidate, Shape
 

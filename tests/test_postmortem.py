@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, write_config
 
 from zerofit import elastic, engine
-from zerofit.config import load, validate
+from zerofit.configfile import load, validate
 from zerofit.doctor import diagnose
 from zerofit.findings import RunFacts
 from zerofit.postmortem import OomEvent, parse_requested_bytes, retry_line, would_fit
@@ -629,7 +629,7 @@ import gc, sys, weakref
 sys.path.insert(0, "tests")
 from conftest import tiny_config
 from zerofit import dsconfig, engine
-from zerofit.config import validate
+from zerofit.configfile import validate
 
 config = validate(tiny_config("{run}"))
 dist = engine.init_distributed()

@@ -202,7 +202,7 @@ def test_bench_deepspeed_changes_reach_the_engine_config_and_go_away():
     over the config zerofit builds, nested keys merged, zerofit's own build restored after."""
     from conftest import bench_module
 
-    from zerofit.config import load
+    from zerofit.configfile import load
 
     bench = bench_module("speed_bench")
     config = load()  # the demo: optimizer offloaded to the CPU

@@ -174,7 +174,7 @@ def test_the_data_line_counts_examples_and_says_where_eval_comes_from(tmp_path, 
     there); an eval_fraction beside eval_path is said to be unused; examples cut in the eval set
     are said too."""
     from zerofit import data, train
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     rows = [{"instruction": f"say {i} " * (1 + i % 9), "output": "ab" * (1 + i % 5)} for i in range(40)]
     path, held = write_jsonl(tmp_path / "d.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows[:6])
@@ -216,7 +216,7 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from zerofit import data
-    from zerofit.config import load
+    from zerofit.configfile import load
     from zerofit.models import config_from_name
 
     base = tmp_path / "base"
@@ -383,7 +383,8 @@ sys.path.insert(0, "tests")
 import torch
 from conftest import tiny_config
 from zerofit import dsconfig, engine
-from zerofit.config import ConfigError, validate
+from zerofit.config import ConfigError
+from zerofit.configfile import validate
 
 bucket, checkpointing, guarded = {bucket}, {checkpointing}, {guarded}
 config = validate(tiny_config("{run}", model={{"gradient_checkpointing": checkpointing}},
@@ -482,7 +483,7 @@ def test_an_eta_past_a_day_keeps_its_days():
 def test_epochs_are_passes_over_the_data_as_the_loader_counts_them(tmp_path):
     """57 sequences, 4 x 3 accumulated: the loader's epoch is 14 micro batches (4.67 steps);
     counted in whole steps, `epochs: 2` ran 8 steps, 1.71 epochs."""
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import total_optimizer_steps
 
     config = validate(tiny_config(tmp_path, train={"max_steps": None, "epochs": 2, "micro_batch_size": 4,
@@ -522,7 +523,7 @@ def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
     """The line a Ctrl-C or SIGTERM ends with: a command that works. Stopped before the run's
     files were written, there is no config.yaml to name (it pointed at one that did not exist)."""
     from zerofit.checkpointer import where_to_go_on
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     monkeypatch.chdir(tmp_path)
     config = validate(tiny_config(tmp_path / "run"))
@@ -539,7 +540,7 @@ def test_an_evaluation_covers_the_same_sequences_however_the_run_is_split(tmp_pa
     """eval.max_batches counted micro batches x ranks: micro 16 evaluated 100 sequences and micro 2
     16 of the same set, so two runs' eval losses (and one before and after an OOM retry's smaller
     micro batch) did not compare. The cap is in sequences now, the whole set unset."""
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.train import eval_sequences
 
     def config(micro, **eval_keys):
@@ -562,7 +563,7 @@ def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():
 
     from transformers.training_args import TrainingArguments
 
-    from zerofit.config import load
+    from zerofit.configfile import load
     from zerofit.engine import lr_lambda, warmup_steps
 
     by_ratio = load(None, ["train.warmup_ratio=0.03", "train.warmup_steps=0"])
@@ -584,7 +585,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from conftest import tiny_config
 from zerofit import dsconfig, engine
-from zerofit.config import validate
+from zerofit.configfile import validate
 from zerofit.demo import build_tokenizer
 from zerofit.models import config_from_name
 

@@ -22,7 +22,7 @@ def __getattr__(name):
 
         return getattr(infer, name)
     if name == "load_config":
-        from zerofit.config import load
+        from zerofit.configfile import load
 
         return load
     raise AttributeError(f"module 'zerofit' has no attribute {name!r}")

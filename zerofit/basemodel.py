@@ -79,7 +79,7 @@ def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
         if not config_file.is_file():
             raise ConfigError(f"{checkpoint_dir} does not say how its base model was built (no {BASE_RECIPE} in "
                               f"loop_state.json, no run config at {config_file}); export it from its run directory")
-        from zerofit.config import load
+        from zerofit.configfile import load
 
         run_config = load(config_file)
         record = {**recipe_record(run_config, on_gpu=False, zero_init=run_config.zero.stage == 3),

@@ -90,7 +90,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config(args) -> Config:
-    from zerofit.config import load
+    from zerofit.configfile import load
 
     # as a JSON string, which YAML reads as the text it is (not 2024 the number, 0755 octal)
     overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
@@ -209,7 +209,7 @@ def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
 
 def cmd_lint(args) -> int:
     from zerofit import lint, modelspec, planview
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     spec = hw = None
     if args.model:
@@ -244,7 +244,7 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_config(args) -> int:
-    from zerofit.config import dump_yaml, example_yaml
+    from zerofit.configfile import dump_yaml, example_yaml
 
     if args.example:
         if args.config or args.overrides:  # every key with its default: no config of yours goes into it
@@ -272,7 +272,7 @@ def print_translation(args) -> int:
     as `zerofit train` will read it; what trains otherwise than theirs, and what is left to do,
     on stderr."""
     from zerofit import lfconfig
-    from zerofit.config import parse_override, validate
+    from zerofit.configfile import parse_override, validate
     from zerofit.progress import warn
 
     if args.config:

@@ -56,7 +56,8 @@ from pathlib import Path
 
 from zerofit import faults
 from zerofit.checkpoint import write_atomic
-from zerofit.config import Config, ConfigError, validate
+from zerofit.config import Config, ConfigError
+from zerofit.configfile import validate
 from zerofit.progress import say
 
 HANDOVER = "retry-handover.json"  # the copy beside the failed rank's post-mortem

@@ -31,7 +31,8 @@ import yaml
 
 from zerofit import lfdata
 from zerofit.aliases import NO_EFFECT
-from zerofit.config import Config, ConfigError, expand_path, read_yaml
+from zerofit.config import Config, ConfigError, expand_path
+from zerofit.configfile import read_yaml
 from zerofit.models import bundled_chat_templates
 
 # what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
@@ -115,7 +116,7 @@ class Translation:
         self.set(key, value, "--set")
 
     def raw(self) -> dict:
-        """The values as the nested dict config.validate takes."""
+        """The values as the nested dict configfile.validate takes."""
         out: dict = {}
         for key, value in self.values.items():
             *sections, name = key.split(".")

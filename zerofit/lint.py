@@ -800,7 +800,7 @@ def _device(offload) -> str:
 def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, trainer: TrainerArgs, model_ref: str,
                    autos: list[str] = ()) -> dict:
     from zerofit import choice, planview
-    from zerofit.config import validate
+    from zerofit.configfile import validate
 
     names = {"reduce_bucket_size": "reduce_bucket_size", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
              "stage3_param_persistence_threshold": "param_persistence_threshold"}

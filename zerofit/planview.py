@@ -243,7 +243,7 @@ def plan(model: str | None = None, config_path: str | None = None, overrides: li
          disk_free: str | None = None) -> tuple[Decision, ModelSpec, Hardware]:
     """`zerofit plan`: a model (preset, config.json, directory) with a default run around
     it, or a run config; `overrides` are `section.key=value` as for train's --set."""
-    from zerofit.config import load, parse_override, set_dotted, validate
+    from zerofit.configfile import load, parse_override, set_dotted, validate
 
     if config_path:
         config = load(config_path, list(overrides))

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zerofit import checkpoint, elastic, faults
-from zerofit.config import Config, ConfigError, dump_yaml, set_dotted, validate
+from zerofit.config import Config, ConfigError
+from zerofit.configfile import dump_yaml, set_dotted, validate
 from zerofit.doctor import newest_checkpoint_bytes, plan_vs_measured, read_json
 from zerofit.engine import allocator_setting, release as release_engine
 from zerofit.findings import RunFacts, detect, facts_from, fragmented_request, gib, label

@@ -180,7 +180,7 @@ def lora_settings(raw_config: dict, model_config: dict) -> dict:
     as the run resolved them."""
     from transformers import AutoConfig
 
-    from zerofit.config import validate
+    from zerofit.configfile import validate
     from zerofit.lora import resolve
 
     config = validate(raw_config)

@@ -17,7 +17,8 @@ import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
                      lastword, lora, loss, memory, models, nvme, planview, postmortem, runlock, tokenizing, watchdog)
-from zerofit.config import Config, ConfigError, dump_yaml
+from zerofit.config import Config, ConfigError
+from zerofit.configfile import dump_yaml
 from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
 
 

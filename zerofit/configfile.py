@@ -1,0 +1,207 @@
+"""The config as text: a YAML file read strictly (a key written twice, a tab, a non-mapping
+refused with the fix), `--set section.key=value` overrides, validation errors said in words
+(an unknown key names the nearest valid one, or its LLaMA-Factory counterpart), and the config
+written back out (a run's config.yaml, `zerofit config --example`). The schema itself is
+config.py's."""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from zerofit import aliases
+from zerofit.config import Config, ConfigError, Section
+
+DEMO_CONFIG = Path(__file__).parent / "demo" / "config.yaml"
+
+
+# ---------------------------------------------------------------------------- loading
+# With no config file, --set applies over the embedded demo. A key that replaces the demo's model
+# or data drops the demo settings that only describe those: the demo's model.config beside a
+# model.path is refused as two models, and alpaca is the demo data's format, not the default.
+DEMO_ONLY = {"model.path": ("model", "config"), "data.path": ("data", "format")}
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (default: the embedded demo) plus `section.key=value` overrides."""
+    raw = read_yaml(Path(path) if path else DEMO_CONFIG)
+    if path and looks_like_llamafactory(raw):
+        raise ConfigError(f"{path} is a LLaMA-Factory config ({', '.join(sorted(LLAMAFACTORY_KEYS & set(raw)))} "
+                          f"at the top level): `zerofit config --from-llamafactory {path} > zerofit.yaml` translates "
+                          f"it, then `zerofit train --config zerofit.yaml`")
+    for item in overrides:
+        key, value = parse_override(item)
+        if path is None and key in DEMO_ONLY:
+            section, demo_key = DEMO_ONLY[key]
+            raw.get(section, {}).pop(demo_key, None)
+        set_dotted(raw, key, value)
+    return validate(raw)
+
+
+# keys every LLaMA-Factory training YAML holds some of, and no zerofit config does
+LLAMAFACTORY_KEYS = {"model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len"}
+
+
+def looks_like_llamafactory(raw: dict) -> bool:
+    """A flat config with two of LLaMA-Factory's keys and none of zerofit's sections."""
+    return len(LLAMAFACTORY_KEYS & set(raw)) >= 2 and not set(raw) & set(Config.model_fields)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (it kept the last
+    silently: a second `train:` section dropped the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping "
+                                                        f"(YAML keeps only the last); merge them", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+# PyYAML's words for the usual slips, and what to do about them
+YAML_HINTS = (("'\\t'", "; YAML indents with spaces, not tabs: replace the tab"),
+              ("mapping values are not allowed here", "; a key is indented deeper than the keys beside it, or a "
+               "value holds `: ` (quote it)"))
+
+
+def read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass --config FILE (a directory's run config is "
+                          f"{path / 'config.yaml'})")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass --config FILE "
+                          f"(`zerofit config --example > zerofit.yaml` writes a starting point)")
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); is it "
+                          f"the config? Save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = str(getattr(e, "problem", e))
+        hint = next((fix for text, fix in YAML_HINTS if text in problem), "")
+        raise ConfigError(f"{path}{where} is not valid YAML: {problem}{hint}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, train:, ...), "
+                          f"got {type(raw).__name__}")
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`train.lr=3e-4` -> ("train.lr", 3e-4); the value is read as YAML so types come out right."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value  # "3e-4", a string to YAML 1.1, becomes a number where the field is one (Section)
+
+
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def validate(raw: dict) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, raw)) from None
+
+
+def _explain(error: ValidationError, raw: dict) -> str:
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(_unknown_key(item["loc"]))
+        elif item["type"] == "missing":
+            lines.append(f"{loc}: required but missing")
+        else:
+            value = item.get("input")
+            shown = "" if isinstance(value, dict) else f"={value!r}"
+            msg = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}{shown}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _unknown_key(loc: tuple) -> str:
+    *parents, name = [str(p) for p in loc]
+    model: type[BaseModel] = Config
+    for part in parents:
+        model = model.model_fields[part].annotation
+    valid = list(model.model_fields)
+    elsewhere = [section for section, field in Config.model_fields.items() if isinstance(field.annotation, type)
+                 and issubclass(field.annotation, BaseModel) and name in field.annotation.model_fields]
+    theirs = aliases.hint(name)
+    if theirs and not elsewhere:
+        return f"unknown key {'.'.join(parents + [name])}; LLaMA-Factory's / HF Trainer's {name} is {theirs}"
+    if elsewhere and name not in valid:  # `lr:` dedented out of `train:` read "did you mean lora?"
+        return (f"unknown key {'.'.join(parents + [name])}; it is a key of {' and '.join(elsewhere)}: move it "
+                f"under `{elsewhere[0]}:`")
+    # a key the name begins with first (evaluation: eval, not difflib's nearer-in-letters elastic)
+    near = [key for key in valid if len(key) >= 3 and name.startswith(key)][:1] or \
+        difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    where = ".".join(parents) or "top level"
+    hint = f"; did you mean {'.'.join(parents + near)}?" if near else f"; valid keys in {where}: {', '.join(valid)}"
+    return f"unknown key {'.'.join(parents + [name])}{hint}"
+
+
+def dump_yaml(config: Config, marked: dict[str, set[str]] | None = None, mark: str = "") -> str:
+    """The config as YAML; each key of `marked` ({section: keys}) gets `# mark` beside its value."""
+    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    if not marked:
+        return text
+    out, section = [], ""
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            section = line.split(":")[0]
+        elif line.startswith("  ") and line[2] != " " and line.split(":")[0].strip() in marked.get(section, ()):
+            line = f"{line}  # {mark}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def example_yaml() -> str:
+    """Every section and field with its doc as a comment: generated, so it never goes stale.
+    The keys the planner decides (choice.DECIDED) are commented out: a key written in the file
+    is a constraint, so writing them all would turn the planner off."""
+    from zerofit.choice import DECIDED  # the planner reads this module: imported here
+
+    out = ["# zerofit config: every key with its default. Keys commented out with `#!` are the",
+           "# planner's to choose (plan.enabled); delete the `#! ` to fix one to your value.", ""]
+    example = {"model": {"config": "demo"}, "train": {"max_steps": 300}}
+    # the example's values that exclude another key: say which, so setting that one is not a conflict
+    excludes = {("model", "config"): "model.path", ("train", "max_steps"): "train.epochs"}
+    for name, field in Config.model_fields.items():
+        if field.annotation in (str, "str"):
+            out += [f"# {field.description}", f"{name}: {field.default}", ""]
+            continue
+        section: type[Section] = field.annotation
+        out.append(f"{name}:")
+        for key, sub in section.model_fields.items():
+            doc = " ".join((sub.description or "").split())
+            value = example.get(name, {}).get(key, sub.default)
+            out.append(f"  # {doc}")
+            planners = "#! " if key in DECIDED.get(name, ()) else ""
+            other = excludes.get((name, key))
+            note = f"  # the example's; delete this line when you set {other}" if other else ""
+            out.append(f"  {planners}{key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}{note}")
+        out.append("")
+    return "\n".join(out)
