@@ -7,8 +7,9 @@ flag what it would silently ignore and the values that cost memory at the worst 
 - The whole dict goes through DeepSpeedConfig with every key lookup recorded: a top-level
   key DeepSpeed never looks at is one it silently ignores.
 - "auto" values are filled only by HF Trainer / Accelerate; DeepSpeed itself does not.
-- Risky values get the reason and the fix, with numbers when a model is given.
-With a model (and hardware: probed or --gpu-mem/--host-mem), the config is also planned.
+- Risky values get the reason and the fix, with numbers when a model is given (lintrisk).
+With a model (and hardware: probed or --gpu-mem/--host-mem), the config is also planned
+(lintrisk.plan_ds_config).
 """
 from __future__ import annotations
 
@@ -22,15 +23,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from zerofit.config import ConfigError, TrainConfig
-from zerofit.hardware import GIB, Hardware
+from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes
 
 # DeepSpeed's own defaults where a key is absent (runtime/zero/config.py).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 DS_DEFAULT_REDUCE_BUCKET = 500_000_000
-LARGE_BUCKET_BYTES = 512 * 2**20        # without a budget: a bucket this big is worth a look
-BUCKET_SHARE_OF_BUDGET = 0.05
-LARGE_MODEL_PARAMS = 1_000_000_000      # where a 16-bit consolidation at save starts to hurt
 
 
 @dataclass
@@ -83,6 +81,8 @@ class TrainerArgs(NamedTuple):
 
 def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None = None, world_size: int = 1,
          trainer: TrainerArgs = TrainerArgs(), model_ref: str = "") -> LintResult:
+    from zerofit import lintrisk  # it reads this module's Finding and LintResult: imported here
+
     result = LintResult(path)
     autos = auto_paths(ds)
     if autos:
@@ -105,12 +105,12 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
     check_batch(ds, world_size, result, autos)
     if zero is not None:
         check_deprecated_zero_keys(ds, result)
-        check_risky(ds, zero, spec, hw, result, autos)
-        check_step_overlap(ds, zero, spec, result, autos)
-        check_partial_offload(zero, result)
-        check_offload_stage(zero, result)
+        lintrisk.check_risky(ds, zero, spec, hw, result, autos)
+        lintrisk.check_step_overlap(ds, zero, spec, result, autos)
+        lintrisk.check_partial_offload(zero, result)
+        lintrisk.check_offload_stage(zero, result)
         if spec is not None and hw is not None and not result.errors:
-            result.plan = plan_ds_config(ds, zero, spec, hw, world_size, trainer, model_ref, autos)
+            result.plan = lintrisk.plan_ds_config(ds, zero, spec, hw, world_size, trainer, model_ref, autos)
             if not result.plan["fits"]:  # the run would die of memory: as much an error as a bad key
                 result.findings.append(Finding(
                     "error", "plan", f"{model_ref or 'the model'} does not fit this config on this hardware "
@@ -239,7 +239,7 @@ def check_numbers(ds: dict, result: LintResult) -> None:
     for key in NUMERIC_KEYS:
         value = ds.get(key)
         if isinstance(value, str):  # "auto" was taken out before the checks
-            fix = f'write the number ("{key}": {value})' if _parses_as_number(value) else "write a number"
+            fix = f'write the number ("{key}": {value})' if parses_as_number(value) else "write a number"
             result.findings.append(Finding("error", key, f"is the string {value!r}: DeepSpeed keeps it as text and "
                                            f"fails when it first compares it", fix))
 
@@ -313,10 +313,10 @@ def check_adam_params(ds: dict, params: dict, result: LintResult) -> None:
         result.findings.append(Finding("error", "optimizer.params.amsgrad", f"{built} raises on it (no AMSGrad "
                                        "variant)", 'remove it, or add "torch_adam": true for torch\'s AMSGrad'))
     for key in ADAM_NUMBERS:
-        if key in params and not _is_number(params[key]):
+        if key in params and not is_number(params[key]):
             result.findings.append(number_finding(f"optimizer.params.{key}", params[key]))
     betas = params.get("betas")
-    if "betas" in params and not (isinstance(betas, list) and len(betas) == 2 and all(map(_is_number, betas))):
+    if "betas" in params and not (isinstance(betas, list) and len(betas) == 2 and all(map(is_number, betas))):
         result.findings.append(Finding("error", "optimizer.params.betas", f"must be two numbers (got {betas!r})",
                                        '"betas": [0.9, 0.999]'))
 
@@ -402,8 +402,8 @@ def check_scheduler_params(name: str, params: dict, arguments: dict, result: Lin
         if required and not filled and key not in meant:  # a misspelt one is named above
             result.findings.append(Finding("error", f"scheduler.params.{key}", f"{name} requires it: DeepSpeed "
                                            "fails building the scheduler", f'add "{key}" to scheduler.params'))
-        numeric = argument.annotation in (int, float) or (_is_number(argument.default) and argument.default is not None)
-        if key in params and numeric and not _is_number(params[key]):
+        numeric = argument.annotation in (int, float) or (is_number(argument.default) and argument.default is not None)
+        if key in params and numeric and not is_number(params[key]):
             result.findings.append(number_finding(f"scheduler.params.{key}", params[key]))
 
 
@@ -421,21 +421,21 @@ def check_numeric_strings(section: str, params: dict, result: LintResult) -> Non
     fails its first comparison, at the latest in the first step. Keys already named are skipped."""
     named = {f.key for f in result.findings}
     for key, value in params.items():
-        if f"{section}.{key}" not in named and isinstance(value, str) and _parses_as_number(value):
+        if f"{section}.{key}" not in named and isinstance(value, str) and parses_as_number(value):
             result.findings.append(number_finding(f"{section}.{key}", value))
 
 
 def number_finding(key: str, value) -> Finding:
-    fix = f"write the number ({key.rsplit('.', 1)[-1]}: {value})" if _parses_as_number(value) else "write a number"
+    fix = f"write the number ({key.rsplit('.', 1)[-1]}: {value})" if parses_as_number(value) else "write a number"
     return Finding("error", key, f"must be a number (got {value!r}): DeepSpeed passes it on as it is and fails "
                    "when it is first used", fix)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _parses_as_number(value) -> bool:
+def parses_as_number(value) -> bool:
     try:
         float(value)
     except (TypeError, ValueError):
@@ -610,208 +610,12 @@ def check_precision(ds: dict, result: LintResult) -> None:
                 '"min_loss_scale": 1 explicitly, or use bf16'))
 
 
-def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, autos: list[str] = ()) -> None:
-    """Values that work until the worst moment: a save, the first step after it."""
-    section = ds.get("zero_optimization", {})
-    a = 4 if precision(ds) == "fp32" else 2
-    N = spec.total_params if spec is not None else None
-    offload_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
-    if zero.stage == 3 and zero.gather_16bit_weights_on_model_save and (N is None or N >= LARGE_MODEL_PARAMS):
-        size = f" ({human_bytes(a * N)} for this model)" if N else ""
-        result.findings.append(Finding(
-            "warning", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-            f"every save gathers the whole 16-bit model into rank 0's host RAM{size} and stalls training "
-            "while it is written", "set it false and export after training (`zerofit export`, or DeepSpeed's "
-            "zero_to_fp32.py)"))
-    if zero.stage == 3 and not offload_opt:
-        groups = min(zero.sub_group_size, N) if N else zero.sub_group_size
-        temporaries = (a + 4) * groups
-        if temporaries >= 2 * GIB:
-            implicit = "" if "sub_group_size" in section else f" (absent: DeepSpeed's default {DS_DEFAULT_SUB_GROUP_SIZE:.0e})"
-            result.findings.append(Finding(
-                "warning", "zero_optimization.sub_group_size",
-                f"sub_group_size {zero.sub_group_size:.0e}{implicit} without optimizer offload: each optimizer "
-                f"step allocates up to {human_bytes(temporaries)} of fp32 gradient temporaries on the GPU "
-                "(stage3.py _prepare_fp32_grad_for_sub_group), on top of the training peak and most often "
-                "fatal in the first step after a save", 'set "sub_group_size": 1e8'))
-    budget = hw.gpu_budget_bytes if hw is not None and hw.on_gpu else None
-    # engine._configure_zero_optimizer hands reduce_bucket_size to the stage 1-3 optimizers only:
-    # stage 0 never allocates the bucket.
-    for key, numel in (("reduce_bucket_size", zero.reduce_bucket_size if zero.stage >= 1 else 0),
-                       ("stage3_prefetch_bucket_size", zero.prefetch_bucket_size if zero.stage == 3 else 0)):
-        nbytes = a * numel
-        limit = BUCKET_SHARE_OF_BUDGET * budget if budget else LARGE_BUCKET_BYTES
-        if nbytes >= limit and f"zero_optimization.{key}" not in autos:
-            implicit = "" if key in section or key.removeprefix("stage3_") in section else " (DeepSpeed's default)"
-            share = f", {nbytes / budget:.0%} of the {human_bytes(budget)} GPU budget" if budget else ""
-            h = spec.hidden_size if spec is not None else None
-            fix = f"set {key} to hidden^2 = {h * h:.2e} (HF's auto value)" if h else "set it to hidden_size^2 (HF's auto value)"
-            result.findings.append(Finding("warning", f"zero_optimization.{key}",
-                                           f"{numel:.2e} elements = {human_bytes(nbytes)} resident{implicit}{share}", fix))
-    if zero.stage < 3 and zero.offload_param is not None and zero.offload_param.device != "none":
-        result.findings.append(Finding("warning", "zero_optimization.offload_param",
-                                       f"parameter offload needs stage 3; stage {zero.stage} ignores it", "use stage 3"))
-
-
-def check_step_overlap(ds: dict, zero, spec, result: LintResult, autos: list[str] = ()) -> None:
-    """DeepSpeed 0.19.8's two ways to overlap the CPU optimizer step with the GPU, as measured
-    on an H200 with PCIe (bench/results/README.md, 2026-11-30 fourth session)."""
-    clip = ds.get("gradient_clipping")  # text that is no number was named by check_numbers
-    clipping = "gradient_clipping" in autos or (_parses_as_number(clip) or _is_number(clip)) and float(clip) > 0
-    offload = zero.offload_optimizer
-    if zero.stage == 3 and offload is not None and getattr(offload, "super_offload", False):
-        speed = ("with gradient_clipping > 0 (here) it steps every sub group after the backward, one by one: 0.48x"
-                 if clipping else "without clipping its Adam overlapped the backward but ran 0.69x")
-        result.findings.append(Finding(
-            "warning", "zero_optimization.offload_optimizer.super_offload",
-            "SuperOffload keeps Adam's moments in a worker process (superoffload_utils.py) that DeepSpeed's "
-            "checkpoints do not read: its checkpoint held no exp_avg / exp_avg_sq where the same run without it "
-            "held 16 tensors (bench/results/overlap_loss.json), so a resume restarts Adam from zero; and "
-            f"{speed} the tokens/s of the same config without it (llama-3.6b under 24 GiB, "
-            "bench/results/speed-3.6b-levers-run2.json)",
-            "leave super_offload off unless you have measured it on your machine and never resume its checkpoints"))
-    if zero.stage == 3 and getattr(zero, "zenflow", None) is not None:
-        result.findings.append(zenflow_finding(zero, spec))
-
-
-def zenflow_finding(zero, spec) -> Finding:
-    """What DeepSpeed 0.19.8's ZenFlow needs under ZeRO-3 and what it bought
-    (engine.zenflow_refusal; bench/results/README.md, 2026-12-01)."""
-    largest = spec.largest_trained_matrix if spec is not None else None
-    bucket = ("" if largest is None else
-              f"; here {largest.name} has {largest.numel:,} elements against a reduce_bucket_size of "
-              f"{int(zero.reduce_bucket_size):,}" + (": it would fail" if largest.numel > zero.reduce_bucket_size else ""))
-    return Finding(
-        "warning", "zero_optimization.zenflow",
-        "ZenFlow with ZeRO-3 transposes the 2-D weights at engine start only if they are not partitioned yet: "
-        "a model built under deepspeed.zero.Init (as HF Trainer builds it with ZeRO-3) fails in its first forward "
-        "('mat1 and mat2 shapes cannot be multiplied'); activation checkpointing fails in the recompute (the "
-        "weights transposed again); a 2-D weight larger than reduce_bucket_size is reduced transposed and the first "
-        f"backward fails ('view size is not compatible'){bucket}. Where it ran (llama-1.5b, micro 4 x 4, no "
-        "checkpointing, 24 GiB) it was 0.61x the same step without it and 0.37x zerofit's plan "
-        "(bench/results/speed-1.5b-24-zenflow.json); llama-3.6b was killed at 101.3 GiB of host RSS on a 125 GiB "
-        "host. It is also another optimizer: each step updates only the top-k gradient columns on the GPU, the "
-        "rest every update_interval steps, and its checkpoints hold no Adam moments",
-        "remove zenflow; to try it, build the model outside deepspeed.zero.Init (zerofit does when zenflow is set), "
-        "turn activation checkpointing off and set reduce_bucket_size to at least "
-        + (f"{largest.numel}" if largest is not None else "the largest weight's elements"))
-
-
-def check_partial_offload(zero, result: LintResult) -> None:
-    """A partial optimizer offload beside offloaded parameters: the GPU-stepped sub-groups'
-    fp32 masters go to the host's 16-bit parameters by a blocking pageable copy
-    (hardware.COPY_OUT_BYTES_PER_S)."""
-    offload = zero.offload_optimizer
-    ratio = getattr(offload, "ratio", 1.0) if offload is not None else 1.0
-    if zero.stage == 3 and ratio < 1.0 and _device(offload) == "cpu" and _device(zero.offload_param) != "none":
-        result.findings.append(Finding(
-            "warning", "zero_optimization.offload_optimizer.ratio",
-            f"ratio {ratio} with offload_param on {_device(zero.offload_param)}: after each step the sub-groups "
-            "stepped on the GPU copy their fp32 masters into the host's 16-bit parameters through a pageable "
-            "temporary (stage3.py _reassign_or_swap_out_partitioned_parameters), ~1.1 GB/s; llama-3.6b at ratio "
-            "0.75 ran 6.07 s a step against 2.66 s with the whole optimizer on the CPU "
-            "(bench/results/speed-3.6b-40-run1.json)",
-            "remove ratio (the whole optimizer on the CPU), or keep the parameters on the GPU (offload_param none)"))
-
-
-def check_offload_stage(zero, result: LintResult) -> None:
-    """Offload devices the stage does not honour, without a word from DeepSpeed: stages 1 and
-    2 offload the optimizer to the CPU for any device but none (stage_1_and_2.py: cpu_offload =
-    device != none), so nvme swaps nothing; stage 0 has no ZeRO optimizer to offload."""
-    device = _device(zero.offload_optimizer)
-    if zero.stage in (1, 2) and device == "nvme":
-        result.findings.append(Finding(
-            "warning", "zero_optimization.offload_optimizer.device",
-            f"nvme under stage {zero.stage}: DeepSpeed's stage 1/2 optimizer keeps its states in CPU memory for any "
-            "offload device (stage_1_and_2.py), so nothing goes to NVMe and host RAM must hold them all",
-            'use stage 3 for NVMe offload, or write "cpu" to say what happens'))
-    elif zero.stage == 0 and device != "none":
-        result.findings.append(Finding(
-            "warning", "zero_optimization.offload_optimizer",
-            f"{device} under stage 0: there is no ZeRO optimizer to offload, so DeepSpeed ignores it and the optimizer "
-            "states stay on the GPU", "use stage 1 or higher to offload the optimizer, or remove offload_optimizer"))
-
-
 def _has_cuda() -> bool:
     try:
         import torch
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-# -------------------------------------------------------------------- planning
-def to_zerofit(ds: dict, zero, trainer: TrainerArgs, model_ref: str, auto_values: dict[str, int] | None = None) -> dict:
-    """The zerofit config (raw dict) that reproduces what this DeepSpeed JSON sets; keys
-    it leaves out take DeepSpeed's defaults (read from DeepSpeed's own config model);
-    bucket keys set to "auto" take what HF Trainer would fill in (`auto_values`). The run is
-    HF Trainer's: its own loss (vocab-sized fp32 logits, not zerofit.loss) and the allocator's
-    fixed segments, unless its user sets PYTORCH_CUDA_ALLOC_CONF as zerofit does."""
-    auto_values = auto_values or {}
-    opt, par = zero.offload_optimizer, zero.offload_param
-    nvme = (opt.nvme_path if opt is not None and opt.nvme_path else None) or (par.nvme_path if par is not None else None)
-    lora = {"enabled": True, "r": trainer.lora_rank, "alpha": 2 * trainer.lora_rank,
-            "target_modules": trainer.lora_targets} if trainer.lora_rank else {}
-    return {
-        "model": {"config": model_ref, "gradient_checkpointing": trainer.gradient_checkpointing},
-        "lora": lora,
-        "train": {"seq_len": trainer.seq_len, "max_steps": 1, "precision": precision(ds),
-                  "micro_batch_size": trainer.micro_batch or ds.get("train_micro_batch_size_per_gpu") or 1,
-                  "grad_accum_steps": ds.get("gradient_accumulation_steps") or 1, "chunked_loss": False},
-        "memory": {"expandable_segments": False},
-        "zero": {"stage": int(zero.stage), "offload_optimizer": _device(opt),
-                 "offload_optimizer_ratio": float(opt.ratio) if opt else 1.0,
-                 "offload_param": _device(par),
-                 "nvme_path": str(nvme) if nvme else None,
-                 "pin_memory": bool(opt.pin_memory) if opt else True,
-                 "reduce_bucket_size": auto_values.get("reduce_bucket_size", int(zero.reduce_bucket_size)),
-                 "prefetch_bucket_size": auto_values.get("prefetch_bucket_size", int(zero.prefetch_bucket_size)),
-                 "param_persistence_threshold": auto_values.get("param_persistence_threshold",
-                                                                int(zero.param_persistence_threshold)),
-                 "max_live_parameters": int(zero.max_live_parameters),
-                 "max_reuse_distance": int(zero.max_reuse_distance), "sub_group_size": int(zero.sub_group_size),
-                 "gather_16bit_weights_on_save": bool(zero.gather_16bit_weights_on_model_save)},
-        "checkpoint": {"save_final": False},
-        "plan": {"enabled": False},
-    }
-
-
-def precision(ds: dict) -> str:
-    """bf16 when its section is there and not disabled ("auto" counts: HF turns it on with
-    --bf16), fp16 when enabled, fp32 otherwise."""
-    if _section(ds, "bf16").get("enabled", "bf16" in ds):
-        return "bf16"
-    return "fp16" if _section(ds, "fp16").get("enabled") else "fp32"
-
-
-def _section(ds: dict, key: str) -> dict:
-    """A section as an object; one that is not (`"bf16": true`, an error check_section_objects
-    reports) reads as its value for "enabled", the way its writer meant it."""
-    value = ds.get(key, {})
-    return value if isinstance(value, dict) else {"enabled": value}
-
-
-def _device(offload) -> str:
-    if offload is None:
-        return "none"
-    return str(getattr(offload.device, "value", offload.device))
-
-
-def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, trainer: TrainerArgs, model_ref: str,
-                   autos: list[str] = ()) -> dict:
-    from zerofit import choice, planview
-    from zerofit.configfile import validate
-
-    names = {"reduce_bucket_size": "reduce_bucket_size", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-             "stage3_param_persistence_threshold": "param_persistence_threshold"}
-    hf_auto = choice.auto_buckets(spec)
-    auto_values = {ours: hf_auto[ours] for theirs, ours in names.items() if f"zero_optimization.{theirs}" in autos}
-    config = validate(to_zerofit(ds, zero, trainer, model_ref or "tiny", auto_values))
-    if config.lora.enabled:  # the peft model: adapters trained, the base frozen
-        from zerofit import modelspec
-        spec = modelspec.from_config(config)
-    decision = choice.decide(config, spec, hw, world_size)
-    return planview.plan_json(decision, spec, hw) | {"fits": decision.plan.fits, "trainer": trainer._asdict()}
 
 
 # ---------------------------------------------------------------------- report
