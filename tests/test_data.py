@@ -1516,3 +1516,37 @@ def test_a_killed_tokenizing_worker_is_said_with_the_fix_not_waited_on():
 ], ids=["small", "auto", "auto-most", "shared", "starved", "asked", "asked-shared", "few-rows"])
 def test_worker_count(setting, rows, cores, local_ranks, expected):
     assert tokenworkers.worker_count(setting, rows, cores, local_ranks) == expected
+
+
+def test_a_shared_cache_dir_serves_another_run_and_keeps_every_tokenization(tmp_path, tokenizer, capsys):
+    """data.cache_dir (LLaMA-Factory's tokenized_path): a second run directory reads the rows the
+    first tokenized; another tokenization of the data is kept beside it, nothing removed (the
+    run's own data-cache replaces its older one); an unwritable directory is said, the run goes on."""
+    from zerofit import datacache
+    from zerofit.progress import Shown
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
+    shared = tmp_path / "shared"
+    cfg = DataConfig(path=str(path), cache_dir=str(shared))
+    first = datacache.read([[path]], cfg, tokenizer, tmp_path / "run-a", "train", Shown(True, False))
+    assert [p.name for p in shared.iterdir()] == [f"train-{datacache.cache_key([[path]], cfg, tokenizer)}.pkl"]
+    assert not (tmp_path / "run-a" / "data-cache").exists()
+    capsys.readouterr()
+    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run-b", "train", Shown(True, False)) == first
+    assert "train rows: data.cache_dir, tokenized before from the same files" in capsys.readouterr().err
+    other = DataConfig(path=str(path), cache_dir=str(shared), alpaca_template="alpaca")
+    datacache.read([[path]], other, tokenizer, tmp_path / "run-b", "train")
+    assert len(list(shared.glob("train-*.pkl"))) == 2
+    # a directory that cannot be made (a file stands where it would go: unwritable even to root)
+    (tmp_path / "a-file").write_text("")
+    blocked = DataConfig(path=str(path), cache_dir=str(tmp_path / "a-file" / "cache"), max_samples=5)
+    assert len(datacache.read([[path]], blocked, tokenizer, tmp_path / "run-c", "train", Shown(True, False)).examples) == 5
+    assert "the tokenized rows could not be kept (Not a directory)" in capsys.readouterr().err
+
+
+def test_cache_dir_is_a_path_and_llamafactorys_tokenized_path_names_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert DataConfig(cache_dir="~/tok").cache_dir == f"{tmp_path}/tok"
+    with pytest.raises(ConfigError, match=r"data.tokenized_path; LLaMA-Factory's / HF Trainer's tokenized_path is "
+                                          r"data.cache_dir"):
+        validate({"model": {"config": "demo"}, "train": {"max_steps": 1}, "data": {"tokenized_path": "x"}})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 THEIRS = {
     "model_name_or_path": "model.path (a local model directory)",
+    "preprocessing_num_workers": "data.num_workers",
+    "tokenized_path": "data.cache_dir (kept up to date: changed files or tokenizer are tokenized again)",
     "template": "the tokenizer's own chat template (a model directory carries its own), or model.chat_template: "
                 "a .jinja file that renders the conversation, or the name of a LLaMA-Factory template zerofit "
                 "bundles (llama3, qwen, mistral, alpaca, ...: `zerofit config --example` lists them)",
@@ -56,8 +58,8 @@ THEIRS = {
 # their keys that change nothing in how zerofit trains (a run needs no counterpart), and why
 NO_EFFECT = {
     "do_train": "zerofit train trains",
-    "overwrite_cache": "zerofit's tokenized rows (RUN_DIR/data-cache) are named by the data files, the data keys, "
-                       "the tokenizer and zerofit's code: any change tokenizes them again",
+    "overwrite_cache": "zerofit's tokenized rows (RUN_DIR/data-cache, or data.cache_dir) are named by the data "
+                       "files, the data keys, the tokenizer and zerofit's code: any change tokenizes them again",
     "dataloader_num_workers": "batches come from memory",
     "plot_loss": "zerofit writes metrics.jsonl and plots memory over time (log.tensorboard for loss curves)",
     "overwrite_output_dir": "a run directory resumes, or starts over with `zerofit train --no-resume`",
@@ -71,7 +73,6 @@ NO_EFFECT = {
     "gradient_checkpointing": "the planner turns it on where memory needs it (model.gradient_checkpointing fixes it)",
     "mix_strategy": "several datasets are concatenated (LLaMA-Factory's default, concat)",
     "streaming": "datasets are read whole",
-    "tokenized_path": "zerofit keeps the tokenized rows in RUN_DIR/data-cache for the run's next start",
     "do_predict": "`zerofit chat` answers prompts from the exported model",
     "predict_with_generate": "`zerofit chat` answers prompts from the exported model",
     "do_eval": "eval runs when an eval set exists (val_size, eval_dataset)",

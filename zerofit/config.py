@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # PyYAML reads YAML 1.1, where 1e9 and 3e-4 (no dot) are strings, not numbers
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 # fields that name files or directories: `~` and $VARIABLES expanded, as a shell would
-PATH_FIELDS = ("path", "config", "tokenizer", "chat_template", "eval_path", "nvme_path", "run_dir")
+PATH_FIELDS = ("path", "config", "tokenizer", "chat_template", "eval_path", "nvme_path", "run_dir", "cache_dir")
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -241,7 +241,13 @@ class DataConfig(Section):
     """Processes that tokenize a data file's rows (LLaMA-Factory's preprocessing_num_workers),
     at most this rank's share of the cores (cores / ranks on the node). Default: that share, up
     to 16, for a file of 5,000 rows or more, else 1 (the training process alone). The rows and
-    their order come out the same whatever the count; a resume reads them from RUN_DIR/data-cache."""
+    their order come out the same whatever the count; a resume reads them from the data cache."""
+    cache_dir: str | None = None
+    """Where the tokenized rows are kept for a later start. Default: RUN_DIR/data-cache, for this
+    run's next start (a resume, an OOM retry), an older tokenization of its data replaced. A
+    directory named here may be shared by runs (LLaMA-Factory's tokenized_path, kept up to date):
+    a run of the same files (path, size, time), data keys and tokenizer reads what another
+    tokenized; anything changed is tokenized again beside it, and nothing there is removed."""
     synthetic_samples: int = Field(4096, ge=1)
     """Number of random-token sequences when path is `synthetic`."""
 

@@ -139,12 +139,12 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
 
 
 def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int,
-                shown: Shown = HIDDEN, cache_root: Path | None = None) -> tuple[Sequences, Sequences]:
+                shown: Shown = HIDDEN, run_dir: Path | None = None) -> tuple[Sequences, Sequences]:
     """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction (or
     eval_examples) of the rows, split before packing so no example straddles the two, and
     after data.max_samples cut each entry (LLaMA-Factory's get_dataset splits after it).
-    Tokenizing shows its progress as `shown` says; with `cache_root` (the run directory) the
-    tokenized rows are kept there for the next start (datacache)."""
+    Tokenizing shows its progress as `shown` says; with `run_dir` the tokenized rows are kept
+    for the next start (datacache: data.cache_dir, else RUN_DIR/data-cache)."""
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = held_out_count(cfg, len(full), "random sequences of data.synthetic_samples")
@@ -154,10 +154,10 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
     from zerofit.demo import DEMO_DATA
 
     entries = [[DEMO_DATA]] if cfg.path == "demo" else data_entries(cfg.path)
-    examples, skipped, reasons, formats, capped, unread = datacache.read(entries, cfg, tokenizer, cache_root, "train",
+    examples, skipped, reasons, formats, capped, unread = datacache.read(entries, cfg, tokenizer, run_dir, "train",
                                                                          shown)
     if cfg.eval_path:
-        held_out = datacache.read(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, cache_root, "eval",
+        held_out = datacache.read(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, run_dir, "eval",
                                   shown)
         splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, capped=capped,
                                unread=unread),

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from zerofit.config import DataConfig
-from zerofit.progress import HIDDEN, Shown, say
+from zerofit.progress import HIDDEN, Shown, say, warn
 from zerofit.tokenizing import Read, read_examples
 
 CACHE_DIR = "data-cache"
@@ -29,32 +29,40 @@ CODE = ("tokenizing.py", "datafiles.py", "toolcalls.py", "config.py", "datacache
 LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 
-def read(files: list[list[Path]], cfg: DataConfig, tokenizer, cache_root: Path | None, kind: str,
+def read(files: list[list[Path]], cfg: DataConfig, tokenizer, run_dir: Path | None, kind: str,
          shown: Shown = HIDDEN) -> Read:
-    """read_examples(files, ...), from `cache_root` when an earlier start of this run tokenized
-    the same rows the same way; otherwise tokenized and kept there (the other `kind` files
-    of the run, train or eval, stay)."""
-    key = cache_key(files, cfg, tokenizer) if cache_root is not None else None
+    """read_examples(files, ...), from the data cache (data.cache_dir, else RUN_DIR/data-cache)
+    when a start before tokenized the same rows the same way; otherwise tokenized and kept
+    there. No `run_dir`: nothing cached (a verb that only looks at the data)."""
+    key = cache_key(files, cfg, tokenizer) if run_dir is not None else None
     if key is None:
         return read_examples(files, cfg, tokenizer, shown)
-    path = cache_root / CACHE_DIR / f"{kind}-{key}.pkl"
+    shared = cfg.cache_dir is not None
+    path = (Path(cfg.cache_dir) if shared else run_dir / CACHE_DIR) / f"{kind}-{key}.pkl"
     try:
         with path.open("rb") as f:
             cached = pickle.load(f)
         if shown.enabled:
-            say(f"{kind} rows: tokenized by an earlier start of this run ({path})")
+            said = "data.cache_dir, tokenized before from the same files, data keys and tokenizer" if shared \
+                else "tokenized by an earlier start of this run"
+            say(f"{kind} rows: {said} ({path})")
         return cached
     except Exception:  # none yet, or unreadable (cut short, damaged: pickle raises what it meets): tokenize again
         pass
     found = read_examples(files, cfg, tokenizer, shown)
-    keep(path, found, kind)
+    problem = keep(path, found, kind, replace_older=not shared)
+    # unkept in the run's own directory: its checkpoints, which need the same disk, say what is wrong
+    if problem and shared and shown.enabled:
+        warn(f"data.cache_dir {path.parent}: the tokenized rows could not be kept ({problem}); the next run "
+             f"tokenizes them again: make it writable, or free space there")
     return found
 
 
-def keep(path: Path, found: Read, kind: str) -> None:
+def keep(path: Path, found: Read, kind: str, replace_older: bool = True) -> str | None:
     """Written whole or not at all (each rank its own temporary, unique across hosts sharing
-    the run directory, then renamed over); a full disk or a read-only run directory costs the
-    next start its time, not this one its run."""
+    the directory, then renamed over); a full disk or a read-only directory costs the next
+    start its time, not this one its run: the OSError's words come back. `replace_older`
+    (the run's own directory): an older tokenization of the `kind` rows goes."""
     partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,12 +71,14 @@ def keep(path: Path, found: Read, kind: str) -> None:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(found, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(partial, path)
-        for older in path.parent.glob(f"{kind}-*.pkl"):  # the same data tokenized otherwise before
+        for older in path.parent.glob(f"{kind}-*.pkl") if replace_older else ():
             if older != path:
                 older.unlink(missing_ok=True)
-    except OSError:
+    except OSError as e:
         if partial is not None:
             partial.unlink(missing_ok=True)
+        return e.strerror or str(e)
+    return None
 
 
 def cache_key(files: list[list[Path]], cfg: DataConfig, tokenizer) -> str | None:

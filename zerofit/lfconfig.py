@@ -50,6 +50,7 @@ RENAMED = {
     "train_on_prompt": "data.train_on_prompt",
     "mask_history": "data.mask_history",
     "preprocessing_num_workers": "data.num_workers",
+    "tokenized_path": "data.cache_dir",  # theirs stops after saving; zerofit keeps it up to date and trains on
 }
 # keys that, set (true, a number, a name), train what zerofit does not: refused, with why
 REFUSED = {
