@@ -2,7 +2,10 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1475,8 +1478,8 @@ def test_tokenizing_workers_are_forked_processes_and_keep_the_order():
 
 
 def test_closing_the_rows_early_leaves_the_later_chunks_undone():
-    """A bad row ends the reading: the chunks not yet handed to a worker are dropped, not
-    tokenized for nothing (8 chunks of 500 rows; at most the running ones and the queued finish)."""
+    """A bad row ends the reading: the workers are stopped, the chunks not begun dropped, not
+    tokenized for nothing (chunks of 256 rows)."""
     done = multiprocessing.get_context("fork").Value("i", 0)
 
     def slow(i):
@@ -1488,7 +1491,7 @@ def test_closing_the_rows_early_leaves_the_later_chunks_undone():
     results = tokenworkers.tokenized(4000, slow, workers=2)
     assert next(results) == 0
     results.close()
-    assert 500 <= done.value < 4000
+    assert 256 <= done.value < 4000
 
 
 def test_a_killed_tokenizing_worker_is_said_with_the_fix_not_waited_on():
@@ -1550,3 +1553,35 @@ def test_cache_dir_is_a_path_and_llamafactorys_tokenized_path_names_it(tmp_path,
     with pytest.raises(ConfigError, match=r"data.tokenized_path; LLaMA-Factory's / HF Trainer's tokenized_path is "
                                           r"data.cache_dir"):
         validate({"model": {"config": "demo"}, "train": {"max_steps": 1}, "data": {"tokenized_path": "x"}})
+
+
+def test_tokenizing_workers_die_with_a_parent_killed_outright(tmp_path):
+    """They hold the parent's files (the run's lock, a pipe into tee): a parent SIGKILLed (the
+    OOM killer) left them tokenizing on, the run refused as 'in use'."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from zerofit import tokenworkers\n"
+        "def slow(i):\n"
+        "    print(os.getpid(), flush=True)\n"
+        "    time.sleep(0.05)\n"
+        "    return i\n"
+        "for _ in tokenworkers.tokenized(100000, slow, workers=2):\n"
+        "    pass\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(tokenworkers.__file__).parent.parent)})
+    workers = {int(parent.stdout.readline()) for _ in range(40)} - {parent.pid}
+    assert len(workers) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, workers))
+
+
+def running(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False

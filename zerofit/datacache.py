@@ -25,7 +25,7 @@ from zerofit.tokenizing import Read, read_examples
 CACHE_DIR = "data-cache"
 # the data keys tokenize_row and read_examples read: the others shape sequences from the examples
 READ_KEYS = ("format", "alpaca_template", "columns", "max_samples", "skip_bad_rows")
-CODE = ("tokenizing.py", "datafiles.py", "toolcalls.py", "config.py", "datacache.py")
+CODE = ("tokenizing.py", "tokenworkers.py", "datafiles.py", "toolcalls.py", "config.py", "datacache.py")
 LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 

@@ -6,10 +6,11 @@ bad row named and the rows skipped are the same as in the training process alone
 The workers are forked: they inherit the rows (an Arrow-backed Dataset, memory-mapped, or the
 parsed lines) and the tokenizer instead of having them pickled, as HF datasets' map(num_proc)
 forks; only the chunks' bounds go out and the token ids come back. Tokenizing happens before
-the model is built, so a fork copies little. Where fork is not offered (not Linux), the
+the model is built, so a fork copies little. Where fork is not offered (Windows), the
 training process tokenizes alone."""
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing
 import os
@@ -20,13 +21,16 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
+from zerofit.config import ConfigError
+
 AUTO_MIN_ROWS = 5_000  # below it, a few seconds at stake (5k short alpaca rows: 3 s on one core), one process kept
 AUTO_MOST_WORKERS = 16  # 100k rows on the H200 host: 1 -> 82 s, 8 -> 17 s, 16 -> 10 s (bench/results/tokenize-h200)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CHUNKS_PER_WORKER = 4  # small enough that the progress moves and the workers finish together
-MOST_ROWS_PER_CHUNK = 1000
+MOST_ROWS_PER_CHUNK = 256  # a stop (a bad row, Ctrl-C) waits at most for the chunks running
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(ConfigError):
     """A worker ended without its chunk's results: killed (the OOM killer) or crashed."""
 
 
@@ -73,10 +77,16 @@ def tokenized(rows: int, tokenize_at: Callable[[int], Any], workers: int) -> Ite
 def _forked_workers(workers: int):
     """`workers` processes forked at the first task; on leaving, the chunks not yet begun are
     dropped (a bad row ended the reading, or an interrupt) and the running ones end."""
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_as_worker)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_as_worker,
+                               initargs=(os.getpid(),))
+    finished = False
     try:
         yield pool
+        finished = True
     finally:
+        if not finished:  # stopped early: the running chunks are not waited for (long rows: seconds each)
+            for process in list(pool._processes.values()):  # the executor offers no terminate of its own
+                process.kill()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -99,11 +109,20 @@ def _mapped(pool: ProcessPoolExecutor, tokenize_at: Callable[[int], Any],
             del os.environ["TOKENIZERS_PARALLELISM"]
 
 
-def _as_worker() -> None:
+def _as_worker(parent: int) -> None:
     """The training process's signal handlers are not a worker's: Ctrl-C is the parent's to
-    handle (it ends the pool), and SIGTERM ends a worker outright."""
+    handle (it ends the pool), and SIGTERM ends a worker outright. A worker dies with its
+    parent (prctl PR_SET_PDEATHSIG): it holds the parent's open files, the run's lock among
+    them, and a parent killed outright (the OOM killer) left it holding the run ("in use by
+    another zerofit train") and a pipe into `tee` open."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before the prctl
+        os._exit(1)
 
 
 def _tokenize_chunk(bounds: tuple[int, int]) -> list:
