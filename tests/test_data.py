@@ -1508,9 +1508,9 @@ def test_a_killed_tokenizing_worker_is_said_with_the_fix_not_waited_on():
 
 
 @pytest.mark.parametrize("setting, rows, cores, local_ranks, expected", [
-    (None, 4_999, 16, 1, 1),  # a small file: the training process alone
-    (None, 5_000, 16, 1, 16),
-    (None, 5_000, 64, 1, 16),  # at most 16 by default
+    (None, 999, 16, 1, 1),  # a small file: the training process alone
+    (None, 1_000, 16, 1, 16),
+    (None, 1_000, 64, 1, 16),  # at most 16 by default
     (None, 100_000, 16, 4, 4),  # the node's cores shared by its ranks
     (None, 100_000, 2, 4, 1),  # fewer cores than ranks: one each
     (16, 100_000, 64, 1, 16),  # asked for: as many, up to this rank's share

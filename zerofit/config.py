@@ -240,7 +240,7 @@ class DataConfig(Section):
     num_workers: int | None = Field(None, ge=1)
     """Processes that tokenize a data file's rows (LLaMA-Factory's preprocessing_num_workers),
     at most this rank's share of the cores (cores / ranks on the node). Default: that share, up
-    to 16, for a file of 5,000 rows or more, else 1 (the training process alone). The rows and
+    to 16, for a file of 1,000 rows or more, else 1 (the training process alone). The rows and
     their order come out the same whatever the count; a resume reads them from the data cache."""
     cache_dir: str | None = None
     """Where the tokenized rows are kept for a later start. Default: RUN_DIR/data-cache, for this
