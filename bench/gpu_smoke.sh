@@ -50,3 +50,16 @@ echo "r05a rc $?"; grep -v "^\[20" $OUT/r05a.log | grep -E "async|checkpoint|don
 python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/r05t --set train.seq_len=96 \
   --set train.max_steps=5 --set checkpoint.every_steps=0 > $OUT/r05t.log 2>&1
 echo "r05t rc $?"; grep -v "^\[20" $OUT/r05t.log | grep -E "data:|cut to|done|plan:"
+# 20k rows tokenized by forked workers (data.num_workers' default) into a shared data.cache_dir, which a
+# second run directory then reads instead of tokenizing
+python -c "
+import json
+with open('/tmp/sft20k.jsonl', 'w') as f:
+    for i in range(20000):
+        f.write(json.dumps({'instruction': f'Repeat {i} times the word ok.', 'output': ' ok' * (1 + i % 97)}) + '\n')"
+for run in r05c1 r05c2; do
+  /usr/bin/time -f "$run %e s" python -m zerofit train --config /tmp/c.yaml --run-dir $OUT/$run \
+    --set data.path=/tmp/sft20k.jsonl --set data.cache_dir=/tmp/tokcache --set train.max_steps=3 \
+    --set checkpoint.every_steps=0 > $OUT/$run.log 2>&1
+  echo "$run rc $?"; grep -v "^\[20" $OUT/$run.log | grep -E "tokeniz|data:|done| s$"
+done
