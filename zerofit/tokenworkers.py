@@ -61,7 +61,7 @@ def tokenized(rows: int, tokenize_at: Callable[[int], Any], workers: int) -> Ite
     """tokenize_at(i) for each of the `rows` rows, in order: in this process, or in `workers`
     forked ones that inherit tokenize_at (the rows and tokenizer it holds) unpickled. Close
     the iterator to stop the workers early; a worker killed (the OOM killer) raises
-    BrokenProcessPool here rather than hang the start."""
+    WorkerDied here rather than hang the start."""
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(tokenize_at, range(rows))
         return
@@ -77,8 +77,8 @@ def tokenized(rows: int, tokenize_at: Callable[[int], Any], workers: int) -> Ite
 
 @contextmanager
 def _forked_workers(workers: int):
-    """`workers` processes forked at the first task; on leaving, the chunks not yet begun are
-    dropped (a bad row ended the reading, or an interrupt) and the running ones end."""
+    """`workers` processes forked at the first task; left early (a bad row ended the reading, or
+    an interrupt), the workers are killed and the chunks not yet begun dropped."""
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_as_worker,
                                initargs=(os.getpid(),))
     finished = False
