@@ -44,11 +44,14 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
-    run_dir = usable_run_dir(Path(config.run_dir))
-    if int(os.environ.get("RANK", "0")) == 0:  # before anything in it is read or rewritten
-        runlock.hold(run_dir)
+    run_dir = Path(config.run_dir)
+    if int(os.environ.get("RANK", "0")) == 0:  # made and locked before anything in it is read or rewritten
+        runlock.hold(usable_run_dir(run_dir))
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
+    # the other ranks' after rank 0's (it joined the group first): one that made the directory while rank 0
+    # looked whether it was there left it behind when the start failed (cli.cmd_train removes what it made)
+    usable_run_dir(run_dir)
     engine.check_precision(config.train.precision, dist.on_gpu)
     elastic.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
     config, resume = elastic.resume_after_oom(config, resume, dist)  # torchrun restarted the ranks after an OOM
