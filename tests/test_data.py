@@ -1547,6 +1547,51 @@ def test_a_shared_cache_dir_serves_another_run_and_keeps_every_tokenization(tmp_
     assert "the tokenized rows could not be kept (Not a directory)" in capsys.readouterr().err
 
 
+def machine_of_two(tmp_path, tokenizer, cfg: DataConfig, path: Path, monkeypatch) -> dict[str, tuple]:
+    """datacache.read on the two ranks of one machine (threads meeting at a real barrier): what
+    each returned, and the ranks_tokenizing of each tokenization each made."""
+    import threading
+
+    from zerofit import datacache
+
+    calls, real = [], datacache.read_examples
+    monkeypatch.setattr(datacache, "read_examples", lambda *args, **kwargs: (
+        calls.append((threading.current_thread().name, kwargs.get("ranks_tokenizing"))), real(*args, **kwargs))[1])
+    barrier, found = threading.Barrier(2, timeout=60), {}
+
+    def rank(first: bool) -> None:
+        node = datacache.Node(first=first, ranks=2, wait=barrier.wait)
+        found[threading.current_thread().name] = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train",
+                                                                node=node)
+
+    ranks = [threading.Thread(target=rank, args=(name == "first",), name=name) for name in ("second", "first")]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=120)
+    return {name: (found[name], [made for who, made in calls if who == name]) for name in ("first", "second")}
+
+
+def test_one_rank_of_a_machine_tokenizes_with_all_its_cores_and_the_others_read_its_rows(tmp_path, tokenizer,
+                                                                                        monkeypatch):
+    """LLaMA-Factory's main_process_first: the second rank waits (it starts first here) and reads
+    what the first kept; where the first could not keep them, it tokenizes them itself."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(40)])
+    cfg = DataConfig(path=str(path))
+    ranks = machine_of_two(tmp_path, tokenizer, cfg, path, monkeypatch)
+    assert ranks["first"][1] == [1]  # tokenized once, as the machine's only tokenizing rank: all its cores
+    assert ranks["second"][1] == []
+    assert ranks["second"][0] == ranks["first"][0] and len(ranks["first"][0].examples) == 40
+    # the rows kept: both read them
+    assert [made for _, (_, made) in machine_of_two(tmp_path, tokenizer, cfg, path, monkeypatch).items()] == [[], []]
+    # a data.cache_dir that cannot take them (a file stands where it would go): each rank tokenizes
+    (tmp_path / "a-file").write_text("")
+    blocked = DataConfig(path=str(path), cache_dir=str(tmp_path / "a-file" / "cache"))
+    ranks = machine_of_two(tmp_path, tokenizer, blocked, path, monkeypatch)
+    assert ranks["first"][1] == [1] and ranks["second"][1] == [1]
+    assert ranks["second"][0] == ranks["first"][0]
+
+
 def test_cache_dir_is_a_path_and_llamafactorys_tokenized_path_names_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert DataConfig(cache_dir="~/tok").cache_dir == f"{tmp_path}/tok"

@@ -280,6 +280,24 @@ def test_two_ranks_write_both_ranks_files(tmp_path):
     for name in ("memory.jsonl", "memory-rank1.jsonl"):
         assert read_jsonl(tmp_path / "run" / name)[0]["cpu_threads"] == share
     assert f"zerofit gives each rank {share} CPU threads" in done.stderr.replace("\n", "")
+    assert "train rows: tokenized once per machine, by its first rank with all of its cores; its 1 other rank " \
+           "read them" in done.stderr.replace("\n", "")
+    assert len(list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))) == 1
+
+
+def test_two_ranks_a_bad_row_is_said_once_and_the_start_leaves_no_run_directory(tmp_path):
+    """The first rank of the machine reads the rows and names the bad one; the other, waiting for
+    it, stops without a word of its own about the data. Rank 1 used to make the run directory
+    while rank 0 looked whether it was there (about 1 start in 3), and rank 0 then left it."""
+    rows = [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(300)]
+    rows[150] = {"instruction": 5, "output": "ok"}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "deep" / "run",
+                                                             write_jsonl(tmp_path / "d.jsonl", rows)))
+    done = run_zerofit(["train", "--config", str(config)], nproc=2, check=False)
+    assert done.returncode != 0
+    assert done.stderr.count("d.jsonl, line 151: field `instruction`: expected a string, got int") == 1
+    assert "another rank of this run is gone" not in done.stderr
+    assert not (tmp_path / "deep").exists()
 
 
 def test_cpu_threads_per_rank():

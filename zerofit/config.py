@@ -239,8 +239,8 @@ class DataConfig(Section):
     """Skip and count malformed rows instead of failing on the first one."""
     num_workers: int | None = Field(None, ge=1)
     """Processes that tokenize a data file's rows (LLaMA-Factory's preprocessing_num_workers),
-    at most this rank's share of the cores (cores / ranks on the node). Default: that share, up
-    to 16, for a file of 1,000 rows or more, else 1 (the training process alone). The rows and
+    at most the machine's cores (its first rank tokenizes for all of its ranks). Default: those
+    cores, up to 16, for a file of 1,000 rows or more, else 1 (the training process alone). The rows and
     their order come out the same whatever the count; a resume reads them from the data cache."""
     cache_dir: str | None = None
     """Where the tokenized rows are kept for a later start. Default: RUN_DIR/data-cache, for this

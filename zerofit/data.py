@@ -138,13 +138,14 @@ def synthetic_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Seq
     return Sequences(ids, ids.copy(), layout="synthetic")
 
 
-def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int,
-                shown: Shown = HIDDEN, run_dir: Path | None = None) -> tuple[Sequences, Sequences]:
+def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size: int, shown: Shown = HIDDEN,
+                run_dir: Path | None = None, node: datacache.Node | None = None) -> tuple[Sequences, Sequences]:
     """(train, eval) sequences. Eval is data.eval_path, else a seeded eval_fraction (or
     eval_examples) of the rows, split before packing so no example straddles the two, and
     after data.max_samples cut each entry (LLaMA-Factory's get_dataset splits after it).
     Tokenizing shows its progress as `shown` says; with `run_dir` the tokenized rows are kept
-    for the next start (datacache: data.cache_dir, else RUN_DIR/data-cache)."""
+    for the next start (datacache: data.cache_dir, else RUN_DIR/data-cache), by one rank of
+    each machine when a `node` of several ranks is given."""
     if cfg.path == "synthetic":
         full = synthetic_sequences(cfg.synthetic_samples, seq_len, vocab_size, seed)
         n_eval = held_out_count(cfg, len(full), "random sequences of data.synthetic_samples")
@@ -155,10 +156,10 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
 
     entries = [[DEMO_DATA]] if cfg.path == "demo" else data_entries(cfg.path)
     examples, skipped, reasons, formats, capped, unread = datacache.read(entries, cfg, tokenizer, run_dir, "train",
-                                                                         shown)
+                                                                         shown, node)
     if cfg.eval_path:
         held_out = datacache.read(data_entries(cfg.eval_path, "data.eval_path"), cfg, tokenizer, run_dir, "eval",
-                                  shown)
+                                  shown, node)
         splits = (to_sequences(examples, cfg, tokenizer, seq_len, skipped, reasons, formats, capped=capped,
                                unread=unread),
                   sequences_of(held_out, cfg, tokenizer, seq_len, keep_tail=True))

@@ -16,6 +16,8 @@ import json
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from zerofit.config import DataConfig
@@ -29,33 +31,69 @@ CODE = ("tokenizing.py", "tokenworkers.py", "datafiles.py", "toolcalls.py", "con
 LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 
+@dataclass(frozen=True)
+class Node:
+    """How the ranks of one machine share a tokenization (LLaMA-Factory's main_process_first):
+    the `first` tokenizes with all of the machine's cores and keeps the rows in the cache; the
+    others `wait` (every rank of the machine calls it once per read) and read them there. Each
+    rank tokenizing at once took a share of the cores, and held its own tokenizing peak."""
+    first: bool
+    ranks: int  # the ranks on this machine
+    wait: Callable[[], None]  # returns once every rank of the machine has called it
+
+
 def read(files: list[list[Path]], cfg: DataConfig, tokenizer, run_dir: Path | None, kind: str,
-         shown: Shown = HIDDEN) -> Read:
+         shown: Shown = HIDDEN, node: Node | None = None) -> Read:
     """read_examples(files, ...), from the data cache (data.cache_dir, else RUN_DIR/data-cache)
     when a start before tokenized the same rows the same way; otherwise tokenized and kept
-    there. No `run_dir`: nothing cached (a verb that only looks at the data)."""
+    there, by one rank of the machine where a `node` of several is given. No `run_dir`:
+    nothing cached (a verb that only looks at the data)."""
     key = cache_key(files, cfg, tokenizer) if run_dir is not None else None
-    if key is None:
+    if key is None:  # nothing to hand the rows over in: every rank tokenizes
         return read_examples(files, cfg, tokenizer, shown)
     shared = cfg.cache_dir is not None
     path = (Path(cfg.cache_dir) if shared else run_dir / CACHE_DIR) / f"{kind}-{key}.pkl"
-    try:
-        with path.open("rb") as f:
-            cached = pickle.load(f)
+    sharing = node is not None and node.ranks > 1
+    if sharing and not node.first:
+        node.wait()  # the first has kept the rows, or could not: then each rank tokenizes them itself
+        return cached(path) or read_examples(files, cfg, tokenizer, shown, ranks_tokenizing=node.ranks - 1)
+    found = cached(path)
+    if found is not None:
         if shown.enabled:
             said = "data.cache_dir, tokenized before from the same files, data keys and tokenizer" if shared \
                 else "tokenized by an earlier start of this run"
             say(f"{kind} rows: {said} ({path})")
-        return cached
-    except Exception:  # none yet, or unreadable (cut short, damaged: pickle raises what it meets): tokenize again
-        pass
-    found = read_examples(files, cfg, tokenizer, shown)
-    problem = keep(path, found, kind, replace_older=not shared)
-    # unkept in the run's own directory: its checkpoints, which need the same disk, say what is wrong
-    if problem and shared and shown.enabled:
-        warn(f"data.cache_dir {path.parent}: the tokenized rows could not be kept ({problem}); the next run "
-             f"tokenizes them again: make it writable, or free space there")
+    else:
+        found = read_examples(files, cfg, tokenizer, shown, ranks_tokenizing=1 if sharing else None)
+        problem = keep(path, found, kind, replace_older=not shared)
+        # unkept in the run's own directory: its checkpoints, which need the same disk, say what is wrong
+        if problem and shared and shown.enabled:
+            warn(f"data.cache_dir {path.parent}: the tokenized rows could not be kept ({problem}); the next run "
+                 f"tokenizes them again: make it writable, or free space there")
+        if sharing and shown.enabled:
+            say(sharing_note(kind, node.ranks - 1, path.parent, problem))
+    if sharing:
+        node.wait()
     return found
+
+
+def sharing_note(kind: str, others: int, where: Path, problem: str | None) -> str:
+    ranks = "rank" if others == 1 else "ranks"
+    if problem:
+        return f"{kind} rows: tokenized by this machine's first rank but not kept ({problem}); its {others} other " \
+               f"{ranks} tokenize them too"
+    return f"{kind} rows: tokenized once per machine, by its first rank with all of its cores; its {others} other " \
+           f"{ranks} read them from {where}"
+
+
+def cached(path: Path) -> Read | None:
+    """The rows kept at `path`; None when there are none, or they are unreadable (cut short,
+    damaged: pickle raises what it meets)."""
+    try:
+        with path.open("rb") as f:
+            return pickle.load(f)
+    except Exception:
+        return None
 
 
 def keep(path: Path, found: Read, kind: str, replace_older: bool = True) -> str | None:

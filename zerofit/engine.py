@@ -12,9 +12,11 @@ import math
 import os
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 from zerofit import elastic, opbuild
 from zerofit.config import Config, ConfigError
@@ -155,6 +157,42 @@ def init_distributed() -> Dist:
                 contextlib.redirect_stdout(io.StringIO()):
             deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Dist(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), on_gpu)
+
+
+# one rank of a machine may tokenize a large corpus for hours while the others wait for it
+MACHINE_WAIT = timedelta(days=1)
+MACHINE_POLL_S = 0.2
+
+
+def machine_node(dist: Dist):
+    """This machine's ranks as datacache.Node (one tokenizes, the others read what it kept),
+    or None with one rank per machine. A gloo group per machine, of LOCAL_WORLD_SIZE
+    consecutive ranks (torchrun and DeepSpeed's launcher number a machine's ranks so; where a
+    launcher does not, the ranks still agree, and a rank that finds no rows kept tokenizes
+    them itself). Its barrier is polled: a rank waiting in a blocking one runs no Python
+    handler, and a launcher stopping the ranks after the first one failed would wait out its
+    30 s before SIGKILL (see elastic's docstring)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dist.world_size < 2 or local_ranks < 2 or dist.world_size % local_ranks:
+        return None
+    import torch.distributed as td
+
+    from zerofit.datacache import Node
+    from zerofit.datafiles import DataError
+
+    group, _ = td.new_subgroups(group_size=local_ranks, backend="gloo", timeout=MACHINE_WAIT)
+
+    def wait() -> None:
+        try:
+            work = td.barrier(group=group, async_op=True)
+            while not work.is_completed():
+                time.sleep(MACHINE_POLL_S)
+            work.wait()  # raises what the barrier met
+        except RuntimeError:  # a peer's connection closed: the error is its to say
+            raise DataError("a rank of this machine stopped while the data was read; its own error says "
+                            "why") from None
+
+    return Node(first=td.get_rank(group) == 0, ranks=local_ranks, wait=wait)
 
 
 def finish_distributed(code: int) -> None:

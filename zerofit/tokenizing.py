@@ -479,10 +479,13 @@ class Read(NamedTuple):
     unread: list[str]
 
 
-def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer, shown: Shown = HIDDEN) -> Read:
+def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokenizer, shown: Shown = HIDDEN,
+                  ranks_tokenizing: int | None = None) -> Read:
     """What the files hold (a Read): tokenized (input_ids, labels) per row, the rows skipped
-    with why, the formats read, whether max_samples cut, the columns left out. `files`: paths, or per data.path entry a list of them (datafiles.data_entries); under
-    data.max_samples only each entry's first rows are read (a lone path is an entry)."""
+    with why, the formats read, whether max_samples cut, the columns left out. `files`: paths,
+    or per data.path entry a list of them (datafiles.data_entries); under data.max_samples only
+    each entry's first rows are read (a lone path is an entry). `ranks_tokenizing`: the ranks
+    of this node tokenizing at once, who share its cores (None: every one, LOCAL_WORLD_SIZE)."""
     examples, skipped, reasons, formats, capped, unread = [], 0, [], {}, False, []
     for entry in [file if isinstance(file, list) else [file] for file in files]:
         taken = 0  # the entry's rows read, bad ones too: LLaMA-Factory cuts each dataset before converting it
@@ -494,7 +497,8 @@ def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokeniz
             taken += len(rows) + len(bad_lines)
             skipped, reasons = skipped + len(bad_lines), reasons + bad_lines
             if len(rows):  # not every line skipped (then there is nothing to tell a format by)
-                more, bad_rows, read_formats, left_out = file_examples(rows, line_numbers, file, cfg, tokenizer, shown)
+                more, bad_rows, read_formats, left_out = file_examples(rows, line_numbers, file, cfg, tokenizer,
+                                                                          shown, ranks_tokenizing)
                 examples, unread = examples + more, unread + left_out
                 skipped, reasons = skipped + len(bad_rows), reasons + bad_rows
                 formats.update(dict.fromkeys(read_formats, True))
@@ -505,8 +509,8 @@ def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokeniz
     return Read(examples, skipped, reasons[:10], tuple(formats), capped, unread)
 
 
-def file_examples(rows, line_numbers, file: Path, cfg: DataConfig, tokenizer,
-                  shown: Shown = HIDDEN) -> tuple[list, list[str], tuple[str, ...], list[str]]:
+def file_examples(rows, line_numbers, file: Path, cfg: DataConfig, tokenizer, shown: Shown = HIDDEN,
+                  ranks_tokenizing: int | None = None) -> tuple[list, list[str], tuple[str, ...], list[str]]:
     """One file's rows tokenized: the examples, the bad rows skipped (where and why), the formats
     read, the columns left out (with_columns). A long file shows its progress (`shown`)."""
     examples, bad, formats = [], [], {}
@@ -522,7 +526,7 @@ def file_examples(rows, line_numbers, file: Path, cfg: DataConfig, tokenizer,
             return e
 
     workers = tokenworkers.worker_count(cfg.num_workers, len(rows), cpu_cores(),
-                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                                        ranks_tokenizing or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     results = tokenworkers.tokenized(len(rows), tokenize_at, workers)
     with CountProgress(f"tokenizing {file.name}", len(rows), "rows", *shown) as progress, contextlib.closing(results):
         for index, result in enumerate(results):

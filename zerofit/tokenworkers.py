@@ -41,8 +41,9 @@ _tokenize_at: Callable[[int], Any] | None = None  # set before the fork, called 
 
 def worker_count(setting: int | None, rows: int, cores: int, local_ranks: int) -> int:
     """How many processes tokenize a file of `rows` rows: data.num_workers (`setting`, None for
-    the default), never more than this rank's share of the cores (every rank on the node
-    tokenizes at once) nor than the rows."""
+    the default), never more than the share of the cores of one of `local_ranks` ranks tokenizing
+    at once on the machine (one where its first rank tokenizes for all, see datacache.read) nor
+    than the rows."""
     share = max(1, cores // max(1, local_ranks))
     if setting is None:
         wanted = min(AUTO_MOST_WORKERS, share) if rows >= AUTO_MIN_ROWS else 1

@@ -70,7 +70,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     memory.reset_host_peak()  # an in-process OOM retry's earlier attempt peaked above the loading
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size, Shown(dist.is_main, config.log.progress),
-                                           run_dir=run_dir)
+                                           run_dir=run_dir, node=engine.machine_node(dist))
     hostalloc.return_freed_heap()  # the examples' lists, before the planner counts the packed arrays alone
     # tokenizing peaks above what stays (each example's Python lists): said in the start record, apart
     # from the peaks of what the plan predicts (VmHWM reset), which it would otherwise stand for
