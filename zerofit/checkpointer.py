@@ -19,10 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
-from zerofit import (checkpoint, checkpoint_io, choice, data, elastic, engine, faults, lora, memory, nvme, planner,
-                     universal, zerofiles)
+from zerofit import (cgroup, checkpoint, checkpoint_io, choice, data, elastic, engine, faults, lora, memory, nvme,
+                     planner, universal, zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
@@ -252,7 +250,7 @@ class Checkpointer:
                             if p.requires_grad)
         self.total_params = sum(getattr(p, "ds_numel", p.numel()) for p in ds_engine.module.parameters())
         host_max = planner.async_snapshot_cap(choice.async_snapshot_max(config),
-                                              host_budget_bytes or psutil.virtual_memory().available)
+                                              host_budget_bytes or cgroup.host_memory().available)
         self.io = checkpoint_io.install(ds_engine, self.settings.async_save, host_max, self.settings.direct_io,
                                            self.settings.zip_crc32)
         self._pending: dict | None = None

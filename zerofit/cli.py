@@ -232,7 +232,7 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-mem", metavar="SIZE", type=size,
                         help="GPU memory per rank, e.g. 24GiB (plans for CUDA even here)")
     parser.add_argument("--host-mem", metavar="SIZE", type=size,
-                        help="host RAM budget, e.g. 64GiB (default: available RAM)")
+                        help="host RAM budget, e.g. 64GiB (default: available RAM, within a cgroup limit)")
     parser.add_argument("--cpu-cores", type=at_least(1), metavar="N", help="CPU cores for CPU-Adam (default: this machine's)")
     parser.add_argument("--disk-free", metavar="SIZE", type=size,
                         help="free disk for checkpoints, e.g. 2TB (default: measured "

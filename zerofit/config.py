@@ -588,7 +588,8 @@ class PlanConfig(Section):
     gpu_mem: str | None = None
     """GPU memory budget per rank, e.g. `24GiB` (default: the GPU's free memory at start)."""
     host_mem: str | None = None
-    """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM)."""
+    """Host RAM budget per node, e.g. `64GiB` (default: probed available RAM, within the cgroup's memory
+    limit where there is one)."""
     headroom: float = Field(DEFAULT_HEADROOM, ge=0.0, lt=0.9)
     """Fraction of each budget kept free."""
 

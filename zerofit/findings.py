@@ -45,6 +45,7 @@ class RunFacts:
     host_budget: int = 0
     host_total: int = 0
     host_budget_is_machine: bool = True
+    host_limit: str | None = None  # a cgroup memory limit below the machine's RAM, as the start record said it
     alloc_conf: str = ""
     ds_config: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)   # zerofit's resolved config, {} for HF runs
@@ -83,7 +84,7 @@ def facts_from(records: list[dict], ds_config: dict | None = None, config: dict 
         gpu_budget=start.get("gpu_budget") or devices.get("gpu", {}).get("budget_bytes") or 0,
         host_budget=start.get("host_budget") or devices.get("host", {}).get("budget_bytes") or 0,
         host_total=start.get("host_total") or 0,
-        host_budget_is_machine=start.get("host_budget_is_machine", True),
+        host_budget_is_machine=start.get("host_budget_is_machine", True), host_limit=start.get("host_limit"),
         alloc_conf=start.get("alloc_conf", ""), ds_config=ds_config or {}, config=config or {}, source=source,
         params=(plan or {}).get("params") or 0)
 

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from zerofit import hostalloc
+from zerofit import cgroup, hostalloc
 from zerofit.config import ConfigError
 from zerofit.memory import parse_bytes
 
@@ -102,7 +102,7 @@ class Hardware:
     gpu_total_bytes: int             # per GPU, probed (0 on a CPU machine)
     gpu_budget_bytes: int            # what one rank may use: --gpu-mem, or probed free memory
     host_total_bytes: int
-    host_budget_bytes: int           # --host-mem, or probed available RAM
+    host_budget_bytes: int           # --host-mem, or probed available RAM (the cgroup's where tighter)
     pinned_limit_bytes: int | None   # ulimit -l; None = unlimited
     cpu_cores: int
     disk_path: str                   # where checkpoints go (the run directory)
@@ -114,6 +114,7 @@ class Hardware:
     nvme_read_bytes_per_s: float | None = None    # measured by the aio sweep (zerofit.nvme cache)
     nvme_write_bytes_per_s: float | None = None
     glibc_heap: bool = True          # glibc's mallopt is there: train.heap_step_temporaries can work (hostalloc)
+    host_limit: str | None = None    # what capped host RAM below the machine's: a cgroup memory limit
 
     @property
     def on_gpu(self) -> bool:
@@ -127,10 +128,8 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
           host_mem: str | None = None, accelerator: str | None = None) -> Hardware:
     """The machine as it is now, with overrides applied. accelerator: "cuda"/"cpu" to plan
     for one regardless of what is here (a --gpu-mem given on a CPU machine means cuda)."""
-    import psutil
-
     gpu = _probe_gpu() if gpu_mem is None else None  # a given budget needs no CUDA context here
-    vm = psutil.virtual_memory()
+    host = cgroup.host_memory()
     overridden = []
     if accelerator is None:
         accelerator = "cuda" if gpu or gpu_mem else "cpu"
@@ -142,7 +141,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     if gpu_mem is not None:
         gpu_budget = parse_bytes(gpu_mem, "gpu_mem")
         overridden.append("gpu_mem")
-    host_budget = vm.available
+    host_budget = host.available
     if host_mem is not None:
         host_budget = parse_bytes(host_mem, "host_mem")
         overridden.append("host_mem")
@@ -154,7 +153,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     return Hardware(
         accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
-        host_total_bytes=vm.total, host_budget_bytes=host_budget,
+        host_total_bytes=host.total, host_budget_bytes=host_budget, host_limit=host.limit,
         pinned_limit_bytes=memlock_limit(), cpu_cores=cpu_cores(),
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
@@ -220,11 +219,13 @@ def has_ipc_lock() -> bool:
 
 
 def cpu_cores() -> int:
-    """The cores this process may run on: its affinity (taskset, cgroup cpusets), else all."""
+    """The cores this process may run on: its affinity (taskset, cgroup cpusets), else all,
+    no more than its cgroup's CPU quota (docker --cpus, a Kubernetes CPU limit)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return min(cores, cgroup.cpu_limit() or cores)
 
 
 def _existing_parent(path: Path) -> Path:

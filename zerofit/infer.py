@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from zerofit import cgroup
 from zerofit.adapters import ADAPTER_CONFIG_FILE
 from zerofit.config import ConfigError
 from zerofit.memory import human_bytes, parse_bytes
@@ -208,7 +209,6 @@ def plan_placement(config, torch_dtype, budget: int, context_tokens: int = DEFAU
                    host_bytes: int | None = None) -> tuple[dict, dict]:
     """accelerate's device map of the model's layers for `budget` bytes of GPU 0, on a
     skeleton with no weights (meta tensors): (device_map, placement summary)."""
-    import psutil
     from accelerate import infer_auto_device_map, init_empty_weights
     from accelerate.utils import compute_module_sizes
     from transformers import AutoModelForCausalLM
@@ -223,7 +223,7 @@ def plan_placement(config, torch_dtype, budget: int, context_tokens: int = DEFAU
     if budget <= reserve:
         raise ConfigError(f"--gpu-mem {human_bytes(budget)} leaves no room for weights: the KV cache for "
                           f"{context_tokens} tokens and the runtime need {human_bytes(reserve)}")
-    host = host_bytes if host_bytes is not None else int(psutil.virtual_memory().available * 0.9)
+    host = host_bytes if host_bytes is not None else int(cgroup.host_memory().available * 0.9)
     device_map = infer_auto_device_map(skeleton, max_memory={0: budget - reserve, "cpu": host},
                                        no_split_module_classes=no_split, dtype=torch_dtype)
     if "disk" in device_map.values():

@@ -13,7 +13,7 @@ What one record holds (bytes unless named otherwise):
                         split blocks, the fragmentation that makes a large request fail
   host_rss, host_peak   VmRSS, and VmHWM since the previous phase (/proc/self/status; the
                         high-water mark is reset through /proc/self/clear_refs, see proc(5))
-  host_avail            psutil.virtual_memory().available (machine-wide), once per step
+  host_avail            RAM available machine-wide (or in the run's cgroup, where tighter), once per step
   pinned                page-locked host memory, once per step: the CUDA caching host
                         allocator's bytes (torch.cuda.host_memory_stats, where
                         `tensor.pin_memory()` and DeepSpeed's default pinning land) plus
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from zerofit import cgroup
 
 GPU_KEYS = ("gpu_alloc", "gpu_reserved", "gpu_peak", "gpu_peak_reserved", "gpu_frag", "gpu_inactive_split")
 PEAK_KEYS = ("gpu_peak", "gpu_peak_reserved", "host_peak")  # kept as the max when a phase recurs
@@ -129,10 +131,11 @@ def gpu_budget_bytes() -> int:
 def budgets(on_gpu: bool, gpu_mem: str | None = None, host_mem: str | None = None) -> dict:
     """What the watchdog and the doctor measure against. GPU: plan.gpu_mem, else the
     device (times the per-process fraction); host: plan.host_mem, else the machine's RAM
-    (`host_budget_is_machine` tells the watchdog to count machine-wide use)."""
-    host_total = psutil.virtual_memory().total
-    found = {"host_total": host_total, "host_budget": parse_bytes(host_mem, "plan.host_mem") or host_total,
-             "host_budget_is_machine": host_mem is None, "gpu_total": 0, "gpu_budget": 0}
+    (`host_budget_is_machine` tells the watchdog to count machine-wide use), or the cgroup's
+    memory limit where that is tighter (`host_limit` says so)."""
+    host = cgroup.host_memory()
+    found = {"host_total": host.total, "host_budget": parse_bytes(host_mem, "plan.host_mem") or host.total,
+             "host_budget_is_machine": host_mem is None, "host_limit": host.limit, "gpu_total": 0, "gpu_budget": 0}
     if on_gpu:
         found["gpu_total"] = gpu_total_bytes()
         found["gpu_budget"] = parse_bytes(gpu_mem, "plan.gpu_mem") or gpu_budget_bytes()
@@ -183,7 +186,7 @@ class Timeline:
         available) are taken once here and go into each of its records."""
         if not self._pending:
             return []
-        per_step = {"host_avail": psutil.virtual_memory().available,
+        per_step = {"host_avail": cgroup.host_memory().available,
                     "pinned": pinned_bytes(proc_status()["VmLck"]), "nvme_swap": nvme_swap_bytes(self.nvme_path)}
         flags = {"after_save": True} if self._after_save and not set(self._pending) & set(EVENT_PHASES) else {}
         now = round(time.time(), 3)

@@ -110,7 +110,8 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     where = f"{hw.device_name}, {human_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
     console.print(f"[bold]{spec.model_type}[/] {human_count(spec.total_params)} parameters on {where}, "
-                  f"host {human_bytes(hw.host_budget_bytes)}, {plan.shape.world_size} rank(s): {verdict}")
+                  f"host {human_bytes(hw.host_budget_bytes)}{f' ({hw.host_limit})' if hw.host_limit else ''}, "
+                  f"{plan.shape.world_size} rank(s): {verdict}")
     console.print(f"configuration: {choice.describe(plan)}")
     if decision.chosen_fields:
         console.print("chosen by the planner: " + ", ".join(f"{k}={v}" for k, v in decision.chosen_fields.items()))

@@ -80,7 +80,8 @@ def timeline_png(diagnosis) -> str:
                       ("pinned", "pinned", "#43a047", "-"), ("nvme_swap", "NVMe swap files (disk)", "#6d4c41", "--"),
                       ("predicted_host_rss", "planned RSS", "#424242", ":")]
             if facts.host_budget_is_machine and facts.host_total:
-                series.append(("machine_used", "machine-wide in use", "#9e9e9e", "-"))
+                used = f"in use in the cgroup ({facts.host_limit})" if facts.host_limit else "machine-wide in use"
+                series.append(("machine_used", used, "#9e9e9e", "-"))
             budget = facts.host_budget
         top = 0.0
         for key, name, colour, style in series:
@@ -241,8 +242,11 @@ def esc(text) -> str:
 
 def host_budget_kind(diagnosis) -> str:
     """What the host budget the watchdog measured against is: the machine's RAM, unless
-    plan.host_mem set one (the plan table's budget is what the planner counted free)."""
-    return "machine RAM" if diagnosis.facts.host_budget_is_machine else "plan.host_mem"
+    plan.host_mem set one or the run's cgroup capped it (the plan table's budget is what the
+    planner counted free)."""
+    if not diagnosis.facts.host_budget_is_machine:
+        return "plan.host_mem"
+    return diagnosis.facts.host_limit or "machine RAM"
 
 
 def saves_phrase(summary: dict) -> str:

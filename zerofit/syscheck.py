@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
-from zerofit import aiotune, hardware, nvme, opbuild
+from zerofit import aiotune, cgroup, hardware, nvme, opbuild
 from zerofit.memory import gib
 
 SWEEP_MIB, SWEEP_SECONDS = 64, 10.0  # the aio sweep: file size, time budget (a few seconds on a fast disk)
@@ -74,8 +72,8 @@ def check_driver() -> Check:
 
 
 def check_host_ram() -> Check:
-    memory = psutil.virtual_memory()
-    detail = f"{gib(memory.total)} total, {gib(memory.available)} available"
+    memory = cgroup.host_memory()
+    detail = f"{gib(memory.total)} total, {gib(memory.available)} available" + (f" ({memory.limit})" if memory.limit else "")
     if memory.available < 0.25 * memory.total:
         return Check("host RAM", "warn", detail + " (other processes hold most of it)",
                      "CPU offload keeps ~12 bytes per parameter in RAM: stop other jobs or offload to NVMe")

@@ -120,5 +120,5 @@ def arm(timeline, step: int, on_gpu: bool, threshold: float, action: str, gpu_me
                   world_size=world_size, threshold=threshold, action=action, cpu_threads=torch.get_num_threads(),
                   cpu_cores=cores, local_world_size=local_ranks, **start_extra)
     facts = RunFacts(gpu_budget=found["gpu_budget"], host_budget=found["host_budget"], host_total=found["host_total"],
-                     host_budget_is_machine=found["host_budget_is_machine"])
+                     host_budget_is_machine=found["host_budget_is_machine"], host_limit=found["host_limit"])
     return Watchdog(facts, threshold, action, on_gpu)
