@@ -1,6 +1,7 @@
 """The run's cgroup limits, read from trees laid out as the kernel lays them (v1 and v2), and,
 where this machine lets a test make a group, from a real one."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,8 +115,10 @@ def in_groups(groups: tuple[Path, Path], argv: list[str]) -> subprocess.Complete
                           timeout=300, cwd=Path(__file__).parent.parent)
 
 
-def test_a_process_in_a_3_gib_group_plans_against_its_limit():
-    """The probe and `zerofit plan` in a real memory group of 3 GiB with a CPU quota of 1.5 CPUs."""
+def test_a_process_in_a_3_gib_group_plans_against_its_limit(tmp_path):
+    """The probe, `zerofit plan` and `zerofit train` in a real memory group of 3 GiB with a CPU
+    quota of 1.5 CPUs. Planned against the machine, that train was killed by the kernel at the
+    limit (exit 137, bench/results/cgroup-3gib.txt); against the group, it stops with the advice."""
     groups = make_group()
     if groups is None:
         pytest.skip("this machine does not let a test make a cgroup (needs root and cgroup v1)")
@@ -125,6 +128,8 @@ def test_a_process_in_a_3_gib_group_plans_against_its_limit():
         probed = in_groups(groups, [sys.executable, "-c", probe])
         planned = in_groups(groups, [sys.executable, "-m", "zerofit", "plan", "--model", "llama-0.5b",
                                      "--gpu-mem", "24GiB"])
+        trained = in_groups(groups, [sys.executable, "-m", "zerofit", "train", "--run-dir", str(tmp_path / "run"),
+                                     "--set", "model.config=llama-0.5b", "--set", "train.seq_len=128"])
     finally:
         for directory in groups:
             directory.rmdir()  # empty again: its processes have exited
@@ -135,3 +140,6 @@ def test_a_process_in_a_3_gib_group_plans_against_its_limit():
     assert int(cores) == 1
     assert limit.strip() == "cgroup memory limit 3.0GiB"
     assert "(cgroup memory limit 3.0GiB), 1 rank(s)" in planned.stdout.replace("\n", " "), planned.stdout
+    assert trained.returncode == 1, trained.stderr
+    assert re.search(r"\(have \d\.\dGiB under the cgroup memory limit 3\.0GiB: raise it with docker --memory",
+                     trained.stderr), trained.stderr

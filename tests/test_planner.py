@@ -322,6 +322,15 @@ def test_keeps_parameters_on_a_gpu_that_holds_them_where_that_is_faster():
     assert small.config.zero.offload_optimizer == "cpu"
 
 
+def test_short_host_ram_under_a_cgroup_limit_says_to_raise_the_limit():
+    """A container's limit, not the machine, is what ran short: the advice names it and how to raise it."""
+    spec = modelspec.from_name("llama-1.5b")
+    limited = hardware.with_overrides(cpu_box("3GiB"), host_limit="cgroup memory limit 3.0GiB")
+    message = str(choice.refuse(choice.decide(config(), spec, limited, 1)))
+    assert "of host RAM (have 3.0GiB under the cgroup memory limit 3.0GiB: raise it with docker --memory" in message
+    assert "under the cgroup" not in str(choice.refuse(choice.decide(config(), spec, cpu_box("3GiB"), 1)))
+
+
 def test_user_settings_are_constraints():
     spec = modelspec.from_name("llama-1.5b")
     decision = choice.decide(config(zero={"offload_param": "cpu"}, model={"gradient_checkpointing": True}),

@@ -153,7 +153,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     return Hardware(
         accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
-        host_total_bytes=host.total, host_budget_bytes=host_budget, host_limit=host.limit,
+        host_total_bytes=host.total, host_budget_bytes=host_budget, host_limit=None if host_mem else host.limit,
         pinned_limit_bytes=memlock_limit(), cpu_cores=cpu_cores(),
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
