@@ -1630,3 +1630,28 @@ def running(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
+
+
+def test_rows_longer_than_the_tokenizers_maximum_warn_no_one_in_no_worker(tmp_path):
+    """transformers warns "Token indices sequence length is longer than ..." once per process
+    against model_max_length, which zerofit never uses (it cuts to train.seq_len and says how
+    many it cut): each forked worker said it again. In a process of its own, as the run's."""
+    path = write_jsonl(tmp_path / "long.jsonl", [{"text": f"a row of more than eight tokens, number {i}"}
+                                                  for i in range(200)])
+    script = ("from pathlib import Path\nfrom zerofit import tokenizing\n"
+              "from zerofit.config import DataConfig\n"
+              "from zerofit.demo import build_tokenizer\n"
+              "for workers in (2, 1):\n"
+              "    tokenizer = build_tokenizer()\n"
+              "    tokenizer.model_max_length = 8\n"
+              f"    read = tokenizing.read_examples([Path({str(path)!r})], DataConfig(path={str(path)!r}, num_workers=workers),"
+              " tokenizer)\n"
+              "    print(workers, len(read.examples), len(read.examples[0][0]),"
+              " tokenizer.deprecation_warnings.get('sequence-length-is-longer-than-the-specified-maximum', False))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    said = [line.split() for line in done.stdout.splitlines()]
+    assert [(w, rows, flag) for w, rows, _, flag in said] == [("2", "200", "False"), ("1", "200", "False")]  # as found
+    assert all(int(tokens) > 8 for *_, tokens, _ in said)  # every row read whole
+    assert "Token indices sequence length" not in done.stderr

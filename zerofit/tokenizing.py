@@ -21,6 +21,7 @@ from zerofit.hardware import cpu_cores
 from zerofit.progress import HIDDEN, CountProgress, Shown
 
 IGNORE = -100  # the label value HF causal-LM losses skip
+TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' once-flag of that warning
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 CHAT_FORMATS = {"messages", "sharegpt"}  # the row formats read as conversations of chat messages
@@ -486,6 +487,32 @@ def read_examples(files: list[Path] | list[list[Path]], cfg: DataConfig, tokeniz
     or per data.path entry a list of them (datafiles.data_entries); under data.max_samples only
     each entry's first rows are read (a lone path is an entry). `ranks_tokenizing`: the ranks
     of this node tokenizing at once, who share its cores (None: every one, LOCAL_WORLD_SIZE)."""
+    with no_model_length_warning(tokenizer):
+        return _read_examples(files, cfg, tokenizer, shown, ranks_tokenizing)
+
+
+@contextlib.contextmanager
+def no_model_length_warning(tokenizer):
+    """transformers warns once per process of a row longer than the tokenizer's model_max_length
+    (PreTrainedTokenizerBase._eventual_warn_about_too_long_sequence), which zerofit does not cut
+    by: it cuts to train.seq_len and says how many rows it cut. Each forked worker said it again.
+    Its once-flag is set for the reading and put back after."""
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if not isinstance(flags, dict):
+        yield
+        return
+    was = flags.get(TOO_LONG_WARNING)
+    flags[TOO_LONG_WARNING] = True
+    try:
+        yield
+    finally:
+        if was is None:
+            flags.pop(TOO_LONG_WARNING, None)
+        else:
+            flags[TOO_LONG_WARNING] = was
+
+
+def _read_examples(files, cfg: DataConfig, tokenizer, shown: Shown, ranks_tokenizing: int | None) -> Read:
     examples, skipped, reasons, formats, capped, unread = [], 0, [], {}, False, []
     for entry in [file if isinstance(file, list) else [file] for file in files]:
         taken = 0  # the entry's rows read, bad ones too: LLaMA-Factory cuts each dataset before converting it
