@@ -28,11 +28,11 @@ def write(directory: Path, **files: str) -> Path:
 def test_v2_in_a_container_reads_its_own_root(tmp_path):
     """A container with its own cgroup namespace: /proc/self/cgroup says "0::/", the mount is its group."""
     group = write(tmp_path / "sys/fs/cgroup", memory__max=str(8 * GIB), memory__current=str(3 * GIB),
-                  memory__stat=f"anon {2 * GIB}\ninactive_file {1 * GIB}\nactive_file 0", cpu__max="250000 100000")
+                  memory__stat=f"anon {GIB}\ninactive_file {GIB}\nactive_file {GIB}\nshmem 0", cpu__max="250000 100000")
     memory = find_dirs("memory", "0::/\n", V2_MOUNT, root=tmp_path)
     assert memory == GroupDirs((group,), v2=True)
-    # 3 GiB charged, 1 GiB of it reclaimable cache: 2 GiB used, 6 of the 8 left
-    assert cgroup.memory_limit_and_available(memory) == (8 * GIB, 6 * GIB)
+    # 3 GiB charged, 2 GiB of it page cache the kernel reclaims first (a run's checkpoints): 1 used, 7 left
+    assert cgroup.memory_limit_and_available(memory) == (8 * GIB, 7 * GIB)
     assert cgroup.cpu_quota(find_dirs("cpu", "0::/\n", V2_MOUNT, root=tmp_path)) == 2.5
 
 
@@ -58,11 +58,11 @@ def test_v1_docker_without_a_namespace_and_the_hybrid_layout(tmp_path):
     mounts = (V1_MEMORY_MOUNT.format(root="/docker/abc") + V1_CPU_MOUNT.format(root="/docker/abc")
               + HYBRID_UNIFIED)
     memory = write(tmp_path / "sys/fs/cgroup/memory", memory__limit_in_bytes=str(16 * GIB),
-                   memory__usage_in_bytes=str(5 * GIB), memory__stat=f"inactive_file 7\ntotal_inactive_file {GIB}")
+                   memory__usage_in_bytes=str(5 * GIB), memory__stat=f"inactive_file 7\ntotal_inactive_file {GIB}\ntotal_active_file {GIB}")
     write(tmp_path / "sys/fs/cgroup/cpu,cpuacct", cpu__cfs_quota_us="400000", cpu__cfs_period_us="100000")
     dirs = find_dirs("memory", proc, mounts, root=tmp_path)
     assert dirs == GroupDirs((memory,), v2=False)
-    assert cgroup.memory_limit_and_available(dirs) == (16 * GIB, 12 * GIB)
+    assert cgroup.memory_limit_and_available(dirs) == (16 * GIB, 13 * GIB)  # v1: the hierarchy's total_ counts
     assert cgroup.cpu_quota(find_dirs("cpu", proc, mounts, root=tmp_path)) == 4.0
 
 
@@ -75,6 +75,17 @@ def test_v1_unlimited_is_no_limit_and_a_missing_group_is_none(tmp_path):
     assert cgroup.memory_limit_and_available(find_dirs("memory", proc, mounts, root=tmp_path)) is None
     assert cgroup.cpu_quota(find_dirs("cpu", proc, mounts, root=tmp_path)) is None
     assert find_dirs("memory", "0::/\n", "", root=tmp_path) is None  # no cgroup filesystem mounted
+
+
+def test_a_limit_above_the_machines_ram_never_binds():
+    """The GPU machine's container: 128 GiB limit, 125.9 GiB of RAM. Its figures are the machine's
+    (the doctor said "of 125.85 GiB (cgroup memory limit 128.0GiB)" once checkpoints filled the cache)."""
+    machine = cgroup.tighter(125 * GIB, 120 * GIB, (128 * GIB, 100 * GIB))
+    assert machine == cgroup.HostMemory(125 * GIB, 120 * GIB, None)
+    limited = cgroup.tighter(125 * GIB, 120 * GIB, (64 * GIB, 60 * GIB))
+    assert limited == cgroup.HostMemory(64 * GIB, 60 * GIB, "cgroup memory limit 64.0GiB")
+    assert cgroup.tighter(125 * GIB, 20 * GIB, (64 * GIB, 60 * GIB)).available == 20 * GIB  # the machine is fuller
+    assert cgroup.tighter(125 * GIB, 120 * GIB, None).limit is None
 
 
 def test_this_process_reads_as_much_as_the_machine_has_at_most():

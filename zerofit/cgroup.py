@@ -43,12 +43,17 @@ class GroupDirs:
 def host_memory() -> HostMemory:
     """The machine's RAM (psutil) or the memory group's, whichever is tighter."""
     machine = psutil.virtual_memory()
-    group = memory_limit_and_available(group_dirs("memory"))
-    if group is None or group[1] >= machine.available and group[0] >= machine.total:
-        return HostMemory(machine.total, machine.available, None)
+    return tighter(machine.total, machine.available, memory_limit_and_available(group_dirs("memory")))
+
+
+def tighter(machine_total: int, machine_available: int, group: tuple[int, int] | None) -> HostMemory:
+    """The machine's figures, or the group's (limit, available) where its limit is below the
+    machine's RAM: a limit above it never binds before the machine runs out (the GPU machine's
+    containers sit under a 128 GiB limit on 125.9 GiB)."""
+    if group is None or group[0] >= machine_total:
+        return HostMemory(machine_total, machine_available, None)
     limit, available = group
-    return HostMemory(min(machine.total, limit), min(machine.available, available),
-                      f"cgroup memory limit {limit / 2**30:.1f}GiB")
+    return HostMemory(limit, min(machine_available, available), f"cgroup memory limit {limit / 2**30:.1f}GiB")
 
 
 def cpu_limit() -> int | None:
@@ -60,19 +65,21 @@ def cpu_limit() -> int | None:
 # ---------------------------------------------------------------------- reading one group
 def memory_limit_and_available(dirs: GroupDirs | None) -> tuple[int, int] | None:
     """(the tightest limit, what its level may still take), None where no level has a limit.
-    Used memory counts the group's pages less its inactive file cache, which the kernel
-    reclaims before it kills (what `docker stats` shows)."""
+    Used memory counts the group's pages less its page cache (active and inactive file pages),
+    which the kernel reclaims before it kills the group, as MemAvailable counts the machine's:
+    a run's checkpoints, written through the cache, are charged to its group."""
     if dirs is None:
         return None
-    limit_name, usage_name, inactive_key = (("memory.max", "memory.current", "inactive_file") if dirs.v2 else
-                                            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    limit_name, usage_name, prefix = (("memory.max", "memory.current", "") if dirs.v2 else
+                                      ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_"))
     found = None
     for level in dirs.levels:
         limit = _read_int(level / limit_name)
         usage = _read_int(level / usage_name)
         if limit is None or limit >= V1_NO_LIMIT or usage is None:
             continue
-        used = max(0, usage - _stat(level / "memory.stat").get(inactive_key, 0))
+        stat = _stat(level / "memory.stat")
+        used = max(0, usage - stat.get(f"{prefix}active_file", 0) - stat.get(f"{prefix}inactive_file", 0))
         here = (limit, max(0, limit - used))
         found = here if found is None or here[1] < found[1] else found
     return found
