@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zerofit import cgroup
+from conftest import run_zerofit, tiny_config, write_config
+from zerofit import cgroup, hardware
 from zerofit.cgroup import GroupDirs, find_dirs
 
 GIB = 2**30
@@ -96,6 +97,24 @@ def test_this_process_reads_as_much_as_the_machine_has_at_most():
     assert 0 < host.total <= machine.total
     assert 0 < host.available <= host.total
     assert (host.limit is None) == (host.total == machine.total)
+
+
+def test_plan_host_mem_beyond_the_machine_or_its_group_is_warned_of(tmp_path):
+    """plan.host_mem is the budget the plan counts on; above what this machine lets the run take
+    (its RAM, or its cgroup's limit), the kernel ends the run first: train says so as it plans."""
+    machine = hardware.probe(accelerator="cpu")
+    assert hardware.host_mem_beyond_reach(machine) is None  # probed: never beyond itself
+    assert hardware.host_mem_beyond_reach(hardware.probe(host_mem="1GiB", accelerator="cpu")) is None
+    asked = hardware.probe(host_mem="64GiB", accelerator="cpu")
+    limited = hardware.with_overrides(asked, host_total_bytes=3 * GIB, host_limit="cgroup memory limit 3.0GiB")
+    assert hardware.host_mem_beyond_reach(limited).startswith(
+        "plan.host_mem 64.0GiB is more than this machine lets the run take (cgroup memory limit 3.0GiB)")
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 1},
+                                                             plan={"host_mem": "1000TiB"}))
+    done = run_zerofit(["train", "--config", str(config)])
+    said = " ".join(done.stderr.split() + done.stdout.split())
+    assert "plan.host_mem 1024000.0GiB is more than this machine lets the run take (" in said
+    assert "leave plan.host_mem unset to plan against what is here" in said
 
 
 def make_group() -> tuple[Path, Path] | None:

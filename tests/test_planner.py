@@ -325,10 +325,13 @@ def test_keeps_parameters_on_a_gpu_that_holds_them_where_that_is_faster():
 def test_short_host_ram_under_a_cgroup_limit_says_to_raise_the_limit():
     """A container's limit, not the machine, is what ran short: the advice names it and how to raise it."""
     spec = modelspec.from_name("llama-1.5b")
-    limited = hardware.with_overrides(cpu_box("3GiB"), host_limit="cgroup memory limit 3.0GiB")
+    limited = hardware.with_overrides(cpu_box("3GiB"), host_limit="cgroup memory limit 3.0GiB",
+                                      overridden=())  # as probed in the group: the budget is the limit's
     message = str(choice.refuse(choice.decide(config(), spec, limited, 1)))
     assert "of host RAM (have 3.0GiB under the cgroup memory limit 3.0GiB: raise it with docker --memory" in message
     assert "under the cgroup" not in str(choice.refuse(choice.decide(config(), spec, cpu_box("3GiB"), 1)))
+    asked = hardware.with_overrides(limited, overridden=("host_mem",))  # plan.host_mem set the budget, not the group
+    assert "under the cgroup" not in str(choice.refuse(choice.decide(config(), spec, asked, 1)))
 
 
 def test_user_settings_are_constraints():

@@ -429,12 +429,13 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware, headroom: float) -
             advice.append("disk: checkpoint.keep_last=1 (two checkpoints on disk while the newer one is written)")
     labels = {"gpu": "GPU memory per rank", "host": "host RAM", "disk": "free disk for checkpoints",
               "nvme": "free NVMe space"}
-    # the machine may have the RAM: then the group's limit is what to raise
+    # the machine may have the RAM: then the group's limit is what to raise (unless plan.host_mem set the budget)
+    limited = hw.host_limit and "host_mem" not in hw.overridden
     raise_limit = f" under the {hw.host_limit}: raise it with docker --memory, a pod's limits.memory or Slurm --mem"
     for name in over:
         device = plan.devices[name]
         advice.append(f"{name}: {human_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
-                      f"(have {human_bytes(device.budget_bytes)}{raise_limit if name == 'host' and hw.host_limit else ''})")
+                      f"(have {human_bytes(device.budget_bytes)}{raise_limit if name == 'host' and limited else ''})")
     # the training phases fit, a moment outside them does not: say how much that moment needs
     for when, peak in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
                        ("first step after a save", plan.first_step_after_save_peak)):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from zerofit import cgroup, hostalloc
 from zerofit.config import ConfigError
-from zerofit.memory import parse_bytes
+from zerofit.memory import human_bytes, parse_bytes
 
 GIB = 2**30
 
@@ -153,7 +153,7 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
     return Hardware(
         accelerator=accelerator, device_name=name, gpu_count=count,
         gpu_total_bytes=total, gpu_budget_bytes=gpu_budget,
-        host_total_bytes=host.total, host_budget_bytes=host_budget, host_limit=None if host_mem else host.limit,
+        host_total_bytes=host.total, host_budget_bytes=host_budget, host_limit=host.limit,
         pinned_limit_bytes=memlock_limit(), cpu_cores=cpu_cores(),
         disk_path=str(disk), disk_free_bytes=shutil.disk_usage(disk).free,
         nvme_path=nvme_path,
@@ -161,6 +161,17 @@ def probe(disk_path: str | Path = ".", nvme_path: str | None = None, gpu_mem: st
         nvme_shares_disk=bool(nvme_dir) and os.stat(nvme_dir).st_dev == os.stat(disk).st_dev,
         overridden=tuple(overridden), nvme_read_bytes_per_s=measured.get("read_bytes_per_s"),
         nvme_write_bytes_per_s=measured.get("write_bytes_per_s"), glibc_heap=hostalloc.available())
+
+
+def host_mem_beyond_reach(hw: Hardware) -> str | None:
+    """plan.host_mem above what this machine lets the run take (its RAM, or its cgroup's limit):
+    the plan counts on memory the kernel will not give, and kills the run at the lower figure."""
+    if "host_mem" not in hw.overridden or hw.host_budget_bytes <= hw.host_total_bytes:
+        return None
+    reach = hw.host_limit or f"{human_bytes(hw.host_total_bytes)} of RAM"
+    return (f"plan.host_mem {human_bytes(hw.host_budget_bytes)} is more than this machine lets the run take "
+            f"({reach}): the plan counts on memory the kernel will not give, and its OOM killer ends the run "
+            f"there; leave plan.host_mem unset to plan against what is here")
 
 
 def with_overrides(hw: Hardware, **changes) -> Hardware:

@@ -18,6 +18,7 @@ from zerofit.choice import Decision
 from zerofit.config import Config
 from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes, human_count, parse_bytes
+from zerofit.progress import warn
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
@@ -98,6 +99,11 @@ def phase_predictions(decision: Decision) -> dict[str, dict[str, int]]:
     return out
 
 
+def limit_note(hw: Hardware) -> str:
+    """` (cgroup memory limit 3.0GiB)` where the group's limit, not plan.host_mem, set the budget."""
+    return f" ({hw.host_limit})" if hw.host_limit and "host_mem" not in hw.overridden else ""
+
+
 def _outside_allocator(device: Device) -> int:
     return sum(v for k, v in device.components.items() if k in ("fragmentation", "cuda_context"))
 
@@ -110,7 +116,7 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     where = f"{hw.device_name}, {human_bytes(hw.gpu_budget_bytes)} per GPU" if hw.on_gpu else "CPU accelerator"
     console.print(f"[bold]{spec.model_type}[/] {human_count(spec.total_params)} parameters on {where}, "
-                  f"host {human_bytes(hw.host_budget_bytes)}{f' ({hw.host_limit})' if hw.host_limit else ''}, "
+                  f"host {human_bytes(hw.host_budget_bytes)}{limit_note(hw)}, "
                   f"{plan.shape.world_size} rank(s): {verdict}")
     console.print(f"configuration: {choice.describe(plan)}")
     if decision.chosen_fields:
@@ -222,6 +228,8 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
     box: list = [None, None]
     if dist.is_main:
         hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
+        if beyond := hardware.host_mem_beyond_reach(hw):
+            warn(beyond)
         decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
         decision.record = plan_json(decision, spec, hw)
         box = [decision, nvme.preflight(decision.config, decision.plan, dist.on_gpu, decision.nvme_problems)]
