@@ -327,8 +327,11 @@ def test_system_checks(tmp_path, monkeypatch):
     disk = tmp_path / "disk"
     checks = syscheck.check_system(nvme_path=str(disk), nvme_mib=16)
     names = [c.name for c in checks]
-    assert names[:6] == ["GPU", "driver / CUDA", "host RAM", "pinned-memory limit (ulimit -l)", "libaio",
+    assert names[:7] == ["GPU", "driver / CUDA", "host RAM", "CPU cores", "pinned-memory limit (ulimit -l)", "libaio",
                          "DeepSpeed async_io"]
+    cores = checks[3]
+    assert cores.detail.startswith(f"{hardware.cpu_cores()} for this process of {os.cpu_count()} on the machine")
+    assert cores.status == ("warn" if hardware.cpu_cores() < 4 else "pass") and (cores.status == "pass" or cores.fix)
     assert all(c.status in ("pass", "warn", "fail") for c in checks)
     assert all(c.fix for c in checks if c.status == "fail")
     by_end = {c.name.rsplit(" ", 1)[-1]: c for c in checks if c.name.startswith("NVMe path")}

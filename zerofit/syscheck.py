@@ -31,7 +31,7 @@ class Check:
 
 
 def check_system(nvme_path: str | None = None, nvme_mib: int = 256) -> list[Check]:
-    checks = [check_gpu(), check_driver(), check_host_ram(), check_memlock(), check_libaio(), check_async_io(),
+    checks = [check_gpu(), check_driver(), check_host_ram(), check_cpu_cores(), check_memlock(), check_libaio(), check_async_io(),
               check_op_build_locks()]
     if nvme_path:
         checks += check_direct_io(Path(nvme_path), nvme_mib)
@@ -78,6 +78,19 @@ def check_host_ram() -> Check:
         return Check("host RAM", "warn", detail + " (other processes hold most of it)",
                      "CPU offload keeps ~12 bytes per parameter in RAM: stop other jobs or offload to NVMe")
     return Check("host RAM", "pass", detail)
+
+
+def check_cpu_cores(enough: int = 4) -> Check:
+    """The cores CPU-Adam and the tokenizing workers get: the affinity, within a cgroup quota.
+    Under `enough` an offloaded optimizer step is bound by them (findings.starved_cpu_optimizer)."""
+    cores, machine = hardware.cpu_cores(), os.cpu_count() or 1
+    quota = cgroup.cpu_quota(cgroup.group_dirs("cpu"))
+    detail = f"{cores} for this process of {machine} on the machine" + (
+        f" (cgroup CPU quota {quota:g})" if quota is not None and quota < machine else "")
+    if cores < enough:
+        return Check("CPU cores", "warn", detail, "an offloaded optimizer steps on the CPU (CPU-Adam): give the job "
+                     "more cores (docker --cpus, a pod's limits.cpu, Slurm --cpus-per-task, taskset)")
+    return Check("CPU cores", "pass", detail)
 
 
 def check_memlock() -> Check:
