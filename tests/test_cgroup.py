@@ -138,9 +138,12 @@ def make_group() -> tuple[Path, Path] | None:
     return made[0], made[1]
 
 
+CANNOT_JOIN = 97  # the exit status of a process the machine did not let into the groups
+
+
 def in_groups(groups: tuple[Path, Path], argv: list[str]) -> subprocess.CompletedProcess:
     """`argv` run as a process of both groups (it joins them before it execs)."""
-    join = "".join(f"echo $$ > {directory}/cgroup.procs && " for directory in groups)
+    join = "".join(f"{{ echo $$ > {directory}/cgroup.procs || exit {CANNOT_JOIN}; }} && " for directory in groups)
     return subprocess.run(["bash", "-c", join + 'exec "$@"', "in-group", *argv], capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).parent.parent)
 
@@ -163,6 +166,8 @@ def test_a_process_in_a_3_gib_group_plans_against_its_limit(tmp_path):
     finally:
         for directory in groups:
             directory.rmdir()  # empty again: its processes have exited
+    if probed.returncode == CANNOT_JOIN:
+        pytest.skip(f"this machine made the groups but let no process join them: {probed.stderr.strip()}")
     assert probed.returncode == 0, probed.stderr
     total, budget, cores, limit = probed.stdout.split(maxsplit=3)
     assert int(total) == 3 * GIB

@@ -411,7 +411,7 @@ def test_the_summary_piped_keeps_its_lines_whole(clean_run):
     env = {key: "" for key in ("COLUMNS", "LINES")}
     first = run_zerofit(["doctor", str(run), "--out", str(run / "piped.html")], env=env).stdout.splitlines()[0]
     assert len(first) > 80 and first.startswith(f"zerofit doctor {run} (zerofit): 12 steps")
-    assert re.search(r"host peak [\d.]+ GiB of [\d.]+ GiB \(machine RAM\)$", first), first
+    assert re.search(r"host peak [\d.]+ GiB of [\d.]+ GiB \((machine RAM|cgroup memory limit [\d.]+GiB)\)$", first), first
 
 
 def test_a_data_load_above_the_training_peak_is_said_apart(clean_run, tmp_path):
