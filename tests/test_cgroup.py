@@ -67,6 +67,26 @@ def test_v1_docker_without_a_namespace_and_the_hybrid_layout(tmp_path):
     assert cgroup.cpu_quota(find_dirs("cpu", proc, mounts, root=tmp_path)) == 4.0
 
 
+def test_a_mount_root_matches_whole_path_components(tmp_path):
+    """A mount of /docker/abc holds /docker/abc/x, not /docker/abcdef/x (a sibling container's
+    group, seen through a shared mount): that one reads the mount itself, not a made-up 'def/x'."""
+    mounts = V1_MEMORY_MOUNT.format(root="/docker/abc")
+    point = tmp_path / "sys/fs/cgroup/memory"
+    assert find_dirs("memory", "12:memory:/docker/abc/x\n", mounts, root=tmp_path).levels == (point / "x", point)
+    assert find_dirs("memory", "12:memory:/docker/abcdef/x\n", mounts, root=tmp_path).levels == (point,)
+
+
+def test_v2_memory_high_throttles_and_counts_as_the_limit(tmp_path):
+    """Past memory.high the kernel reclaims and throttles the group on every allocation: a plan
+    past it crawls, so it is the budget where it is below memory.max."""
+    group = write(tmp_path / "sys/fs/cgroup", memory__max=str(8 * GIB), memory__high=str(6 * GIB),
+                  memory__current=str(2 * GIB), memory__stat="inactive_file 0")
+    dirs = find_dirs("memory", "0::/\n", V2_MOUNT, root=tmp_path)
+    assert cgroup.memory_limit_and_available(dirs) == (6 * GIB, 4 * GIB)
+    write(group, memory__high="max")
+    assert cgroup.memory_limit_and_available(dirs) == (8 * GIB, 6 * GIB)
+
+
 def test_v1_unlimited_is_no_limit_and_a_missing_group_is_none(tmp_path):
     write(tmp_path / "sys/fs/cgroup/memory/a", memory__limit_in_bytes="9223372036854771712",
           memory__usage_in_bytes=str(GIB))

@@ -6,7 +6,7 @@ take: the kernel's OOM killer ends the group at its memory limit, whatever the m
 and a CPU quota throttles 64 CPU-Adam threads to the time of 8. The planner, the watchdog and the
 tokenizing workers read their host figures here.
 
-cgroup v2 (memory.max, memory.current, cpu.max) and v1 (memory.limit_in_bytes,
+cgroup v2 (memory.max, memory.high, memory.current, cpu.max) and v1 (memory.limit_in_bytes,
 memory.usage_in_bytes, cpu.cfs_quota_us / cpu.cfs_period_us), per the kernel's
 Documentation/admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst. The group's directory is found
 from /proc/self/cgroup and /proc/self/mountinfo; a limit anywhere above it, up to the mount (a
@@ -65,16 +65,19 @@ def cpu_limit() -> int | None:
 # ---------------------------------------------------------------------- reading one group
 def memory_limit_and_available(dirs: GroupDirs | None) -> tuple[int, int] | None:
     """(the tightest limit, what its level may still take), None where no level has a limit.
+    v2's memory.high counts as a limit: above it the kernel throttles the group and reclaims
+    its pages on every allocation, so a run planned past it crawls where it does not die.
     Used memory counts the group's pages less its page cache (active and inactive file pages),
     which the kernel reclaims before it kills the group, as MemAvailable counts the machine's:
     a run's checkpoints, written through the cache, are charged to its group."""
     if dirs is None:
         return None
-    limit_name, usage_name, prefix = (("memory.max", "memory.current", "") if dirs.v2 else
-                                      ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_"))
+    limit_names, usage_name, prefix = ((("memory.max", "memory.high"), "memory.current", "") if dirs.v2 else
+                                       (("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_"))
     found = None
     for level in dirs.levels:
-        limit = _read_int(level / limit_name)
+        limits = [value for value in (_read_int(level / name) for name in limit_names) if value is not None]
+        limit = min(limits) if limits else None
         usage = _read_int(level / usage_name)
         if limit is None or limit >= V1_NO_LIMIT or usage is None:
             continue
@@ -128,14 +131,24 @@ def find_dirs(controller: str, proc_cgroup: str, mountinfo: str, root: Path = Pa
                 continue
             point = root / mount_point.lstrip("/")
             group = paths[wanted]
-            # the path as the hierarchy's root sees it; a container's mount starts below that root
-            inside = group[len(mount_root):] if group.startswith(mount_root) else ""
-            directory = point / inside.strip("/") if inside.strip("/") else point
+            inside = _below(group, mount_root)
+            directory = point / inside if inside else point
             levels = [directory]
             while levels[-1] != point and point in levels[-1].parents:
                 levels.append(levels[-1].parent)
             return GroupDirs(tuple(levels), v2=fstype == "cgroup2")
     return None
+
+
+def _below(group: str, mount_root: str) -> str:
+    """The group's path under a mount of `mount_root` (a container's mount starts below the
+    hierarchy's root), compared by whole components: /docker/abcdef is not below /docker/abc.
+    "" where the group is the mount's root or outside it (the mount is then the nearest we see)."""
+    group_parts = [part for part in group.split("/") if part]
+    root_parts = [part for part in mount_root.split("/") if part]
+    if group_parts[:len(root_parts)] != root_parts:
+        return ""
+    return "/".join(group_parts[len(root_parts):])
 
 
 def _cgroup_mounts(mountinfo: str, fstype: str) -> list[tuple[str, str, set[str]]]:
