@@ -3,7 +3,7 @@ does torchrun's restart bring every rank back with the failed rank's safer setti
 long does the way back take? Then the same with torch's default keys for the restarted
 process group (elastic.process_group_store off): what a restart meets without zerofit's; and
 without the watcher that ends the surviving rank on torchrun's SIGTERM
-(elastic.leave_at_once_when_a_peer_is_gone off: torchrun SIGKILLs it after 30 s).
+(peerwatch.leave_at_once_when_a_peer_is_gone off: torchrun SIGKILLs it after 30 s).
 
 Two ranks train a speed_bench case (zerofit's plan, synthetic data) with a checkpoint every
 `--save-every` steps; rank 1 runs out of memory in the forward of step `--oom-step` (the drill
@@ -54,13 +54,13 @@ def entry_without(variant: str, argv: list[str]) -> int:
     process group on torch's default keys; `no_peer_watch`, no watcher for torchrun's SIGTERM."""
     import contextlib
 
-    from zerofit import elastic
+    from zerofit import elastic, peerwatch
     from zerofit.cli import main
 
     if variant == "default_store":
         elastic.process_group_store = lambda: None
     elif variant == "no_peer_watch":
-        elastic.leave_at_once_when_a_peer_is_gone = contextlib.nullcontext
+        peerwatch.leave_at_once_when_a_peer_is_gone = contextlib.nullcontext
     else:
         raise SystemExit(f"unknown variant {variant}")
     return main(argv)

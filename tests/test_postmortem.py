@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, write_config
 
-from zerofit import elastic, engine
+from zerofit import elastic, engine, peerwatch
 from zerofit.configfile import load, validate
 from zerofit.doctor import diagnose
 from zerofit.findings import RunFacts
@@ -227,13 +227,13 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
     import os
 
     server = agent_store_env(monkeypatch, restart=0, max_restarts=1)
-    server.add(elastic.FAILURES_KEY, 2)  # an earlier attempt's
-    peers = elastic.Peers(os.getppid(), 1, elastic.Asking(elastic.agent_store()))
+    server.add(peerwatch.FAILURES_KEY, 2)  # an earlier attempt's
+    peers = peerwatch.Peers(os.getppid(), 1, peerwatch.Asking(elastic.agent_store()))
     assert peers.gone(at_sigterm=False) is None and peers.gone(at_sigterm=True) is None
-    server.add(elastic.FAILURES_KEY, 1)
+    server.add(peerwatch.FAILURES_KEY, 1)
     assert peers.gone(at_sigterm=False) == "a rank of this job failed"
     assert peers.gone(at_sigterm=True) == "SIGTERM after a rank of this job failed"
-    assert elastic.Peers(os.getppid() + 1, 1, elastic.Asking(None)).gone(at_sigterm=False) \
+    assert peerwatch.Peers(os.getppid() + 1, 1, peerwatch.Asking(None)).gone(at_sigterm=False) \
         == "torchrun's agent of this node is gone"
     del server  # the store's server gone: its count unreadable, no news
     assert peers.gone(at_sigterm=False) is None
@@ -243,19 +243,19 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
 # ended it leaves (exit 143); after, it stays (the byte waited in the pipe while the ranks stopped together).
 WATCHER_VERDICT = """
 import os, signal, sys, threading, torch.distributed as td
-from zerofit import elastic, engine
+from zerofit import elastic, engine, peerwatch
 port = engine.free_port()
 server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True",
                   TORCHELASTIC_RESTART_COUNT="0")
-peers = elastic.Peers(os.getppid(), 1, elastic.Asking(elastic.agent_store()))
-server.add(elastic.FAILURES_KEY, 1)
-loop = elastic._LoopState()
+peers = peerwatch.Peers(os.getppid(), 1, peerwatch.Asking(elastic.agent_store()))
+server.add(peerwatch.FAILURES_KEY, 1)
+loop = peerwatch._LoopState()
 if sys.argv[1] == "ended":
     loop.end()
 read_end, write_end = os.pipe()
 os.write(write_end, bytes([signal.SIGTERM]))
-watcher = threading.Thread(target=elastic._watch, args=(read_end, peers, None, loop), daemon=True)
+watcher = threading.Thread(target=peerwatch._watch, args=(read_end, peers, None, loop), daemon=True)
 watcher.start()
 watcher.join(timeout=30)
 print("stayed" if not watcher.is_alive() else "still watching")
@@ -282,7 +282,7 @@ def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(mo
     server = agent_store_env(monkeypatch, restart=0, max_restarts=0)
     now = [100.0]
     store = elastic.agent_store()
-    beats = [elastic.Heartbeats(elastic.Asking(store, clock=lambda: now[0]), "zerofit/attempt-a", node, 3,
+    beats = [peerwatch.Heartbeats(peerwatch.Asking(store, clock=lambda: now[0]), "zerofit/attempt-a", node, 3,
                                 lost_after_s=30) for node in range(3)]
 
     def beat(*nodes):
@@ -307,7 +307,7 @@ def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(mo
                                "(its machine down or off the network)")
     beats[2].leave()  # its ranks left the loop on purpose: silence is not loss
     assert beats[0].lost() is None
-    assert beats[0].key(1) != elastic.Heartbeats(beats[0].asking, "zerofit/attempt-b", 0, 3, 30).key(1)
+    assert beats[0].key(1) != peerwatch.Heartbeats(beats[0].asking, "zerofit/attempt-b", 0, 3, 30).key(1)
 
     del server  # the store's host gone: its first silent seconds are not yet a loss
     assert beats[0].lost() is None
@@ -332,19 +332,19 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monke
                                f"s = td.TCPStore('127.0.0.1', {port}, 1, is_master=True); time.sleep(300)"])
     try:
         store = td.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=60))
-        asking = elastic.Asking(store)
-        assert asking(elastic.failures, wait_s=5) == 0
+        asking = peerwatch.Asking(store)
+        assert asking(peerwatch.failures, wait_s=5) == 0
         server.send_signal(signals.SIGSTOP)
         stopped_by = time.monotonic() + 10  # a signal is delivered when its process is next scheduled
         while psutil.Process(server.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < stopped_by:
             time.sleep(0.01)
         started = time.monotonic()
-        assert asking(elastic.failures, wait_s=0.5) is None and asking(lambda s: s.add("x", 0)) is None
+        assert asking(peerwatch.failures, wait_s=0.5) is None and asking(lambda s: s.add("x", 0)) is None
         assert time.monotonic() - started < 10 and asking.silent_s() >= 0.5  # not the 60 s its connect allows
         stuck = [t for t in threading.enumerate() if t.name == "zerofit-store-read"]
         assert stuck and all(t.daemon for t in stuck)  # still waiting there, never holding the exit
         started = time.monotonic()
-        elastic.announce_failure()
+        peerwatch.announce_failure()
         assert time.monotonic() - started < elastic.FAILING_TIMEOUT.total_seconds() + 10
     finally:
         server.kill()
@@ -355,33 +355,33 @@ def test_heartbeats_are_kept_by_each_nodes_local_rank_0_of_several(monkeypatch):
     monkeypatch.setattr(elastic, "_attempt_prefix", "zerofit/attempt-x")
     for name, value in {"GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
-    asking = elastic.Asking(elastic.agent_store())
-    beats = elastic.Heartbeats.of_this_node(asking, 60)
+    asking = peerwatch.Asking(elastic.agent_store())
+    beats = peerwatch.Heartbeats.of_this_node(asking, 60)
     assert beats is not None and beats.node == 1 and beats.nodes == 2 and beats.lost_after_s == 60
-    assert elastic.Heartbeats.of_this_node(asking, 0) is None  # off
+    assert peerwatch.Heartbeats.of_this_node(asking, 0) is None  # off
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert elastic.Heartbeats.of_this_node(asking, 60) is None
+    assert peerwatch.Heartbeats.of_this_node(asking, 60) is None
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
-    assert elastic.Heartbeats.of_this_node(asking, 60) is None
+    assert peerwatch.Heartbeats.of_this_node(asking, 60) is None
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
 
     # from the process group's start, on a thread of its own, once per attempt
     def beaters():
         return [t for t in threading.enumerate() if t.name == "zerofit-heartbeat"]
 
-    monkeypatch.setattr(elastic, "_beating", None)
-    elastic.keep_beating(0)
+    monkeypatch.setattr(peerwatch, "_beating", None)
+    peerwatch.keep_beating(0)
     assert not beaters()
-    elastic.keep_beating(60)
-    elastic.keep_beating(60)
+    peerwatch.keep_beating(60)
+    peerwatch.keep_beating(60)
     assert len(beaters()) == 1
     count = (lambda: asking(lambda store: store.add(beats.key(1), 0), wait_s=5))
     first = count()
-    time.sleep(2.5 * elastic.POLL_S)
+    time.sleep(2.5 * peerwatch.POLL_S)
     assert count() >= first + 2
-    monkeypatch.setattr(elastic, "_beating", "zerofit/attempt-y")  # another attempt's keys: this one stops
-    time.sleep(2 * elastic.POLL_S)
+    monkeypatch.setattr(peerwatch, "_beating", "zerofit/attempt-y")  # another attempt's keys: this one stops
+    time.sleep(2 * peerwatch.POLL_S)
     assert not beaters()
 
 
@@ -442,8 +442,8 @@ def test_ranks_leave_when_a_whole_node_is_lost(tmp_path, frozen, said):
 LAST_WORD_SCRIPT = """
 import os, signal, sys
 from pathlib import Path
-from zerofit import elastic
-with elastic.failure_announced(Path(sys.argv[2]), 1):
+from zerofit import peerwatch
+with peerwatch.failure_announced(Path(sys.argv[2]), 1):
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if sys.argv[1] == "error":
@@ -466,11 +466,11 @@ def test_a_worker_counts_its_failure_however_it_ends_and_only_then(end, counted,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == {"kill": -9, "error": 1, "normal": 0}[end], done.stderr[-2000:]
     deadline = time.monotonic() + 30  # the last word imports torch before it speaks
-    while (elastic.failures(server) < counted or (end == "kill" and not record.exists())) \
+    while (peerwatch.failures(server) < counted or (end == "kill" and not record.exists())) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(2)  # a second count would come about as late
-    assert elastic.failures(server) == counted
+    assert peerwatch.failures(server) == counted
     assert record.exists() == (end == "kill")
     if end == "kill":
         said = json.loads(record.read_text())
@@ -762,8 +762,8 @@ def test_sigterm_outside_the_loop_is_not_swallowed_by_a_librarys_except_exceptio
     import os
     import signal
 
-    with pytest.raises(elastic.TerminatedOutsideTheLoop):
-        with elastic.sigterm_ends_by_way_of_python():
+    with pytest.raises(peerwatch.TerminatedOutsideTheLoop):
+        with peerwatch.sigterm_ends_by_way_of_python():
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1)

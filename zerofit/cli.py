@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zerofit import elastic
 from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section, TrainConfig, expand_path
-from zerofit.elastic import TerminatedOutsideTheLoop
+from zerofit.peerwatch import TerminatedOutsideTheLoop
 from zerofit.engine import end_after_error
 from zerofit.memory import human_bytes
 from zerofit.planner import EXPORT_MAX_RAM_BYTES

@@ -2,12 +2,12 @@
 kernel's OOM killer or a person, a crash in native code): a record for `zerofit doctor`, and
 under torchrun its failure counted in the agent store.
 
-`elastic.failure_announced` starts this as a small process beside each training process and
+`peerwatch.failure_announced` starts this as a small process beside each training process and
 holds the write end of a pipe to its stdin. A process that ends by way of Python (a normal
 end, an exception it announced itself, the peer watcher's exit) writes DONE first; an end of
 the pipe without DONE means it died outright. Then this writes RECORD (where it died: the
 time; the doctor puts it beside the rank's last memory record) and, under torchrun with
-several ranks, adds one to the failure count the ranks' watchers read (elastic.FAILURES_KEY):
+several ranks, adds one to the failure count the ranks' watchers read (peerwatch.FAILURES_KEY):
 a peer on another node leaves at once instead of waiting in a collective.
 
 It ignores SIGTERM and SIGINT: torchrun signals a worker's whole process group
@@ -38,9 +38,9 @@ def main() -> None:
     from pathlib import Path
 
     from zerofit.checkpoint import write_atomic
-    from zerofit.elastic import announce_failure
+    from zerofit.peerwatch import announce_failure
 
-    # the record first: it takes milliseconds, while the announcement waits up to elastic's timeout
+    # the record first: it takes milliseconds, while the announcement waits up to elastic.FAILING_TIMEOUT
     # for a store that is gone when torchrun has already ended (the doctor found no record for 10 s)
     Path(record_path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(record_path), json.dumps({"rank": rank, "time": died}))

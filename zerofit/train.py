@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
-                     lastword, lora, loss, memory, models, nvme, planview, postmortem, runlock, tokenizing, watchdog)
+                     lastword, lora, loss, memory, models, nvme, peerwatch, planview, postmortem, runlock, tokenizing, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.configfile import dump_yaml
 from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
@@ -38,8 +38,8 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
     rank = int(os.environ.get("RANK", "0"))  # the process group is not up yet
     last_word = postmortem.directory_of(Path(config.run_dir), rank) / lastword.RECORD
-    with elastic.sigterm_ends_by_way_of_python(), \
-            elastic.failure_announced(last_word, rank):  # the other ranks' watchers then leave at once
+    with peerwatch.sigterm_ends_by_way_of_python(), \
+            peerwatch.failure_announced(last_word, rank):  # the other ranks' watchers then leave at once
         return postmortem.run_with_oom_policy(run, config, resume)
 
 
@@ -53,7 +53,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     # looked whether it was there left it behind when the start failed (cli.cmd_train removes what it made)
     usable_run_dir(run_dir)
     engine.check_precision(config.train.precision, dist.on_gpu)
-    elastic.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
+    peerwatch.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
     config, resume = elastic.resume_after_oom(config, resume, dist)  # torchrun restarted the ranks after an OOM
     session.attach(config=config)
     engine.use_expandable_segments(config, dist.on_gpu)
@@ -123,7 +123,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
 
     # metrics closed however the loop ends: an error's exit skips the interpreter's teardown (end_after_error)
     with metrics, end_recorded(timeline, state), \
-            elastic.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
+            peerwatch.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
         while state.step < total_steps:
             started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
             position = batches.position
@@ -577,7 +577,7 @@ def ending_of(error: BaseException) -> str:
     """How an exception ended the loop, as the doctor says it."""
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
-    if isinstance(error, elastic.TerminatedOutsideTheLoop):
+    if isinstance(error, peerwatch.TerminatedOutsideTheLoop):
         return "sigterm"
     first = (str(error).strip().splitlines() or [""])[0]
     return f"error: {type(error).__name__}" + (f": {first[:200]}" if first else "")
