@@ -16,6 +16,7 @@ import pytest
 from conftest import (ROOT, child_env, read_jsonl, run_zerofit, tiny_config, trained_run, wait_for, write_config,
                       write_jsonl, zerofit_command)
 from zerofit import checkpoint, checkpointer, data, faults
+from zerofit.resume import resume_command
 from zerofit.doctor import diagnose
 
 # Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
@@ -121,11 +122,11 @@ def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path
 
     monkeypatch.chdir(tmp_path)
     relative = validate(tiny_config(Path("runs/x")))
-    assert checkpointer.resume_command(relative) == f"`zerofit train --config runs/x/config.yaml --resume` (from {tmp_path})"
+    assert resume_command(relative) == f"`zerofit train --config runs/x/config.yaml --resume` (from {tmp_path})"
     absolute = validate(tiny_config(tmp_path / "x"))
-    assert checkpointer.resume_command(absolute, resume=False) == f"`zerofit train --config {tmp_path / 'x' / 'config.yaml'}`"
+    assert resume_command(absolute, resume=False) == f"`zerofit train --config {tmp_path / 'x' / 'config.yaml'}`"
     spaced = validate(tiny_config(Path("runs/my run ü")))  # pasted unquoted: "unrecognized arguments: run ü/..."
-    assert checkpointer.resume_command(spaced).startswith("`zerofit train --config 'runs/my run ü/config.yaml' --resume`")
+    assert resume_command(spaced).startswith("`zerofit train --config 'runs/my run ü/config.yaml' --resume`")
 
 
 def test_printed_commands_start_the_run_as_it_ran():
@@ -138,7 +139,7 @@ def test_printed_commands_start_the_run_as_it_ran():
 
 
 def test_a_resume_that_changes_the_global_batch_is_named():
-    from zerofit.checkpointer import global_batch_change, keep_batch_advice
+    from zerofit.resume import global_batch_change, keep_batch_advice
 
     def state(world, micro, accum):
         return checkpoint.LoopState(world_size=world, micro_batch_size=micro,

@@ -1361,14 +1361,14 @@ def test_a_chat_template_counts_by_its_text_on_resume(tmp_path):
 
 
 def test_an_earlier_runs_template_does_not_stay_in_the_run_directory(tmp_path, tokenizer, capsys):
-    from zerofit import train
+    from zerofit import runfiles
     from zerofit.models import hf_config
 
     config = validate({"run_dir": str(tmp_path), "model": {"config": "tiny"}, "train": {"max_steps": 1}})
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "chat_template.jinja").write_text(CHATML)  # an earlier run's
     tokenizer.chat_template = None
-    train.write_run_files(tmp_path, config, {}, tokenizer, hf_config(config.model), {})
+    runfiles.write_run_files(tmp_path, config, {}, tokenizer, hf_config(config.model), {})
     assert not (tmp_path / "model" / "chat_template.jinja").exists()
 
 

@@ -99,7 +99,7 @@ def test_resume_continues_exactly(lora_run, tmp_path):
 
 @pytest.mark.parametrize("change, reason, recorded", [
     ("train.seed=8", "frozen base model differs", True),  # checkpoints hold no base: it must be rebuilt the same
-    # refused before anything is rewritten (checkpointer.unloadable_changes); a checkpoint of an
+    # refused before anything is rewritten (resume.unloadable_changes); a checkpoint of an
     # older zerofit, which recorded no settings, meets lora.check_adapter_shapes at the load instead
     ("lora.r=4", "step-000012 cannot be loaded under this config (lora.r ", True),
     ("lora.target_modules=[q_proj,v_proj]", "cannot be loaded under this config (lora targets ", True),

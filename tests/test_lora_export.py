@@ -177,7 +177,7 @@ def test_adapter_only_loads_in_peft_and_generates(path_run, tmp_path):
     done = run_zerofit(["generate", str(out), "--prompt", "Add the two numbers.", "--max-new-tokens", "5",
                         "--min-new-tokens", "5"])
     assert "5 new tokens" in done.stderr and "+ the LoRA adapter" in done.stderr
-    # the run's generation config (a template's turn end among the end tokens: train.write_generation_config)
+    # the run's generation config (a template's turn end among the end tokens: runfiles.write_generation_config)
     # stops generation on the base too, not only in a merged export
     from zerofit.infer import eos_ids
 

@@ -540,7 +540,7 @@ def test_tensorboard_curves_follow_resumes_and_starts_over(tmp_path):
 def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
     """The line a Ctrl-C or SIGTERM ends with: a command that works. Stopped before the run's
     files were written, there is no config.yaml to name (it pointed at one that did not exist)."""
-    from zerofit.checkpointer import where_to_go_on
+    from zerofit.resume import where_to_go_on
     from zerofit.configfile import validate
 
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""The loop's side of checkpoints: choose what to resume from, load it, save (sync or
+"""The loop's side of checkpoints: load what start-up chose (zerofit/resume.py), save (sync or
 async), publish, retention, failures per `checkpoint.on_error`, post-save hygiene, SIGTERM.
 
 The loop calls one method per once-in-a-while block: `poll` every step (publishes an
@@ -10,229 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
-import shlex
 import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit import (cgroup, checkpoint, checkpoint_io, choice, data, elastic, engine, faults, lora, memory, nvme,
-                     planner, universal, zerofiles)
+from zerofit import (cgroup, checkpoint, checkpoint_io, choice, data, engine, faults, lora, memory, nvme,
+                     planner, zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
-from zerofit.config import Config, ConfigError, changed_settings, short
+from zerofit.config import Config, changed_settings
 from zerofit.progress import say, warn
+from zerofit.resume import (ResumePoint, adapter_rescaled, batch_shape, checkpoints_root, damaged_file_error,
+                            global_batch_change, keep_batch_advice, resume_command)
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
 MODEL_16BIT_FILE = "pytorch_model.bin"  # zero.gather_16bit_weights_on_save, in each checkpoint: save_16bit_model's name
-
-
-@dataclass
-class ResumePoint:
-    """What start-up resumes from: the published step directory, and the directory
-    DeepSpeed loads (the same, or its universal conversion when the world size changed)."""
-    directory: str | None = None
-    load_dir: str | None = None
-    universal: bool = False
-    skipped: list = field(default_factory=list)
-    error: str | None = None
-
-
-def resume_command(config: Config, resume: bool = True) -> str:
-    """The command that continues this run, as messages name it: the run's own config.yaml,
-    whose relative paths (run_dir, data) hold from the directory it was started in."""
-    command = (f"`{elastic.running_launcher()} train --config {shlex.quote(str(Path(config.run_dir) / 'config.yaml'))}"
-               f"{' --resume' if resume else ''}`")
-    return command if Path(config.run_dir).is_absolute() else f"{command} (from {os.getcwd()})"
-
-
-def checkpoints_root(config: Config) -> Path:
-    return Path(config.run_dir) / "checkpoints"
-
-
-def where_to_go_on(config: Config) -> str:
-    """What a run that stopped early (SIGTERM, Ctrl-C) can go on from, and the command."""
-    published = checkpoint.published(checkpoints_root(config))
-    if not published and not (Path(config.run_dir) / "config.yaml").is_file():  # stopped before the run's files
-        return "no checkpoint was saved; the same command starts again"
-    if not published:
-        return f"no checkpoint was saved; {resume_command(config, resume=False)} starts again"
-    return f"the newest checkpoint is {published[0].name}; {resume_command(config)} continues from it"
-
-
-def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -> ResumePoint:
-    """Rank 0 removes stale `.tmp-*`, picks the newest checkpoint that verifies (reporting
-    each one skipped and why), refuses one this config cannot load (`unloadable_changes`) and
-    converts it to a universal checkpoint when it was written by another number of ranks;
-    every rank gets the answer. Runs before the engine is built (loading a universal
-    checkpoint is a DeepSpeed config switch) and before the run's files are rewritten."""
-    import torch.distributed as torch_dist
-
-    root = checkpoints_root(config)
-    point = ResumePoint()
-    if dist.is_main:
-        removed = checkpoint.remove_stale_tmp(root)
-        if removed:
-            say(f"removed {len(removed)} unfinished save(s) under {root}: {', '.join(removed)}")
-        if resume is not False:
-            point = _pick(root, config, dist.world_size, fresh)
-            if point.directory is None and point.error is None and resume is None:
-                # said: run_dir is read from the working directory, so a resume started from another one
-                # would otherwise train from step 0 into a new directory that looks like the old one
-                why = "none of its checkpoints can be resumed from (above)" if checkpoint.published(root) else \
-                    "no checkpoint there to resume from"
-                say(f"new run in {root.parent.resolve()}: {why}")
-        elif moved := checkpoint.set_aside(root):
-            for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"),
-                           root.parent / "tensorboard"]:
-                if record.exists():  # the new run would write over (or add to) them: they go with their checkpoints
-                    os.replace(record, moved.path / record.name)
-            warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics "
-                 f"and memory records to {moved.path}; delete that directory when you no longer need them")
-    if dist.world_size > 1:
-        box = [point]
-        torch_dist.broadcast_object_list(box, src=0)
-        point = box[0]
-    if point.error:
-        raise CheckpointError(point.error)
-    if point.directory is None and resume is True:
-        raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
-    return point
-
-
-# What a checkpoint's files are made of. Under other values DeepSpeed's load fails (missing keys,
-# another optimizer file name, another partitioning), and failed only after the run's files had
-# been rewritten for the new config (config.yaml, model/ that an export reads).
-SHAPING_SETTINGS = (("train", "precision"), ("zero", "stage"), ("lora", "enabled"), ("lora", "r"),
-                    ("lora", "target_modules"), ("lora", "modules_to_save"), ("lora", "bias"))
-
-
-def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
-    """What `state`'s data position counts in; what an older checkpoint did not record is
-    taken from `fallback` (this run's)."""
-    return data.BatchShape(state.world_size, state.micro_batch_size or fallback.micro_batch_size,
-                           state.epoch_sequences or fallback.epoch_sequences)
-
-
-def damaged_file_error(error: Exception) -> bool:
-    """What torch.load raises on a torch.save file whose bytes were changed (a checkpoint
-    read without its hashes, `--verify sizes`), as against every other failure of a load."""
-    import pickle
-    import zipfile
-
-    if isinstance(error, (pickle.UnpicklingError, EOFError, UnicodeDecodeError, zipfile.BadZipFile)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        sign in text for sign in ("PytorchStreamReader", "hasRecord", "zip archive", "invalid header"))
-
-
-def global_batch_change(saved: LoopState, fresh: LoopState) -> str | None:
-    """`16 sequences per optimizer step, this run 8 (...)` when a resume changes the global
-    batch (another rank count with the micro batch and accumulation fixed); None when it
-    keeps it (an OOM retry's halved micro batch doubles the accumulation) or the checkpoint
-    did not record what it was."""
-    (w0, m0, a0), (w1, m1, a1) = batch_split(saved), batch_split(fresh)
-    if not (m0 and a0) or w0 * m0 * a0 == w1 * m1 * a1:
-        return None
-    return (f"{w0 * m0 * a0} sequences per optimizer step, this run {w1 * m1 * a1} (ranks {w0} -> {w1}, micro batch "
-            f"{m0} -> {m1}, accumulation {a0} -> {a1})")
-
-
-def batch_split(state: LoopState) -> tuple[int, int, int]:
-    """(ranks, micro batch, accumulation) a loop state trained with; 0 where it did not record it."""
-    return state.world_size, state.micro_batch_size, state.config_values.get("train", {}).get("grad_accum_steps", 0)
-
-
-def keep_batch_advice(saved: LoopState, fresh: LoopState) -> str:
-    """How to keep the checkpoint's global batch on this run's ranks: the accumulation that
-    makes it with this micro batch (the run's config.yaml pins both, as the planner chose them
-    for the old rank count, so "leave them to the planner" cannot be followed with it)."""
-    world, micro, accum = batch_split(saved)
-    batch = world * micro * accum
-    accum, rest = divmod(batch, fresh.world_size * fresh.micro_batch_size)
-    if accum and not rest:
-        return f"To keep the checkpoint's {batch} sequences a step: --set train.grad_accum_steps={accum}"
-    return (f"No whole number of micro batches of {fresh.micro_batch_size} on {fresh.world_size} rank(s) makes the "
-            f"checkpoint's {batch} sequences a step; set train.micro_batch_size and train.grad_accum_steps so that "
-            f"their product x ranks is {batch}")
-
-
-def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
-    """`what old -> new` for each difference a load cannot bridge: the model's architecture
-    (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
-    checkpoint that recorded neither (older zerofit) is not judged."""
-    changes = [f"{'lora targets' if name == 'lora_targets' else 'model ' + name} {short(saved.model_shape[name])} -> "
-               f"{short(new)}" for name, new in fresh.model_shape.items()
-               if name in saved.model_shape and saved.model_shape[name] != new]  # what it did not record: not judged
-    resolved = "lora_targets" in saved.model_shape and "lora_targets" in fresh.model_shape
-    for section, key in SHAPING_SETTINGS if saved.config_values else ():
-        if (section, key) == ("lora", "target_modules") and resolved:  # [q_proj, v_proj] is [v_proj, q_proj]
-            continue
-        old = saved.config_values.get(section, {}).get(key)
-        new = fresh.config_values.get(section, {}).get(key)
-        if old != new:
-            changes.append(f"{section}.{key} {short(old)} -> {short(new)}")
-    old, new = (values.get("zero", {}).get("offload_optimizer") for values in (saved.config_values, fresh.config_values))
-    if saved.config_values and old != new and "nvme" in (old, new):  # DeepSpeed's load neither reads nor writes them
-        changes.append(f"zero.offload_optimizer {old} -> {new} (the NVMe optimizer state is swap files beside the "
-                       f"optimizer file, which a load under the other device cannot convert)")
-    return changes
-
-
-def adapter_rescaled(before: dict, after: dict) -> str:
-    """What a change of lora.alpha does to the adapter already trained (a clause, or ""): peft
-    multiplies its output by alpha / r (LoraConfig.lora_alpha), so the update learned so far
-    counts new/old times as much from the first step on; the loss jumps there."""
-    old, new = (values.get("lora", {}) for values in (before, after))
-    if not (old.get("enabled") and new.get("enabled")) or old.get("alpha") == new.get("alpha") \
-            or not old.get("alpha") or not new.get("alpha"):
-        return ""
-    return (f" (lora.alpha scales the adapter trained so far: its update now counts {new['alpha'] / old['alpha']:.3g}x "
-            f"what it did; keep {old['alpha']} to continue the same training)")
-
-
-def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> ResumePoint:
-    found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "full")
-    for name, reason in skipped:
-        warn(f"skipping checkpoint {name}: {reason}")
-    if found is None and skipped:  # starting over would publish over them: refuse, keep them as they are
-        return ResumePoint(skipped=skipped, error=(
-            f"none of the {len(skipped)} checkpoint(s) under {root} verifies ({skipped[0][0]}: {skipped[0][1]}); "
-            f"they are left as they are. Start over with --no-resume (it moves them aside, not deletes), or "
-            f"restore a good copy"))
-    if found is None:
-        return ResumePoint(skipped=skipped)
-    if skipped or not (root / checkpoint.LATEST).is_file():
-        checkpoint.write_atomic(root / checkpoint.LATEST, found.name)  # DeepSpeed's tools read it
-    point = ResumePoint(str(found), str(found), False, skipped)
-    manifest = checkpoint.read_manifest(found)
-    changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
-    if changes:
-        point.error = (f"{found.name} cannot be loaded under this config ({'; '.join(changes)}): resume with "
-                       f"the run's own ({resume_command(config, resume=False)}), or start "
-                       f"over here with --no-resume (the checkpoints are moved aside, not deleted); the run's "
-                       f"config.yaml, model/ and checkpoints are as they were")
-    elif manifest["world_size"] != world_size and (found / zerofiles.NVME_COPIES).is_dir():
-        point.error = (f"{found.name} was written by {manifest['world_size']} rank(s) with the optimizer on NVMe; "
-                       f"its optimizer state lives in {zerofiles.NVME_COPIES}/ per rank, which DeepSpeed cannot convert "
-                       f"to {world_size} rank(s) (ds_to_universal reads only the optimizer files): resume with "
-                       f"{manifest['world_size']} rank(s)")
-    elif manifest["world_size"] != world_size and manifest.get("zero_stage", 3) > 0:
-        say(f"{found.name} was written by {manifest['world_size']} rank(s), this run has {world_size}: "
-            f"converting it to a universal checkpoint")
-        try:
-            point.load_dir, point.universal = str(universal.convert(found, config.checkpoint.verify == "full")), True
-        except CheckpointError as e:
-            point.error = str(e)
-    if not point.error:
-        newer = [name for name, _ in skipped if checkpoint.step_of(root / name) > checkpoint.step_of(found)]
-        if moved := checkpoint.set_aside_unusable(root, newer):
-            warn(f"set aside {', '.join(moved)} under {root} (newer than {found.name}, not verifying): kept for "
-                 f"inspection, out of the way of this run's saves and retention")
-    return point
 
 
 class Checkpointer:

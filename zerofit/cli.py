@@ -120,14 +120,14 @@ def cmd_train(args) -> int:
             runlock.remove_if_only_locked(run_dir, made)
         raise
     except KeyboardInterrupt:  # the steps since the newest checkpoint are lost: say which one that is
-        from zerofit.checkpointer import where_to_go_on
+        from zerofit.resume import where_to_go_on
 
         print(f"zerofit: interrupted; {where_to_go_on(config)}", file=sys.stderr)
         return end_after_error(130)
     except RuntimeError as e:
         if not elastic.peer_gone(e):
             raise
-        from zerofit.checkpointer import resume_command
+        from zerofit.resume import resume_command
 
         raise ConfigError(elastic.peer_gone_message(e, resume_command(config), config.run_dir)) from None
     code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it

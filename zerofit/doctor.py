@@ -15,7 +15,8 @@ import yaml
 
 from zerofit import checkpoint, runlock
 from zerofit.config import ConfigError
-from zerofit.findings import Finding, RunFacts, across_ranks, detect, facts_from, killed_outright, rank_imbalance
+from zerofit.findings import Finding, RunFacts, detect, facts_from
+from zerofit.rankfindings import across_ranks, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl

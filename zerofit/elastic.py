@@ -70,7 +70,7 @@ def peer_gone(error: BaseException) -> bool:
 
 
 def peer_gone_message(error: BaseException, resume_command: str, run_dir: str, environ=os.environ) -> str:
-    """`resume_command`: checkpointer.resume_command's, as every message names it."""
+    """`resume_command`: resume.resume_command's, as every message names it."""
     sign = next(sign for sign in PEER_GONE_SIGNS if sign in str(error))
     return (f"rank {environ.get('RANK', '0')}: another rank of this run is gone (\"{sign}\" in a collective); "
             f"the checkpoints published before are intact: {resume_command} continues from the newest (torchrun "

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
-                     lastword, lora, loss, memory, models, nvme, peerwatch, planview, postmortem, runlock, tokenizing, watchdog)
+                     lastword, lora, loss, memory, models, nvme, peerwatch, planview, postmortem, runfiles, runlock,
+                     tokenizing, watchdog)
 from zerofit.config import Config, ConfigError
-from zerofit.configfile import dump_yaml
 from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
+from zerofit.resume import choose_resume, resume_command, where_to_go_on
 
 
 @dataclass
@@ -46,12 +47,12 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
     run_dir = Path(config.run_dir)
     if int(os.environ.get("RANK", "0")) == 0:  # made and locked before anything in it is read or rewritten
-        runlock.hold(usable_run_dir(run_dir))
+        runlock.hold(runfiles.usable_run_dir(run_dir))
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
     # the other ranks' after rank 0's (it joined the group first): one that made the directory while rank 0
     # looked whether it was there left it behind when the start failed (cli.cmd_train removes what it made)
-    usable_run_dir(run_dir)
+    runfiles.usable_run_dir(run_dir)
     engine.check_precision(config.train.precision, dist.on_gpu)
     peerwatch.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
     config, resume = elastic.resume_after_oom(config, resume, dist)  # torchrun restarted the ranks after an OOM
@@ -82,12 +83,12 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     # rank 0 alone writes loop_state.json and compares on resume: the other ranks need not hash the data
     fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set),
                         data_fingerprint=data.fingerprint(train_set) if dist.is_main else "")
-    resume_point = checkpointer.choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
+    resume_point = choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
-        write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
+        runfiles.write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
                         tokenizing.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
-        write_generation_config(run_dir, config, tokenizer, hf_config, train_set.formats)
+        runfiles.write_generation_config(run_dir, config, tokenizer, hf_config, train_set.formats)
         report_data(train_set, eval_set, config, tokenizer)
         say(planview.plan_line(decision))
 
@@ -177,7 +178,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
     if dist.is_main and signalled:
-        say(f"stopped by SIGTERM at step {state.step}, {checkpointer.where_to_go_on(config)}")
+        say(f"stopped by SIGTERM at step {state.step}, {where_to_go_on(config)}")
     elif dist.is_main and train_loss is not None:  # a finished run started again said it was complete
         say(f"done: step {state.step}, {memory.human_count(state.tokens_seen)} tokens trained (padding left out), "
             f"train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
@@ -277,7 +278,7 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
         f"none of step {state.step} (its save failed, above); the newest is {saver.newest() or 'none'}"
     return (f"{why}\n  checkpoint: {saved}\n  resume after lowering memory use (`zerofit doctor "
             f"{shlex.quote(str(config.run_dir))}` names the phase and the fix): "
-            f"{checkpointer.resume_command(config, resume=False)}")
+            f"{resume_command(config, resume=False)}")
 
 
 def eval_sequences(config: Config, world_size: int, held: int) -> int:
@@ -343,95 +344,6 @@ def held_bytes(*sets: data.Sequences) -> int:
                for s in sets)
 
 
-def usable_run_dir(run_dir: Path) -> Path:
-    """The run directory, made if need be; one that cannot be is a user error, said first."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        why = "it is a file" if run_dir.is_file() else e.strerror or str(e)
-        raise ConfigError(f"run_dir {run_dir} cannot be made ({why}); set run_dir (or --run-dir) to a "
-                          f"directory you can write") from None
-    if not os.access(run_dir, os.W_OK):
-        raise ConfigError(f"run_dir {run_dir} is not writable (a read-only filesystem or another user's "
-                          f"directory); set run_dir (or --run-dir) to a directory you can write")
-    for name in RUN_SUBDIRECTORIES:
-        if (run_dir / name).exists() and not (run_dir / name).is_dir():
-            raise ConfigError(f"{run_dir / name} is a file where the run keeps its {name}/ directory; move it "
-                              f"away, or set run_dir (or --run-dir) to another directory")
-    return run_dir
-
-
-RUN_SUBDIRECTORIES = ("checkpoints", "model", "postmortem")  # what a run makes inside its run_dir
-
-
-def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict,
-                    chat_template: str | None = None) -> None:
-    """config.yaml (resolved, with the planner's choices), ds_config.json (what DeepSpeed
-    gets), plan.json (the prediction) and model/ (the HF config and tokenizer an export needs,
-    the tokenizer with `chat_template`, the layout the data trained, when given)."""
-    planview.write_plan(run_dir, plan)  # the run dir was made first thing (usable_run_dir)
-    (run_dir / "config.yaml").write_text(dump_yaml(config))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-    hf_config.save_pretrained(run_dir / "model")
-    own_template = tokenizer.chat_template
-    written = run_dir / "model" / "chat_template.jinja"  # as transformers saves it: said once, not at each resume
-    if chat_template and chat_template != own_template and not (written.is_file() and written.read_text() == chat_template):
-        say(f"model/: the tokenizer's chat template is now the layout the data trains "
-            f"({'alpaca' if chat_template == tokenizing.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
-            f"exports prompt the model as it learned")
-    tokenizer.chat_template = chat_template or own_template
-    if not tokenizer.chat_template:  # save_pretrained leaves an earlier run's template file, which exports would carry
-        for stale in ("chat_template.jinja", "chat_template.json"):
-            (run_dir / "model" / stale).unlink(missing_ok=True)
-    try:
-        tokenizer.save_pretrained(run_dir / "model")
-    finally:
-        tokenizer.chat_template = own_template
-
-
-def generation_ends(config: Config, tokenizer, formats: tuple[str, ...]) -> set[int]:
-    """The tokens generation stops at: model.path's generation config's, and the special token that
-    ends the template's assistant turn where that is not EOS (tokenizing.turn_end_id)."""
-    end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
-    return models.generation_eos(config.model) | ({end} if end is not None else set())
-
-
-def write_generation_config(run_dir: Path, config: Config, tokenizer, hf_config, formats: tuple[str, ...]) -> None:
-    """model/generation_config.json listing the template's turn end among the end tokens, where
-    the rows learn to end their answers with it and not EOS (Llama-3's <|eot_id|> under
-    model.chat_template: llama3 on a base model, whose EOS is <|end_of_text|>): exports, `zerofit
-    chat`, transformers' generate and vLLM stop there, as LLaMA-Factory's replacing EOS with it
-    makes theirs stop. Otherwise none (an export writes config.json's end tokens)."""
-    path = run_dir / "model" / "generation_config.json"
-    end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
-    config_eos = hf_config.eos_token_id if isinstance(hf_config.eos_token_id, list) else [hf_config.eos_token_id]
-    ends = models.generation_eos(config.model) or {*config_eos, tokenizer.eos_token_id} - {None}
-    if end is None or end in ends:
-        path.unlink(missing_ok=True)  # an earlier start's, for rows laid out otherwise
-        return
-    text = json.dumps({**model_generation_fields(config, hf_config), "eos_token_id": sorted(ends) + [end]},
-                      indent=2) + "\n"
-    if not (path.is_file() and path.read_text() == text):  # said once, not at each resume
-        path.write_text(text)
-        say(f"model/generation_config.json: generation also stops at {tokenizer.convert_ids_to_tokens(end)} "
-            f"(id {end}), which ends the template's assistant turn (not EOS), as the rows learn it")
-
-
-def model_generation_fields(config: Config, hf_config) -> dict:
-    """model.path's generation_config.json (its sampling defaults too), else the HF config's BOS
-    and padding ids; a file that is not JSON counts as none (models.generation_eos reads it so)."""
-    own = Path(config.model.path or "") / "generation_config.json"
-    if config.model.path and own.is_file():
-        try:
-            fields = json.loads(own.read_text())
-            if isinstance(fields, dict):
-                return fields
-        except (OSError, ValueError):
-            pass
-    return {key: getattr(hf_config, key) for key in ("bos_token_id", "pad_token_id")
-            if getattr(hf_config, key, None) is not None}
-
-
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
     laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     held = f"{eval_set.examples}{max_samples_note(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
@@ -468,7 +380,7 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
                                                                          config.data.alpaca_template) is not None:
         warn(f"model.chat_template is not what the rows are laid out by ({laid_out or 'text rows'}), so the run's "
              f"tokenizer and exports carry that layout instead")
-    stop = tokenizing.stop_problem(tokenizer, train_set.formats, generation_ends(config, tokenizer, train_set.formats),
+    stop = tokenizing.stop_problem(tokenizer, train_set.formats, runfiles.generation_ends(config, tokenizer, train_set.formats),
                                    config.data.alpaca_template)
     if stop:
         warn(stop)
