@@ -412,6 +412,25 @@ def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build(
     models.check_attention(ModelConfig(config="tiny"), LlamaConfig())
 
 
+def test_rows_past_a_pretrained_models_positions_are_warned_of(tmp_path):
+    """transformers trains a Llama on rows past max_position_embeddings without a word (RoPE is
+    built for any length); a pretrained model then learns from positions it never saw."""
+    from transformers import LlamaConfig
+
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    pretrained, scratch = ModelConfig(path=str(tmp_path)), ModelConfig(config="tiny")
+    limited = LlamaConfig(max_position_embeddings=1024)
+    said = models.positions_beyond_trained(pretrained, 100_000, limited)
+    assert said.startswith("train.seq_len 100000 is above the model's max_position_embeddings 1024")
+    assert "lower train.seq_len to 1024" in said
+    assert models.positions_beyond_trained(pretrained, 1024, limited) is None
+    assert models.positions_beyond_trained(scratch, 100_000, limited) is None  # random init: no position seen yet
+    scaled = LlamaConfig(max_position_embeddings=1024, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert models.positions_beyond_trained(pretrained, 4096, scaled) is None
+
+
 def test_a_model_directory_that_cannot_load_is_named_before_anything_is_touched(tmp_path, tokenizer):
     """model.path problems were tracebacks from inside the build (after a --no-resume had moved
     the checkpoints aside), or a tokenizer error about sentencepiece: each is named, with its fix."""

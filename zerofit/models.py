@@ -106,6 +106,25 @@ def check_attention(model: ModelConfig, hf_config) -> None:
                           f"sequence x sequence per head, for the backward: the planner counts them)")
 
 
+def positions_beyond_trained(model: ModelConfig, seq_len: int, hf_config) -> str | None:
+    """A warning when a pretrained model's rows are longer than the positions it was made for
+    (max_position_embeddings): transformers builds RoPE for any length without a word, and a
+    model trained past that range without rope_scaling in its config.json learns from
+    positions it never saw, which LLaMA-Factory leaves to the user too (its rope_scaling key).
+    A model built from a config (random init) has seen no position yet: nothing to say."""
+    if not model.path:
+        return None
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or seq_len <= limit:
+        return None
+    scaling = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        return None  # a scaled RoPE reaches past it by design
+    return (f"train.seq_len {seq_len} is above the model's max_position_embeddings {limit}: positions past {limit} "
+            f"are ones the model never trained on; lower train.seq_len to {limit}, or give the model's config.json "
+            f"a rope_scaling for the longer context")
+
+
 def check_neat_packing(data: DataConfig, hf_config) -> None:
     """Refuse data.neat_packing for an architecture whose transformers class does not build its
     attention mask with transformers' masking_utils, which reads restarting position ids as

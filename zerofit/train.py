@@ -67,6 +67,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     tokenizer = models.load_tokenizer(config.model)
     models.check_attention(config.model, hf_config)
     models.check_neat_packing(config.data, hf_config)
+    if (beyond := models.positions_beyond_trained(config.model, config.train.seq_len, hf_config)) and dist.is_main:
+        warn(beyond)
     lora.check_base_files(config)
     memory.reset_host_peak()  # an in-process OOM retry's earlier attempt peaked above the loading
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
