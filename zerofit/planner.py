@@ -516,8 +516,9 @@ def step_time_notes(terms: dict[str, float], seconds: float, on_gpu: bool) -> li
     if terms.get("param_copy_out", 0.0) > seconds / 4:
         notes.append(f"{terms['param_copy_out']:.1f} s of the step copies the GPU-stepped optimizer sub-groups' fp32 "
                      "masters into the offloaded 16-bit parameters (a blocking pageable copy, "
-                     "hardware.COPY_OUT_BYTES_PER_S): leave zero.offload_optimizer_ratio unset, or keep the "
-                     "parameters on the GPU (zero.offload_param: none)")
+                     "hardware.COPY_OUT_BYTES_PER_S): with the parameters offloaded, step the whole optimizer on the "
+                     "CPU (zero.offload_optimizer: cpu, zero.offload_optimizer_ratio unset) or keep the parameters "
+                     "on the GPU (zero.offload_param: none)")
     return notes
 
 
