@@ -548,6 +548,27 @@ def test_what_would_fit_offloads_or_partitions_parameters_the_closest_plan_holds
     assert "host (engine start): 20.9GiB of host RAM (have 20.0GiB)" in out and "nothing zerofit can change" not in out
 
 
+def test_what_would_fit_says_what_a_change_leaves_over_and_tells_close_sizes_apart(capsys):
+    """llama-1.5b at 24 GiB on 23 GiB of RAM: each GPU fix left the host over budget without a
+    word (a user who shortened train.seq_len met "does not fit" again), and the GPU's need read
+    "24.0GiB (have 24.0GiB)"."""
+    from zerofit.cli import main
+
+    flags = ["--model", "llama-1.5b", "--gpu-mem", "24GiB", "--host-mem", "23GiB", "--accelerator", "cuda",
+             "--disk-free", "2TB"]
+    assert main(["plan", *flags]) == 1
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.split("\n  - ")]
+    seq = next(line for line in lines if line.startswith("gpu: train.seq_len="))
+    assert "; host still over: " in seq and "GiB usable" in seq
+    shorter = seq.split("=")[1].split()[0]
+    assert main(["plan", *flags, "--seq-len", shorter]) == 1  # the GPU fits there, the host does not
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gpu: " not in out.split("what would fit:")[1] and "host: " in out.split("what would fit:")[1]
+    gpu_need = next(line for line in lines if line.startswith("gpu: ") and "of GPU memory per rank" in line)
+    need, have = gpu_need.removeprefix("gpu: ").split(" of GPU memory per rank (have ")
+    assert need != have.rstrip(")")
+
+
 def test_a_mixture_of_experts_is_said_to_be_priced_as_dense(tmp_path, capsys):
     from zerofit.cli import main
 

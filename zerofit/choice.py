@@ -379,16 +379,17 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware, headroom: float) -
 
     advice = []
     if "gpu" in over:
-        if not shape.gradient_checkpointing and fixes("gpu", replace(shape, gradient_checkpointing=True)):
-            advice.append("gpu: model.gradient_checkpointing=true")
+        if not shape.gradient_checkpointing and (p := fixes("gpu", replace(shape, gradient_checkpointing=True))):
+            advice.append("gpu: model.gradient_checkpointing=true" + still_over(p, "gpu"))
         if shape.micro_batch > 1:
             one = replace(shape, micro_batch=1, grad_accum=shape.grad_accum * shape.micro_batch)
-            if fixes("gpu", one):
+            if p := fixes("gpu", one):
                 advice.append(f"gpu: train.micro_batch_size=1 with train.grad_accum_steps={one.grad_accum} "
-                              f"(same global batch)")
+                              f"(same global batch)" + still_over(p, "gpu"))
         seq = _largest_fitting_seq(shape, lambda n: fixes("gpu", replace(shape, seq_len=n)) is not None)
         if seq:
-            advice.append(f"gpu: train.seq_len={seq} (the longest multiple of 64 that fits)")
+            advice.append(f"gpu: train.seq_len={seq} (the longest multiple of 64 that fits)"
+                          + still_over(fixes("gpu", replace(shape, seq_len=seq)), "gpu"))
         if cand.stage == 3 and hw.on_gpu:
             for opt, par in (("cpu", "none"), ("cpu", "cpu")):
                 other = replace(cand if par == "none" else partitioned, offload_optimizer=opt, offload_param=par,
@@ -399,18 +400,18 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware, headroom: float) -
                         ckpt = " model.gradient_checkpointing=true" if s is not shape else ""
                         advice.append(f"gpu: zero.offload_optimizer={opt} zero.offload_param={par}{ckpt} "
                                       f"(GPU {human_bytes(p.devices['gpu'].total_bytes)}, host "
-                                      f"{human_bytes(p.devices['host'].total_bytes)})")
+                                      f"{human_bytes(p.devices['host'].total_bytes)})" + still_over(p, "gpu"))
                         break
                 else:
                     continue
                 break
         for world in WORLD_SIZES_TO_SUGGEST if cand.stage == 3 else ():
-            if world > shape.world_size and fixes("gpu", replace(shape, world_size=world), partitioned):
-                advice.append(f"gpu: {world} GPUs (ZeRO-3 partitions the model states over ranks)")
+            if world > shape.world_size and (p := fixes("gpu", replace(shape, world_size=world), partitioned)):
+                advice.append(f"gpu: {world} GPUs (ZeRO-3 partitions the model states over ranks)" + still_over(p, "gpu"))
                 break
     if "host" in over and cand.stage == 3 and hw.on_gpu:
-        if cand.offload_param == "cpu" and fixes("host", c=replace(cand, offload_param="none")):
-            advice.append("host: zero.offload_param=none (if the GPU holds the 16-bit parameters)")
+        if cand.offload_param == "cpu" and (p := fixes("host", c=replace(cand, offload_param="none"))):
+            advice.append("host: zero.offload_param=none (if the GPU holds the 16-bit parameters)" + still_over(p, "host"))
         nvme = replace(cand, offload_optimizer="nvme", offload_optimizer_ratio=1.0,
                        offload_param="nvme" if cand.offload_param != "none" else "none")
         p = fixes("host", c=nvme, h=replace(hw, nvme_free_bytes=10**18))
@@ -434,16 +435,34 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware, headroom: float) -
     raise_limit = f" under the {hw.host_limit}: raise it with docker --memory, a pod's limits.memory or Slurm --mem"
     for name in over:
         device = plan.devices[name]
-        advice.append(f"{name}: {human_bytes(device.total_bytes / (1 - headroom))} of {labels[name]} "
-                      f"(have {human_bytes(device.budget_bytes)}{raise_limit if name == 'host' and limited else ''})")
+        need, have = need_and_have(device.total_bytes / (1 - headroom), device.budget_bytes)
+        advice.append(f"{name}: {need} of {labels[name]} (have {have}{raise_limit if name == 'host' and limited else ''})")
     # the training phases fit, a moment outside them does not: say how much that moment needs
     for when, peak in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
                        ("first step after a save", plan.first_step_after_save_peak)):
         for name, device in peak.items():
             if not device.fits and name not in over:
-                advice.append(f"{name} ({when}): {human_bytes(device.total_bytes / (1 - headroom))} of "
-                              f"{labels[name]} (have {human_bytes(device.budget_bytes)})")
+                need, have = need_and_have(device.total_bytes / (1 - headroom), device.budget_bytes)
+                advice.append(f"{name} ({when}): {need} of {labels[name]} (have {have})")
     return advice
+
+
+def still_over(plan: Plan | None, fixed: str) -> str:
+    """What a change that brings `fixed` under budget leaves over it elsewhere (`; host still over:
+    22.0GiB of 20.7GiB usable`), so that a user who follows one line knows it is not enough alone."""
+    if plan is None:
+        return ""
+    short = [f"{name} still over: {human_bytes(d.total_bytes)} of {human_bytes(d.usable_bytes)} usable"
+             for name, d in plan.devices.items() if name != fixed and not d.fits]
+    return "; " + "; ".join(short) if short else ""
+
+
+def need_and_have(need: float, have: float) -> tuple[str, str]:
+    """Both sizes, with the precision that tells them apart (24.04GiB of 24.00, not 24.0 of 24.0)."""
+    shown = human_bytes(need), human_bytes(have)
+    if shown[0] == shown[1] and have >= 2**30:
+        return f"{need / 2**30:.2f}GiB", f"{have / 2**30:.2f}GiB"
+    return shown
 
 
 def _largest_fitting_seq(shape: Shape, fits_at) -> int | None:
