@@ -289,6 +289,23 @@ def test_a_translation_train_would_refuse_is_refused_naming_the_key(tmp_path, mo
     assert "train.seq_len=4: Input should be greater than or equal to 8" in err
 
 
+def test_a_misspelt_key_is_refused_with_the_one_meant_and_their_unread_keys_are_listed(tmp_path, monkeypatch, capsys):
+    """`learning_rat: 1e-5` was listed as "not read" and the translation wrote HF's default 5e-5:
+    LLaMA-Factory stops on a key no argument class declares, and so does the translation where
+    one is spelt like a key it reads. A real key zerofit has no use for stays a comment; a name
+    no release declares is left out and said on stderr."""
+    base = "model_name_or_path: m\ndataset: identity\n"
+    err = refusal(tmp_path, monkeypatch, capsys, base + "learning_rat: 1.0e-5\nnum_train_epoch: 2\n")
+    assert "learning_rat: 1e-05 -- not a LLaMA-Factory or HF TrainingArguments key" in err
+    assert "did you mean learning_rate?" in err and "did you mean num_train_epochs?" in err
+    config, text, err = translated(tmp_path, monkeypatch, capsys,
+                                   base + "enable_liger_kernel: true\ngroup_by_length: true\nfrobnicate: 3\n")
+    assert "#   enable_liger_kernel: true -- not read: zerofit has no such setting" in text
+    assert "#   group_by_length: true -- not read" in text  # transformers 4's, gone from 5: not refused
+    assert "frobnicate: not a LLaMA-Factory or HF TrainingArguments key that zerofit knows" in err
+    assert "enable_liger_kernel" not in err
+
+
 def test_a_llamafactory_config_given_to_train_points_to_the_translation(tmp_path):
     (tmp_path / "lf.yaml").write_text(LLAMA3_FULL_SFT)
     with pytest.raises(ConfigError) as refused:

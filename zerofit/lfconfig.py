@@ -21,6 +21,7 @@ per_device_train_batch_size 8, eval_steps = logging_steps, warmup_steps < 1 a ra
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from zerofit import lfdata
+from zerofit import lfdata, lfkeys
 from zerofit.aliases import NO_EFFECT
 from zerofit.config import Config, ConfigError, expand_path
 from zerofit.configfile import read_yaml
@@ -141,6 +142,7 @@ def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_di
     lfdata.data_section(lf, out, stage, dataset_info, dataset_dir)
     _batch_and_schedule(lf, out)
     _logging_and_saving(lf, out)
+    known = lfkeys.theirs() | RENAMED.keys() | REFUSED.keys() | NO_EFFECT.keys() | READ_TOGETHER
     for key, value in lf.items():
         if key in RENAMED:
             out.set(RENAMED[key], value, key)
@@ -149,9 +151,28 @@ def translate(lf: dict, dataset_info: dict | None, dataset_dir: str, model_is_di
                 out.refused.append(f"{key}: {_shown(value)} -- {REFUSED[key]}")
         elif key in NO_EFFECT:
             out.left_out.append(f"{key}: {_shown(value)} -- {NO_EFFECT[key]}")
-        elif key not in READ_TOGETHER:
+        elif key in READ_TOGETHER:
+            continue
+        elif key in known:
             out.left_out.append(f"{key}: {_shown(value)} -- not read: zerofit has no such setting")
+        else:
+            _unknown(key, value, known, out)
     return out
+
+
+def _unknown(key: str, value: Any, known: set[str], out: Translation) -> None:
+    """A key no LLaMA-Factory or HF argument class declares: LLaMA-Factory stops on it ("Some keys
+    are not used by the HfArgumentParser"). One spelt like a key it reads is refused with that key
+    (`learning_rat` left out would train at HF's default learning rate, not the one meant);
+    another (a key of a LLaMA-Factory release zerofit's list lacks) is left out and said."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+    if close:
+        out.refused.append(f"{key}: {_shown(value)} -- not a LLaMA-Factory or HF TrainingArguments key (LLaMA-Factory "
+                           f"stops on it too): did you mean {close[0]}?")
+        return
+    out.left_out.append(f"{key}: {_shown(value)} -- not read: no LLaMA-Factory or HF TrainingArguments key has this name")
+    out.notes.append(f"{key}: not a LLaMA-Factory or HF TrainingArguments key that zerofit knows (LLaMA-Factory "
+                     f"{lfkeys.SOURCE_RELEASE} stops on unknown keys); left out")
 
 
 # the types HF's argument parser reads a YAML's values into (LLaMA-Factory's hparams, TrainingArguments)
