@@ -43,6 +43,20 @@ def test_bad_value_names_field_value_and_allowed(tmp_path):
     assert "'none', 'cpu' or 'nvme'" in str(err.value)
 
 
+def test_a_yaml_boolean_and_a_missing_section_say_what_to_write(tmp_path):
+    """`offload_optimizer: yes` reached the error as True with no word of why; `train:` left out
+    read "required but missing" without saying what it holds."""
+    path = write_config(tmp_path / "c.yaml", {"model": {"config": "tiny"}})
+    path.write_text(path.read_text() + "zero: {offload_optimizer: yes}\n")
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    said = str(err.value)
+    assert "train: required but missing (how long to train: train.max_steps or train.epochs)" in said
+    assert "zero.offload_optimizer=True: Input should be 'none', 'cpu' or 'nvme' (YAML reads an unquoted yes" in said
+    with pytest.raises(ConfigError, match=r"model: required but missing \(model.path"):
+        validate({"train": {"max_steps": 1}})
+
+
 def test_bad_type(tmp_path):
     raw = tiny_config(tmp_path / "run", train={"micro_batch_size": "four"})
     with pytest.raises(ConfigError, match=r"train\.micro_batch_size='four': Input should be a valid integer"):

@@ -125,6 +125,10 @@ def validate(raw: dict) -> Config:
         raise ConfigError(_explain(e, raw)) from None
 
 
+MISSING_HINTS = {"train": " (how long to train: train.max_steps or train.epochs)",
+                 "model": " (model.path, a local model directory, or model.config, a preset name or config.json)"}
+
+
 def _explain(error: ValidationError, raw: dict) -> str:
     lines = []
     for item in error.errors():
@@ -132,11 +136,13 @@ def _explain(error: ValidationError, raw: dict) -> str:
         if item["type"] == "extra_forbidden":
             lines.append(_unknown_key(item["loc"]))
         elif item["type"] == "missing":
-            lines.append(f"{loc}: required but missing")
+            lines.append(f"{loc}: required but missing" + MISSING_HINTS.get(loc, ""))
         else:
             value = item.get("input")
             shown = "" if isinstance(value, dict) else f"={value!r}"
             msg = item["msg"].removeprefix("Value error, ")
+            if isinstance(value, bool) and not item["type"].startswith("bool"):
+                msg += " (YAML reads an unquoted yes, no, on or off as true or false: write the value itself)"
             lines.append(f"{loc}{shown}: {msg}")
     return "invalid config: " + "; ".join(lines)
 
