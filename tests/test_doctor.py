@@ -402,6 +402,7 @@ def test_system_cli_exit_code_follows_failures(tmp_path):
     failed = "fail" in statuses
     assert done.returncode == (1 if failed else 0), done.stdout
     assert "NVMe path" in done.stdout and "async_io" in done.stdout
+    assert "real_accelerator" not in done.stdout + done.stderr  # DeepSpeed's detection line headed the table
 
 
 def test_the_summary_piped_keeps_its_lines_whole(clean_run):

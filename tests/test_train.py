@@ -257,7 +257,8 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
     done = run_zerofit(["train", "--config", str(config), "--resume"], check=False)
     assert done.returncode == 1
-    assert "--resume: no valid checkpoint" in done.stderr
+    assert f"--resume: no checkpoint under {tmp_path / 'run' / 'checkpoints'}; run without --resume" in done.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory (a lock, the data cache) was made
 
 
 def test_two_ranks_write_both_ranks_files(tmp_path):

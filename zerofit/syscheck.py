@@ -31,6 +31,7 @@ class Check:
 
 
 def check_system(nvme_path: str | None = None, nvme_mib: int = 256) -> list[Check]:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")  # before any deepspeed import, as train
     checks = [check_gpu(), check_driver(), check_host_ram(), check_cpu_cores(), check_memlock(), check_libaio(), check_async_io(),
               check_op_build_locks()]
     if nvme_path:
@@ -122,7 +123,6 @@ def check_libaio() -> Check:
 def check_async_io() -> Check:
     """Builds (or loads the cached build of) DeepSpeed's async_io op, as a run with NVMe
     offload would: a first build takes about a minute."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")
     changed = nvme.fix_arch_list() if _cuda() else None
     problem = nvme.libaio_problem()
     if not problem:
