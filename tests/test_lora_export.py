@@ -118,6 +118,17 @@ def test_merge_of_a_model_path_base_equals_peft(path_run, tmp_path):
     assert not torch.equal(exported_tensors(base_dir)[name], exported_tensors(tmp_path / "fp32")[name])  # merged
 
 
+def test_out_over_the_base_is_refused_and_the_base_kept(path_run, capsys):
+    """`export RUN --out BASE --overwrite` replaced the model.path the merge read (and the run
+    then had no base to resume, export or chat with); like the run's own files, it is refused."""
+    run, base_dir = path_run
+    before = {f.name: f.read_bytes() for f in base_dir.iterdir() if f.is_file()}
+    for extra in ([], ["--adapter-only"]):
+        assert main(["export", str(run), "--out", str(base_dir), "--overwrite", *extra]) == 1
+        assert f"is or holds {base_dir.resolve()}, which this export reads" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in base_dir.iterdir() if f.is_file()} == before
+
+
 def test_changed_base_is_refused(path_run, tmp_path, capsys):
     """The run's model.path now holds other weights: the export stops before writing."""
     run, base_dir = path_run

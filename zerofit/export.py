@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from zerofit import checkpoint, merge, universal, zerofiles
+from zerofit import basemodel, checkpoint, merge, universal, zerofiles
 from zerofit.config import ConfigError
 from zerofit.planner import EXPORT_MAX_RAM_BYTES
 from zerofit.memory import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
@@ -117,10 +117,12 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
                           f"when left out)")
     out = Path(out)
     checkpoint_dir, config_dir = locate(Path(source), Path(model_dir) if model_dir else None, hashes)
-    check_destination(out, overwrite, reads=(Path(source), checkpoint_dir, config_dir, Path(base) if base else None))
     model_config = read_model_config(config_dir)
     zero = zerofiles.open_checkpoint(checkpoint_dir)  # first: it refuses a universal copy of a LoRA checkpoint
     lora = merge.is_lora_checkpoint(checkpoint_dir)
+    recorded_base = basemodel.read_recipe(checkpoint_dir).path if lora else None  # model.path a merge reads
+    check_destination(out, overwrite, reads=(Path(source), checkpoint_dir, config_dir, Path(base) if base else None,
+                                             Path(recorded_base) if recorded_base and not base else None))
     if (adapter_only or base) and not lora:
         raise ExportError(f"--adapter-only and --base are for LoRA runs; {checkpoint_dir} is a full fine-tuning "
                           f"checkpoint (drop them)")
