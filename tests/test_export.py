@@ -510,3 +510,53 @@ def test_gather_16bit_weights_on_save_writes_the_16bit_model_into_each_checkpoin
     assert sorted(gathered) == sorted(exported) and len(gathered) == 2 * 9 + 3
     for key, tensor in gathered.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, exported[key]), key
+
+
+def test_verify_judges_the_export_against_its_own_rounding_and_warns_of_the_dtypes(capsys):
+    """A 4-step demo run's bf16 export matched the checkpoint rounded to bf16 exactly (max |diff| 0)
+    and was refused, its logits (all under 1) 5.05e-2 from fp32: that drift is bf16's, not the
+    export's. An export off its own rounding, or with load problems, is still refused."""
+    from zerofit.exportcheck import VerifyError, compare
+
+    class Logits(torch.nn.Module):  # a model's forward as compare calls it: .logits of the ids
+        def __init__(self, values):
+            super().__init__()
+            self.values = torch.tensor(values)
+
+        def forward(self, ids):
+            return type("Output", (), {"logits": self.values})()
+
+    fp32, bf16 = Logits([[0.20, -0.31, 0.05]]), Logits([[0.26, -0.30, 0.05]])
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    result = compare(bf16, fp32, bf16, torch.bfloat16, ids, {}, "DeepSpeed's reconstruction")
+    assert result["ok"] and not result["rounding_ok"] and result["max_abs_diff"] == 0.0
+    assert "bfloat16 rounding moves this model's logits by 6.00e-02" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(VerifyError, match="the export does not reproduce the checkpoint"):
+        compare(Logits([[0.27, -0.30, 0.05]]), fp32, bf16, torch.bfloat16, ids, {}, "DeepSpeed's reconstruction")
+    with pytest.raises(VerifyError, match="load problems: {'missing': "):
+        compare(bf16, fp32, bf16, torch.bfloat16, ids, {"missing": ["lm_head.weight"]}, "DeepSpeed's reconstruction")
+
+
+def test_a_disk_too_small_or_a_directory_that_takes_no_files_is_an_error_not_a_traceback(one_rank, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """A full disk ended the export in `OSError: [Errno 28]` and /proc/x in a FileNotFoundError,
+    both as tracebacks: the weights' size is checked against the free space first, and a write
+    that fails anyway is named, nothing published, no staging directory left."""
+    from collections import namedtuple
+
+    from zerofit import export as export_module
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(export_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+    assert main(["export", str(one_rank), "--out", str(tmp_path / "small")]) == 1
+    said = capsys.readouterr().err
+    assert "the export's weights take" in said and "4.0KiB free; free space there" in said and "Traceback" not in said
+    monkeypatch.undo()
+    assert main(["export", str(one_rank), "--out", "/proc/zerofit-export"]) == 1  # /proc: 0 bytes free
+    assert "and /proc has 0B free" in capsys.readouterr().err
+    long_name = tmp_path / ("m" * 250)  # its staging directory's name is over the filesystem's 255 bytes
+    assert main(["export", str(one_rank), "--out", str(long_name)]) == 1
+    said = capsys.readouterr().err
+    assert f"writing the export beside --out {long_name} failed: File name too long" in said, said
+    assert "Traceback" not in said
+    assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".tmp-*"))

@@ -210,3 +210,12 @@ def test_a_completion_the_model_ended_says_so(loaded):
     finally:
         config.eos_token_id = eos
     assert ended.ended_at_eos and ended.token_ids == budget.token_ids[:1]
+
+
+def test_a_config_json_transformers_cannot_read_is_named(tmp_path):
+    """A directory whose config.json has no model_type (or is not JSON) ended generate and chat in
+    transformers' ValueError traceback."""
+    for text, reason in (('{"a": 1}', "Should have a `model_type` key"), ("{oops", "is not a valid JSON file")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"config.json is not a model config transformers can read .*{reason}"):
+            load(tmp_path)

@@ -52,7 +52,7 @@ def path_run(tmp_path_factory):
     build_tokenizer().save_pretrained(root / "base")
     config = lora_run_config(root / "run", {"path": str(root / "base")}, 2)
     # at lr 5e-2 two steps can leave this base where bf16 rounding alone moves its logits by more
-    # than their scale (12.2 vs 7.0), and --verify's bf16-vs-fp32 check rightly refuses it
+    # than their scale (12.2 vs 7.0), which --verify's bf16-vs-fp32 check warns of
     config["train"].update(seq_len=96, micro_batch_size=1, lr=1e-2)
     run, _, _ = trained_run(root, config)
     return run, root / "base"

@@ -16,6 +16,7 @@ the cast, that adds the adapters' product; `--adapter-only` writes a peft direct
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -139,6 +140,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
 
     staging = out.parent / f"{checkpoint.TMP_PREFIX}export-{out.name}"
     shutil.rmtree(staging, ignore_errors=True)
+    check_free_space(out, sum(s.nbytes for s in shards))
     try:
         if merging:  # a base from files is checked before anything is written
             merging.check_base_files(block)
@@ -150,6 +152,11 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
         export_peak = peak_rss_bytes()  # what --max-ram bounds; --verify loads the model whole on top
         verified = check_before_publishing(staging, checkpoint_dir, config_dir, base, merging) if verify else None
         publish(staging, out)
+    except OSError as e:  # a full disk, a directory that takes no files (/proc): the reason, not a traceback
+        shutil.rmtree(staging, ignore_errors=True)
+        full = " (the disk is full: free space there or choose --out on another disk)" if e.errno == errno.ENOSPC else ""
+        raise ExportError(f"writing the export beside --out {out} failed: {e.strerror or e}{full}; nothing was "
+                          f"published and the staging directory is removed") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -375,6 +382,17 @@ def check_destination(out: Path, overwrite: bool, reads: tuple = ()) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise ExportError(f"--out {out}: {existing} is not a directory you can write (a read-only filesystem, "
                           f"another user's directory, or a file); choose a directory you can write")
+
+
+def check_free_space(out: Path, needed_bytes: int) -> None:
+    """Refuse before writing where the weights alone would not fit beside `out` (the staging
+    directory is written there, then renamed into place)."""
+    existing = next(parent for parent in [out.absolute(), *out.absolute().parents] if parent.exists())
+    free = shutil.disk_usage(existing).free
+    if free < needed_bytes:
+        raise ExportError(f"--out {out}: the export's weights take {human_bytes(needed_bytes)} and {existing} has "
+                          f"{human_bytes(free)} free; free space there or choose --out on another disk "
+                          f"(--dtype bf16 halves an fp32 export)")
 
 
 # ------------------------------------------------------------------------- writing

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from zerofit import universalfiles, zerofiles
 from zerofit.config import ConfigError
-from zerofit.progress import say
+from zerofit.progress import say, warn
 
 PROMPT = "zerofit export check: the quick brown fox jumps over the lazy dog. 0123456789"
-# max |logits diff| / max(1, max |logits|) allowed against the unrounded fp32 reference
+# max |logits diff| / max(1, max |logits|) against the unrounded fp32 reference before a warning
 ROUNDING_TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2, "float32": 1e-5}
 SAME_WEIGHTS_TOLERANCE = 1e-5
 
@@ -224,8 +224,9 @@ def rounded_copy(model, dtype):
 
 
 def compare(model, reference, same_weights, stored_dtype, ids, load_problems: dict, against: str) -> dict:
-    """Logits of `model` vs `same_weights` (float32 noise allowed) and vs the fp32
-    `reference` (the export dtype's rounding allowed); a VerifyError when either is off."""
+    """Logits of `model` vs `same_weights` (float32 noise allowed: a VerifyError beyond it, or
+    with load problems) and vs the fp32 `reference` (beyond the export dtype's usual rounding:
+    a warning that names --dtype fp32)."""
     import torch
 
     for m in (model, reference, same_weights):
@@ -239,8 +240,11 @@ def compare(model, reference, same_weights, stored_dtype, ids, load_problems: di
               "max_abs_diff": float((logits - rounded_logits).abs().max()),
               "max_abs_diff_fp32": float((logits - fp32_logits).abs().max()), "load_problems": load_problems}
     tolerance = ROUNDING_TOLERANCE.get(str(stored_dtype).removeprefix("torch."), 5e-2)
-    result["ok"] = not load_problems and result["max_abs_diff"] <= SAME_WEIGHTS_TOLERANCE * scale \
-        and result["max_abs_diff_fp32"] <= tolerance * scale
+    # the export is judged against the checkpoint's weights rounded as it stores them; what that
+    # rounding itself costs against fp32 is the dtype's, not the export's: said, not refused (a
+    # 4-step demo run's logits, all under 1, moved 5.05e-2 in bf16 with the export exact)
+    result["ok"] = not load_problems and result["max_abs_diff"] <= SAME_WEIGHTS_TOLERANCE * scale
+    result["rounding_ok"] = result["max_abs_diff_fp32"] <= tolerance * scale
     line = (f"verify: logits over {result['prompt_tokens']} tokens vs {against}: max |diff| "
             f"{result['max_abs_diff']:.2e} (same rounding), {result['max_abs_diff_fp32']:.2e} vs fp32 "
             f"(scale {scale:.2f})")
@@ -248,4 +252,9 @@ def compare(model, reference, same_weights, stored_dtype, ids, load_problems: di
         raise VerifyError(f"{line}; load problems: {load_problems or 'none'}: the export does not reproduce "
                           f"the checkpoint")
     say(line + ": ok")
+    if not result["rounding_ok"]:
+        dtype = str(stored_dtype).removeprefix("torch.")
+        warn(f"the export reproduces the checkpoint in {dtype}, but {dtype} rounding moves this model's logits by "
+             f"{result['max_abs_diff_fp32']:.2e}, more than {tolerance:.0e} of their scale ({scale:.2f}): "
+             f"--dtype fp32 keeps them as trained")
     return result

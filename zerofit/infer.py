@@ -97,7 +97,11 @@ def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir} holds no config.json; give a model directory (`zerofit export` writes one) "
                           f"or an adapter directory (`zerofit export --adapter-only`)")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, OSError) as e:  # no model_type, an architecture this transformers lacks, bad JSON
+        raise ConfigError(f"{model_dir / 'config.json'} is not a model config transformers can read "
+                          f"({str(e).splitlines()[0]}); give a model directory (`zerofit export` writes one)") from None
     tokenizer = load_tokenizer(model_dir)
     model, device, torch_dtype, placement = place(config, gpu_mem, dtype, context_tokens, model_dir=model_dir)
     return Loaded(model.eval(), tokenizer, device, str(torch_dtype), placement)
