@@ -2,7 +2,8 @@
 and nothing found on a healthy run."""
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.findings import RunFacts, across_ranks, detect, facts_from, fragmentation, phase_advice
+from zerofit.findings import RunFacts, detect, facts_from, fragmentation, phase_advice
+from zerofit.rankfindings import across_ranks
 from zerofit.memory import effective_records
 
 
@@ -153,7 +154,7 @@ def test_resume_drops_rolled_back_records_but_keeps_events():
 
 def test_findings_across_ranks_name_the_ranks_that_show_them():
     from zerofit.doctor import rank_peaks
-    from zerofit.findings import across_ranks, rank_imbalance
+    from zerofit.rankfindings import rank_imbalance
 
     per_rank = {0: synthetic_run(residue_per_save=GiB), 1: synthetic_run(residue_per_save=GiB, leak_per_step=256 * MiB)}
     facts = facts_from(per_rank[0], ds_config(), {"model": {"gradient_checkpointing": True}})
