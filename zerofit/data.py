@@ -245,9 +245,10 @@ class Batches:
         self.per_epoch = len(seqs) // (micro_batch * world)
         if self.per_epoch == 0:
             dropped = seqs.dropped_note(seqs.input_ids.shape[-1])
+            fix = ("add data, or lower train.micro_batch_size (where the planner chose it, lower "
+                   "train.global_batch_size: it splits that)")
             raise DataError(f"the data gives {len(seqs)} sequences, fewer than one micro batch on every rank "
-                            f"({micro_batch} x {world}); " + (dropped or "add data, or lower train.micro_batch_size (where the planner chose it, "
-                                                             "lower train.global_batch_size: it splits that)"))
+                            f"({micro_batch} x {world}); " + (dropped or fix))
         self.position = position
         self._order_epoch, self._order = -1, None
         self._targets = None  # per sequence, the labels the loss counts (targets)

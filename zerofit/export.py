@@ -121,9 +121,9 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     model_config = read_model_config(config_dir)
     zero = zerofiles.open_checkpoint(checkpoint_dir)  # first: it refuses a universal copy of a LoRA checkpoint
     lora = merge.is_lora_checkpoint(checkpoint_dir)
-    recorded_base = basemodel.read_recipe(checkpoint_dir).path if lora else None  # model.path a merge reads
-    check_destination(out, overwrite, reads=(Path(source), checkpoint_dir, config_dir, Path(base) if base else None,
-                                             Path(recorded_base) if recorded_base and not base else None))
+    base_read = base or (basemodel.read_recipe(checkpoint_dir).path if lora else None)  # a merge's base files
+    check_destination(out, overwrite,
+                      reads=(Path(source), checkpoint_dir, config_dir, Path(base_read) if base_read else None))
     if (adapter_only or base) and not lora:
         raise ExportError(f"--adapter-only and --base are for LoRA runs; {checkpoint_dir} is a full fine-tuning "
                           f"checkpoint (drop them)")
@@ -154,7 +154,8 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
         publish(staging, out)
     except OSError as e:  # a full disk, a directory that takes no files (/proc): the reason, not a traceback
         shutil.rmtree(staging, ignore_errors=True)
-        full = " (the disk is full: free space there or choose --out on another disk)" if e.errno == errno.ENOSPC else ""
+        full = " (the disk is full: free space there or choose --out on another disk)" \
+            if e.errno == errno.ENOSPC else ""
         raise ExportError(f"writing the export beside --out {out} failed: {e.strerror or e}{full}; nothing was "
                           f"published and the staging directory is removed") from None
     except BaseException:
@@ -378,16 +379,21 @@ def check_destination(out: Path, overwrite: bool, reads: tuple = ()) -> None:
                               f"outside them")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
-    existing = next(parent for parent in target.parents if parent.exists())  # the staging directory goes beside out
+    existing = staging_parent(out)
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise ExportError(f"--out {out}: {existing} is not a directory you can write (a read-only filesystem, "
                           f"another user's directory, or a file); choose a directory you can write")
 
 
+def staging_parent(out: Path) -> Path:
+    """The nearest existing directory above `out`: the staging directory goes beside out, made there."""
+    return next(parent for parent in out.resolve().parents if parent.exists())
+
+
 def check_free_space(out: Path, needed_bytes: int) -> None:
     """Refuse before writing where the weights alone would not fit beside `out` (the staging
     directory is written there, then renamed into place)."""
-    existing = next(parent for parent in [out.absolute(), *out.absolute().parents] if parent.exists())
+    existing = staging_parent(out)
     free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise ExportError(f"--out {out}: the export's weights take {human_bytes(needed_bytes)} and {existing} has "

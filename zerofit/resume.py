@@ -85,9 +85,16 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
         point = box[0]
     if point.error:
         raise CheckpointError(point.error)
-    if point.directory is None and resume is True:
-        raise ConfigError(f"--resume: no valid checkpoint under {root}; run without --resume to start fresh")
     return point
+
+
+def refuse_resume_without_checkpoint(config: Config, resume: bool | None) -> None:
+    """--resume where nothing was ever published: refused by rank 0 before the run directory is
+    made (its lock, the data cache). With something published, `choose_resume` resumes from it
+    or, none verifying, refuses there."""
+    root = checkpoints_root(config)
+    if resume is True and not checkpoint.published(root):
+        raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
 
 
 # What a checkpoint's files are made of. Under other values DeepSpeed's load fails (missing keys,

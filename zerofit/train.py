@@ -20,7 +20,7 @@ from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dscon
                      tokenizing, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
-from zerofit.resume import checkpoints_root, choose_resume, resume_command, where_to_go_on
+from zerofit.resume import choose_resume, refuse_resume_without_checkpoint, resume_command, where_to_go_on
 
 
 @dataclass
@@ -46,9 +46,8 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
 
 def run(config: Config, resume: bool | None, session: postmortem.Session) -> RunResult:
     run_dir = Path(config.run_dir)
-    if resume is True and not checkpoint.published(checkpoints_root(config)):  # before anything is made or read
-        raise ConfigError(f"--resume: no checkpoint under {checkpoints_root(config)}; run without --resume to start fresh")
     if int(os.environ.get("RANK", "0")) == 0:  # made and locked before anything in it is read or rewritten
+        refuse_resume_without_checkpoint(config, resume)
         runlock.hold(runfiles.usable_run_dir(run_dir))
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
@@ -384,7 +383,8 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
                                                                          config.data.alpaca_template) is not None:
         warn(f"model.chat_template is not what the rows are laid out by ({laid_out or 'text rows'}), so the run's "
              f"tokenizer and exports carry that layout instead")
-    stop = tokenizing.stop_problem(tokenizer, train_set.formats, runfiles.generation_ends(config, tokenizer, train_set.formats),
+    ends = runfiles.generation_ends(config, tokenizer, train_set.formats)
+    stop = tokenizing.stop_problem(tokenizer, train_set.formats, ends,
                                    config.data.alpaca_template)
     if stop:
         warn(stop)
