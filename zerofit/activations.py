@@ -117,6 +117,35 @@ def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
     return after, before, inside
 
 
+def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_numel: int, saved_at_head: int,
+                          mask: int, gathered: Gathered) -> dict[str, int]:
+    """Device bytes while lm_head's gradient is reduced (its partition's fp64 norm the largest).
+
+    The gradient waits in the reduce bucket until the next one overflows it
+    (stage3.__add_grad_to_ipg_bucket). One that fills the bucket alone goes at the final
+    norm's gradient, before any block's backward: the logits' gradient and the gathered weight
+    are gone by then (bench/results/planner_accuracy-trace-llama-3.6b-s2048.json: what the
+    allocator's trace found live at that peak). A smaller one shares the bucket with block
+    gradients and goes at a parameter's gradient inside a block's backward, that block's
+    recompute and the MLP's gradients alive, the bucket's whole fill in reduce_scatter_coalesced's
+    buffer (planner_accuracy-trace-llama-0.5b-s2048-{sdpa,eager}.json: lm_head's 131M elements
+    in a 200M bucket; under eager attention the recompute's softmax output was 0.25 of its
+    0.42 GiB)."""
+    a, T = shape.element_bytes, shape.tokens_per_micro
+    head_reduce = reduce_transient_bytes(head_numel, cand, shape, several=False, fp64_norm=True)
+    if head_numel >= cand.reduce_bucket_size:
+        return {"activations_saved": saved_at_head, "attention_mask": mask, "param_grad": a * head_numel,
+                "grad_reduce": head_reduce, "gathered_params": gathered.after_head}
+    eager_seq = shape.seq_len if shape.eager_attention else 0
+    _, _, block_module = trainable_outside_and_in_blocks(spec)
+    return {"activations_saved": saved_at_head, "attention_mask": mask,
+            "block_recompute": T * layer_activation_bytes_per_token(spec, a, eager_seq) if shape.gradient_checkpointing else 0,
+            "block_grads": T * layer_backward_working_per_token(spec, a),
+            "param_grad": a * block_module,
+            "grad_reduce": a * cand.reduce_bucket_size + head_reduce,
+            "gathered_params": gathered.at_first_flush}
+
+
 BACKWARD_MOMENTS = {  # device_phases' backward sub-phases, as a note names them
     "loss": "the loss's backward", "lm_head": "lm_head's backward",
     "lm_head_reduce": "the reduce of lm_head's gradient", "last_block": "the last block's backward",
@@ -140,13 +169,13 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
     blocks_saved = T * ((a * h if ckpt else layer_full) * L + 2 * a * spec.head_dim)
     final_norm = T * (4 * h + 2 * a * h)
-    gathered = Gathered(0, 0, 0, 0, 0)
+    gathered = Gathered(0, 0, 0, 0, 0, 0)
     if cand.stage == 3 and (cand.offload_param != "none" or W > 1):
         # Offloaded partitions are copied to the GPU one parameter at a time
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
         gathered = Gathered(*(a * n for n in gathered_numel(
             spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
-            cand.param_persistence_threshold)))
+            cand.param_persistence_threshold, cand.reduce_bucket_size)))
     # Weight gradients exist only for trainable parameters (a LoRA base has none).
     head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
@@ -165,14 +194,8 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
         # lm_head's backward: its weight's gradient is computed from the logits' gradient...
         "lm_head": {"activations_saved": blocks_saved + final_norm, "attention_mask": mask, "logits_grad": T * a * V,
                     "param_grad": a * head_numel, "gathered_params": gathered.at_loss},
-        # ...which is gone when the gradient is reduced, as is the gathered weight
-        # (bench/results/planner_accuracy-trace-llama-3.6b-s2048.json: what the allocator's
-        # trace found live at that peak).
-        "lm_head_reduce": {"activations_saved": blocks_saved + final_norm, "attention_mask": mask,
-                           "param_grad": a * head_numel,
-                           "grad_reduce": reduce_transient_bytes(head_numel, cand, shape, several=False,
-                                                                 fp64_norm=True),
-                           "gathered_params": gathered.after_head},
+        "lm_head_reduce": lm_head_reduce_moment(spec, shape, cand, head_numel, blocks_saved + final_norm, mask,
+                                                gathered),
         "last_block": {"activations_saved": blocks_saved, "attention_mask": mask,
                        "block_recompute": T * layer_full if ckpt else 0,
                        "block_grads": T * layer_backward_working_per_token(spec, a, eager_seq),

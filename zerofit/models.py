@@ -37,6 +37,12 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=24, num_key_value_heads=8),
     "llama-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=8),
+    # TinyLlama-1.1B's shape: a 32K vocabulary, so lm_head's gradient (65.5M elements) shares
+    # the reduce bucket with block gradients (the planner's lm_head_reduce moment inside a block).
+    "tinyllama-1.1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                           num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                           max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+                           eos_token_id=2),
     "llama-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
                       num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
                       max_position_embeddings=4096, tie_word_embeddings=False),

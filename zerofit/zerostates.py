@@ -92,6 +92,23 @@ class Gathered(NamedTuple):
     after_head: int    # once lm_head's backward released it: when its gradient is reduced
     backward: int      # most during the backward pass
     at_end: int        # at the last backward module (the embedding)
+    at_first_flush: int = 0  # when the backward's first gradients overflow the reduce bucket
+
+
+def _backward_order(spec: ModelSpec, checkpointing: bool) -> list[int]:
+    """Module indices in backward: those after the blocks in reverse, each block (recomputed
+    in forward order first when checkpointing) in reverse, those before the blocks."""
+    layers: dict[int, list[int]] = {}
+    for i, m in enumerate(spec.modules):
+        if m.layer is not None:
+            layers.setdefault(m.layer, []).append(i)
+    last_block = max((i for ids in layers.values() for i in ids), default=-1)
+    outside = [i for i, m in enumerate(spec.modules) if m.layer is None]
+    head, tail = [i for i in outside if i < last_block], [i for i in outside if i > last_block]
+    backward = list(reversed(tail))
+    for layer in sorted(layers, reverse=True):
+        backward += (layers[layer] if checkpointing else []) + list(reversed(layers[layer]))
+    return backward + list(reversed(head))
 
 
 def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int):
@@ -100,30 +117,44 @@ def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
     checkpointing. Modules whose parameters are all persistent drop out (never fetched)."""
     numel = {p.name: p.numel for p in spec.params}
     module_params = [tuple(n for n in m.params if numel[n] > persistence_threshold) for m in spec.modules]
-    layers: dict[int, list[int]] = {}
-    for i, m in enumerate(spec.modules):
-        if m.layer is not None:
-            layers.setdefault(m.layer, []).append(i)
-    last_block = max((i for ids in layers.values() for i in ids), default=-1)
-    outside = [i for i, m in enumerate(spec.modules) if m.layer is None]
-    head, tail = [i for i in outside if i < last_block], [i for i in outside if i > last_block]
     forward = list(range(len(spec.modules)))
-    backward = list(reversed(tail))
-    for layer in sorted(layers, reverse=True):
-        backward += (layers[layer] if checkpointing else []) + list(reversed(layers[layer]))
-    backward += list(reversed(head))
+    backward = _backward_order(spec, checkpointing)
     trace = [module_params[i] for i in forward + backward if module_params[i]]
     return trace, sum(1 for i in forward if module_params[i]), numel
 
 
+def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
+    """zero3_trace's entries as the trainable gradient elements each produces: a module's
+    backward produces its own (persistent ones too), a forward or a block's recompute none."""
+    trainable = {p.name: p.numel for p in spec.params if p.trainable}
+    numel = {p.name: p.numel for p in spec.params}
+    kept = [any(numel[n] > persistence_threshold for n in m.params) for m in spec.modules]
+    trace, n_forward, _ = zero3_trace(spec, checkpointing, persistence_threshold)
+    in_backward = [i for i in _backward_order(spec, checkpointing) if kept[i]]
+    grads = [0] * n_forward
+    recomputed: set[int] = set()
+    for i in in_backward:  # a block module's first appearance in backward is its recompute
+        first = checkpointing and spec.modules[i].layer is not None and i not in recomputed
+        recomputed.add(i)
+        grads.append(0 if first else sum(trainable.get(n, 0) for n in spec.modules[i].params))
+    assert len(grads) == len(trace)
+    return grads
+
+
+DEEPSPEED_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance's default, as max_live_parameters'
+
+
 @functools.lru_cache(maxsize=64)
 def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int,
-                   reuse_distance: int, persistence_threshold: int) -> Gathered:
+                   reuse_distance: int, persistence_threshold: int, reduce_bucket: int = 0) -> Gathered:
     """Replays partitioned_param_coordinator.py over the trace: at each module fetch its
     parameters, then prefetch the next ones not yet available up to min(prefetch_bucket_size,
     max_live_parameters - available) more elements (the fetch queue only moves forward, so
     the prefetched window grows until max_live_parameters bounds it); on release keep a
-    parameter whose next use is within max_reuse_distance elements (__params_to_release)."""
+    parameter whose next use is within max_reuse_distance elements (__params_to_release).
+    The backward's gradients fill a bucket of `reduce_bucket` elements, reduced when the next
+    would overflow it (stage3.__add_grad_to_ipg_bucket): at_first_flush is what is gathered
+    then."""
     trace, n_forward, numel = zero3_trace(spec, checkpointing, persistence_threshold)
     sizes = [sum(numel[n] for n in params) for params in trace]
     prefix = [0]
@@ -156,9 +187,32 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
         after_release.append(live)
     if not lives:
         return Gathered(0, 0, 0, 0, 0)
+    flush = first_flush(backward_grads(spec, checkpointing, persistence_threshold), reduce_bucket)
+    at_flush = lives[-1 if flush is None else flush]
+    if reuse_distance < DEEPSPEED_REUSE_DISTANCE <= max_live:
+        # Measured, not replayed: at a reuse distance of 0 under DeepSpeed's live window,
+        # llama-0.5b kept as much gathered at that flush as at 1e9 (0.59 GiB; the replay at 0
+        # had 0.18), tinyllama-1.1b what the replay at 0 says (1.02 GiB, 1.60 at 1e9)
+        # (bench/results/planner_accuracy-trace-{llama-0.5b-s512-param_nvme,tinyllama-1.1b-s2048}
+        # .json). DeepSpeed keeps a parameter its prefetch scan passed while gathered
+        # ("reuse skipped by prefetch", __params_to_release), which the replay does not follow;
+        # until that is traced the larger is counted (tinyllama-1.1b's plan 24% over its peak).
+        at_flush = max(at_flush, gathered_numel(spec, checkpointing, prefetch, max_live, DEEPSPEED_REUSE_DISTANCE,
+                                                persistence_threshold, reduce_bucket).at_first_flush)
     return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
                     after_head=after_release[min(n_forward, len(trace) - 1)],
-                    backward=max(lives[n_forward:] or [0]), at_end=lives[-1])
+                    backward=max(lives[n_forward:] or [0]), at_end=lives[-1], at_first_flush=at_flush)
+
+
+def first_flush(grads: list[int], reduce_bucket: int) -> int | None:
+    """The trace entry whose gradients first overflow a bucket of `reduce_bucket` elements
+    holding those before it; None where the backward never fills it."""
+    filled = 0
+    for t, numel in enumerate(grads):
+        if numel and filled and filled + numel > reduce_bucket:
+            return t
+        filled += numel
+    return None
 
 
 def optimizer_groups(spec: ModelSpec, shape: Shape, cand: Candidate) -> tuple[int, ...]:
