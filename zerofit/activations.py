@@ -138,11 +138,17 @@ def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_n
                 "grad_reduce": head_reduce, "gathered_params": gathered.after_head}
     eager_seq = shape.seq_len if shape.eager_attention else 0
     _, _, block_module = trainable_outside_and_in_blocks(spec)
+    # With the optimizer on NVMe each gradient partition's fp32 copy waits for its sub group's
+    # swap-out (stage3._offload_grad_partition_at_boundary: offload_fp32_gradients), and lm_head,
+    # the model's last parameter, is taken last: the bucket's other gradients are alive in fp32 at
+    # its norm (planner_accuracy-trace-llama-0.5b-s512-optimizer_param_nvme.json: 0.25 GiB).
+    waiting_fp32 = (4 * partition_numel(cand.reduce_bucket_size - head_numel, shape.world_size)
+                    if cand.offload_optimizer == "nvme" else 0)
     return {"activations_saved": saved_at_head, "attention_mask": mask,
             "block_recompute": T * layer_activation_bytes_per_token(spec, a, eager_seq) if shape.gradient_checkpointing else 0,
             "block_grads": T * layer_backward_working_per_token(spec, a),
             "param_grad": a * block_module,
-            "grad_reduce": a * cand.reduce_bucket_size + head_reduce,
+            "grad_reduce": a * cand.reduce_bucket_size + head_reduce + waiting_fp32,
             "gathered_params": gathered.at_first_flush}
 
 
