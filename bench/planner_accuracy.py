@@ -200,6 +200,8 @@ def main() -> None:
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seq-lens", help="comma-separated subset of the matrix's sequence lengths")
     parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="model.attn_implementation of every cell")
+    parser.add_argument("--steps", type=int, help="optimizer steps per cell (default 2; DeepSpeed's parameter trace "
+                        "is recorded in step 2 and prefetches and reuses from step 3)")
     parser.add_argument("--trace-peak", action="store_true",
                         help="record the allocator's trace and list what is live at the GPU peak (bench/peak_trace.py)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -218,11 +220,13 @@ def main() -> None:
     if args.seq_lens:
         setup["seq_lens"] = [int(s) for s in args.seq_lens.split(",")]
     setup["trace_peak"] = args.trace_peak
-    subset = args.models or args.modes or args.seq_lens or args.trace_peak or args.attn != "sdpa"
+    if args.steps:
+        setup["steps"] = args.steps
+    subset = args.models or args.modes or args.seq_lens or args.trace_peak or args.attn != "sdpa" or args.steps
     out = Path(args.out) / ("planner_accuracy.json" if not subset else
                             f"planner_accuracy-{args.models or 'all'}-{args.modes or 'all'}"
                             f"{'-s' + args.seq_lens if args.seq_lens else ''}{'-trace' if args.trace_peak else ''}"
-                            f"{'-' + args.attn if args.attn != 'sdpa' else ''}"
+                            f"{'-' + args.attn if args.attn != 'sdpa' else ''}{f'-{args.steps}steps' if args.steps else ''}"
                             ".json".replace(",", "_"))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"planner-accuracy-{os.getpid()}"
