@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from zerofit import loss
 from zerofit.modelspec import ModelSpec
-from zerofit.zerostates import Gathered, gathered_numel, optimizer_step_device, partition_numel
+from zerofit.zerostates import (DEEPSPEED_REUSE_DISTANCE, NVME_MAX_IN_CPU, Gathered, gathered_numel,
+                                optimizer_step_device, partition_numel)
 
 if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape
@@ -117,6 +118,22 @@ def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
     return after, before, inside
 
 
+def replayed_reuse_distance(spec: ModelSpec, cand: Candidate) -> int:
+    """The reuse distance DeepSpeed behaves by. Parameters on NVMe that all fit offload_param's
+    max_in_cpu are never swapped and, measured, are kept as at the default distance whatever
+    the one set: llama-0.5b at 0 had the same peaks to the MiB as on CPU at 1e9, in forward and
+    backward, while tinyllama-1.1b, over max_in_cpu, had those of its replay at 0
+    (bench/results/planner_accuracy-s512-6steps.json, planner_accuracy-trace-llama-0.5b-s512-
+    param_nvme.json, planner_accuracy-trace-tinyllama-1.1b-s2048.json). The coordinator's prefetch
+    scan stops at a parameter still on NVMe (partitioned_param_coordinator._is_currently_on_nvme)
+    and, where none is, passes gathered ones, which it then keeps until that use ("reuse skipped
+    by prefetch", __params_to_release)."""
+    if (cand.offload_param == "nvme" and spec.total_params <= NVME_MAX_IN_CPU
+            and cand.max_live_parameters >= DEEPSPEED_REUSE_DISTANCE):
+        return max(cand.max_reuse_distance, DEEPSPEED_REUSE_DISTANCE)
+    return cand.max_reuse_distance
+
+
 def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_numel: int, saved_at_head: int,
                           mask: int, gathered: Gathered) -> dict[str, int]:
     """Device bytes while lm_head's gradient is reduced (its partition's fp64 norm the largest).
@@ -180,7 +197,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
         # Offloaded partitions are copied to the GPU one parameter at a time
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
         gathered = Gathered(*(a * n for n in gathered_numel(
-            spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
+            spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, replayed_reuse_distance(spec, cand),
             cand.param_persistence_threshold, cand.reduce_bucket_size)))
     # Weight gradients exist only for trainable parameters (a LoRA base has none).
     head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)

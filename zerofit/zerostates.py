@@ -142,6 +142,7 @@ def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: 
 
 
 DEEPSPEED_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance's default, as max_live_parameters'
+NVME_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default: parameter elements kept in CPU memory
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,16 +190,6 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
         return Gathered(0, 0, 0, 0, 0)
     flush = first_flush(backward_grads(spec, checkpointing, persistence_threshold), reduce_bucket)
     at_flush = lives[-1 if flush is None else flush]
-    if reuse_distance < DEEPSPEED_REUSE_DISTANCE <= max_live:
-        # Measured, not replayed: at a reuse distance of 0 under DeepSpeed's live window,
-        # llama-0.5b kept as much gathered at that flush as at 1e9 (0.59 GiB; the replay at 0
-        # had 0.18), tinyllama-1.1b what the replay at 0 says (1.02 GiB, 1.60 at 1e9)
-        # (bench/results/planner_accuracy-trace-{llama-0.5b-s512-param_nvme,tinyllama-1.1b-s2048}
-        # .json). DeepSpeed keeps a parameter its prefetch scan passed while gathered
-        # ("reuse skipped by prefetch", __params_to_release), which the replay does not follow;
-        # until that is traced the larger is counted (tinyllama-1.1b's plan 24% over its peak).
-        at_flush = max(at_flush, gathered_numel(spec, checkpointing, prefetch, max_live, DEEPSPEED_REUSE_DISTANCE,
-                                                persistence_threshold, reduce_bucket).at_first_flush)
     return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
                     after_head=after_release[min(n_forward, len(trace) - 1)],
                     backward=max(lives[n_forward:] or [0]), at_end=lives[-1], at_first_flush=at_flush)
