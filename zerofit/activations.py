@@ -134,6 +134,15 @@ def replayed_reuse_distance(spec: ModelSpec, cand: Candidate) -> int:
     return cand.max_reuse_distance
 
 
+def swaps_parameters(spec: ModelSpec, cand: Candidate) -> bool:
+    """Parameters on NVMe beyond offload_param.max_in_cpu: swapped in and out during the step.
+    The coordinator's prefetch scan stops at one still on NVMe (_is_currently_on_nvme), so the
+    replay prefetches once per fetching module, not at every hooked module: measured, that
+    holds tinyllama-1.1b's NVMe run to the MiB (bench/results/planner_accuracy-trace-
+    tinyllama-1.1b-s2048.json) where prefetching at every hook puts it 24% over."""
+    return cand.offload_param == "nvme" and spec.total_params > NVME_MAX_IN_CPU
+
+
 def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_numel: int, saved_at_head: int,
                           mask: int, gathered: Gathered) -> dict[str, int]:
     """Device bytes while lm_head's gradient is reduced (its partition's fp64 norm the largest).
@@ -198,7 +207,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
         gathered = Gathered(*(a * n for n in gathered_numel(
             spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, replayed_reuse_distance(spec, cand),
-            cand.param_persistence_threshold, cand.reduce_bucket_size)))
+            cand.param_persistence_threshold, cand.reduce_bucket_size, not swaps_parameters(spec, cand))))
     # Weight gradients exist only for trainable parameters (a LoRA base has none).
     head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)

@@ -32,6 +32,9 @@ class ModuleSize:
     numel: int           # direct parameters only (what ZeRO-3 fetches for this module)
     layer: int | None    # decoder block index, None outside the blocks
     params: tuple[str, ...] = ()   # names of those parameters (a tied lm_head names the embedding)
+    # Modules without parameters just before it (containers, activations): ZeRO-3 hooks them
+    # too, and each of their fetch calls prefetches (zerostates.gathered_numel).
+    hooked_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ def from_module(model, hf_config) -> ModelSpec:
     params: list[Param] = []
     modules: list[ModuleSize] = []
     blocks = _decoder_blocks(model, hf_config)
+    without_params = 0
     for module_name, module in model.named_modules(remove_duplicate=False):
         direct = [(param_name, p) for param_name, p in module.named_parameters(recurse=False, remove_duplicate=False)]
         for param_name, p in direct:
@@ -166,7 +170,11 @@ def from_module(model, hf_config) -> ModelSpec:
                 params.append(Param(names[id(p)], p.numel(), p.dim(), module_name, p.requires_grad))
         if direct:
             modules.append(ModuleSize(module_name, sum(p.numel() for _, p in direct),
-                                      _layer_index(module_name, blocks), tuple(names[id(p)] for _, p in direct)))
+                                      _layer_index(module_name, blocks), tuple(names[id(p)] for _, p in direct),
+                                      hooked_before=without_params))
+            without_params = 0
+        else:
+            without_params += 1
 
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()

@@ -95,9 +95,12 @@ class Gathered(NamedTuple):
     at_first_flush: int = 0  # when the backward's first gradients overflow the reduce bucket
 
 
-def _backward_order(spec: ModelSpec, checkpointing: bool) -> list[int]:
-    """Module indices in backward: those after the blocks in reverse, each block (recomputed
-    in forward order first when checkpointing) in reverse, those before the blocks."""
+def _backward_order(spec: ModelSpec, checkpointing: bool, fetched: list[bool]) -> list[tuple[int, bool]]:
+    """(module index, a recompute) in backward: the modules after the blocks in reverse, each
+    block in reverse, the modules before the blocks. A checkpointed block is recomputed in
+    forward order once the backward of its last module that fetches (`fetched`: not all
+    persistent) has fetched its parameters and unpacks the block's input
+    (bench/results/gathered_probe-*.json: DeepSpeed's fetches in that order)."""
     layers: dict[int, list[int]] = {}
     for i, m in enumerate(spec.modules):
         if m.layer is not None:
@@ -105,22 +108,43 @@ def _backward_order(spec: ModelSpec, checkpointing: bool) -> list[int]:
     last_block = max((i for ids in layers.values() for i in ids), default=-1)
     outside = [i for i, m in enumerate(spec.modules) if m.layer is None]
     head, tail = [i for i in outside if i < last_block], [i for i in outside if i > last_block]
-    backward = list(reversed(tail))
+    backward = [(i, False) for i in reversed(tail)]
     for layer in sorted(layers, reverse=True):
-        backward += (layers[layer] if checkpointing else []) + list(reversed(layers[layer]))
-    return backward + list(reversed(head))
+        ids = layers[layer]
+        first = max((i for i in ids if fetched[i]), default=None)
+        if checkpointing and first is not None:
+            backward += [(first, False)] + [(i, True) for i in ids] + [(i, False) for i in reversed(ids) if i != first]
+        else:
+            backward += [(i, False) for i in reversed(ids)]
+    return backward + [(i, False) for i in reversed(head)]
 
 
 def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int):
-    """ZeRO-3's module trace of one step: forward in module order, then backward in reverse
-    with each decoder block recomputed (forward order) before its own backward when
-    checkpointing. Modules whose parameters are all persistent drop out (never fetched)."""
+    """ZeRO-3's module trace of one step: forward in module order, then backward
+    (_backward_order). Modules whose parameters are all persistent drop out (never fetched)."""
     numel = {p.name: p.numel for p in spec.params}
     module_params = [tuple(n for n in m.params if numel[n] > persistence_threshold) for m in spec.modules]
     forward = list(range(len(spec.modules)))
-    backward = _backward_order(spec, checkpointing)
+    backward = [i for i, _ in _backward_order(spec, checkpointing, [bool(p) for p in module_params])]
     trace = [module_params[i] for i in forward + backward if module_params[i]]
     return trace, sum(1 for i in forward if module_params[i]), numel
+
+
+def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
+    """zero3_trace's entries as the fetch_sub_module calls DeepSpeed makes up to each: its own,
+    those of the modules without parameters before it (ModuleSize.hooked_before) and of the
+    modules it dropped as all persistent. Every call prefetches, whatever it fetches itself
+    (partitioned_param_coordinator._fetch_sub_module_impl)."""
+    numel = {p.name: p.numel for p in spec.params}
+    fetches = [any(numel[n] > persistence_threshold for n in m.params) for m in spec.modules]
+    order = list(range(len(spec.modules))) + [i for i, _ in _backward_order(spec, checkpointing, fetches)]
+    calls, pending = [], 0
+    for i in order:
+        pending += 1 + spec.modules[i].hooked_before
+        if fetches[i]:
+            calls.append(pending)
+            pending = 0
+    return calls
 
 
 def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
@@ -130,13 +154,8 @@ def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: 
     numel = {p.name: p.numel for p in spec.params}
     kept = [any(numel[n] > persistence_threshold for n in m.params) for m in spec.modules]
     trace, n_forward, _ = zero3_trace(spec, checkpointing, persistence_threshold)
-    in_backward = [i for i in _backward_order(spec, checkpointing) if kept[i]]
-    grads = [0] * n_forward
-    recomputed: set[int] = set()
-    for i in in_backward:  # a block module's first appearance in backward is its recompute
-        first = checkpointing and spec.modules[i].layer is not None and i not in recomputed
-        recomputed.add(i)
-        grads.append(0 if first else sum(trainable.get(n, 0) for n in spec.modules[i].params))
+    grads = [0] * n_forward + [0 if recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
+                               for i, recompute in _backward_order(spec, checkpointing, kept) if kept[i]]
     assert len(grads) == len(trace)
     return grads
 
@@ -147,16 +166,36 @@ NVME_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default: parameter
 
 @functools.lru_cache(maxsize=64)
 def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int,
-                   reuse_distance: int, persistence_threshold: int, reduce_bucket: int = 0) -> Gathered:
-    """Replays partitioned_param_coordinator.py over the trace: at each module fetch its
-    parameters, then prefetch the next ones not yet available up to min(prefetch_bucket_size,
-    max_live_parameters - available) more elements (the fetch queue only moves forward, so
-    the prefetched window grows until max_live_parameters bounds it); on release keep a
-    parameter whose next use is within max_reuse_distance elements (__params_to_release).
-    The backward's gradients fill a bucket of `reduce_bucket` elements, reduced when the next
+                   reuse_distance: int, persistence_threshold: int, reduce_bucket: int = 0,
+                   prefetch_at_every_hook: bool = True) -> Gathered:
+    """Gathered parameter elements at the moments of a step (gathered_timeline). The
+    backward's gradients fill a bucket of `reduce_bucket` elements, reduced when the next
     would overflow it (stage3.__add_grad_to_ipg_bucket): at_first_flush is what is gathered
     then."""
-    trace, n_forward, numel = zero3_trace(spec, checkpointing, persistence_threshold)
+    lives, after_release = gathered_timeline(spec, checkpointing, prefetch, max_live, reuse_distance,
+                                             persistence_threshold, prefetch_at_every_hook)
+    if not lives:
+        return Gathered(0, 0, 0, 0, 0)
+    n_forward = zero3_trace(spec, checkpointing, persistence_threshold)[1]
+    flush = first_flush(backward_grads(spec, checkpointing, persistence_threshold), reduce_bucket)
+    at_flush = lives[-1 if flush is None else flush]
+    return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
+                    after_head=after_release[min(n_forward, len(lives) - 1)],
+                    backward=max(lives[n_forward:] or [0]), at_end=lives[-1], at_first_flush=at_flush)
+
+
+def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int, reuse_distance: int,
+                      persistence_threshold: int, prefetch_at_every_hook: bool = True) -> tuple[list[int], list[int]]:
+    """Replays partitioned_param_coordinator.py over zero3_trace: the elements gathered once
+    each entry's module has fetched, and once it has released. A module fetches its
+    parameters; each fetch call, those of modules without parameters too (fetch_calls), then
+    prefetches the next ones not gathered up to min(prefetch_bucket_size, max_live_parameters -
+    gathered) elements, at least one module's (the fetch queue only moves forward, so the
+    prefetched window grows until max_live_parameters bounds it:
+    bench/results/gathered_probe-llama-1.5b-optimizer_param_cpu-s512.json); without
+    `prefetch_at_every_hook`, once per fetching module. On release it keeps a parameter whose
+    next use is within max_reuse_distance elements (__params_to_release)."""
+    trace, _, numel = zero3_trace(spec, checkpointing, persistence_threshold)
     sizes = [sum(numel[n] for n in params) for params in trace]
     prefix = [0]
     for size in sizes:
@@ -170,15 +209,20 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
             last_seen[n] = t
     available: set[str] = set()
     live, lives, after_release = 0, [], []
-    for t, params in enumerate(trace):
+    calls_at = (fetch_calls(spec, checkpointing, persistence_threshold) if prefetch_at_every_hook
+                else [1] * len(trace))
+    for t, (params, calls) in enumerate(zip(trace, calls_at)):
         wanted = [n for n in params if n not in available]
-        room, fetched, j = min(prefetch, max_live - live - sum(numel[n] for n in wanted)), 0, t + 1
-        while j < len(trace) and fetched < room:
-            wanted += [n for n in trace[j] if n not in available and n not in wanted]
-            fetched = sum(numel[n] for n in wanted) - sum(numel[n] for n in params if n in wanted)
-            j += 1
         available.update(wanted)
         live += sum(numel[n] for n in wanted)
+        for _ in range(calls):
+            room, fetched, j = min(prefetch, max_live - live), 0, t + 1
+            while j < len(trace) and fetched < room:
+                ahead = [n for n in trace[j] if n not in available]
+                available.update(ahead)
+                fetched += sum(numel[n] for n in ahead)
+                j += 1
+            live += fetched
         lives.append(live)
         for n in params:
             nxt = next_use[t].get(n)
@@ -186,13 +230,7 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
                 available.discard(n)
                 live -= numel[n]
         after_release.append(live)
-    if not lives:
-        return Gathered(0, 0, 0, 0, 0)
-    flush = first_flush(backward_grads(spec, checkpointing, persistence_threshold), reduce_bucket)
-    at_flush = lives[-1 if flush is None else flush]
-    return Gathered(forward=max(lives[:n_forward]), at_loss=lives[n_forward - 1],
-                    after_head=after_release[min(n_forward, len(trace) - 1)],
-                    backward=max(lives[n_forward:] or [0]), at_end=lives[-1], at_first_flush=at_flush)
+    return lives, after_release
 
 
 def first_flush(grads: list[int], reduce_bucket: int) -> int | None:
