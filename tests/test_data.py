@@ -156,6 +156,43 @@ def test_invalid_json_names_the_line(tmp_path, tokenizer):
         data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
 
 
+def test_pretty_printed_rows_in_a_jsonl_file_are_named_by_row_and_syntax_by_line(tmp_path, tokenizer):
+    """Objects written with json.dumps(indent=2) span lines: datasets reads them, but a bad row's
+    line number counted one row per line (\"line 3\" for the object on line 11), and a syntax
+    error was "line 1" whatever its place."""
+    rows = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}, {"instruction": "e"}]
+    spread = tmp_path / "spread.jsonl"
+    spread.write_text("\n".join(json.dumps(row, indent=2) for row in rows) + "\n")
+    with pytest.raises(DataError, match=r"spread\.jsonl, row 3: field `output`: missing"):
+        data.build_sequences([spread], DataConfig(path=str(spread)), tokenizer, 32)
+    lines = json.dumps(rows[:2], indent=2).splitlines()
+    assert lines[3].strip() == '"output": "b"'
+    lines[3] = lines[3].replace(":", "", 1)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    for skip in (False, True):
+        with pytest.raises(DataError, match=r"broken\.jsonl, line 4, column 14: not valid JSON \(Expecting ':'"):
+            data.build_sequences([broken], DataConfig(path=str(broken), skip_bad_rows=skip), tokenizer, 32)
+
+
+def test_a_json_array_row_that_is_not_an_object_is_named(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"instruction": "a", "output": "b"}, "oops", {"instruction": "c", "output": "d"}]))
+    with pytest.raises(DataError, match=r"d\.json, row 2: a row must be a JSON object, got str"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+
+
+def test_a_saved_dataset_dicts_other_splits_are_named_as_not_read(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    rows = [{"instruction": "a", "output": "b"}] * 3
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows)}).save_to_disk(tmp_path / "dd")
+    Dataset.from_list(rows).save_to_disk(tmp_path / "plain")
+    assert datafiles.unread_splits(str(tmp_path / "dd")) == [f"{tmp_path / 'dd'} (test)"]
+    assert datafiles.unread_splits(str(tmp_path)) == [f"{tmp_path / 'dd'} (test)"]  # found in a directory too
+    assert datafiles.unread_splits(str(tmp_path / "plain"), None) == []
+
+
 def test_skip_bad_rows_skips_lines_that_are_not_json_objects_too(tmp_path, tokenizer):
     """A truncated line (a writer killed mid-row) or a bare value is a bad row like any other
     under data.skip_bad_rows; the rows after it keep their own line numbers in what is said."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from pathlib import Path
 
 from zerofit.config import FORMAT_FIELDS, ConfigError, column_fields, read_from
@@ -84,6 +85,22 @@ def is_run_dir(path: Path) -> bool:
 def shown_left_out(path: Path) -> str:
     """A left-out entry as the warning names it."""
     return f"{path}/ (a zerofit run directory)" if is_run_dir(path) else str(path)
+
+
+def unread_splits(*paths: str | list[str] | None) -> list[str]:
+    """Saved DatasetDicts among data.path / data.eval_path (or in their directories) with splits
+    other than the `train` that saved_dataset reads, as "DIR (test, validation)"."""
+    named = [Path(p) for path in paths if path not in (None, "demo", "synthetic")
+             for p in ([path] if isinstance(path, str) else path)]
+    found = [d for d in named if d.is_dir() and is_saved_dataset(d)]
+    found += [f for d in named if d.is_dir() and not is_saved_dataset(d) for f in walk_data(d)[0] if f.is_dir()]
+    unread = []
+    for directory in found:
+        if (directory / SAVED_DATASET_DICT_FILE).is_file():
+            splits = json.loads((directory / SAVED_DATASET_DICT_FILE).read_text()).get("splits", [])
+            if others := [split for split in splits if split != "train"]:
+                unread.append(f"{directory} ({', '.join(others)})")
+    return unread
 
 
 def left_out_files(*paths: str | list[str] | None) -> list[Path]:
@@ -236,15 +253,26 @@ def check_text(file: Path) -> None:
 
 
 def json_array_problem(file: Path) -> str | None:
-    """Where a .json file that datasets could not load goes wrong: its JSON error's line and
-    column, or an empty list; None when it parses (the loader's own message is kept)."""
+    """Where a JSON file that datasets could not load goes wrong: its JSON error's line and
+    column, an empty list, or a row that is not an object; None when none is found (the
+    loader's own message is kept). The file is one array of rows or objects one after another
+    (pretty-printed JSON lines)."""
+    text = file.read_text(encoding="utf-8-sig")
+    decoder, values, at, space = json.JSONDecoder(), [], 0, re.compile(r"\s*")
     try:
-        value = json.loads(file.read_text(encoding="utf-8-sig"))
+        while (at := space.match(text, at).end()) < len(text):
+            value, at = decoder.raw_decode(text, at)
+            values.append(value)
     except json.JSONDecodeError as e:
         return (f"{file}, line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the file (a .json "
                 f"file is one JSON array of rows; one row per line is .jsonl)")
-    if value == []:
+    rows = values[0] if len(values) == 1 and isinstance(values[0], list) else values
+    if not rows:
         return f"{file} holds no rows (an empty list); add data or leave the file out of data.path"
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            return (f"{file}, row {number}: a row must be a JSON object, got {type(row).__name__}; fix or delete "
+                    f"the row")
     return None
 
 
@@ -285,15 +313,14 @@ def _json_lines(file: Path, skip_bad_lines: bool, limit: int | None = None) -> t
 
 def holds_json_lines(file: Path) -> bool:
     """JSON lines: a .jsonl file, or a .json one whose text opens with an object, not an array
-    (LLaMA-Factory's datasets often name JSON lines .json, and datasets reads either)."""
-    if file.suffix == ".jsonl":
-        return True
-    if file.suffix != ".json":
+    (LLaMA-Factory's datasets often name JSON lines .json, and datasets reads either). Not one
+    whose first line opens an array or only a brace: pretty-printed JSON spans lines, which
+    datasets reads too, but a line number would not name a row there."""
+    if file.suffix not in (".jsonl", ".json"):
         return False
     with file.open(encoding="utf-8-sig") as text:
-        while (char := text.read(1)).isspace():
-            pass
-    return char == "{"
+        first = next((line for line in text if line.strip()), "").strip()
+    return first.startswith("{") and first != "{"
 
 
 def line_of_row(file: Path, row_index: int) -> str:

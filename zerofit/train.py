@@ -364,6 +364,9 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         if sequences.skipped_rows:
             warn(f"skipped {counted(sequences.skipped_rows, f'bad {name}row')} (data.skip_bad_rows), e.g. "
                  f"{sequences.skipped_reasons[0]}")
+    for directory in datafiles.unread_splits(config.data.path, config.data.eval_path):
+        warn(f"a saved DatasetDict is read by its train split: not read {directory}; name a split's "
+             f"directory (DIR/<split>) in data.path or data.eval_path to read it")
     left_out = datafiles.left_out_files(config.data.path, config.data.eval_path)
     if left_out:
         warn(f"not read (zerofit reads .jsonl, .json, .parquet and saved datasets): "
