@@ -28,8 +28,8 @@ def replayed(record: dict) -> tuple[modelspec.ModelSpec, Candidate, list[int], l
 
 def fetches(record: dict, spec: modelspec.ModelSpec, cand: Candidate) -> list[list]:
     """The last step's fetches of modules that fetch (not all persistent), in order."""
-    numel = {p.name: p.numel for p in spec.params}
-    fetching = {m.name for m in spec.modules if any(numel[n] > cand.param_persistence_threshold for n in m.params)}
+    fetching = {m.name for m, fetches in zip(spec.modules, zerostates.fetching_modules(
+        spec, cand.param_persistence_threshold)) if fetches}
     return [e for e in record["steps"][-1] if e[0] == "fetch" and e[2] in fetching]
 
 
@@ -53,8 +53,7 @@ def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
 
 
 def replay_names(spec: modelspec.ModelSpec, cand: Candidate) -> list[str]:
-    numel = {p.name: p.numel for p in spec.params}
-    fetching = [any(numel[n] > cand.param_persistence_threshold for n in m.params) for m in spec.modules]
+    fetching = zerostates.fetching_modules(spec, cand.param_persistence_threshold)
     order = list(range(len(spec.modules))) + [i for i, _ in zerostates._backward_order(spec, True, fetching)]
     return [spec.modules[i].name for i in order if fetching[i]]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from zerofit import loss
 from zerofit.modelspec import ModelSpec
-from zerofit.zerostates import (DEEPSPEED_REUSE_DISTANCE, NVME_MAX_IN_CPU, Gathered, gathered_numel,
+from zerofit.zerostates import (DEEPSPEED_LIVE_WINDOW, NVME_MAX_IN_CPU, Gathered, gathered_numel,
                                 optimizer_step_device, partition_numel)
 
 if TYPE_CHECKING:
@@ -129,8 +129,8 @@ def replayed_reuse_distance(spec: ModelSpec, cand: Candidate) -> int:
     and, where none is, passes gathered ones, which it then keeps until that use ("reuse skipped
     by prefetch", __params_to_release)."""
     if (cand.offload_param == "nvme" and spec.total_params <= NVME_MAX_IN_CPU
-            and cand.max_live_parameters >= DEEPSPEED_REUSE_DISTANCE):
-        return max(cand.max_reuse_distance, DEEPSPEED_REUSE_DISTANCE)
+            and cand.max_live_parameters >= DEEPSPEED_LIVE_WINDOW[0]):
+        return max(cand.max_reuse_distance, DEEPSPEED_LIVE_WINDOW[1])
     return cand.max_reuse_distance
 
 
@@ -201,7 +201,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     # shared by all blocks; the final norm keeps its own (see layer_activation_bytes_per_token).
     blocks_saved = T * ((a * h if ckpt else layer_full) * L + 2 * a * spec.head_dim)
     final_norm = T * (4 * h + 2 * a * h)
-    gathered = Gathered(0, 0, 0, 0, 0, 0)
+    gathered = Gathered(0, 0, 0, 0, 0)
     if cand.stage == 3 and (cand.offload_param != "none" or W > 1):
         # Offloaded partitions are copied to the GPU one parameter at a time
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.

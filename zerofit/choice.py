@@ -22,20 +22,13 @@ from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import Candidate, Plan, Shape, predict, zero_default
 from zerofit.swaplayout import bandwidth_to_hide
-from zerofit.zerostates import largest_partition_numel, param_buffer_numel, swap_layout
+from zerofit.zerostates import DEEPSPEED_LIVE_WINDOW, largest_partition_numel, param_buffer_numel, swap_layout
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
 # Reduce-bucket sizes tried beside HF's hidden^2 when the user set none, in elements: zerofit's
 # default and a larger one, short of DeepSpeed's own default (5e8).
 REDUCE_BUCKETS = (zero_default("reduce_bucket_size"), 200_000_000)
 MAX_MICRO_BATCH = 64
-# DeepSpeed's defaults for stage3_max_live_parameters / stage3_max_reuse_distance: a window of
-# 1e9 gathered elements that keeps what forward fetched until backward reuses it. With the
-# parameters offloaded and the GPU short, the planner may narrow it to the largest module
-# (nothing kept for reuse): on llama-3.6b at micro 1 the gathered set drops from 1.9 to
-# 0.75 GiB. Parameters are then fetched again for recompute and backward, which the cost
-# model counts in any case (planner.step_work: 3 passes with recompute).
-DEEPSPEED_LIVE_WINDOW = (1_000_000_000, 1_000_000_000)
 WORLD_SIZES_TO_SUGGEST = (2, 4, 8, 16, 32, 64)
 
 
@@ -196,6 +189,12 @@ def candidates(config: Config, spec: ModelSpec, hw: Hardware, world_size: int,
 def live_windows(base: Candidate, spec: ModelSpec, zero_set: set[str], device: str) -> list[tuple[int, int]]:
     """(stage3_max_live_parameters, stage3_max_reuse_distance) to try for offloaded
     parameters: the user's, else DeepSpeed's default and the narrowest, one module.
+
+    DeepSpeed's (DEEPSPEED_LIVE_WINDOW) is a window of 1e9 gathered elements that keeps what
+    forward fetched until backward reuses it. With the GPU short, the planner may narrow it
+    to the largest module (nothing kept for reuse): on llama-3.6b at micro 1 the gathered set
+    drops from 1.9 to 0.75 GiB. Parameters are then fetched again for recompute and backward,
+    which the cost model counts in any case (planner.step_work: 3 passes with recompute).
 
     Parameters on NVMe are released at once (reuse distance 0): each one swapped in holds one
     of offload_param's 5 swap buffers until released, and with DeepSpeed's reuse distance

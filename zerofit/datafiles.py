@@ -87,11 +87,16 @@ def shown_left_out(path: Path) -> str:
     return f"{path}/ (a zerofit run directory)" if is_run_dir(path) else str(path)
 
 
+def named_paths(*paths: str | list[str] | None) -> list[Path]:
+    """The files and directories data.path / data.eval_path name (not the built-in sources)."""
+    return [Path(p) for path in paths if path not in (None, "demo", "synthetic")
+            for p in ([path] if isinstance(path, str) else path)]
+
+
 def unread_splits(*paths: str | list[str] | None) -> list[str]:
     """Saved DatasetDicts among data.path / data.eval_path (or in their directories) with splits
     other than the `train` that saved_dataset reads, as "DIR (test, validation)"."""
-    named = [Path(p) for path in paths if path not in (None, "demo", "synthetic")
-             for p in ([path] if isinstance(path, str) else path)]
+    named = named_paths(*paths)
     found = [d for d in named if d.is_dir() and is_saved_dataset(d)]
     found += [f for d in named if d.is_dir() and not is_saved_dataset(d) for f in walk_data(d)[0] if f.is_dir()]
     unread = []
@@ -106,8 +111,7 @@ def unread_splits(*paths: str | list[str] | None) -> list[str]:
 def left_out_files(*paths: str | list[str] | None) -> list[Path]:
     """Files under the directories data.path / data.eval_path name that are not read (a .csv, a
     .txt): said, so that none goes missing from training unnoticed."""
-    named = [Path(p) for path in paths if path not in (None, "demo", "synthetic")
-             for p in ([path] if isinstance(path, str) else path)]
+    named = named_paths(*paths)
     return [f for d in named if d.is_dir() and not is_saved_dataset(d) for f in walk_data(d)[1]]
 
 

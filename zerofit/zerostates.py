@@ -95,6 +95,17 @@ class Gathered(NamedTuple):
     at_first_flush: int = 0  # when the backward's first gradients overflow the reduce bucket
 
 
+# DeepSpeed's defaults for (stage3_max_live_parameters, stage3_max_reuse_distance), elements.
+DEEPSPEED_LIVE_WINDOW = (1_000_000_000, 1_000_000_000)
+NVME_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default: parameter elements kept in CPU memory
+
+
+def fetching_modules(spec: ModelSpec, persistence_threshold: int) -> list[bool]:
+    """Per module, whether ZeRO-3 fetches it: not all of its parameters persistent."""
+    numel = {p.name: p.numel for p in spec.params}
+    return [any(numel[n] > persistence_threshold for n in m.params) for m in spec.modules]
+
+
 def _backward_order(spec: ModelSpec, checkpointing: bool, fetched: list[bool]) -> list[tuple[int, bool]]:
     """(module index, a recompute) in backward: the modules after the blocks in reverse, each
     block in reverse, the modules before the blocks. A checkpointed block is recomputed in
@@ -125,7 +136,7 @@ def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
     numel = {p.name: p.numel for p in spec.params}
     module_params = [tuple(n for n in m.params if numel[n] > persistence_threshold) for m in spec.modules]
     forward = list(range(len(spec.modules)))
-    backward = [i for i, _ in _backward_order(spec, checkpointing, [bool(p) for p in module_params])]
+    backward = [i for i, _ in _backward_order(spec, checkpointing, fetching_modules(spec, persistence_threshold))]
     trace = [module_params[i] for i in forward + backward if module_params[i]]
     return trace, sum(1 for i in forward if module_params[i]), numel
 
@@ -135,8 +146,7 @@ def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
     those of the modules without parameters before it (ModuleSize.hooked_before) and of the
     modules it dropped as all persistent. Every call prefetches, whatever it fetches itself
     (partitioned_param_coordinator._fetch_sub_module_impl)."""
-    numel = {p.name: p.numel for p in spec.params}
-    fetches = [any(numel[n] > persistence_threshold for n in m.params) for m in spec.modules]
+    fetches = fetching_modules(spec, persistence_threshold)
     order = list(range(len(spec.modules))) + [i for i, _ in _backward_order(spec, checkpointing, fetches)]
     calls, pending = [], 0
     for i in order:
@@ -151,17 +161,9 @@ def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: 
     """zero3_trace's entries as the trainable gradient elements each produces: a module's
     backward produces its own (persistent ones too), a forward or a block's recompute none."""
     trainable = {p.name: p.numel for p in spec.params if p.trainable}
-    numel = {p.name: p.numel for p in spec.params}
-    kept = [any(numel[n] > persistence_threshold for n in m.params) for m in spec.modules]
-    trace, n_forward, _ = zero3_trace(spec, checkpointing, persistence_threshold)
-    grads = [0] * n_forward + [0 if recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
-                               for i, recompute in _backward_order(spec, checkpointing, kept) if kept[i]]
-    assert len(grads) == len(trace)
-    return grads
-
-
-DEEPSPEED_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance's default, as max_live_parameters'
-NVME_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default: parameter elements kept in CPU memory
+    fetches = fetching_modules(spec, persistence_threshold)
+    return [0] * sum(fetches) + [0 if recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
+                                 for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
 
 
 @functools.lru_cache(maxsize=64)
