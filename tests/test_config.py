@@ -63,6 +63,20 @@ def test_bad_type(tmp_path):
         validate(raw)
 
 
+def test_data_paths_that_name_no_file_and_values_of_neither_type_are_said_once(tmp_path):
+    """An empty data.path read nothing and failed later as "0 sequences, fewer than one micro
+    batch"; a value that is neither of a field's types was said once per type pydantic tried."""
+    with pytest.raises(ConfigError, match=r"data.path \[\] names no file: .* or drop the key for the bundled demo"):
+        validate(tiny_config(tmp_path, data={"path": []}))
+    with pytest.raises(ConfigError, match=r"data.eval_path \['a.jsonl', ''\] names no file: .*data.eval_fraction"):
+        validate(tiny_config(tmp_path, data={"eval_path": ["a.jsonl", ""]}))
+    with pytest.raises(ConfigError) as refused:
+        validate(tiny_config(tmp_path, data={"path": None}))
+    assert str(refused.value) == "invalid config: data.path=None: should be a valid string or a valid list"
+    with pytest.raises(ConfigError, match=r"^invalid config: data.columns.prompt=3: Input should be a valid string$"):
+        validate(tiny_config(tmp_path, data={"columns": {"prompt": 3}}))
+
+
 def test_cross_field_rules(tmp_path):
     with pytest.raises(ConfigError, match="NVMe offload needs zero.nvme_path"):
         validate(tiny_config(tmp_path, zero={"offload_optimizer": "nvme"}))

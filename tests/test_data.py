@@ -128,6 +128,31 @@ def test_a_chat_template_that_raises_is_a_bad_row_named_by_its_own_field(tmp_pat
         data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
 
 
+@pytest.mark.parametrize("row, field_name", [
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                   {"role": "assistant", "content": "a"}]}, r"messages"),
+    ({"system": "s", "conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]},
+     r"conversations"),
+    ({"system": "s", "instruction": "u", "output": "a"}, r"instruction/output as a conversation"),
+], ids=["messages", "sharegpt", "alpaca"])
+def test_a_chat_template_that_leaves_the_system_turn_out_is_a_bad_row(tmp_path, tokenizer, row, field_name):
+    """A template that renders only user and assistant turns trained every row without its
+    system prompt, without a word; rows without one still train."""
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: {{ m.content }}\n"
+                               "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(DataError, match=rf"line 1: field `{field_name}.*`: the tokenizer's chat template leaves a "
+                                        r"system turn out .* use a template that renders it \(model.chat_template\)"):
+        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+    no_system = {key: value[1:] if key == "messages" else value for key, value in row.items() if key != "system"}
+    ids, labels = tokenizing.tokenize_row(no_system, tokenizing.row_format(no_system), tokenizer)
+    assert tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE]).startswith("a")
+    # the same rows under a template that writes the system turn train with it
+    tokenizer.chat_template = tokenizer.chat_template.replace("{% if m.role != 'system' %}", "{% if true %}")
+    ids, _ = tokenizing.tokenize_row(row, tokenizing.row_format(row), tokenizer)
+    assert tokenizer.decode(ids).startswith("system: s\nuser: u")
+
+
 def test_messages_without_chat_template(tokenizer):
     tokenizer.chat_template = None
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
@@ -565,6 +590,10 @@ def test_rows_whose_answer_lies_beyond_seq_len_are_counted_and_the_advice_is_to_
         data.Batches(seqs, 4, 0, 1, seed=0)
     packed = data.build_sequences([path], DataConfig(path=str(path), truncation="head"), tokenizer, 128)
     assert "packed rows of 128 tokens holding no answer token" in packed.dropped_note(128)
+    # every example dropped: the data line still says how they would have been laid out
+    long_only = write_jsonl(tmp_path / "long.jsonl", rows[:6])
+    none_left = data.build_sequences([long_only], DataConfig(path=str(long_only), truncation="head"), tokenizer, 128)
+    assert len(none_left) == 0 and none_left.layout_note() == "examples packed whole"
 
 
 def test_a_long_prompt_is_cut_and_its_answer_kept_as_llama_factory_cuts(tmp_path, tokenizer):
@@ -834,6 +863,12 @@ def test_a_mapped_conversation_column_keeps_tool_calls_system_and_tools(tmp_path
     with pytest.raises(DataError, match=r"o\.jsonl has no conversations column for data\.format sharegpt; its "
                                         r"columns are chat, tools: set data\.format: auto"):
         tokenizing.read_examples([path], DataConfig(path="x", format="sharegpt"), tokenizer)
+    # ... as the file names them, where data.columns renamed some (they were said by the fields' names)
+    renamed = write_jsonl(tmp_path / "q.jsonl", [{"q": "hi", "a": "ho"}])
+    with pytest.raises(DataError, match=r"q\.jsonl has no conversations column for data\.format sharegpt; its "
+                                        r"columns are a, q: set data\.format: auto"):
+        tokenizing.read_examples([renamed], DataConfig(path="x", format="sharegpt",
+                                                       columns={"prompt": "q", "response": "a"}), tokenizer)
 
 
 def test_tool_calls_are_learned_through_the_chat_template(tmp_path, tokenizer):
@@ -964,6 +999,10 @@ def test_rows_of_several_formats_in_one_file(tmp_path, tokenizer):
     ("none.json", b"[]", r"none.json holds no rows \(an empty list\)"),
     ("cut.json", b'[{"text": "a"},\n {"text": "b"', r"cut.json, line 2, column \d+: not valid JSON"),
     ("latin1.jsonl", '{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"), r"latin1.jsonl, line 2: not UTF-8 text"),
+    ("wide.jsonl", '{"text": "ok"}\n'.encode("utf-16"), r"wide.jsonl is UTF-16 text .* `iconv -f utf-16 -t utf-8`"),
+    # pyarrow reads a `null` line as a row of empty fields, which was said as "field `text`: missing"
+    ("null.jsonl", b'{"text": "ok"}\nnull\n{"text": "ok"}\n', r"null.jsonl, line 2: a row must be a JSON object, "
+                                                                r"got null; fix or delete the line"),
 ])
 def test_files_that_hold_no_rows_or_no_text_are_named(tmp_path, tokenizer, name, content, message):
     path = tmp_path / name

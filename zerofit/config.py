@@ -251,6 +251,17 @@ class DataConfig(Section):
     synthetic_samples: int = Field(4096, ge=1)
     """Number of random-token sequences when path is `synthetic`."""
 
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _names_files(cls, value: str | list[str] | None, info) -> str | list[str] | None:
+        """An empty list or name reads nothing: said here, not as a run of 0 sequences."""
+        if value is not None and (not value or any(not entry for entry in value if isinstance(value, list))):
+            unset = "drop the key for the bundled demo data" if info.field_name == "path" else \
+                "drop the key to hold rows of data.path out (data.eval_fraction)"
+            raise ValueError(f"data.{info.field_name} {value!r} names no file: give the files or directories to "
+                             f"read, or {unset}")
+        return value
+
     @field_validator("columns")
     @classmethod
     def _known_columns(cls, columns: dict[str, str | None]) -> dict[str, str | None]:

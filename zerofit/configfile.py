@@ -8,7 +8,8 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -130,10 +131,12 @@ MISSING_HINTS = {"train": " (how long to train: train.max_steps or train.epochs)
 
 
 def _explain(error: ValidationError, raw: dict) -> str:
-    lines = []
+    lines, branches = [], {}
     for item in error.errors():
         loc = ".".join(str(p) for p in item["loc"])
-        if item["type"] == "extra_forbidden":
+        if _union_branch(item["loc"]):  # pydantic says each of `str | list[str]`'s failures on its own
+            branches.setdefault(loc.rsplit(".", 1)[0], (item.get("input"), []))[1].append(item["msg"])
+        elif item["type"] == "extra_forbidden":
             lines.append(_unknown_key(item["loc"]))
         elif item["type"] == "missing":
             lines.append(f"{loc}: required but missing" + MISSING_HINTS.get(loc, ""))
@@ -144,7 +147,18 @@ def _explain(error: ValidationError, raw: dict) -> str:
             if isinstance(value, bool) and not item["type"].startswith("bool"):
                 msg += " (YAML reads an unquoted yes, no, on or off as true or false: write the value itself)"
             lines.append(f"{loc}{shown}: {msg}")
+    for loc, (value, messages) in branches.items():
+        lines.append(f"{loc}={value!r}: should be " + " or ".join(m.removeprefix("Input should be ") for m in messages))
     return "invalid config: " + "; ".join(lines)
+
+
+def _union_branch(loc: tuple) -> bool:
+    """Whether `loc` is a section's field (one of several types) and the type tried last."""
+    if len(loc) != 3 or loc[0] not in Config.model_fields:
+        return False
+    section = Config.model_fields[loc[0]].annotation
+    field = section.model_fields.get(loc[1]) if isinstance(section, type) and issubclass(section, BaseModel) else None
+    return field is not None and get_origin(field.annotation) in (Union, UnionType)
 
 
 def _unknown_key(loc: tuple) -> str:

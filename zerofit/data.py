@@ -70,11 +70,11 @@ class Sequences:
 
     def layout_note(self) -> str:
         """How the examples fill the rows, for the data line: `packed whole (3.1% padding)`."""
-        if self.lengths is None or not len(self):
-            return {"concatenated": "examples concatenated into rows",
-                    "synthetic": "random tokens, every one learned"}.get(self.layout, "")
-        padding = 1 - self.lengths.sum() / self.input_ids.size
-        return f"{'examples packed whole' if self.layout == 'whole' else 'one example per row'} ({padding:.1%} padding)"
+        said = {"concatenated": "examples concatenated into rows", "synthetic": "random tokens, every one learned",
+                "whole": "examples packed whole", "padded": "one example per row"}[self.layout]
+        if self.lengths is None or not len(self):  # no rows (every one dropped): no padding share
+            return said
+        return f"{said} ({1 - self.lengths.sum() / self.input_ids.size:.1%} padding)"
 
     def __len__(self) -> int:
         return len(self.input_ids)

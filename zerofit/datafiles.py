@@ -126,8 +126,7 @@ def read_rows(file: Path, skip_bad_lines: bool = False, limit: int | None = None
     datasets.disable_progress_bars()
     if file.is_dir():
         return first_rows(saved_dataset(file), limit), None, []
-    if file.suffix != ".parquet":
-        check_text(file)
+    null_line = file.suffix != ".parquet" and check_text(file)
     # its "Failed to load JSON ... in row N" (rows counted its own way) would precede our line number
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     try:
@@ -138,7 +137,7 @@ def read_rows(file: Path, skip_bad_lines: bool = False, limit: int | None = None
         else:
             raise DataError(json_array_problem(file) or f"{file}: cannot be read as {SUFFIXES[file.suffix]} "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix the file") from None
-    if not isinstance(rows, JsonRows) and file.suffix != ".parquet" and decodes_json_text(rows.features):
+    if not isinstance(rows, JsonRows) and file.suffix != ".parquet" and (null_line or decodes_json_text(rows.features)):
         rows, numbers, bad = as_written(file, skip_bad_lines, limit)
     if len(rows) == 0 and not bad:
         raise DataError(f"{file} holds no rows; add data or leave the file out of data.path")
@@ -237,23 +236,32 @@ def saved_dataset(directory: Path):
     return loaded
 
 
-def check_text(file: Path) -> None:
+def check_text(file: Path) -> bool:
     """A json/jsonl file must be UTF-8 and hold something: pyarrow raises a bare
-    UnicodeDecodeError mid-iteration, and an empty file reads as `columns []`."""
+    UnicodeDecodeError mid-iteration, and an empty file reads as `columns []`. Whether a line
+    is only `null`, which pyarrow reads as a row of empty fields (said as a missing field)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    line, blank = 1, True
+    line, blank, null_line = 1, True, False
     with file.open("rb") as chunks:
         while chunk := chunks.read(1 << 24):
+            if line == 1 and chunk.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                raise DataError(f"{file} is UTF-16 text (it opens with UTF-16's byte-order mark); save it as "
+                                f"UTF-8, e.g. `iconv -f utf-16 -t utf-8`")
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:  # e.start counts from this chunk (a cut character's first bytes aside)
                 line += chunk[:e.start].count(b"\n")
                 raise DataError(f"{file}, line {line}: not UTF-8 text (byte 0x{chunk[e.start]:02x}); save the file "
-                                f"as UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+                                f"as UTF-8, e.g. `iconv -f latin1 -t utf-8` where it was written as latin1") from None
             line += chunk.count(b"\n")
             blank = blank and not chunk.strip()
+            null_line = null_line or NULL_LINE.search(chunk) is not None
     if blank:
         raise DataError(f"{file} is empty; add data or leave the file out of data.path")
+    return null_line
+
+
+NULL_LINE = re.compile(rb"(?m)^[ \t]*null[ \t]*\r?$")
 
 
 def json_array_problem(file: Path) -> str | None:
@@ -275,9 +283,14 @@ def json_array_problem(file: Path) -> str | None:
         return f"{file} holds no rows (an empty list); add data or leave the file out of data.path"
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict):
-            return (f"{file}, row {number}: a row must be a JSON object, got {type(row).__name__}; fix or delete "
+            return (f"{file}, row {number}: a row must be a JSON object, got {kind_of(row)}; fix or delete "
                     f"the row")
     return None
+
+
+def kind_of(row) -> str:
+    """A JSON value's kind as the messages name them: `null` a line of its own, else the type read."""
+    return "null" if row is None else type(row).__name__
 
 
 class JsonRows(list):
@@ -301,7 +314,7 @@ def _json_lines(file: Path, skip_bad_lines: bool, limit: int | None = None) -> t
                 break
             try:
                 row = json.loads(line.rstrip("\r\n"))  # else a cut line is "wrong" past its end
-                why = None if isinstance(row, dict) else f"a row must be a JSON object, got {type(row).__name__}"
+                why = None if isinstance(row, dict) else f"a row must be a JSON object, got {kind_of(row)}"
             except json.JSONDecodeError as e:
                 why = f"not valid JSON ({e.msg}, column {e.colno})"
             if why is None:

@@ -274,6 +274,11 @@ def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: lis
         if messages[0]["role"] == "assistant":  # nothing prompts it, and templates add their default system prompt
             raise RowError("messages", "the conversation opens with an assistant turn; start it with a user (or "
                                        "system) turn, or drop the opening assistant turn")
+        if messages[0]["role"] == "system" and messages[0]["content"] and not renders_system(tokenizer):
+            raise RowError("messages", "the tokenizer's chat template leaves a system turn out (its text is not in "
+                                       "what it renders), so this row would train without its system prompt; use a "
+                                       "template that renders it (model.chat_template), or drop the system turn "
+                                       "(a `system` column: data.columns {system: null})")
         try:
             ids, labels = _chat_template_spans(messages, tokenizer, tools)
         except RowError:
@@ -297,6 +302,24 @@ def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: lis
         ids += head + body
         labels += [IGNORE] * len(head) + (body if learn else [IGNORE] * len(body))
     return ids, labels
+
+
+SYSTEM_PROBE = "zerofit probe system prompt"
+_renders_system: dict[str, bool] = {}  # per chat template's text: a tokenizing worker forked with it knows too
+
+
+def renders_system(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes an opening system turn's text (Gemma's folds it
+    into the first user turn; one that refuses it raises on each row, said as its refusal)."""
+    template = tokenizer.chat_template
+    if template not in _renders_system:
+        probe = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": "hello"}]
+        try:
+            _renders_system[template] = SYSTEM_PROBE in tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template is code; what it raises here it raises on the row too
+            _renders_system[template] = True
+    return _renders_system[template]
 
 
 def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
@@ -449,13 +472,16 @@ def stop_problem(tokenizer, formats: tuple[str, ...], generation_eos: set[int] =
             f"set the tokenizer's eos_token to it")
 
 
-def check_format_fields(rows, fmt: str, file: Path) -> None:
-    """A file read in data.format `fmt` holds that format's columns: named with the file's columns,
-    not row by row (`sharegpt` over OpenAI-style `messages` said every row lacked `conversations`)."""
+def check_format_fields(rows, fmt: str, file: Path, renames: dict[str, str]) -> None:
+    """A file read in data.format `fmt` holds that format's columns: named with the file's columns
+    (as the file names them, before with_columns' `renames`), not row by row (`sharegpt` over
+    OpenAI-style `messages` said every row lacked `conversations`)."""
     missing = [name for name in FORMAT_FIELDS.get(fmt, ()) if name not in rows.column_names]
     if missing:
+        column_of = {field: column for column, field in renames.items()}
+        own = sorted(column_of.get(name, name) for name in rows.column_names)
         raise DataError(f"{file} has no {', '.join(missing)} column for data.format {fmt}; its columns are "
-                        f"{', '.join(sorted(rows.column_names))}: set data.format: auto (each row's format told by "
+                        f"{', '.join(own)}: set data.format: auto (each row's format told by "
                         f"its fields), or name the column with data.columns")
 
 
@@ -542,7 +568,7 @@ def file_examples(rows, line_numbers, file: Path, cfg: DataConfig, tokenizer, sh
     read, the columns left out (with_columns). A long file shows its progress (`shown`)."""
     examples, bad, formats = [], [], {}
     rows, renames, unread = with_columns(rows, cfg.columns, file, cfg.format)
-    check_format_fields(rows, cfg.format, file)
+    check_format_fields(rows, cfg.format, file, renames)
     found, usual = row_formats(rows, file) if cfg.format == "auto" else ([cfg.format] * len(rows), cfg.format)
     row_formats_read = [fmt or usual for fmt in found]
 
