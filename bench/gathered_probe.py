@@ -4,8 +4,9 @@ The planner replays ZeRO-3's parameter coordinator over the model's module trace
 (zerofit/zerostates.gathered_numel) to say how many parameter elements are gathered on the
 GPU at each moment of a step. This runs a real `zerofit train` (planner_accuracy.py's cell
 configuration) with DeepSpeed's PartitionedParameterCoordinator wrapped: after every
-fetch_sub_module and release_sub_module of a module holding parameters it records the
-elements of every parameter not NOT_AVAILABLE, per step (reset_step). Written to
+fetch_sub_module and release_sub_module of every hooked module (parameterless ones too: each
+fetch call prefetches) it records the elements of every parameter not NOT_AVAILABLE, per step
+(reset_step). Written to
 gathered_probe-<model>-<mode>-s<seq>.json with the replay's numbers for the same trace, so a
 divergence shows at the module where it starts.
 
@@ -56,10 +57,9 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
                 model = built["model"]
                 built["params"] = list(model.parameters())
                 built["names"] = {id(m): n for n, m in model.named_modules()}
-            if any(True for _ in module.parameters(recurse=False)):
-                forward = args[0] if args else kwargs.get("forward", False)
-                steps_seen[-1].append([name.split("_")[0], bool(forward), built["names"].get(id(module), "?"),
-                                       gathered()])
+            forward = args[0] if args else kwargs.get("forward", False)  # every hooked module: each call prefetches
+            steps_seen[-1].append([name.split("_")[0], bool(forward), built["names"].get(id(module), "?"),
+                                   gathered()])
             return result
         setattr(coordinator, name, wrapped)
 
@@ -82,18 +82,19 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
 def replay(model_name: str, mode: str, seq_len: int, work: Path) -> dict:
     """The planner's replay for the candidate the run chose (read back from plan.json)."""
     from zerofit import modelspec, zerostates
-    from zerofit.activations import replayed_reuse_distance
-    from zerofit.planner import Candidate
+    from zerofit.activations import nvme_parameters
+    from zerofit.planner import Candidate, Shape
 
     plan = json.loads((work / "run" / "plan.json").read_text())
     cand = Candidate(**plan["candidate"])
     spec = modelspec.from_name(model_name)
+    nvme = nvme_parameters(spec, Shape(seq_len=seq_len, micro_batch=1, world_size=1), cand)
     trace, n_forward, numel = zerostates.zero3_trace(spec, True, cand.param_persistence_threshold)
     result = zerostates.gathered_numel(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
-                                       replayed_reuse_distance(spec, cand), cand.param_persistence_threshold,
-                                       cand.reduce_bucket_size)
+                                       cand.max_reuse_distance, cand.param_persistence_threshold,
+                                       cand.reduce_bucket_size, nvme)
     return {"candidate": plan["candidate"], "trace": [list(t) for t in trace], "n_forward": n_forward,
-            "gathered": result._asdict()}
+            "nvme": sorted(nvme), "gathered": result._asdict()}
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 against what DeepSpeed really keeps gathered: bench/gathered_probe.py wraps the
 coordinator's fetch and release calls in a real `zerofit train` and records the parameter
 elements gathered after each."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,19 +11,33 @@ from pathlib import Path
 
 import pytest
 
-from zerofit import modelspec, zerostates
-from zerofit.activations import replayed_reuse_distance, swaps_parameters
-from zerofit.planner import Candidate
+from zerofit import hookorder, modelspec, zerostates
+from zerofit.activations import nvme_parameters
+from zerofit.planner import Candidate, Shape
 
 ROOT = Path(__file__).parents[1]
 
 
-def replayed(record: dict) -> tuple[modelspec.ModelSpec, Candidate, list[int], list[int]]:
+def as_events(record: dict) -> tuple[tuple[str, str], ...]:
+    """The probe's fetch calls as hookorder's events: the coordinator's `forward` flag is set in
+    a block's recompute too, which comes after the forward's lm_head."""
+    step = record["steps"][-1]
+    forward_end = max(i for i, e in enumerate(step) if e[0] == "fetch" and e[1] and e[2] == "lm_head")
+    return tuple(("backward" if not forward else "recompute" if i > forward_end else "forward", name)
+                 for i, (kind, forward, name, _) in enumerate(step) if kind == "fetch")
+
+
+def replayed(record: dict, events=None) -> tuple[modelspec.ModelSpec, Candidate, list[int], list[int]]:
+    """The replay of the record's run: with DeepSpeed's own hook order where `events` is given
+    (a GPU machine's transformers may order them otherwise than this one's), else hookorder's."""
     cand = Candidate(**record["replay"]["candidate"])
     spec = modelspec.from_name(record["model"])
+    if events is not None:
+        spec = dataclasses.replace(spec, hook_events=events)
+    nvme = nvme_parameters(spec, Shape(seq_len=record["seq_len"], micro_batch=1), cand)
     lives, after_release = zerostates.gathered_timeline(
-        spec, True, cand.prefetch_bucket_size, cand.max_live_parameters, replayed_reuse_distance(spec, cand),
-        cand.param_persistence_threshold, not swaps_parameters(spec, cand))
+        spec, True, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
+        cand.param_persistence_threshold, nvme)
     return spec, cand, lives, after_release
 
 
@@ -35,9 +50,9 @@ def fetches(record: dict, spec: modelspec.ModelSpec, cand: Candidate) -> list[li
 
 def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
     """A real run on the CPU accelerator, the tiny preset with a live window of 20,000
-    elements and a 5,000-element prefetch bucket: after every one of the step's 46 fetches
-    the replay has as many elements gathered as DeepSpeed, the recompute of each block after
-    its last module's backward fetch included."""
+    elements and a 5,000-element prefetch bucket: hookorder's run of the model gives the hook
+    calls DeepSpeed makes, call by call, and after every one of the step's 46 fetches the replay
+    has as many elements gathered as DeepSpeed, the recompute of each block included."""
     env = dict(os.environ, OUT=str(tmp_path), TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
     subprocess.run([sys.executable, str(ROOT / "bench" / "gathered_probe.py"), "--model", "tiny",
                     "--mode", "optimizer_param_cpu", "--seq-len", "64", "--steps", "3",
@@ -46,8 +61,9 @@ def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
     record = json.loads(next(tmp_path.glob("gathered_probe-tiny-*.json")).read_text())
     spec, cand, lives, _ = replayed(record)
     assert (cand.max_live_parameters, cand.prefetch_bucket_size, cand.max_reuse_distance) == (20000, 5000, 0)
+    assert spec.hook_events == as_events(record)  # 87 calls, parameterless modules' too
     measured = fetches(record, spec, cand)
-    assert [e[2] for e in measured] == [m for m in replay_names(spec, cand)]
+    assert [e[2] for e in measured] == replay_names(spec, cand)
     assert [e[3] for e in measured] == lives
     assert max(lives) < sum(p.numel for p in spec.params)  # the window bounds it: not everything gathered
 
@@ -58,22 +74,74 @@ def replay_names(spec: modelspec.ModelSpec, cand: Candidate) -> list[str]:
     return [spec.modules[i].name for i in order if fetching[i]]
 
 
-@pytest.mark.parametrize("model", ["llama-0.5b", "llama-1.5b"])
-def test_replay_meets_deepspeed_at_the_moments_the_planner_prices(model):
-    """bench/results/gathered_probe-<model>-optimizer_param_cpu-s512.json (one H200): the most
-    gathered in forward and in backward, and what stays once lm_head's backward released it,
-    equal DeepSpeed's to the element. For llama-1.5b the forward's prefetch window reaches
-    max_live_parameters (1e9) because every hooked module's fetch prefetches, parameterless
-    containers too: replaying one prefetch per fetching module had 0.84e9 and 1.11e9, and the
-    plan was 7.8% under the measured GPU peak."""
-    record = json.loads((ROOT / f"bench/results/gathered_probe-{model}-optimizer_param_cpu-s512.json").read_text())
-    spec, cand, lives, after_release = replayed(record)
+@pytest.mark.parametrize("name", ["llama-0.5b-optimizer_param_cpu", "llama-1.5b-optimizer_param_cpu",
+                                  "tinyllama-1.1b-param_nvme"])
+def test_replay_equals_deepspeed_after_every_fetch_on_the_gpu(name):
+    """bench/results/gathered_probe-<name>-s512.json (one H200, DeepSpeed's coordinator wrapped
+    in a real `zerofit train`): given DeepSpeed's hook order, the replay has DeepSpeed's gathered
+    elements after each of the step's 340 (466) fetches, and after lm_head's release. llama-1.5b's
+    forward window reaches max_live_parameters (every hooked module's call prefetches). tinyllama-
+    1.1b's parameters are over offload_param.max_in_cpu: its last layer and lm_head stay on NVMe,
+    the prefetch stops at each until a swap buffer reads it, and its plan was 5% under."""
+    record = json.loads((ROOT / f"bench/results/gathered_probe-{name}-s512.json").read_text())
+    spec, cand, lives, after_release = replayed(record, as_events(record))
     measured = fetches(record, spec, cand)
     assert [e[2] for e in measured] == replay_names(spec, cand)
+    assert [e[3] for e in measured] == lives
     head = [t for t, e in enumerate(measured) if e[2] == "lm_head"]
     released = [e for e in record["steps"][-1] if e[0] == "release" and e[2] == "lm_head"][-1][3]
-    assert max(e[3] for e in measured[:head[0] + 1]) == max(lives[:head[0] + 1])
-    assert max(e[3] for e in measured[head[1]:]) == max(lives[head[1]:])
     assert released == after_release[head[1]]
-    if model == "llama-1.5b":
+    if name.startswith("llama-1.5b"):
         assert max(lives[:head[0] + 1]) >= cand.max_live_parameters
+    if name.startswith("tinyllama"):
+        assert sorted(record["replay"]["nvme"]) == sorted(nvme_parameters(spec, Shape(512, 1), cand))
+        assert {n.split(".")[2] for n in record["replay"]["nvme"] if n.startswith("model.layers.")} == {"21"}
+
+
+def test_nvme_residency_follows_the_optimizers_cpu_flat_buffers():
+    """offload_param nvme keeps in host RAM the sub groups that fit max_in_cpu (1e9 elements),
+    group by group (decay first), and leaves the rest, and a frozen base, on NVMe; partitions
+    under max(1 MiB, aio.block_size) are never swapped."""
+    small = modelspec.from_name("llama-0.5b")
+    assert zerostates.nvme_resident(small, 1, 100_000_000, 2**20, 2) == frozenset()  # all fit
+    big = modelspec.from_name("tinyllama-1.1b")  # 1.1e9 elements in its decay group
+    resident = zerostates.nvme_resident(big, 1, 100_000_000, 2**20, 2)
+    assert "lm_head.weight" in resident and "model.layers.21.mlp.down_proj.weight" in resident
+    assert not any(n.startswith(("model.layers.19.", "model.embed_tokens")) for n in resident)
+    held = sum(p.numel for p in big.params if p.trainable and p.ndim >= 2 and p.name not in resident)
+    assert held <= zerostates.PARAM_MAX_IN_CPU
+    assert zerostates.nvme_resident(big, 1, 100_000_000, 64 * 2**20, 2) == frozenset(
+        n for n in resident if 2 * next(p.numel for p in big.params if p.name == n) >= 64 * 2**20)
+    frozen = dataclasses.replace(small, params=tuple(dataclasses.replace(p, trainable=False) for p in small.params))
+    assert zerostates.nvme_resident(frozen, 1, 100_000_000, 2**20, 2) == frozenset(
+        p.name for p in small.params if 2 * p.numel >= 2**20)
+
+
+def test_hook_order_is_taken_from_a_narrowed_run_of_the_architecture():
+    """The calls between two fetches come from the model's own execution order, not its module
+    tree: Llama's rotary embedding runs before the first layer and has no backward, act_fn runs
+    between gate_proj and up_proj, the norms before the projections they feed; each block's
+    recompute runs in the backward. Where the run's fetch order is not the trace's (an
+    architecture that registers its modules in another order than it runs them) or no run is
+    possible, the calls are counted by the module tree."""
+    spec = modelspec.from_name("llama-0.5b")
+    forward = [name for kind, name in spec.hook_events if kind == "forward"]
+    backward = [name for kind, name in spec.hook_events if kind == "backward"]
+    recompute = [name for kind, name in spec.hook_events if kind == "recompute"]
+    assert forward.index("model.rotary_emb") < forward.index("model.layers.0") and "model.rotary_emb" not in backward
+    mlp = [n.rsplit(".", 1)[1] for n in forward if n.startswith("model.layers.3.mlp.")]
+    assert mlp == ["gate_proj", "act_fn", "up_proj", "down_proj"]
+    assert len(recompute) == 16 * len([n for n in forward if n.startswith("model.layers.3.")])
+    tree = dataclasses.replace(spec, hook_events=None)
+    assert sum(zerostates.fetch_calls(spec, True, 20480)) == len(spec.hook_events)
+    assert zerostates.fetch_calls(tree, True, 20480) != zerostates.fetch_calls(spec, True, 20480)
+    no_recompute = [kind for kind, _ in spec.hook_events if kind != "recompute"]
+    assert sum(zerostates.fetch_calls(spec, False, 20480)) == len(no_recompute)
+
+    from transformers import AutoConfig
+
+    assert hookorder.hook_events(AutoConfig.for_model("llama", num_hidden_layers=2, hidden_act="no-such-act")) is None
+    olmo2 = modelspec.from_hf_config(AutoConfig.for_model("olmo2", num_hidden_layers=2))  # norms after the projections
+    assert olmo2.hook_events is not None
+    assert zerostates.fetch_calls(olmo2, True, 0) == zerostates.fetch_calls(
+        dataclasses.replace(olmo2, hook_events=None), True, 0)

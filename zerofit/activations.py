@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from zerofit import loss
 from zerofit.modelspec import ModelSpec
-from zerofit.zerostates import (DEEPSPEED_LIVE_WINDOW, NVME_MAX_IN_CPU, Gathered, gathered_numel,
-                                optimizer_step_device, partition_numel)
+from zerofit.swaplayout import Aio, min_swap_bytes
+from zerofit.zerostates import Gathered, gathered_numel, nvme_resident, optimizer_step_device, partition_numel
 
 if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape
@@ -118,29 +118,15 @@ def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
     return after, before, inside
 
 
-def replayed_reuse_distance(spec: ModelSpec, cand: Candidate) -> int:
-    """The reuse distance DeepSpeed behaves by. Parameters on NVMe that all fit offload_param's
-    max_in_cpu are never swapped and, measured, are kept as at the default distance whatever
-    the one set: llama-0.5b at 0 had the same peaks to the MiB as on CPU at 1e9, in forward and
-    backward, while tinyllama-1.1b, over max_in_cpu, had those of its replay at 0
-    (bench/results/planner_accuracy-s512-6steps.json, planner_accuracy-trace-llama-0.5b-s512-
-    param_nvme.json, planner_accuracy-trace-tinyllama-1.1b-s2048.json). The coordinator's prefetch
-    scan stops at a parameter still on NVMe (partitioned_param_coordinator._is_currently_on_nvme)
-    and, where none is, passes gathered ones, which it then keeps until that use ("reuse skipped
-    by prefetch", __params_to_release)."""
-    if (cand.offload_param == "nvme" and spec.total_params <= NVME_MAX_IN_CPU
-            and cand.max_live_parameters >= DEEPSPEED_LIVE_WINDOW[0]):
-        return max(cand.max_reuse_distance, DEEPSPEED_LIVE_WINDOW[1])
-    return cand.max_reuse_distance
-
-
-def swaps_parameters(spec: ModelSpec, cand: Candidate) -> bool:
-    """Parameters on NVMe beyond offload_param.max_in_cpu: swapped in and out during the step.
-    The coordinator's prefetch scan stops at one still on NVMe (_is_currently_on_nvme), so the
-    replay prefetches once per fetching module, not at every hooked module: measured, that
-    holds tinyllama-1.1b's NVMe run to the MiB (bench/results/planner_accuracy-trace-
-    tinyllama-1.1b-s2048.json) where prefetching at every hook puts it 24% over."""
-    return cand.offload_param == "nvme" and spec.total_params > NVME_MAX_IN_CPU
+def nvme_parameters(spec: ModelSpec, shape: Shape, cand: Candidate) -> frozenset[str]:
+    """The parameters the coordinator reads from NVMe for each use (zerostates.nvme_resident);
+    none unless offload_param is nvme. llama-0.5b's all fit max_in_cpu and it behaves as on
+    the CPU, its peaks the CPU run's to the MiB (bench/results/planner_accuracy-trace-llama-
+    0.5b-s512-param_nvme.json); tinyllama-1.1b's last sub groups stay there."""
+    if cand.offload_param != "nvme":
+        return frozenset()
+    return nvme_resident(spec, shape.world_size, cand.sub_group_size,
+                         min_swap_bytes(Aio(block_size=cand.aio_block_size)), shape.element_bytes)
 
 
 def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_numel: int, saved_at_head: int,
@@ -206,8 +192,8 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
         # Offloaded partitions are copied to the GPU one parameter at a time
         # (_no_gather_coalesced); with W > 1 the all-gather fills new flat buffers.
         gathered = Gathered(*(a * n for n in gathered_numel(
-            spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, replayed_reuse_distance(spec, cand),
-            cand.param_persistence_threshold, cand.reduce_bucket_size, not swaps_parameters(spec, cand))))
+            spec, ckpt, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
+            cand.param_persistence_threshold, cand.reduce_bucket_size, nvme_parameters(spec, shape, cand))))
     # Weight gradients exist only for trainable parameters (a LoRA base has none).
     head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
     bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)

@@ -59,6 +59,8 @@ class ModelSpec:
     adapter_rank_per_layer: int = 0     # LoRA: sum of their ranks
     adapter_dropout: bool = False       # LoRA dropout > 0: each adapter keeps its own dropped input
     experts: int = 0                    # a mixture of experts' routed experts per layer (0: a dense MLP)
+    # ZeRO-3's hook calls of one checkpointed step in order (hookorder), None where not taken
+    hook_events: tuple[tuple[str, str], ...] | None = None
 
     @property
     def trainable_params(self) -> int:
@@ -84,7 +86,7 @@ class ModelSpec:
 
     def summary(self) -> dict:
         """The JSON a plan carries (the per-parameter list is left out)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("params", "modules")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("params", "modules", "hook_events")}
         out["trainable_params"] = self.trainable_params
         largest = self.largest_module
         out["largest_module"] = {"name": largest.name, "numel": largest.numel}
@@ -118,7 +120,7 @@ def from_config(config: Config) -> ModelSpec:
     with torch.device("meta"), _zero3_off(), quiet_peft():
         model = AutoModelForCausalLM.from_config(hf, trust_remote_code=config.model.trust_remote_code)
         model = peft.get_peft_model(model, peft_config, autocast_adapter_dtype=False)
-    spec = from_module(model, hf)
+    spec = from_module(model, hf, peft_config)
     adapters = [m for m in spec.modules if m.name.endswith("lora_A.default") and m.layer == 0]
     return replace(spec, adapter_inputs_per_layer=sum(m.numel for m in adapters) // config.lora.r,
                    adapter_rank_per_layer=config.lora.r * len(adapters), adapter_dropout=config.lora.dropout > 0)
@@ -155,8 +157,11 @@ def _zero3_off():
         hf_deepspeed._hf_deepspeed_config_weak_ref = parked
 
 
-def from_module(model, hf_config) -> ModelSpec:
-    """The spec of an instantiated (meta or real) model."""
+def from_module(model, hf_config, adapter=None) -> ModelSpec:
+    """The spec of an instantiated (meta or real) model; `adapter`: the peft LoraConfig it
+    carries (for the order of its hooks)."""
+    from zerofit import hookorder
+
     names: dict[int, str] = {}
     params: list[Param] = []
     modules: list[ModuleSize] = []
@@ -203,6 +208,7 @@ def from_module(model, hf_config) -> ModelSpec:
         lm_head_params=0 if tied or head is None else sum(p.numel() for p in head.parameters()),
         layer_params=max(layer_sizes),
         experts=_first(hf_config, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0,
+        hook_events=hookorder.hook_events(hf_config, adapter),
     )
 
 

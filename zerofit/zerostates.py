@@ -80,6 +80,44 @@ def sub_group_members(spec: ModelSpec, world: int, sub_group_size: int) -> tuple
     return tuple(groups)
 
 
+@functools.lru_cache(maxsize=64)
+def nvme_resident(spec: ModelSpec, world: int, sub_group_size: int, min_swap_bytes: int,
+                  element_bytes: int) -> frozenset[str]:
+    """The parameters whose partitions stay on NVMe under offload_param nvme, read into a swap
+    buffer for each use. zero.Init puts every partition of at least `min_swap_bytes`
+    (max(1 MiB, aio.block_size)) there (partition_parameters.py `_partition_param`); the
+    optimizer then copies whole sub groups, group by group, into CPU flat buffers of
+    offload_param.max_in_cpu elements in all (stage3.py `_create_param_groups_fp16_flat_cpu_
+    memory`, `_move_to_flat_buffer`). The rest, and a frozen base (in no optimizer group),
+    stay on NVMe."""
+    swappable = {p.name for p in spec.params if element_bytes * partition_numel(p.numel, world) >= min_swap_bytes}
+    names = iter(p.name for decay in (True, False) for p in spec.params if p.trainable and (p.ndim >= 2) == decay)
+    resident = {p.name for p in spec.params if not p.trainable} & swappable
+    groups = sub_group_members(spec, world, sub_group_size)
+    held = 0  # elements in the flat buffers of the groups before
+    for group in _per_param_group(spec, groups):
+        in_group = sum(sum(members) for members in group)
+        flat = in_group if held + in_group <= PARAM_MAX_IN_CPU else max(1, PARAM_MAX_IN_CPU - held)
+        held += in_group
+        offset = 0
+        for members in group:
+            offset += sum(members)
+            sub_group = [next(names) for _ in members]
+            if offset > flat:
+                resident.update(name for name in sub_group if name in swappable)
+    return frozenset(resident)
+
+
+def _per_param_group(spec: ModelSpec, groups: tuple[tuple[int, ...], ...]) -> list[list[tuple[int, ...]]]:
+    """sub_group_members' sub groups split back into the two param groups (decay first)."""
+    decay_members = sum(1 for p in spec.params if p.trainable and p.ndim >= 2)
+    split, seen = [[], []], 0
+    for members in groups:
+        split[seen >= decay_members].append(members)
+        seen += len(members)
+    return [group for group in split if group]
+
+
 def sub_groups(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[int, ...]:
     """Element counts of the optimizer sub groups of one rank."""
     return tuple(sum(members) for members in sub_group_members(spec, world, sub_group_size))
@@ -97,7 +135,6 @@ class Gathered(NamedTuple):
 
 # DeepSpeed's defaults for (stage3_max_live_parameters, stage3_max_reuse_distance), elements.
 DEEPSPEED_LIVE_WINDOW = (1_000_000_000, 1_000_000_000)
-NVME_MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default: parameter elements kept in CPU memory
 
 
 def fetching_modules(spec: ModelSpec, persistence_threshold: int) -> list[bool]:
@@ -142,12 +179,29 @@ def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
 
 
 def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
-    """zero3_trace's entries as the fetch_sub_module calls DeepSpeed makes up to each: its own,
-    those of the modules without parameters before it (ModuleSize.hooked_before) and of the
-    modules it dropped as all persistent. Every call prefetches, whatever it fetches itself
-    (partitioned_param_coordinator._fetch_sub_module_impl)."""
+    """zero3_trace's entries as the fetch_sub_module calls DeepSpeed makes up to each: its own
+    and those of the modules that fetch nothing since the one before. Every call prefetches,
+    whatever it fetches itself (partitioned_param_coordinator._fetch_sub_module_impl). Counted
+    from the model's own hook order (spec.hook_events) where it gives the trace's modules in
+    the trace's order; else from the module tree: a module's own call, those of the modules
+    without parameters before it (ModuleSize.hooked_before) and of the modules dropped as all
+    persistent."""
     fetches = fetching_modules(spec, persistence_threshold)
     order = list(range(len(spec.modules))) + [i for i, _ in _backward_order(spec, checkpointing, fetches)]
+    traced = [spec.modules[i].name for i in order if fetches[i]]
+    if spec.hook_events is not None:
+        fetching = {spec.modules[i].name for i in order if fetches[i]}
+        calls, called, pending = [], [], 0
+        for kind, name in spec.hook_events:
+            if kind == "recompute" and not checkpointing:
+                continue
+            pending += 1
+            if name in fetching:
+                calls.append(pending)
+                called.append(name)
+                pending = 0
+        if called == traced:
+            return calls
     calls, pending = [], 0
     for i in order:
         pending += 1 + spec.modules[i].hooked_before
@@ -157,25 +211,47 @@ def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
     return calls
 
 
+def recompute_spans(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> dict[int, int]:
+    """For each checkpointed block, zero3_trace's entry of its first backward fetch (its last
+    module) -> the entry of its recompute's last module. That module's backward runs only once
+    the block is recomputed: its parameters stay gathered through the recompute, and its
+    gradient comes after it (bench/results/gathered_probe-tinyllama-1.1b-param_nvme-s512.json:
+    the bucket's first reduce, at lm_head's norm, had the recompute's parameters gathered)."""
+    fetches = fetching_modules(spec, persistence_threshold)
+    entries = [recompute for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
+    n_forward, spans = sum(fetches), {}
+    for k in range(len(entries) - 1):
+        if not entries[k] and entries[k + 1]:
+            last = k + 1
+            while last + 1 < len(entries) and entries[last + 1]:
+                last += 1
+            spans[n_forward + k] = n_forward + last
+    return spans
+
+
 def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
     """zero3_trace's entries as the trainable gradient elements each produces: a module's
-    backward produces its own (persistent ones too), a forward or a block's recompute none."""
+    backward produces its own (persistent ones too), a forward or a block's recompute none; a
+    block's last module at the end of its recompute (recompute_spans)."""
     trainable = {p.name: p.numel for p in spec.params if p.trainable}
     fetches = fetching_modules(spec, persistence_threshold)
-    return [0] * sum(fetches) + [0 if recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
-                                 for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
+    grads = [0] * sum(fetches) + [0 if recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
+                                  for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
+    for first, last in recompute_spans(spec, checkpointing, persistence_threshold).items():
+        grads[last], grads[first] = grads[first], 0
+    return grads
 
 
 @functools.lru_cache(maxsize=64)
 def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int,
                    reuse_distance: int, persistence_threshold: int, reduce_bucket: int = 0,
-                   prefetch_at_every_hook: bool = True) -> Gathered:
+                   nvme: frozenset[str] = frozenset()) -> Gathered:
     """Gathered parameter elements at the moments of a step (gathered_timeline). The
     backward's gradients fill a bucket of `reduce_bucket` elements, reduced when the next
     would overflow it (stage3.__add_grad_to_ipg_bucket): at_first_flush is what is gathered
     then."""
     lives, after_release = gathered_timeline(spec, checkpointing, prefetch, max_live, reuse_distance,
-                                             persistence_threshold, prefetch_at_every_hook)
+                                             persistence_threshold, nvme)
     if not lives:
         return Gathered(0, 0, 0, 0, 0)
     n_forward = zero3_trace(spec, checkpointing, persistence_threshold)[1]
@@ -186,17 +262,26 @@ def gathered_numel(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live
                     backward=max(lives[n_forward:] or [0]), at_end=lives[-1], at_first_flush=at_flush)
 
 
-def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch: int, max_live: int, reuse_distance: int,
-                      persistence_threshold: int, prefetch_at_every_hook: bool = True) -> tuple[list[int], list[int]]:
+def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int, max_live: int, reuse_distance: int,
+                      persistence_threshold: int, nvme: frozenset[str] = frozenset()) -> tuple[list[int], list[int]]:
     """Replays partitioned_param_coordinator.py over zero3_trace: the elements gathered once
-    each entry's module has fetched, and once it has released. A module fetches its
-    parameters; each fetch call, those of modules without parameters too (fetch_calls), then
-    prefetches the next ones not gathered up to min(prefetch_bucket_size, max_live_parameters -
-    gathered) elements, at least one module's (the fetch queue only moves forward, so the
-    prefetched window grows until max_live_parameters bounds it:
-    bench/results/gathered_probe-llama-1.5b-optimizer_param_cpu-s512.json); without
-    `prefetch_at_every_hook`, once per fetching module. On release it keeps a parameter whose
-    next use is within max_reuse_distance elements (__params_to_release)."""
+    each entry's module has fetched, and once it has released.
+
+    A module fetches its parameters; each fetch call, those of modules without parameters too
+    (fetch_calls), then prefetches from the parameter queue, which only moves forward: the next
+    entries not gathered, up to min(prefetch_bucket_size, max_live_parameters - gathered)
+    elements, at least one (so the prefetched window grows until max_live_parameters bounds
+    it: bench/results/gathered_probe-llama-1.5b-optimizer_param_cpu-s512.json). Passing a
+    gathered parameter's later use, the scan marks it: that parameter is not released before
+    that use ("reuse skipped by prefetch", __params_to_release). On release a parameter whose
+    next use is within max_reuse_distance elements is kept too.
+
+    `nvme`: parameters whose partitions are on NVMe (nvme_resident). The scan stops at one not
+    read into a swap buffer (_is_currently_on_nvme); after each scan the NVMe prefetch reads the
+    queue's next ones into free buffers (offload_param.buffer_count), looking no further than
+    twice the elements of the gathers in flight (__prefetch_nvme_param_partitions); a buffer is
+    freed when its parameter is released (bench/results/gathered_probe-tinyllama-1.1b-
+    param_nvme-s512.json)."""
     trace, _, numel = zero3_trace(spec, checkpointing, persistence_threshold)
     sizes = [sum(numel[n] for n in params) for params in trace]
     prefix = [0]
@@ -210,29 +295,66 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch: int, max_l
                 next_use[t][n] = last_seen[n]
             last_seen[n] = t
     available: set[str] = set()
-    live, lives, after_release = 0, [], []
-    calls_at = (fetch_calls(spec, checkpointing, persistence_threshold) if prefetch_at_every_hook
-                else [1] * len(trace))
-    for t, (params, calls) in enumerate(zip(trace, calls_at)):
+    in_flight: set[str] = set()       # prefetched, not yet waited for by their module's fetch
+    in_buffers: set[str] = set()      # NVMe partitions read into a swap buffer
+    fetched_for: dict[str, int] = {}  # __most_recent_step_id_param_fetched_for
+    live, head, lives, after_release = 0, 0, [], []
+    held_until = recompute_spans(spec, checkpointing, persistence_threshold)
+
+    def prefetch() -> None:  # one fetch call's prefetch from the queue's head
+        nonlocal live, head
+        room, fetched = min(prefetch_bucket, max_live - live), 0
+        while head < len(trace) and fetched < room:
+            if any(n in nvme and n not in in_buffers for n in trace[head]):
+                break
+            ahead = [n for n in trace[head] if n not in available]
+            available.update(ahead)
+            in_flight.update(ahead)
+            for n in trace[head]:
+                fetched_for[n] = max(fetched_for.get(n, -1), head)
+            fetched += sum(numel[n] for n in ahead)
+            head += 1
+        live += fetched
+        if nvme:
+            in_buffers.update(_nvme_prefetch(trace, head, numel, nvme, in_buffers, sum(numel[n] for n in in_flight)))
+
+    for t, (params, calls) in enumerate(zip(trace, fetch_calls(spec, checkpointing, persistence_threshold))):
+        for _ in range(calls - 1):  # the hooked modules before it that fetch nothing
+            prefetch()
+        in_buffers.update(n for n in params if n in nvme)  # read at once (_ensure_availability_of_partitioned_params)
         wanted = [n for n in params if n not in available]
         available.update(wanted)
+        in_flight.difference_update(params)
         live += sum(numel[n] for n in wanted)
-        for _ in range(calls):
-            room, fetched, j = min(prefetch, max_live - live), 0, t + 1
-            while j < len(trace) and fetched < room:
-                ahead = [n for n in trace[j] if n not in available]
-                available.update(ahead)
-                fetched += sum(numel[n] for n in ahead)
-                j += 1
-            live += fetched
+        for n in params:  # kept through its block's recompute when its backward waits for that
+            fetched_for[n] = max(fetched_for.get(n, -1), held_until.get(t, t))
+        head = max(head, t + 1)
+        prefetch()
         lives.append(live)
         for n in params:
             nxt = next_use[t].get(n)
-            if nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance:
+            if fetched_for[n] <= t and (nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance):
                 available.discard(n)
+                in_buffers.discard(n)
                 live -= numel[n]
         after_release.append(live)
     return lives, after_release
+
+
+def _nvme_prefetch(trace: list[tuple[str, ...]], head: int, numel: dict[str, int], nvme: frozenset[str],
+                   in_buffers: set[str], in_flight: int) -> list[str]:
+    """The NVMe partitions __prefetch_nvme_param_partitions reads from the queue's `head` on:
+    into the free swap buffers, among the next twice `in_flight` elements."""
+    considered, reading = 0, []
+    free = PARAM_SWAP_BUFFERS - len(in_buffers)
+    for params in trace[head:]:
+        for n in params:
+            if considered > 2 * in_flight or len(reading) >= free:
+                return reading
+            if n in nvme and n not in in_buffers and n not in reading:
+                reading.append(n)
+            considered += numel[n]
+    return reading
 
 
 def first_flush(grads: list[int], reduce_bucket: int) -> int | None:
