@@ -52,12 +52,12 @@ def valid_steps(run: Path) -> list[int]:
 
 
 # ------------------------------------------------------------------- file rules
-def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:
+def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000, milestone: bool = False) -> Path:
     tmp = root / f".tmp-{checkpoint.step_name(step)}"
     tmp.mkdir(parents=True)
     (tmp / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(payload)
     (tmp / "rng_state_rank0.pt").write_bytes(b"rng")
-    return checkpoint.publish(tmp, checkpoint.LoopState(step=step), {}, zero_stage=3)
+    return checkpoint.publish(tmp, checkpoint.LoopState(step=step), {}, zero_stage=3, milestone=milestone)
 
 
 def test_manifest_catches_truncated_missing_and_corrupt_files(tmp_path):
@@ -81,7 +81,8 @@ def test_manifest_catches_truncated_missing_and_corrupt_files(tmp_path):
     assert [name for name, _ in skipped] == ["step-000008", "step-000006", "step-000004"]
     (root / ".tmp-step-000010").mkdir()  # a save that never finished is not a checkpoint
     assert checkpoint.published(root)[0].name == "step-000008"
-    assert checkpoint.remove_stale_tmp(root) == [".tmp-step-000010"]
+    settled = checkpoint.settle_leftovers(root, hashes=True)
+    assert (settled.saves, settled.completed) == ([".tmp-step-000010"], [])
 
 
 def test_retention_keeps_the_newest_valid_checkpoint(tmp_path):
@@ -100,6 +101,18 @@ def test_retention_keeps_the_newest_valid_checkpoint(tmp_path):
     moved = checkpoint.set_aside(root)  # --no-resume: out of the way, not deleted
     assert moved.names == ["step-000006", "step-000005"] and not checkpoint.published(root)
     assert checkpoint.verify(moved.path / "step-000005", hashes=True) is None
+
+
+def test_milestones_outlive_a_resume_that_drops_keep_every(tmp_path):
+    """checkpoint.keep_every kept steps 4 and 8; a resume without it deleted both at its first
+    save, without a word. Saved as milestones, they stay whatever keep_every is now."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8, 10):
+        make_checkpoint(root, step, milestone=step % 4 == 0)
+    assert checkpoint.read_manifest(root / "step-000004")["milestone"] is True
+    assert "milestone" not in checkpoint.read_manifest(root / "step-000006")
+    assert checkpoint.apply_retention(root, keep_last=1) == ["step-000006", "step-000002"]
+    assert [p.name for p in checkpoint.published(root)] == ["step-000010", "step-000008", "step-000004"]
 
 
 def test_free_space_check_and_size_prediction(tmp_path):
@@ -443,25 +456,42 @@ def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     assert f"new run in {run.resolve()}: no checkpoint there to resume from" in done.stderr.replace("\n", "")
 
 
-@pytest.mark.parametrize("fault, async_save", [("kill@save:2", False), ("kill@rename:3", True)])
+@pytest.mark.parametrize("fault, async_save", [("kill@save:2", False), ("kill@rename:2", True)])
 def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, tmp_path):
-    """SIGKILL mid-write of save 2 / between the manifest and the rename of save 3: the
-    next start removes the leftovers, resumes from the newest valid checkpoint and ends
-    with the uninterrupted run's weights."""
+    """SIGKILL mid-write of save 2 / between the manifest and the rename of save 2 (step 4): the
+    next start removes the partial write and resumes from the newest valid checkpoint, or puts
+    the whole save in place and resumes from it (it deleted it, and trained its steps again),
+    and ends with the uninterrupted run's weights."""
     config = config_for(tmp_path, "run", async_save=async_save)
     killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: fault}, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     run = tmp_path / "run"
-    survivors = [2] if fault.startswith("kill@save") else [2, 4]
-    assert valid_steps(run) == survivors
+    assert valid_steps(run) == [2]
     assert list((run / "checkpoints").glob(".tmp-step-*"))  # the killed save's leftovers
     summary = diagnose(run).summary  # the async save cut short is counted as such, not as a save
-    assert (summary["saves"], summary["saves_unfinished"]) == (len(survivors), 1 if async_save else 0)
+    assert (summary["saves"], summary["saves_unfinished"]) == (1, 1 if async_save else 0)
     done = run_zerofit(["train", "--config", str(config)])
-    assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(survivors[-1])}" in done.stderr.replace("\n", "")
-    assert "removed 1 unfinished save" in done.stderr and "new run" not in done.stderr
-    assert "train rows: tokenized by an earlier start of this run" in done.stderr  # not tokenized again
+    said = done.stderr.replace("\n", "")
+    resumed = 2 if fault.startswith("kill@save") else 4
+    assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(resumed)}" in said and "new run" not in said
+    if resumed == 2:
+        assert "removed 1 unfinished save" in said
+    else:
+        assert "completed the save of step-000004 under" in said and "unfinished save" not in said
+    assert "train rows: tokenized by an earlier start of this run" in said  # not tokenized again
     assert_same_weights(run, reference)
+    assert valid_steps(run) == [4, 6]
+
+
+def test_a_latest_that_is_a_directory_is_named_not_a_traceback(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "latest").mkdir()
+    refused = run_zerofit(["train", "--config", str(config_for(tmp_path, "run", max_steps=8))], check=False)
+    said = refused.stderr.replace("\n", "")
+    assert refused.returncode == 1 and "Traceback" not in said, said[-2000:]
+    assert f"{run / 'checkpoints' / 'latest'} is a directory where zerofit keeps the name of the newest checkpoint" in said
     assert valid_steps(run) == [4, 6]
 
 
@@ -642,10 +672,13 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     kept = [run / "config.yaml", run / "plan.json", run / "model" / "config.json",
             *sorted((run / "checkpoints").rglob("*.*"))]
     before = [path.read_bytes() for path in kept]
-    deeper = tmp_path / "deeper.json"
+    deeper, relu = tmp_path / "deeper.json", tmp_path / "relu.json"
     deeper.write_text(json.dumps({**json.loads((run / "model" / "config.json").read_text()), "num_hidden_layers": 3}))
+    relu.write_text(json.dumps({**json.loads((run / "model" / "config.json").read_text()), "hidden_act": "relu"}))
     for changes, said in (([f"model.config={deeper}", f"model.tokenizer={run / 'model'}"],
                            "model num_hidden_layers 2 -> 3"),
+                          ([f"model.config={relu}", f"model.tokenizer={run / 'model'}"],  # same shapes, other function
+                           "model hidden_act silu -> relu"),
                           (["train.precision=fp32"], "train.precision bf16 -> fp32")):
         settings = [arg for change in changes for arg in ("--set", change)]
         refused = run_zerofit(["train", "--config", str(config), *settings], check=False, env={"COLUMNS": "400"})
@@ -667,7 +700,9 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     # starting over moves them aside with the records that go with them: nothing is written over
     run_zerofit(["train", "--config", str(config), "--no-resume", "--set", "train.max_steps=2"])
     earlier = next((run / "checkpoints").glob("earlier-*"))
-    assert {"step-000004", "step-000006", "metrics.jsonl"} <= {p.name for p in earlier.iterdir()}
+    assert {"step-000004", "step-000006", "metrics.jsonl", "model", "config.yaml"} <= {p.name for p in earlier.iterdir()}
+    from zerofit.export import run_model_dir  # the new run rewrites model/: the earlier one's is its copy
+    assert run_model_dir(earlier) == earlier / "model" and (earlier / "model" / "config.json").is_file()
     assert max(r["step"] for r in read_jsonl(earlier / "metrics.jsonl")) == 6
     assert max(r["step"] for r in read_jsonl(run / "metrics.jsonl")) == 2
 
@@ -890,6 +925,6 @@ def test_ctrl_c_names_the_checkpoint_to_go_on_from(tmp_path):
     unsaved = end["step"] - checkpoint.step_of(newest)
     assert end["phase"] == "end" and diagnose(run).ending == (
         f"interrupted (Ctrl-C) at step {end['step']}; newest intact checkpoint {newest.name}"
-        + {0: "", 1: f" (step {end['step']} not saved)"}.get(unsaved, f" (steps {end['step'] - unsaved + 1}-"
-                                                                     f"{end['step']} not saved)"))
+        + {0: "", 1: f" (step {end['step']} in no intact checkpoint)"}.get(unsaved, f" (steps {end['step'] - unsaved + 1}-"
+                                                                     f"{end['step']} in no intact checkpoint)"))
     assert f"`zerofit train --config {tmp_path / 'run' / 'config.yaml'} --resume` continues from it" in said

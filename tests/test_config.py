@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerofit import cli
+from zerofit import cli, runfiles
 from zerofit.config import Config, ConfigError, changed_settings
 from zerofit.configfile import dump_yaml, example_yaml, load, parse_override, validate
 
@@ -395,7 +395,7 @@ def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monke
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["doctor", "~/nope"]) == 1
-    assert f"{tmp_path / 'nope'} is not a directory" in capsys.readouterr().err.replace("\n", "")
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err.replace("\n", "")
     assert cli.main(["export", "$HOME/nope", "--out", "~/my out"]) == 1
     assert str(tmp_path / "nope") in capsys.readouterr().err.replace("\n", "")
     assert not (tmp_path / "~").exists()
@@ -407,7 +407,7 @@ def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"plan\.gpu_mem='24XB' is not a size"):
         load(None, ["plan.gpu_mem=24XB"])
     for argv, said in ((["lint", str(tmp_path)], f"{tmp_path} is a directory; pass the DeepSpeed JSON file"),
-                       (["doctor", str(tmp_path / "nope")], f"{tmp_path / 'nope'} is not a directory"),
+                       (["doctor", str(tmp_path / "nope")], f"{tmp_path / 'nope'} does not exist"),
                        (["generate", str(tmp_path / "nope"), "--prompt", "p"], f"{tmp_path / 'nope'} is not a directory")):
         assert cli.main(argv) == 1
         assert said in capsys.readouterr().err.replace("\n", "")
@@ -419,6 +419,19 @@ def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     assert cli.main(["train", "--run-dir", str(tmp_path / "run")]) == 1
     assert f"{tmp_path / 'run' / 'checkpoints'} is a file where the run keeps its checkpoints/ directory" \
         in capsys.readouterr().err.replace("\n", "")
+    # a checkpoint given as the run: a new run was trained inside it, and deleted by the run's retention later
+    (tmp_path / "run" / "checkpoints").unlink()
+    step = tmp_path / "run" / "checkpoints" / "step-000006"
+    step.mkdir(parents=True)
+    for name in ("config.yaml", "plan.json", "ds_config.json"):
+        (tmp_path / "run" / name).write_text("{}")
+    assert cli.main(["train", "--run-dir", str(step)]) == 1
+    assert f"run_dir {step} is inside the checkpoints of the run {tmp_path / 'run'}, not a run directory: resume that " \
+           f"run with --run-dir {tmp_path / 'run'}" in capsys.readouterr().err.replace("\n", "")
+    assert list(step.iterdir()) == []  # nothing written there
+    (tmp_path / "mine").mkdir()  # a user's own config.yaml beside a run_dir named checkpoints is no run
+    (tmp_path / "mine" / "config.yaml").write_text("{}")
+    assert runfiles.checkpoints_owner(tmp_path / "mine" / "checkpoints") is None
     # a yes/no where a count goes is a slip (pydantic read `true` as 1 and trained one step)
     with pytest.raises(ConfigError, match=r"train.max_steps=True: expected a number, got true"):
         load(None, ["train.max_steps=true"])

@@ -1621,6 +1621,12 @@ def test_a_shared_cache_dir_serves_another_run_and_keeps_every_tokenization(tmp_
     blocked = DataConfig(path=str(path), cache_dir=str(tmp_path / "a-file" / "cache"), max_samples=5)
     assert len(datacache.read([[path]], blocked, tokenizer, tmp_path / "run-c", "train", Shown(True, False)).examples) == 5
     assert "the tokenized rows could not be kept (Not a directory)" in capsys.readouterr().err
+    # the run's own data-cache/ a file: said too (each start tokenized again without a word)
+    (tmp_path / "run-d").mkdir()
+    (tmp_path / "run-d" / "data-cache").write_text("")
+    datacache.read([[path]], DataConfig(path=str(path)), tokenizer, tmp_path / "run-d", "train", Shown(True, False))
+    said = capsys.readouterr().err.replace("\n", "")
+    assert f"{tmp_path / 'run-d' / 'data-cache'}: the tokenized rows could not be kept (" in said
 
 
 def machine_of_two(tmp_path, tokenizer, cfg: DataConfig, path: Path, monkeypatch) -> dict[str, tuple]:

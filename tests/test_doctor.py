@@ -458,7 +458,7 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     assert any("dmesg" in fix for fix in found[0].fix)
     diagnosis = diagnose(tmp_path / "run")
     assert diagnosis.ending == ("killed outright after step 4 (no end record; see the finding); newest intact "
-                                "checkpoint step-000003 (step 4 not saved)")  # it said only the checkpoint
+                                "checkpoint step-000003 (step 4 in no intact checkpoint)")  # it said only the checkpoint
     from zerofit.report import kill_marks
     assert kill_marks(diagnosis) == [{"phase": "end", "reason": "killed outright", "step": 4}]  # on the timeline
     run_zerofit(["train", "--config", str(config), "--resume"])
@@ -479,14 +479,14 @@ def test_how_a_run_ended_reads_its_end_record():
                 for step, phase, reason in phases]
 
     run = records((0, "start", None), (1, "forward", None), (1, "end", "interrupted"))
-    assert how_it_ended(run, None) == "interrupted (Ctrl-C) at step 1; no intact checkpoint (step 1 not saved)"
+    assert how_it_ended(run, None) == "interrupted (Ctrl-C) at step 1; no intact checkpoint (step 1 in no intact checkpoint)"
     failed = records((0, "start", None), (4, "optimizer_step", None), (4, "end", "error: RuntimeError: boom"))
     assert how_it_ended(failed, Path("step-000002")) == \
-        "stopped by an error: RuntimeError: boom at step 4; newest intact checkpoint step-000002 (steps 3-4 not saved)"
+        "stopped by an error: RuntimeError: boom at step 4; newest intact checkpoint step-000002 (steps 3-4 in no intact checkpoint)"
     # an end before the newest start is an earlier attempt's: this one has none (killed, or still going)
     resumed = failed + records((2, "start", None), (3, "optimizer_step", None))
     assert how_it_ended(effective_records(resumed), Path("step-000002")) == \
-        "newest intact checkpoint step-000002 (step 3 not saved)"
+        "newest intact checkpoint step-000002 (step 3 in no intact checkpoint)"
 
 
 def test_an_async_save_resumed_from_counts_as_published():
@@ -527,7 +527,14 @@ def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
     assert damaged.severity == "warning" and damaged.title.startswith("checkpoint step-000012 cannot be loaded: ")
     assert damaged.fix == ["a resume and `zerofit export` take step-000009"]
     assert by_kind["save_cut_short"].title == "a save was cut short: checkpoints/.tmp-step-000013 is a partial write"
-    assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 not saved)"
+    whole = copy / "checkpoints" / ".tmp-step-000014"  # killed between its manifest and its rename
+    shutil.copytree(copy / "checkpoints" / "step-000009", whole)
+    cut = [f for f in diagnose(copy).findings if f.kind == "save_cut_short"]
+    assert [f.title for f in cut][1] == ("a save was killed before its rename: checkpoints/.tmp-step-000014 is whole "
+                                        "(every file its manifest lists, at its size)")
+    assert "puts it in place as step-000014 and resumes from it" in cut[1].fix[0]
+    shutil.rmtree(whole)
+    assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 in no intact checkpoint)"
     # none intact: a resume refuses them (train's words), it does not start over
     shutil.rmtree(copy / "checkpoints" / "step-000009")
     damaged = {f.kind: f for f in diagnose(copy).findings}["checkpoint_damaged"]
@@ -551,7 +558,7 @@ def test_a_checkpoint_changed_in_place_is_not_called_intact(clean_run, tmp_path)
     damaged = {f.kind: f for f in diagnosis.findings}["checkpoint_damaged"]
     assert damaged.title == f"checkpoint step-000012 cannot be loaded: {victim.name} does not match its xxh3_128 " \
                             f"hash (corrupt)"
-    assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 not saved)"
+    assert diagnosis.ending == "completed at step 12; newest intact checkpoint step-000009 (steps 10-12 in no intact checkpoint)"
     quick = diagnose(copy, hashes=False)
     assert quick.ending == "completed at step 12; newest intact checkpoint step-000012"
     assert any(note.startswith("checkpoints checked by their files' sizes only (--no-hashes)") for note in quick.notes)

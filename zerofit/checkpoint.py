@@ -144,7 +144,7 @@ def verify(directory: Path, hashes: bool) -> str | None:
     """None when the checkpoint is whole; otherwise why it must not be loaded.
     Sizes are always checked; hashes re-read every byte."""
     if not (directory / MANIFEST).is_file():
-        return "no MANIFEST.json (the save did not finish)"
+        return "no MANIFEST.json (its save did not finish, or the file was deleted since)"
     manifest = read_manifest(directory)
     if manifest is None or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         return "MANIFEST.json is corrupt"
@@ -186,13 +186,39 @@ def find_latest_valid(root: Path, hashes: bool = True) -> tuple[Path | None, lis
     return None, skipped
 
 
-def remove_stale_tmp(root: Path) -> list[str]:
-    """Leftovers of saves that were killed; never loadable, safe to delete at start."""
-    removed = []
+@dataclass
+class Leftovers:
+    """What `settle_leftovers` did with the `.tmp-*` a kill left."""
+    completed: list[str] = field(default_factory=list)  # whole saves killed before their rename, put in place
+    saves: list[str] = field(default_factory=list)      # saves cut short, deleted
+    deletions: list[str] = field(default_factory=list)  # retention's (or a re-save's) deletions cut short, finished
+
+    def said(self, root: Path) -> list[str]:
+        return ([f"completed the save of {', '.join(self.completed)} under {root}: killed after its manifest, "
+                 f"before its rename; every file verifies"] if self.completed else []) + \
+            ([f"removed {len(self.saves)} unfinished save(s) under {root}: {', '.join(self.saves)}"]
+             if self.saves else []) + \
+            ([f"finished {len(self.deletions)} deletion(s) a kill interrupted under {root}: "
+              f"{', '.join(self.deletions)}"] if self.deletions else [])
+
+
+def settle_leftovers(root: Path, hashes: bool) -> Leftovers:
+    """The `.tmp-*` of saves and deletions a kill cut short, at start. A save whose manifest was
+    written and whose every file verifies lost only its rename: it is put in place (a kill
+    between the two lost a whole checkpoint, up to checkpoint.every_steps of training). Any
+    other save is never loadable and is deleted; a deletion is finished."""
+    settled = Leftovers()
     for tmp in sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []:
+        final = root / tmp.name.removeprefix(TMP_PREFIX)
+        if tmp.is_dir() and step_of(final) >= 0 and not final.exists() and verify(tmp, hashes) is None:
+            rename_into_place(tmp, final)
+            settled.completed.append(final.name)
+            continue
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-        removed.append(tmp.name)
-    return removed
+        (settled.deletions if tmp.name.startswith(f"{TMP_PREFIX}delete-") else settled.saves).append(tmp.name)
+    if settled.completed:  # `latest` names the newest, not the last put in place
+        write_atomic(root / LATEST, published(root)[0].name)
+    return settled
 
 
 @dataclass
@@ -247,17 +273,19 @@ def unused(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------ publish
-def publish(tmp: Path, state: LoopState, written: dict[str, dict], zero_stage: int) -> Path:
+def publish(tmp: Path, state: LoopState, written: dict[str, dict], zero_stage: int, milestone: bool = False) -> Path:
     """Rank 0, once every rank's files are closed and fsynced: loop state, manifest (last),
     rename to step-N, `latest`. A kill at any point leaves the previous checkpoints whole
-    and at most a `.tmp-*` that the next start removes."""
+    and at most a `.tmp-*` that the next start removes, or puts in place when only the
+    rename was left (settle_leftovers). A `milestone` (a checkpoint.keep_every step) says so in
+    its manifest: retention keeps it whatever keep_every a later resume sets."""
     from zerofit import faults
 
     root, name = tmp.parent, step_name(state.step)
     write_atomic(tmp / LOOP_STATE, json.dumps(state.__dict__, indent=1))
     faults.kill_if_armed("publish")
     write_manifest(tmp, written, step=state.step, world_size=state.world_size, zero_stage=zero_stage,
-                   config_fingerprint=state.config_fingerprint)
+                   config_fingerprint=state.config_fingerprint, **({"milestone": True} if milestone else {}))
     faults.kill_if_armed("rename")
     return rename_into_place(tmp, root / name)
 
@@ -280,9 +308,11 @@ def rename_into_place(tmp: Path, final: Path) -> Path:
 
 
 def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str]:
-    """Delete published checkpoints beyond the newest `keep_last` (and multiples of
-    `keep_every`). The newest checkpoint whose sizes verify is always kept, even when
-    newer (broken) directories push it out of the last K: there is always one to resume."""
+    """Delete published checkpoints beyond the newest `keep_last`, but for milestones: multiples
+    of `keep_every`, and those saved as milestones under an earlier keep_every (their manifest
+    says so; a resume that lowered or dropped keep_every deleted them). The newest checkpoint
+    whose sizes verify is always kept, even when newer (broken) directories push it out of the
+    last K: there is always one to resume."""
     from zerofit import faults
 
     checkpoints = published(root)
@@ -290,6 +320,8 @@ def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str
     removed = []
     for i, path in enumerate(checkpoints):
         if i < keep_last or path == newest_valid or (keep_every and step_of(path) % keep_every == 0):
+            continue
+        if (read_manifest(path) or {}).get("milestone"):
             continue
         doomed = root / f"{TMP_PREFIX}delete-{path.name}"
         os.replace(path, doomed)  # a crash mid-delete leaves a .tmp-*, never a half step dir

@@ -248,7 +248,9 @@ class Checkpointer:
             return
         if self.dist.is_main:
             written = {name: entry for _, files in outcomes for name, entry in files.items()}
-            final = checkpoint.publish(pending["tmp"], pending["state"], written, self.zero_stage)
+            every = self.settings.keep_every
+            final = checkpoint.publish(pending["tmp"], pending["state"], written, self.zero_stage,
+                                       milestone=bool(every) and pending["state"].step % every == 0)
             faults.kill_if_armed("latest")
             removed = checkpoint.apply_retention(self.root, self.settings.keep_last, self.settings.keep_every)
             self._report(final, pending, written, removed, step, time.perf_counter() - waited)

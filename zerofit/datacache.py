@@ -66,10 +66,10 @@ def read(files: list[list[Path]], cfg: DataConfig, tokenizer, run_dir: Path | No
     else:
         found = read_examples(files, cfg, tokenizer, shown, ranks_tokenizing=1 if sharing else None)
         problem = keep(path, found, kind, replace_older=not shared)
-        # unkept in the run's own directory: its checkpoints, which need the same disk, say what is wrong
-        if problem and shared and shown.enabled:
-            warn(f"data.cache_dir {path.parent}: the tokenized rows could not be kept ({problem}); the next run "
-                 f"tokenizes them again: make it writable, or free space there")
+        if problem and shown.enabled:  # a directory that is a file, or unwritable: each start paid the tokenizing
+            where = f"data.cache_dir {path.parent}" if shared else f"{path.parent}"
+            warn(f"{where}: the tokenized rows could not be kept ({problem}); the next start tokenizes them again: "
+                 f"make it a writable directory, or free space there")
         if sharing and shown.enabled:
             say(sharing_note(kind, node.ranks - 1, path.parent, problem))
     if sharing:

@@ -52,7 +52,8 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     file's xxh3 hash, until the newest intact one), or with `hashes` off by their sizes only."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir} is not a directory; point `zerofit doctor` at a zerofit run directory "
+        raise ConfigError(f"{run_dir} {'is not a directory' if run_dir.exists() else 'does not exist'}; point "
+                          f"`zerofit doctor` at a zerofit run directory "
                           f"(run_dir of the config) or an HF Trainer output_dir")
     per_rank = rank_timelines(run_dir)
     if 0 not in per_rank:
@@ -124,8 +125,8 @@ def how_it_ended(records: list[dict], newest: Path | None, killed_after: int | N
         parts.append(f"killed outright after step {killed_after} (no end record; see the finding)")
     saved = checkpoint.step_of(newest) if newest is not None else 0
     last = end["step"] if end is not None else trained
-    unsaved = f" (steps {saved + 1}-{last} not saved)" if last > saved + 1 else \
-        f" (step {last} not saved)" if last == saved + 1 else ""
+    unsaved = f" (steps {saved + 1}-{last} in no intact checkpoint)" if last > saved + 1 else \
+        f" (step {last} in no intact checkpoint)" if last == saved + 1 else ""
     parts.append(f"{f'newest intact checkpoint {newest.name}' if newest is not None else 'no intact checkpoint'}"
                  f"{unsaved}")
     return "; ".join(parts)
@@ -144,9 +145,18 @@ def checkpoint_findings(run_dir: Path, newest: Path | None, damaged: list[tuple[
                      checkpoint.step_of(Path(name)))
              for name, reason in damaged]
     partial = sorted((run_dir / "checkpoints").glob(f"{checkpoint.TMP_PREFIX}step-*")) if not running else []
-    found += [Finding("save_cut_short", "info", "disk", f"a save was cut short: checkpoints/{path.name} is a partial "
-                      f"write", "the process ended while writing it (killed, or the machine went down)",
-                      [f"nothing to do: the next `zerofit train` removes it; {fallback}"]) for path in partial]
+    for path in partial:
+        final = path.with_name(path.name.removeprefix(checkpoint.TMP_PREFIX))
+        if not final.exists() and checkpoint.verify(path, hashes=False) is None:  # settle_leftovers' rule
+            found.append(Finding("save_cut_short", "info", "disk", f"a save was killed before its rename: "
+                                 f"checkpoints/{path.name} is whole (every file its manifest lists, at its size)",
+                                 "the process ended between the save's manifest and its rename",
+                                 [f"nothing to do: the next `zerofit train` verifies it, puts it in place as "
+                                  f"{final.name} and resumes from it"]))
+        else:
+            found.append(Finding("save_cut_short", "info", "disk", f"a save was cut short: checkpoints/{path.name} is "
+                                 f"a partial write", "the process ended while writing it (killed, or the machine "
+                                 "went down)", [f"nothing to do: the next `zerofit train` removes it; {fallback}"]))
     return found
 
 

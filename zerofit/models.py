@@ -164,8 +164,26 @@ SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
+# HF config keys that do not change what the weights compute: bookkeeping, the generation ids,
+# initialisation, dropout, what the forward returns, the cache, the attention kernel (a config
+# setting of its own) and the maximum length (rope reads it only under a scaling that says so
+# in rope_scaling / rope_parameters, compared).
+NOT_ARCHITECTURE = {"transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict",
+                    "dtype", "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+                    "problem_type", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "initializer_range",
+                    "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop", "tokenizer_class",
+                    "max_position_embeddings", "task_specific_params", "auto_map", "quantization_config"}
+
+
 def shape_of(hf_config) -> dict:
-    return {name: getattr(hf_config, name, None) for name in SHAPE_FIELDS}
+    """The architecture a checkpoint's tensors are of and the function they compute: SHAPE_FIELDS,
+    and the config's other keys but NOT_ARCHITECTURE (an activation, rope_theta or norm epsilon
+    edited in the model's config.json resumed the run under another function, and rewrote the
+    model/config.json exports of its earlier checkpoints read)."""
+    fields = {name: getattr(hf_config, name, None) for name in SHAPE_FIELDS}
+    fields.update({key: value for key, value in hf_config.to_dict().items()
+                   if key not in NOT_ARCHITECTURE and key not in fields and not key.startswith("_")})
+    return fields
 
 
 def config_from_name(name: str, trust_remote_code: bool = False):

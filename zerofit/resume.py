@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class ResumePoint:
     universal: bool = False
     skipped: list = field(default_factory=list)
     error: str | None = None
+    step: int = 0  # the checkpoint's
 
 
 def resume_command(config: Config, resume: bool = True) -> str:
@@ -51,7 +53,7 @@ def where_to_go_on(config: Config) -> str:
 
 
 def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -> ResumePoint:
-    """Rank 0 removes stale `.tmp-*`, picks the newest checkpoint that verifies (reporting
+    """Rank 0 settles the `.tmp-*` a kill left (settle_leftovers), picks the newest checkpoint that verifies (reporting
     each one skipped and why), refuses one this config cannot load (`unloadable_changes`) and
     converts it to a universal checkpoint when it was written by another number of ranks;
     every rank gets the answer. Runs before the engine is built (loading a universal
@@ -59,11 +61,10 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
     import torch.distributed as torch_dist
 
     root = checkpoints_root(config)
-    point = ResumePoint()
-    if dist.is_main:
-        removed = checkpoint.remove_stale_tmp(root)
-        if removed:
-            say(f"removed {len(removed)} unfinished save(s) under {root}: {', '.join(removed)}")
+    point = ResumePoint(error=latest_problem(root)) if dist.is_main else ResumePoint()
+    if dist.is_main and point.error is None:
+        for line in checkpoint.settle_leftovers(root, hashes=config.checkpoint.verify == "full").said(root):
+            say(line)
         if resume is not False:
             point = _pick(root, config, dist.world_size, fresh)
             if point.directory is None and point.error is None and resume is None:
@@ -72,13 +73,8 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
                 why = "none of its checkpoints can be resumed from (above)" if checkpoint.published(root) else \
                     "no checkpoint there to resume from"
                 say(f"new run in {root.parent.resolve()}: {why}")
-        elif moved := checkpoint.set_aside(root):
-            for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"),
-                           root.parent / "tensorboard"]:
-                if record.exists():  # the new run would write over (or add to) them: they go with their checkpoints
-                    os.replace(record, moved.path / record.name)
-            warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics "
-                 f"and memory records to {moved.path}; delete that directory when you no longer need them")
+        else:
+            set_aside_earlier_run(root)
     if dist.world_size > 1:
         box = [point]
         torch_dist.broadcast_object_list(box, src=0)
@@ -86,6 +82,40 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
     if point.error:
         raise CheckpointError(point.error)
     return point
+
+
+def latest_problem(root: Path) -> str | None:
+    """`latest` must be a file: it is replaced atomically by one at every save."""
+    latest = root / checkpoint.LATEST
+    if latest.exists() and not latest.is_file():
+        return (f"{latest} is a directory where zerofit keeps the name of the newest checkpoint (a file, replaced "
+                f"at every save); move it out of {root}")
+    return None
+
+
+def set_aside_earlier_run(root: Path) -> None:
+    """--no-resume: the earlier run's checkpoints into checkpoints/earlier-TIME/ (checkpoint.set_aside),
+    with the records the new run would write over and a copy of what describes them."""
+    moved = checkpoint.set_aside(root)
+    if moved is None:
+        return
+    for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"), root.parent / "tensorboard"]:
+        if record.exists():  # the new run would write over (or add to) them: they go with their checkpoints
+            os.replace(record, moved.path / record.name)
+    for kept in RUN_DESCRIPTION:  # rewritten by the new run: copied, so an export of these reads their own
+        source = root.parent / kept
+        if source.is_dir():
+            shutil.copytree(source, moved.path / kept)
+        elif source.is_file():
+            shutil.copy2(source, moved.path / kept)
+    warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics and memory "
+         f"records to {moved.path}, with a copy of its model/ and config; delete that directory when you no longer "
+         f"need them")
+
+
+# What describes a run's checkpoints besides their files: the model directory an export reads (the
+# HF config, the tokenizer and its chat template) and the config they were trained under.
+RUN_DESCRIPTION = ("model", "config.yaml", "plan.json", "ds_config.json")
 
 
 def refuse_resume_without_checkpoint(config: Config, resume: bool | None) -> None:
@@ -202,7 +232,7 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
         return ResumePoint(skipped=skipped)
     if skipped or not (root / checkpoint.LATEST).is_file():
         checkpoint.write_atomic(root / checkpoint.LATEST, found.name)  # DeepSpeed's tools read it
-    point = ResumePoint(str(found), str(found), False, skipped)
+    point = ResumePoint(str(found), str(found), False, skipped, step=checkpoint.step_of(found))
     manifest = checkpoint.read_manifest(found)
     changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
     if changes:

@@ -16,7 +16,15 @@ from zerofit.progress import say
 
 
 def usable_run_dir(run_dir: Path) -> Path:
-    """The run directory, made if need be; one that cannot be is a user error, said first."""
+    """The run directory, made if need be; one that cannot be is a user error, said first. One
+    inside another run's checkpoints/ (a checkpoint given as the run) is refused: a new run
+    written there would be deleted by that run's retention."""
+    owner = checkpoints_owner(run_dir)
+    if owner is not None:
+        raise ConfigError(f"run_dir {run_dir} is inside the checkpoints of the run {owner}, not a run directory: "
+                          f"resume that run with --run-dir {owner} (it loads the newest checkpoint that verifies), "
+                          f"export a checkpoint with `zerofit export {run_dir}`, or set run_dir to a directory of "
+                          f"its own")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -34,6 +42,15 @@ def usable_run_dir(run_dir: Path) -> Path:
 
 
 RUN_SUBDIRECTORIES = ("checkpoints", "model", "postmortem")  # what a run makes inside its run_dir
+RUN_FILES = ("config.yaml", "plan.json", "ds_config.json")  # written at every start (write_run_files)
+
+
+def checkpoints_owner(path: Path) -> Path | None:
+    """The run whose checkpoints/ holds `path` (a `step-N`, an `earlier-*`, a file in one), if any."""
+    for directory in [path.absolute(), *path.absolute().parents]:
+        if directory.name == "checkpoints" and all((directory.parent / name).is_file() for name in RUN_FILES):
+            return directory.parent
+    return None
 
 
 def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict,

@@ -87,6 +87,11 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set),
                         data_fingerprint=data.fingerprint(train_set) if dist.is_main else "")
     resume_point = choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
+    if resume_point.directory is not None and resume_point.step >= total_steps:  # nothing to train: the run's files
+        if dist.is_main:  # (config.yaml, model/) stay those of its checkpoints, and no engine is built
+            say(f"{run_dir} is complete at step {resume_point.step}; raise train.max_steps to go on, or use "
+                f"--no-resume")
+        return RunResult(run_dir, resume_point.step, None, None, Path(resume_point.directory).name, False)
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         runfiles.write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
@@ -122,8 +127,6 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     train_loss = eval_loss = stop_reason = None
     signalled = False
     session.attach(engine=ds_engine, saver=saver, state=state, timeline=timeline, progress=progress)
-    if state.step >= total_steps and dist.is_main:
-        say(f"{run_dir} is complete at step {state.step}; raise train.max_steps to go on, or use --no-resume")
 
     # metrics closed however the loop ends: an error's exit skips the interpreter's teardown (end_after_error)
     with metrics, end_recorded(timeline, state), \
