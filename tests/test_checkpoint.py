@@ -628,11 +628,15 @@ def test_resume_with_another_config_names_what_changed(tmp_path):
     config = config_for(tmp_path, "run", max_steps=4)
     run_zerofit(["train", "--config", str(config)])
     for before, after in ((4, 6), (6, 8)):
-        done = run_zerofit(["train", "--config", str(config), "--set", f"train.max_steps={after}", "--resume"],
-                           env={"COLUMNS": "400"})
+        done = run_zerofit(["train", "--config", str(config), "--set", f"train.max_steps={after}", "--resume",
+                            "--set", "checkpoint.keep_last=3"], env={"COLUMNS": "400"})
         assert (f"step-{before:06d} was written with a different config (train.max_steps {before} -> {after}); "
                 f"continuing with the current one") in done.stderr
-    unchanged = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=8", "--resume"])
+        # what the checkpoint does not record (how the run saves, evaluates, logs) is named against config.yaml
+        moved = "settings changed since the run's last start: checkpoint.keep_last 2 -> 3"
+        assert (moved in done.stderr) == (before == 4), done.stderr
+    unchanged = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=8", "--resume",
+                             "--set", "checkpoint.keep_last=3"])
     assert "different config" not in unchanged.stderr and "is complete at step 8" in unchanged.stderr.replace("\n", " ")
 
 

@@ -9,8 +9,10 @@ import json
 import os
 from pathlib import Path
 
+import yaml
+
 from zerofit import models, planview, tokenizing
-from zerofit.config import Config, ConfigError
+from zerofit.config import Config, ConfigError, changed_settings
 from zerofit.configfile import dump_yaml
 from zerofit.progress import say
 
@@ -51,6 +53,24 @@ def checkpoints_owner(path: Path) -> Path | None:
         if directory.name == "checkpoints" and all((directory.parent / name).is_file() for name in RUN_FILES):
             return directory.parent
     return None
+
+
+# The sections a checkpoint does not record (Config.fingerprinted leaves them out): how the run
+# saves, evaluates, logs and watches memory. Their changes are named against config.yaml.
+UNRECORDED = ("checkpoint", "eval", "log", "memory", "elastic")
+
+
+def changed_unrecorded(run_dir: Path, config: Config) -> list[str]:
+    """`section.key old -> new` for the UNRECORDED settings that differ from the run's last start
+    (its config.yaml, before write_run_files replaces it); none where there is no readable one."""
+    try:
+        before = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(before, dict):
+        return []
+    after = config.model_dump(mode="json")
+    return changed_settings({key: before.get(key) or {} for key in UNRECORDED}, {key: after[key] for key in UNRECORDED})
 
 
 def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, hf_config, plan: dict,

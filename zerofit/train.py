@@ -92,6 +92,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             say(f"{run_dir} is complete at step {resume_point.step}; raise train.max_steps to go on, or use "
                 f"--no-resume")
         return RunResult(run_dir, resume_point.step, None, None, Path(resume_point.directory).name, False)
+    if dist.is_main and resume_point.directory is not None and (changes := runfiles.changed_unrecorded(run_dir, config)):
+        say(f"settings changed since the run's last start: {', '.join(changes)}")
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         runfiles.write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
