@@ -111,39 +111,40 @@ def test_a_chat_template_that_rewrites_earlier_turns_is_a_bad_row(tmp_path, toke
     assert (learned == seqs.labels[seqs.labels != IGNORE]).all()  # every label sits on its own token
 
 
-@pytest.mark.parametrize("row, field_name", [
+# A row with a system turn in each chat format, and the field a problem with its conversation is named by
+SYSTEM_ROWS = [
     ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                    {"role": "assistant", "content": "a"}]}, r"messages"),
     ({"system": "s", "conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]},
      r"conversations"),
     ({"system": "s", "instruction": "u", "output": "a"},
      r"instruction/output as a conversation \(data.alpaca_template: chat; `alpaca` renders the alpaca layout\)"),
-], ids=["messages", "sharegpt", "alpaca"])
-def test_a_chat_template_that_raises_is_a_bad_row_named_by_its_own_field(tmp_path, tokenizer, row, field_name):
-    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role "
-                               "not supported') }}{% endif %}{{ m.content }}{% endfor %}")
+]
+
+
+def assert_bad_row(tmp_path, tokenizer, row: dict, problem: str) -> None:
+    """`row`, alone in a file, is refused as a bad row on its line with `problem` (a pattern)."""
     path = write_jsonl(tmp_path / "d.jsonl", [row])
-    with pytest.raises(DataError, match=rf"line 1: field `{field_name}`: the tokenizer's chat template refused it: "
-                                        r"System role not supported"):
+    with pytest.raises(DataError, match=rf"line 1: {problem}"):
         data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
 
 
-@pytest.mark.parametrize("row, field_name", [
-    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                   {"role": "assistant", "content": "a"}]}, r"messages"),
-    ({"system": "s", "conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]},
-     r"conversations"),
-    ({"system": "s", "instruction": "u", "output": "a"}, r"instruction/output as a conversation"),
-], ids=["messages", "sharegpt", "alpaca"])
+@pytest.mark.parametrize("row, field_name", SYSTEM_ROWS, ids=["messages", "sharegpt", "alpaca"])
+def test_a_chat_template_that_raises_is_a_bad_row_named_by_its_own_field(tmp_path, tokenizer, row, field_name):
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role "
+                               "not supported') }}{% endif %}{{ m.content }}{% endfor %}")
+    assert_bad_row(tmp_path, tokenizer, row, rf"field `{field_name}`: the tokenizer's chat template refused it: "
+                                             r"System role not supported")
+
+
+@pytest.mark.parametrize("row, field_name", SYSTEM_ROWS, ids=["messages", "sharegpt", "alpaca"])
 def test_a_chat_template_that_leaves_the_system_turn_out_is_a_bad_row(tmp_path, tokenizer, row, field_name):
     """A template that renders only user and assistant turns trained every row without its
     system prompt, without a word; rows without one still train."""
     tokenizer.chat_template = ("{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: {{ m.content }}\n"
                                "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    path = write_jsonl(tmp_path / "d.jsonl", [row])
-    with pytest.raises(DataError, match=rf"line 1: field `{field_name}.*`: the tokenizer's chat template leaves a "
-                                        r"system turn out .* use a template that renders it \(model.chat_template\)"):
-        data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+    assert_bad_row(tmp_path, tokenizer, row, rf"field `{field_name}`: the tokenizer's chat template leaves a system "
+                                             r"turn out .* use a template that renders it \(model.chat_template\)")
     no_system = {key: value[1:] if key == "messages" else value for key, value in row.items() if key != "system"}
     ids, labels = tokenizing.tokenize_row(no_system, tokenizing.row_format(no_system), tokenizer)
     assert tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE]).startswith("a")
