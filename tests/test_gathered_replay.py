@@ -69,9 +69,7 @@ def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
 
 
 def replay_names(spec: modelspec.ModelSpec, cand: Candidate) -> list[str]:
-    fetching = zerostates.fetching_modules(spec, cand.param_persistence_threshold)
-    order = list(range(len(spec.modules))) + [i for i, _ in zerostates._backward_order(spec, True, fetching)]
-    return [spec.modules[i].name for i in order if fetching[i]]
+    return [spec.modules[i].name for i, _ in zerostates.trace_entries(spec, True, cand.param_persistence_threshold)]
 
 
 @pytest.mark.parametrize("name", ["llama-0.5b-optimizer_param_cpu", "llama-1.5b-optimizer_param_cpu",

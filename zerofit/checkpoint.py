@@ -202,6 +202,15 @@ class Leftovers:
               f"{', '.join(self.deletions)}"] if self.deletions else [])
 
 
+def whole_save(tmp: Path, hashes: bool) -> Path | None:
+    """The `step-N` a `.tmp-step-N` would be put in place as, when only its rename was left: its
+    manifest written, every file verifying, no checkpoint of that step published. None otherwise."""
+    final = tmp.with_name(tmp.name.removeprefix(TMP_PREFIX))
+    if tmp.is_dir() and step_of(final) >= 0 and not final.exists() and verify(tmp, hashes) is None:
+        return final
+    return None
+
+
 def settle_leftovers(root: Path, hashes: bool) -> Leftovers:
     """The `.tmp-*` of saves and deletions a kill cut short, at start. A save whose manifest was
     written and whose every file verifies lost only its rename: it is put in place (a kill
@@ -209,8 +218,7 @@ def settle_leftovers(root: Path, hashes: bool) -> Leftovers:
     other save is never loadable and is deleted; a deletion is finished."""
     settled = Leftovers()
     for tmp in sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []:
-        final = root / tmp.name.removeprefix(TMP_PREFIX)
-        if tmp.is_dir() and step_of(final) >= 0 and not final.exists() and verify(tmp, hashes) is None:
+        if (final := whole_save(tmp, hashes)) is not None:
             rename_into_place(tmp, final)
             settled.completed.append(final.name)
             continue
@@ -307,6 +315,11 @@ def rename_into_place(tmp: Path, final: Path) -> Path:
     return final
 
 
+def is_milestone(step: int, keep_every: int) -> bool:
+    """A checkpoint.keep_every step: kept by retention, and marked so in its manifest."""
+    return bool(keep_every) and step % keep_every == 0
+
+
 def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str]:
     """Delete published checkpoints beyond the newest `keep_last`, but for milestones: multiples
     of `keep_every`, and those saved as milestones under an earlier keep_every (their manifest
@@ -319,7 +332,7 @@ def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str
     newest_valid = next((p for p in checkpoints if verify(p, hashes=False) is None), None)
     removed = []
     for i, path in enumerate(checkpoints):
-        if i < keep_last or path == newest_valid or (keep_every and step_of(path) % keep_every == 0):
+        if i < keep_last or path == newest_valid or is_milestone(step_of(path), keep_every):
             continue
         if (read_manifest(path) or {}).get("milestone"):
             continue

@@ -248,9 +248,8 @@ class Checkpointer:
             return
         if self.dist.is_main:
             written = {name: entry for _, files in outcomes for name, entry in files.items()}
-            every = self.settings.keep_every
-            final = checkpoint.publish(pending["tmp"], pending["state"], written, self.zero_stage,
-                                       milestone=bool(every) and pending["state"].step % every == 0)
+            milestone = checkpoint.is_milestone(pending["state"].step, self.settings.keep_every)
+            final = checkpoint.publish(pending["tmp"], pending["state"], written, self.zero_stage, milestone)
             faults.kill_if_armed("latest")
             removed = checkpoint.apply_retention(self.root, self.settings.keep_last, self.settings.keep_every)
             self._report(final, pending, written, removed, step, time.perf_counter() - waited)

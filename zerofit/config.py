@@ -620,6 +620,12 @@ class PlanConfig(Section):
         return self
 
 
+# The sections that do not decide the numbers a run computes (how it saves, evaluates, logs and
+# watches memory): left out of the fingerprint a checkpoint records; a resume names their changes
+# against the run's config.yaml (runfiles.changed_unrecorded).
+UNRECORDED = ("checkpoint", "eval", "log", "memory", "elastic")
+
+
 class Config(Section):
     run_dir: str = "runs/run"
     """Where the run's files go (config, plan, metrics, memory, checkpoints)."""
@@ -636,9 +642,10 @@ class Config(Section):
     plan: PlanConfig = PlanConfig()
 
     def fingerprinted(self) -> dict:
-        """What decides the numbers a run computes (not where it logs or saves): model.chat_template
-        by its text's hash, not its path (a template moved is none changed, one edited in place is)."""
-        values = self.model_dump(mode="json", exclude={"run_dir", "log", "eval", "checkpoint", "memory", "elastic"})
+        """What decides the numbers a run computes (not where it logs or saves: UNRECORDED):
+        model.chat_template by its text's hash, not its path (a template moved is none changed,
+        one edited in place is)."""
+        values = self.model_dump(mode="json", exclude={"run_dir", *UNRECORDED})
         template = Path(self.model.chat_template or "")
         if self.model.chat_template and template.is_file():
             values["model"]["chat_template"] = f"sha256 {hashlib.sha256(template.read_bytes()).hexdigest()[:12]}"

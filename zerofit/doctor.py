@@ -146,8 +146,7 @@ def checkpoint_findings(run_dir: Path, newest: Path | None, damaged: list[tuple[
              for name, reason in damaged]
     partial = sorted((run_dir / "checkpoints").glob(f"{checkpoint.TMP_PREFIX}step-*")) if not running else []
     for path in partial:
-        final = path.with_name(path.name.removeprefix(checkpoint.TMP_PREFIX))
-        if not final.exists() and checkpoint.verify(path, hashes=False) is None:  # settle_leftovers' rule
+        if (final := checkpoint.whole_save(path, hashes=False)) is not None:  # what the next start puts in place
             found.append(Finding("save_cut_short", "info", "disk", f"a save was killed before its rename: "
                                  f"checkpoints/{path.name} is whole (every file its manifest lists, at its size)",
                                  "the process ended between the save's manifest and its rename",

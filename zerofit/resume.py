@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit import checkpoint, data, elastic, universal, zerofiles
+from zerofit import checkpoint, data, elastic, runfiles, universal, zerofiles
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, short
 from zerofit.progress import say, warn
@@ -102,7 +102,7 @@ def set_aside_earlier_run(root: Path) -> None:
     for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"), root.parent / "tensorboard"]:
         if record.exists():  # the new run would write over (or add to) them: they go with their checkpoints
             os.replace(record, moved.path / record.name)
-    for kept in RUN_DESCRIPTION:  # rewritten by the new run: copied, so an export of these reads their own
+    for kept in runfiles.RUN_DESCRIPTION:  # rewritten by the new run: copied, so an export of these reads their own
         source = root.parent / kept
         if source.is_dir():
             shutil.copytree(source, moved.path / kept)
@@ -111,11 +111,6 @@ def set_aside_earlier_run(root: Path) -> None:
     warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics and memory "
          f"records to {moved.path}, with a copy of its model/ and config; delete that directory when you no longer "
          f"need them")
-
-
-# What describes a run's checkpoints besides their files: the model directory an export reads (the
-# HF config, the tokenizer and its chat template) and the config they were trained under.
-RUN_DESCRIPTION = ("model", "config.yaml", "plan.json", "ds_config.json")
 
 
 def refuse_resume_without_checkpoint(config: Config, resume: bool | None) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from zerofit import models, planview, tokenizing
-from zerofit.config import Config, ConfigError, changed_settings
+from zerofit.config import UNRECORDED, Config, ConfigError, changed_settings
 from zerofit.configfile import dump_yaml
 from zerofit.progress import say
 
@@ -45,6 +45,9 @@ def usable_run_dir(run_dir: Path) -> Path:
 
 RUN_SUBDIRECTORIES = ("checkpoints", "model", "postmortem")  # what a run makes inside its run_dir
 RUN_FILES = ("config.yaml", "plan.json", "ds_config.json")  # written at every start (write_run_files)
+# What describes a run's checkpoints besides their files: the model directory an export reads (the
+# HF config, the tokenizer and its chat template) and the config they were trained under.
+RUN_DESCRIPTION = ("model", *RUN_FILES)
 
 
 def checkpoints_owner(path: Path) -> Path | None:
@@ -53,11 +56,6 @@ def checkpoints_owner(path: Path) -> Path | None:
         if directory.name == "checkpoints" and all((directory.parent / name).is_file() for name in RUN_FILES):
             return directory.parent
     return None
-
-
-# The sections a checkpoint does not record (Config.fingerprinted leaves them out): how the run
-# saves, evaluates, logs and watches memory. Their changes are named against config.yaml.
-UNRECORDED = ("checkpoint", "eval", "log", "memory", "elastic")
 
 
 def changed_unrecorded(run_dir: Path, config: Config) -> list[str]:

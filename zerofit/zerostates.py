@@ -167,15 +167,22 @@ def _backward_order(spec: ModelSpec, checkpointing: bool, fetched: list[bool]) -
     return backward + [(i, False) for i in reversed(head)]
 
 
+def trace_entries(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[tuple[int, bool]]:
+    """ZeRO-3's module trace of one step as (module index, a recompute): the modules that fetch
+    (fetching_modules) in module order, then in the backward's (_backward_order)."""
+    fetches = fetching_modules(spec, persistence_threshold)
+    return [(i, False) for i in range(len(spec.modules)) if fetches[i]] + \
+        [(i, recompute) for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
+
+
 def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int):
-    """ZeRO-3's module trace of one step: forward in module order, then backward
-    (_backward_order). Modules whose parameters are all persistent drop out (never fetched)."""
+    """ZeRO-3's module trace of one step (trace_entries) as each entry's fetched parameters, how
+    many entries the forward has, and every parameter's elements. Persistent parameters are
+    never fetched."""
     numel = {p.name: p.numel for p in spec.params}
-    module_params = [tuple(n for n in m.params if numel[n] > persistence_threshold) for m in spec.modules]
-    forward = list(range(len(spec.modules)))
-    backward = [i for i, _ in _backward_order(spec, checkpointing, fetching_modules(spec, persistence_threshold))]
-    trace = [module_params[i] for i in forward + backward if module_params[i]]
-    return trace, sum(1 for i in forward if module_params[i]), numel
+    trace = [tuple(n for n in spec.modules[i].params if numel[n] > persistence_threshold)
+             for i, _ in trace_entries(spec, checkpointing, persistence_threshold)]
+    return trace, sum(fetching_modules(spec, persistence_threshold)), numel
 
 
 def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
@@ -186,12 +193,9 @@ def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
     the trace's order; else from the module tree: a module's own call, those of the modules
     without parameters before it (ModuleSize.hooked_before) and of the modules dropped as all
     persistent."""
-    fetches = fetching_modules(spec, persistence_threshold)
-    order = list(range(len(spec.modules))) + [i for i, _ in _backward_order(spec, checkpointing, fetches)]
-    traced = [spec.modules[i].name for i in order if fetches[i]]
     if spec.hook_events is not None:
-        fetching = {spec.modules[i].name for i in order if fetches[i]}
-        calls, called, pending = [], [], 0
+        traced = [spec.modules[i].name for i, _ in trace_entries(spec, checkpointing, persistence_threshold)]
+        fetching, calls, called, pending = set(traced), [], [], 0
         for kind, name in spec.hook_events:
             if kind == "recompute" and not checkpointing:
                 continue
@@ -202,6 +206,8 @@ def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int
                 pending = 0
         if called == traced:
             return calls
+    fetches = fetching_modules(spec, persistence_threshold)
+    order = list(range(len(spec.modules))) + [i for i, _ in _backward_order(spec, checkpointing, fetches)]
     calls, pending = [], 0
     for i in order:
         pending += 1 + spec.modules[i].hooked_before
@@ -217,15 +223,14 @@ def recompute_spans(spec: ModelSpec, checkpointing: bool, persistence_threshold:
     the block is recomputed: its parameters stay gathered through the recompute, and its
     gradient comes after it (bench/results/gathered_probe-tinyllama-1.1b-param_nvme-s512.json:
     the bucket's first reduce, at lm_head's norm, had the recompute's parameters gathered)."""
-    fetches = fetching_modules(spec, persistence_threshold)
-    entries = [recompute for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
-    n_forward, spans = sum(fetches), {}
-    for k in range(len(entries) - 1):
-        if not entries[k] and entries[k + 1]:
+    recomputes = [recompute for _, recompute in trace_entries(spec, checkpointing, persistence_threshold)]
+    spans = {}
+    for k in range(len(recomputes) - 1):
+        if not recomputes[k] and recomputes[k + 1]:
             last = k + 1
-            while last + 1 < len(entries) and entries[last + 1]:
+            while last + 1 < len(recomputes) and recomputes[last + 1]:
                 last += 1
-            spans[n_forward + k] = n_forward + last
+            spans[k] = last
     return spans
 
 
@@ -234,9 +239,10 @@ def backward_grads(spec: ModelSpec, checkpointing: bool, persistence_threshold: 
     backward produces its own (persistent ones too), a forward or a block's recompute none; a
     block's last module at the end of its recompute (recompute_spans)."""
     trainable = {p.name: p.numel for p in spec.params if p.trainable}
-    fetches = fetching_modules(spec, persistence_threshold)
-    grads = [0] * sum(fetches) + [0 if recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
-                                  for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
+    entries = trace_entries(spec, checkpointing, persistence_threshold)
+    n_forward = sum(fetching_modules(spec, persistence_threshold))
+    grads = [0 if k < n_forward or recompute else sum(trainable.get(n, 0) for n in spec.modules[i].params)
+             for k, (i, recompute) in enumerate(entries)]
     for first, last in recompute_spans(spec, checkpointing, persistence_threshold).items():
         grads[last], grads[first] = grads[first], 0
     return grads
