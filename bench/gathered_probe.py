@@ -11,6 +11,7 @@ gathered_probe-<model>-<mode>-s<seq>.json with the replay's numbers for the same
 divergence shows at the module where it starts.
 
     python bench/gathered_probe.py --model llama-1.5b --mode optimizer_param_cpu --seq-len 512 --steps 3
+    python bench/gathered_probe.py --model llama-1.5b --mode optimizer_param_cpu --seq-len 512 --steps 3 --lora
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 
-def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero: dict) -> dict:
+def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero: dict, lora: bool,
+          evaluate: bool = False) -> dict:
     """Train one cell with the coordinator wrapped; the events of every step."""
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -67,27 +69,29 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
     wrap("release_sub_module")
     reset_step = coordinator.reset_step
 
-    def reset(self):
-        steps_seen.append([])
+    def reset(self):  # at the start of each forward: what the last one left gathered opens the next
+        steps_seen.append([["reset", True, "", gathered()]] if "params" in built else [])
         return reset_step(self)
     coordinator.reset_step = reset
 
-    cell = planner_accuracy.Cell(model=model_name, mode=mode, seq_len=seq_len, cap_gib=8)
+    cell = planner_accuracy.Cell(model=model_name, mode=mode, seq_len=seq_len, cap_gib=8, lora=lora, evaluate=evaluate)
     config = planner_accuracy.run_config(cell, work / "run", steps, "64GiB")
     config["zero"].update(zero)
     train(validate(config), resume=False)
     return {"steps": [s for s in steps_seen if s]}
 
 
-def replay(model_name: str, mode: str, seq_len: int, work: Path) -> dict:
-    """The planner's replay for the candidate the run chose (read back from plan.json)."""
+def replay(seq_len: int, work: Path) -> dict:
+    """The planner's replay for the candidate the run chose (read back from plan.json), on the
+    model the run trained (its config.yaml: the peft model with lora.enabled)."""
     from zerofit import modelspec, zerostates
     from zerofit.activations import nvme_parameters
+    from zerofit.configfile import load
     from zerofit.planner import Candidate, Shape
 
     plan = json.loads((work / "run" / "plan.json").read_text())
     cand = Candidate(**plan["candidate"])
-    spec = modelspec.from_name(model_name)
+    spec = modelspec.from_config(load(work / "run" / "config.yaml"))
     nvme = nvme_parameters(spec, Shape(seq_len=seq_len, micro_batch=1, world_size=1), cand)
     trace, n_forward, numel = zerostates.zero3_trace(spec, True, cand.param_persistence_threshold)
     result = zerostates.gathered_numel(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
@@ -106,14 +110,18 @@ def main() -> None:
     parser.add_argument("--zero", action="append", default=[], metavar="KEY=INT",
                         help="a zero section setting for the run (the planner takes it as given), e.g. "
                              "max_live_parameters=20000")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters (the lora section's defaults)")
+    parser.add_argument("--eval", action="store_true", help="an eval of 4 sequences after every step (each of its "
+                        "forwards is a list of its own)")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = parser.parse_args()
     zero = {key: int(value) for key, value in (item.split("=", 1) for item in args.zero)}
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gathered-probe-{os.getpid()}"
-    measured = probe(args.model, args.mode, args.seq_len, args.steps, work, zero)
+    measured = probe(args.model, args.mode, args.seq_len, args.steps, work, zero, args.lora, args.eval)
     record = {"command": "python " + " ".join(sys.argv), "model": args.model, "mode": args.mode,
-              "seq_len": args.seq_len, **measured, "replay": replay(args.model, args.mode, args.seq_len, work)}
-    settings = "".join(f"-{key}{value}" for key, value in zero.items())
+              "seq_len": args.seq_len, "lora": args.lora, **measured, "replay": replay(args.seq_len, work)}
+    settings = "".join(f"-{key}{value}" for key, value in zero.items()) + ("-lora" if args.lora else "") + \
+        ("-eval" if args.eval else "")
     out = Path(args.out) / f"gathered_probe-{args.model}-{args.mode}-s{args.seq_len}{settings}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record))

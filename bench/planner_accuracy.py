@@ -57,15 +57,19 @@ class Cell:
     cap_gib: int
     micro_batch: int = 1
     attn: str = "sdpa"   # model.attn_implementation
+    lora: bool = False   # LoRA adapters (lora section's defaults) on the frozen base
+    evaluate: bool = False  # an eval of 4 held-out sequences after every step, measured apart
     record: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.mode}-s{self.seq_len}-cap{self.cap_gib}{'-' + self.attn if self.attn != 'sdpa' else ''}"
+        return (f"{self.model}-{self.mode}-s{self.seq_len}-cap{self.cap_gib}"
+                f"{'-' + self.attn if self.attn != 'sdpa' else ''}{'-lora' if self.lora else ''}"
+                f"{'-eval' if self.evaluate else ''}")
 
     def key(self) -> tuple:
         """What decides the allocations: everything but the cap."""
-        return self.model, self.mode, self.seq_len, self.micro_batch, self.attn
+        return self.model, self.mode, self.seq_len, self.micro_batch, self.attn, self.lora, self.evaluate
 
 
 def run_config(cell: Cell, run_dir: Path, steps: int, host_budget: str) -> dict:
@@ -76,14 +80,15 @@ def run_config(cell: Cell, run_dir: Path, steps: int, host_budget: str) -> dict:
     return {
         "run_dir": str(run_dir),
         "model": {"config": cell.model, "gradient_checkpointing": True, "attn_implementation": cell.attn},
-        "data": {"path": "synthetic", "synthetic_samples": 64, "eval_fraction": 0.0},
+        "data": {"path": "synthetic", "synthetic_samples": 64, "eval_fraction": 0.1 if cell.evaluate else 0.0},
         "train": {"seq_len": cell.seq_len, "micro_batch_size": cell.micro_batch, "grad_accum_steps": 1,
                   "max_steps": steps, "precision": "bf16", "warmup_steps": 0},
         "zero": zero,
         "checkpoint": {"save_final": False},
-        "eval": {"at_end": False},
+        "eval": {"every_steps": 1, "max_sequences": 4} if cell.evaluate else {"at_end": False},
         "log": {"progress": False},
         "plan": {"gpu_mem": f"{cell.cap_gib}GiB", "host_mem": host_budget},
+        "lora": {"enabled": cell.lora},
     }
 
 
@@ -115,7 +120,9 @@ def worker(cell_file: Path) -> None:
     every = [r for r in memory.read_timeline(run_dir) if r["phase"] in ("forward", "backward", "optimizer_step")]
     # The first window (step 1's forward) also spans the model build and deepspeed.initialize.
     rows = [r for r in every if (r["step"], r["phase"]) != (1, "forward")]
+    evals = [r for r in memory.read_timeline(run_dir) if r["phase"] == "eval"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in metrics if "step_seconds" in m]  # an eval's own line has none
     plan = json.loads((run_dir / "plan.json").read_text())
     result = {
         "measured_gpu_peak": max(r["gpu_peak"] for r in rows),
@@ -135,6 +142,9 @@ def worker(cell_file: Path) -> None:
                                  "host": plan["devices"]["host"]["components"]},
         "chosen": plan["chosen"], "seconds": round(time.time() - started, 1), **baseline,
     }
+    if evals:  # measured apart: the matrix's GPU peak stays the training's
+        result.update(measured_eval_gpu_peak=max(r["gpu_peak"] for r in evals),
+                      predicted_eval_gpu_peak=plan["phases"]["eval"]["gpu"])
     if traced:
         result["peak_trace"] = traced
     (cell_file.parent / "result.json").write_text(json.dumps(result))
@@ -151,7 +161,9 @@ def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     from zerofit.configfile import validate
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))
-    spec = SPECS.setdefault(cell.model, modelspec.from_config(config))
+    if (cell.model, cell.lora) not in SPECS:
+        SPECS[cell.model, cell.lora] = modelspec.from_config(config)
+    spec = SPECS[cell.model, cell.lora]
     hw = hardware.probe(disk_path=ROOT, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem if setup["accelerator"] == "cuda" else None,
                         host_mem=host_budget, accelerator=setup["accelerator"])
     hw = hardware.with_overrides(hw, cpu_cores=cores, disk_free_bytes=10**13)
@@ -200,6 +212,8 @@ def main() -> None:
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seq-lens", help="comma-separated subset of the matrix's sequence lengths")
     parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="model.attn_implementation of every cell")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters (the lora section's defaults) in every cell")
+    parser.add_argument("--eval", action="store_true", help="an eval after every step, its GPU peak measured apart")
     parser.add_argument("--steps", type=int, help="optimizer steps per cell (default 2; DeepSpeed's parameter trace "
                         "is recorded in step 2 and prefetches and reuses from step 3)")
     parser.add_argument("--trace-peak", action="store_true",
@@ -222,11 +236,13 @@ def main() -> None:
     setup["trace_peak"] = args.trace_peak
     if args.steps:
         setup["steps"] = args.steps
-    subset = args.models or args.modes or args.seq_lens or args.trace_peak or args.attn != "sdpa" or args.steps
+    subset = (args.models or args.modes or args.seq_lens or args.trace_peak or args.attn != "sdpa" or args.steps
+              or args.lora or args.eval)
     out = Path(args.out) / ("planner_accuracy.json" if not subset else
                             f"planner_accuracy-{args.models or 'all'}-{args.modes or 'all'}"
                             f"{'-s' + args.seq_lens if args.seq_lens else ''}{'-trace' if args.trace_peak else ''}"
                             f"{'-' + args.attn if args.attn != 'sdpa' else ''}{f'-{args.steps}steps' if args.steps else ''}"
+                            f"{'-lora' if args.lora else ''}{'-eval' if args.eval else ''}"
                             ".json".replace(",", "_"))
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"planner-accuracy-{os.getpid()}"
@@ -243,7 +259,7 @@ def main() -> None:
     else:
         gpu_total = 0
 
-    cells = [Cell(m, mode, s, cap, attn=args.attn) for m in setup["models"] for mode in setup["modes"] for s in setup["seq_lens"]
+    cells = [Cell(m, mode, s, cap, attn=args.attn, lora=args.lora, evaluate=args.eval) for m in setup["models"] for mode in setup["modes"] for s in setup["seq_lens"]
              for cap in setup["caps_gib"]]
     todo: list[Cell] = []
     first_of: dict[tuple, Cell] = {}
@@ -251,6 +267,7 @@ def main() -> None:
         p = predict(cell, setup, per_proc_cores, host_budget)
         cell.record = {"model": cell.model, "offload_mode": cell.mode, "seq_len": cell.seq_len, "attn": cell.attn,
                        "micro_batch": cell.micro_batch, "cap_gib": cell.cap_gib, "gradient_checkpointing": True,
+                       "lora": cell.lora, "eval": cell.evaluate,
                        "fits": p["fits"], "predicted_gpu_peak": p["predicted_gpu_peak"],
                        "predicted_host_rss": p["predicted_host_rss"], "status": "pending"}
         if not p["fits"]:
@@ -335,6 +352,9 @@ def finish(cell: Cell, returncode: int | None, cell_dir: Path, cells: list[Cell]
         cell.record["error_host_rss_pct"] = error_pct(result["predicted_host_rss"], result["measured_host_rss"])
         cell.record["error_step_seconds_pct"] = error_pct(result["predicted_step_seconds"],
                                                           result["measured_step_seconds"])
+        if "measured_eval_gpu_peak" in result:
+            cell.record["error_eval_gpu_peak_pct"] = error_pct(result["predicted_eval_gpu_peak"],
+                                                               result["measured_eval_gpu_peak"])
     elif not cell.record["status"].startswith("timeout"):
         log = (cell_dir / "log.txt").read_text()[-3000:] if (cell_dir / "log.txt").exists() else ""
         cell.record.update(status=f"failed (exit {returncode})", log_tail=log)
@@ -349,7 +369,9 @@ def summarise(cells: list[Cell], seconds: float) -> None:
     for r in measured:
         print(f"  {r['model']:11s} {r['offload_mode']:20s} s{r['seq_len']:<5d} cap {r['cap_gib']:>2d}: gpu "
               f"{r['measured_gpu_peak'] / GIB:6.2f} GiB ({r['error_gpu_peak_pct']}%), host "
-              f"{r['measured_host_rss'] / GIB:6.2f} GiB ({r['error_host_rss_pct']}%)", flush=True)
+              f"{r['measured_host_rss'] / GIB:6.2f} GiB ({r['error_host_rss_pct']}%)"
+              + (f", eval gpu {r['measured_eval_gpu_peak'] / GIB:6.2f} GiB ({r['error_eval_gpu_peak_pct']}%)"
+                 if "measured_eval_gpu_peak" in r else ""), flush=True)
 
 
 if __name__ == "__main__":

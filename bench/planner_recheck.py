@@ -59,17 +59,20 @@ def recheck() -> list[dict]:
                 continue
             cell = planner_accuracy.Cell(model=c["model"], mode=c["offload_mode"], seq_len=c["seq_len"],
                                          cap_gib=c["cap_gib"], micro_batch=c.get("micro_batch", 1),
-                                         attn=c.get("attn", "sdpa"))
+                                         attn=c.get("attn", "sdpa"), lora=c.get("lora", False),
+                                         evaluate=c.get("eval", False))
             if cell.key() in seen:
                 continue
             seen.add(cell.key())
             predicted = planner_accuracy.predict(cell, {"steps": 2, "accelerator": "cuda"}, 2, "100GiB")
             cells.append({"file": path.name, "model": cell.model, "mode": cell.mode, "seq_len": cell.seq_len,
-                          "micro_batch": cell.micro_batch, "attn": cell.attn,
-                          "measured_gpu_peak": c["measured_gpu_peak"],
+                          "micro_batch": cell.micro_batch, "attn": cell.attn, "lora": cell.lora,
+                          # a cell with evals: the plan's peak is over its eval phase too
+                          "measured_gpu_peak": max(c["measured_gpu_peak"], c.get("measured_eval_gpu_peak", 0)),
                           "predicted_gpu_peak": predicted["predicted_gpu_peak"],
-                          "error_pct": round(100 * (predicted["predicted_gpu_peak"] - c["measured_gpu_peak"])
-                                             / c["measured_gpu_peak"], 1)})
+                          "eval": cell.evaluate})
+            cells[-1]["error_pct"] = round(100 * (cells[-1]["predicted_gpu_peak"] - cells[-1]["measured_gpu_peak"])
+                                           / cells[-1]["measured_gpu_peak"], 1)
     return cells
 
 
@@ -85,7 +88,7 @@ def main() -> None:
     summary = {"cells": len(cells), "min_error_pct": min(errors), "max_error_pct": max(errors),
                "within_3_pct": sum(abs(e) <= 3 for e in errors)}
     for c in cells:
-        print(f"{c['model']:16s} {c['mode']:22s} s{c['seq_len']:<5d} {c['attn']:5s} measured "
+        print(f"{c['model']:16s} {c['mode']:22s} s{c['seq_len']:<5d} {c['attn']:5s}{' lora' if c['lora'] else ''}{' eval' if c['eval'] else ''} measured "
               f"{c['measured_gpu_peak'] / 2**30:6.2f} GiB, predicted {c['predicted_gpu_peak'] / 2**30:6.2f} "
               f"({c['error_pct']:+.1f}%)")
     print(summary)

@@ -118,6 +118,17 @@ def trainable_outside_and_in_blocks(spec: ModelSpec) -> tuple[int, int, int]:
     return after, before, inside
 
 
+def trainable_block_numel(spec: ModelSpec) -> int | None:
+    """The most trainable elements of one block (a LoRA block's adapters only); None when the
+    model's blocks are not found."""
+    trainable = {p.name: p.numel for p in spec.params if p.trainable}
+    per_block: dict[int, int] = {}
+    for m in spec.modules:
+        if m.layer is not None:
+            per_block[m.layer] = per_block.get(m.layer, 0) + sum(trainable.get(n, 0) for n in m.params)
+    return max(per_block.values()) if per_block else None
+
+
 def nvme_parameters(spec: ModelSpec, shape: Shape, cand: Candidate) -> frozenset[str]:
     """The parameters the coordinator reads from NVMe for each use (zerostates.nvme_resident);
     none unless offload_param is nvme. llama-0.5b's all fit max_in_cpu and it behaves as on
@@ -196,13 +207,19 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
             cand.param_persistence_threshold, cand.reduce_bucket_size, nvme_parameters(spec, shape, cand))))
     # Weight gradients exist only for trainable parameters (a LoRA base has none).
     head_numel, embedding_numel, block_module = trainable_outside_and_in_blocks(spec)
-    bucket = min(cand.reduce_bucket_size, spec.layer_params or cand.reduce_bucket_size)
+    # The last block's reduce holds at most its own gradients: a LoRA block's are a few
+    # adapters, flushed once the bucket fills, blocks later (the first_flush moment).
+    in_block = trainable_block_numel(spec)
+    bucket = min(cand.reduce_bucket_size, cand.reduce_bucket_size if in_block is None else in_block)
 
-    # The forward peaks at the loss, or under eager attention possibly inside the last block,
-    # whose scores are gone before the logits exist.
+    # The forward peaks at the loss, with what lm_head's fetch left gathered, or inside a block,
+    # with the most gathered there (under eager attention its scores too; they are gone before
+    # the logits exist). The two need not be one moment: a LoRA base, frozen, is gathered up to
+    # the live window well before lm_head (planner_accuracy-...-lora.json: summing them was 21%
+    # over on llama-3.6b at s2048).
     forward = max(({"activations_saved": blocks_saved + final_norm, "attention_mask": mask,
                     "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
-                    "gathered_params": gathered.forward},
+                    "gathered_params": gathered.at_loss},
                    {"activations_saved": blocks_saved, "attention_mask": mask,
                     "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
                     "gathered_params": gathered.forward}), key=lambda comps: sum(comps.values()))
@@ -225,10 +242,13 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
                       "gathered_params": gathered.at_end},
     }
     at, backward = max(backward_options.items(), key=lambda kv: sum(kv[1].values()))
-    # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time.
-    evaluation = {"logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False), "attention_mask": mask,
-                  "block_working": T * layer_full, "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
-                  "gathered_params": gathered.forward}
+    # Evaluation runs forward under no_grad: nothing is saved, one block's tensors at a time;
+    # its two moments are the forward's.
+    evaluation = max(({"logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
+                       "attention_mask": mask, "gathered_params": gathered.at_loss},
+                      {"block_working": T * layer_full, "attention_mask": mask,
+                       "attention_scores": T * attention_scores_per_token(spec, a, eager_seq),
+                       "gathered_params": gathered.forward}), key=lambda comps: sum(comps.values()))
     phases = {"forward": forward, "backward": backward,
               "optimizer_step": optimizer_step_device(spec, shape, cand, on_gpu), "eval": evaluation}
     return {name: {k: v for k, v in comps.items() if v} for name, comps in phases.items()} | {"backward_peak_at": at}

@@ -62,7 +62,9 @@ def module_table(hf_config, trust_remote_code: bool = False) -> ModuleTable:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    from zerofit.modelspec import _zero3_off
+
+    with torch.device("meta"), _zero3_off():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     output = model.get_output_embeddings()
     kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}

@@ -313,6 +313,7 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
     with torch.no_grad(), CountProgress(f"step {step} eval", len(batches), "micro batches", *shown) as progress:
         for batch, n in zip(batches, learned_counts):  # the mean over every token evaluated, as the training loss is
             loss_value = forward_loss(ds_engine, batch, config.train.chunked_loss).float()
+            engine.release_gathered(ds_engine)  # else the next forward gathers on top of this one's leftovers
             summed.append(loss_value * n if n else torch.zeros((), device=ds_engine.device))  # a stand-in row: 0/0
             progress.advance()
     ds_engine.train()

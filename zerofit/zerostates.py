@@ -306,6 +306,9 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int
     fetched_for: dict[str, int] = {}  # __most_recent_step_id_param_fetched_for
     live, head, lives, after_release = 0, 0, [], []
     held_until = recompute_spans(spec, checkpointing, persistence_threshold)
+    span_end = {t: last for first, last in held_until.items() for t in range(first + 1, last + 1)}
+    frozen = {p.name for p in spec.params if not p.trainable}
+    held_by_trigger: set[str] = set()  # a recompute's frozen parameters (update_recompute_parameters)
 
     def prefetch() -> None:  # one fetch call's prefetch from the queue's head
         nonlocal live, head
@@ -337,12 +340,20 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int
         head = max(head, t + 1)
         prefetch()
         lives.append(live)
+        held_by_trigger.update(n for n in params if t in span_end and n in frozen)
         for n in params:
             nxt = next_use[t].get(n)
-            if fetched_for[n] <= t and (nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance):
+            if n not in held_by_trigger and fetched_for[n] <= t and \
+                    (nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance):
                 available.discard(n)
                 in_buffers.discard(n)
                 live -= numel[n]
+        if span_end.get(t) == t:  # the recompute is over: the backward module that ran it releases them
+            for n in held_by_trigger & available:
+                available.discard(n)
+                in_buffers.discard(n)
+                live -= numel[n]
+            held_by_trigger.clear()
         after_release.append(live)
     return lives, after_release
 
@@ -483,14 +494,16 @@ FIRST_STEP_HOST = ("adam_moments_fp32", "first_step_moments_pipelined")
 def engine_start_host(host_states: dict[str, int], spec: ModelSpec, shape: Shape, cand: Candidate,
                       on_gpu: bool) -> dict[str, int]:
     """Host RAM while deepspeed.initialize builds the engine: the resident states less what
-    the first step creates, plus a second copy of the rank's 16-bit parameters when they
-    are offloaded. That copy was measured, not traced: llama-3.6b with parameters on CPU,
-    VmHWM 7.2 GB (= 2 bytes x 3.6B) above the RSS after start in all three runs of
-    bench/results/nvme-3.6b-a64.json (CPU, NVMe, pipelined NVMe). With the optimizer on the CPU the
-    moments of the first step hide it; on NVMe it is the run's host peak."""
+    the first step creates, plus a second copy of the rank's trainable 16-bit parameters when
+    they are offloaded (the optimizer's flat 16-bit buffers, filled from the partitions:
+    stage3._create_fp16_partitions_with_defragmentation; a frozen base is not in them).
+    Measured: llama-3.6b with parameters on CPU, VmHWM 7.2 GB (= 2 bytes x 3.6B) above the RSS
+    after start in all three runs of bench/results/nvme-3.6b-a64.json (CPU, NVMe, pipelined
+    NVMe); a LoRA run of the same model, none (planner_accuracy-...-lora.json). With the
+    optimizer on the CPU the moments of the first step hide it; on NVMe it is the run's host peak."""
     start = {k: v for k, v in host_states.items() if k not in FIRST_STEP_HOST}
     if on_gpu and cand.offload_param != "none":
-        start["engine_init_16bit_params_copy"] = shape.element_bytes * partition_numel(spec.total_params,
+        start["engine_init_16bit_params_copy"] = shape.element_bytes * partition_numel(spec.trainable_params,
                                                                                      shape.world_size)
     return start
 
