@@ -709,6 +709,48 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     assert run_model_dir(earlier) == earlier / "model" and (earlier / "model" / "config.json").is_file()
     assert max(r["step"] for r in read_jsonl(earlier / "metrics.jsonl")) == 6
     assert max(r["step"] for r in read_jsonl(run / "metrics.jsonl")) == 2
+    # the doctor reads the directory as that run, its checkpoints too (it looked for earlier-*/checkpoints/)
+    assert {f.step for f in diagnose(earlier).findings if f.kind == "checkpoint_damaged"} == {4, 6}
+
+
+def test_a_new_run_keeps_the_records_of_an_earlier_one_that_saved_no_checkpoint(tmp_path):
+    """A run killed in step 2, before its first save (every 2 steps, kill before step 2's forward),
+    leaves metrics.jsonl, memory.jsonl and its last word, no checkpoint. The next start rewrote
+    metrics.jsonl, appended its timeline to the old one (the doctor counted a resume) and the
+    kill stayed in postmortem/ as this run's history: the evidence of what ended the earlier run
+    was gone. Now they are set aside in checkpoints/earlier-TIME/ as --no-resume sets a run aside,
+    the start's line says where, and the doctor reads each run on its own."""
+    from zerofit.lastword import RECORD
+
+    config = config_for(tmp_path, "run", max_steps=4)
+    killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: "kill@step:2"}, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run = tmp_path / "run"
+    deadline = time.monotonic() + 30  # the last word imports zerofit before it writes
+    while not (run / "postmortem" / RECORD).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    written = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "memory.jsonl", f"postmortem/{RECORD}")}
+    assert not (run / "checkpoints").exists() and [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+
+    done = run_zerofit(["train", "--config", str(config)])
+    earlier = next((run / "checkpoints").glob("earlier-*"))
+    assert (f"new run in {run.resolve()}: no checkpoint there to resume from; the earlier run's records "
+            f"(metrics.jsonl, memory.jsonl, postmortem) are kept in {earlier} (`zerofit doctor` reads them "
+            f"there)") in " ".join(done.stderr.split())
+    assert {name: (earlier / name).read_bytes() for name in written} == written  # as the killed run left them
+    assert (earlier / "config.yaml").is_file() and (earlier / "plan.json").is_file()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["phase"] for r in read_jsonl(run / "memory.jsonl")].count("start") == 1
+    assert not (run / "postmortem").exists()
+    before = diagnose(earlier)
+    assert before.ending == ("killed outright after step 1 (no end record; see the finding); no intact checkpoint "
+                             "(step 1 in no intact checkpoint)")
+    assert [f.severity for f in before.findings if f.kind == "killed"] == ["error"]
+    after = diagnose(run)
+    assert after.ending == "completed at step 4; newest intact checkpoint step-000004"
+    assert after.summary["resumes"] == 0 and not [f for f in after.findings if f.kind == "killed"]
+    again = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=6"])  # a resume: nothing moved
+    assert "resumed from" in again.stderr and len(list((run / "checkpoints").glob("earlier-*"))) == 1
 
 
 def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path):

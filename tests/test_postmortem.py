@@ -108,6 +108,24 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     assert "retry: the run started again after this OOM" in said and "retry-config.yaml" not in said
 
 
+def test_an_oom_retry_before_any_checkpoint_keeps_the_runs_records_in_place(tmp_path):
+    """An OOM in step 1 leaves no checkpoint: the retry starts from step 0 in the same run
+    directory. A new run there sets an earlier run's records aside (checkpoints/earlier-TIME/);
+    the retry is the same run, so its OOM record and post-mortem stay where the doctor reads them."""
+    config = oom_config(tmp_path)
+    done = run_zerofit(["train", "--config", str(config), "--on-oom", "retry"],
+                       env={"ZEROFIT_FAULT": "oom@step:1", **WIDE})
+    err = " ".join(done.stderr.split())
+    assert "restarting from step 0 (no checkpoint was saved)" in err and "done: step 8" in err
+    run = tmp_path / "run"
+    assert not list((run / "checkpoints").glob("earlier-*")) and "are kept in" not in err
+    phases = [(r["step"], r["phase"]) for r in read_jsonl(run / "memory.jsonl")]
+    assert (1, "oom") in phases and phases.count((0, "start")) == 2
+    assert (run / "postmortem" / "report.md").is_file()
+    oom = next(f for f in diagnose(run).findings if f.kind == "oom")
+    assert "the run resumed afterwards with train.micro_batch_size 4 -> 2" in oom.title
+
+
 def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     """Rank 1 of 2 runs out of memory in step 5 (checkpoints every 3 steps): no rank can retry
     alone, so it hands its safer settings over and exits; torchrun (--max-restarts 1) restarts
@@ -130,6 +148,23 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     assert f"details: {run / 'postmortem' / 'rank1' / 'report.md'}" in out
     doctor = run_zerofit(["doctor", str(run)], env=WIDE).stdout  # rank 1's post-mortem, not none
     assert "out-of-memory post-mortem" in doctor and "GPU out of memory in the forward pass of step 5" in doctor
+
+
+def test_a_torchrun_restart_before_any_checkpoint_keeps_the_runs_records_in_place(tmp_path):
+    """Rank 1 of 2 runs out of memory in step 2, before the first save: torchrun's restart starts
+    the ranks from step 0 in the same run directory. That is the same run (rank 0 counts the
+    job's attempts in torchrun's store), not a new one: its records, rank 1's OOM among them,
+    are not set aside."""
+    config = oom_config(tmp_path)
+    done = run_zerofit(["train", "--config", str(config), "--on-oom", "retry"], nproc=2,
+                       env={"ZEROFIT_FAULT": "oom@step:2", "ZEROFIT_FAULT_RANKS": "1", **WIDE},
+                       torchrun_args=("--max-restarts", "1"))
+    out = " ".join((done.stdout + done.stderr).split())
+    assert "torchrun restarted every rank" in out and "new run in" in out and "done: step 8" in out
+    run = tmp_path / "run"
+    assert not list((run / "checkpoints").glob("earlier-*")) and "are kept in" not in out
+    assert (2, "oom") in [(r["step"], r["phase"]) for r in read_jsonl(run / "memory-rank1.jsonl")]
+    assert (run / "postmortem" / "rank1" / "report.md").is_file()
 
 
 # What rank 0's watcher says: the failure counted in the store, found by its look every second or

@@ -242,13 +242,27 @@ def set_aside(root: Path) -> SetAside | None:
     found = published(root) + sorted(root.glob("universal-step-*"))
     if not found:
         return None
-    target = unused(root / time.strftime("earlier-%Y%m%d-%H%M%S"))
-    target.mkdir()
+    target = earlier_directory(root)
     for path in found:
         os.replace(path, target / path.name)
     (root / LATEST).unlink(missing_ok=True)
     fsync_dir(root)
     return SetAside(target, [p.name for p in found])
+
+
+EARLIER_PREFIX = "earlier-"
+
+
+def earlier_directory(root: Path) -> Path:
+    """A new `earlier-<time>/` under `root` (made, with `root` if need be) for what an earlier run left."""
+    target = unused(root / time.strftime(f"{EARLIER_PREFIX}%Y%m%d-%H%M%S"))
+    target.mkdir(parents=True)
+    return target
+
+
+def is_earlier_run(path: Path) -> bool:
+    """Whether `path` is an earlier run set aside in a run's checkpoints/ (`earlier-<time>/`)."""
+    return path.name.startswith(EARLIER_PREFIX) and path.parent.name == "checkpoints"
 
 
 UNUSABLE_PREFIX = "unusable-"

@@ -73,7 +73,7 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     running_pid = runlock.holder(run_dir)
     # a run that goes on may remove the checkpoint being hashed (keep_last): sizes only while it runs
     by_hash = hashes and running_pid is None
-    newest, damaged = checkpoint.find_latest_valid(run_dir / "checkpoints", hashes=by_hash)
+    newest, damaged = checkpoint.find_latest_valid(checkpoints_of(run_dir), hashes=by_hash)
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
     findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
@@ -97,6 +97,12 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank},
                      running_pid, "" if running_pid is not None or source != "zerofit" else
                      how_it_ended(records, newest, killed_after(findings)))
+
+
+def checkpoints_of(run_dir: Path) -> Path:
+    """Where a run's checkpoints are: RUN_DIR/checkpoints, or for an earlier run set aside in
+    checkpoints/earlier-TIME/ (resume.set_aside_earlier_run) that directory itself."""
+    return run_dir if checkpoint.is_earlier_run(run_dir.absolute()) else run_dir / "checkpoints"
 
 
 def killed_after(findings: list[Finding]) -> int | None:
@@ -144,7 +150,7 @@ def checkpoint_findings(run_dir: Path, newest: Path | None, damaged: list[tuple[
                      "a save cut short, or a file changed or lost after it was written", [fallback],
                      checkpoint.step_of(Path(name)))
              for name, reason in damaged]
-    partial = sorted((run_dir / "checkpoints").glob(f"{checkpoint.TMP_PREFIX}step-*")) if not running else []
+    partial = sorted(checkpoints_of(run_dir).glob(f"{checkpoint.TMP_PREFIX}step-*")) if not running else []
     for path in partial:
         if (final := checkpoint.whole_save(path, hashes=False)) is not None:  # what the next start puts in place
             found.append(Finding("save_cut_short", "info", "disk", f"a save was killed before its rename: "
@@ -237,7 +243,7 @@ def read_yaml(path: Path) -> dict:
 
 def newest_checkpoint_bytes(run_dir: Path) -> int:
     """Size on disk of the newest checkpoint (zerofit's step-N or HF's checkpoint-N)."""
-    candidates = [p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir()] + \
+    candidates = [p for p in checkpoints_of(run_dir).glob("step-*") if p.is_dir()] + \
                  [p for p in run_dir.glob("checkpoint-*") if p.is_dir()]
     if not candidates:
         return 0

@@ -102,6 +102,17 @@ def current(environ=os.environ) -> Attempt | None:
                    int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
 
 
+STARTS_KEY = "zerofit/starts"
+
+
+def restarted() -> bool:
+    """Whether an earlier attempt of this torchrun job got as far as this one (rank 0 counts each
+    attempt's start in the agent store, which ends with the job): the same run goes on, its records
+    with it. Not TORCHELASTIC_RESTART_COUNT, which differs between nodes. False without torchrun."""
+    store = agent_store()
+    return store is not None and store.add(STARTS_KEY, 1) > 1
+
+
 def agent_store(timeout: timedelta = STORE_TIMEOUT):
     """torchrun's agent store, or None (no torchrun, or workers that do not share its store)."""
     if current() is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

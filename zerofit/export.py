@@ -269,7 +269,7 @@ def run_model_dir(checkpoints: Path) -> Path:
     """RUN_DIR/model for checkpoints in RUN_DIR/checkpoints; for those in checkpoints/earlier-TIME/
     (where --no-resume set an earlier run's aside: checkpoint.set_aside) the copy of that run's
     model/ kept there, else (set aside by an older zerofit) RUN_DIR/model."""
-    if checkpoints.name.startswith("earlier-") and checkpoints.parent.name == "checkpoints":
+    if checkpoint.is_earlier_run(checkpoints):
         if (checkpoints / "model").is_dir():
             return checkpoints / "model"
         checkpoints = checkpoints.parent

@@ -81,6 +81,7 @@ class Session:
     state: object = None
     timeline: object = None
     progress: object = None
+    retry: bool = False  # an OOM retry in this process: the same run, its records go on
 
     def begin(self, dist) -> None:
         """Right after the device is chosen: remember it, start the allocator history."""
@@ -109,8 +110,9 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
     """`run(config, resume, session)`; on an OOM: post-mortem, then stop (exit 1) or retry
     from the newest checkpoint with safer settings (memory.on_oom)."""
     retries_left = MAX_RETRIES if config.memory.on_oom == "retry" else 0
+    retry = False
     while True:
-        session = Session(config)
+        session = Session(config, retry=retry)
         try:
             return run(config, resume, session)
         except Exception as error:  # MemoryError and torch.OutOfMemoryError are Exceptions
@@ -132,7 +134,7 @@ def run_with_oom_policy(run, config: Config, resume: bool | None):
             retries_left -= 1
             faults.disarm("oom", "step", event.step)  # an injected OOM stands for the old settings
             say(retry_message(report, retries_left))
-            config, resume = validate(safer), None
+            config, resume, retry = validate(safer), None, True
             continue
         report["retries_used_up"] = config.memory.on_oom == "retry" and not retries_left
         if event.world_size > 1:  # no rank retries alone: torchrun's next attempt, if any, learns what to do

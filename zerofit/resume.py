@@ -52,29 +52,29 @@ def where_to_go_on(config: Config) -> str:
     return f"the newest checkpoint is {published[0].name}; {resume_command(config)} continues from it"
 
 
-def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -> ResumePoint:
+def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState, retry: bool = False) -> ResumePoint:
     """Rank 0 settles the `.tmp-*` a kill left (settle_leftovers), picks the newest checkpoint that verifies (reporting
     each one skipped and why), refuses one this config cannot load (`unloadable_changes`) and
     converts it to a universal checkpoint when it was written by another number of ranks;
     every rank gets the answer. Runs before the engine is built (loading a universal
-    checkpoint is a DeepSpeed config switch) and before the run's files are rewritten."""
+    checkpoint is a DeepSpeed config switch) and before the run's files are rewritten. A new run
+    sets an earlier run's checkpoints (--no-resume) and records aside first; an OOM `retry` in
+    this process or torchrun's restart of the job is the same run, whose records go on."""
     import torch.distributed as torch_dist
 
     root = checkpoints_root(config)
     point = ResumePoint(error=latest_problem(root)) if dist.is_main else ResumePoint()
     if dist.is_main and point.error is None:
+        same_run = elastic.restarted() or retry  # counted at every torchrun attempt's start
         for line in checkpoint.settle_leftovers(root, hashes=config.checkpoint.verify == "full").said(root):
             say(line)
         if resume is not False:
             point = _pick(root, config, dist.world_size, fresh)
             if point.directory is None and point.error is None and resume is None:
-                # said: run_dir is read from the working directory, so a resume started from another one
-                # would otherwise train from step 0 into a new directory that looks like the old one
-                why = "none of its checkpoints can be resumed from (above)" if checkpoint.published(root) else \
-                    "no checkpoint there to resume from"
-                say(f"new run in {root.parent.resolve()}: {why}")
-        else:
-            set_aside_earlier_run(root)
+                say_new_run(root, None if same_run else set_aside_earlier_run(root))
+        elif earlier := set_aside_earlier_run(root):
+            warn(f"--no-resume: moved the earlier run's {earlier.what()} to {earlier.path}, with a copy of its "
+                 f"model/ and config; delete that directory when you no longer need them")
     if dist.world_size > 1:
         box = [point]
         torch_dist.broadcast_object_list(box, src=0)
@@ -82,6 +82,17 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState) -
     if point.error:
         raise CheckpointError(point.error)
     return point
+
+
+def say_new_run(root: Path, earlier: EarlierRun | None) -> None:
+    """`new run in DIR: why`, and where the earlier run's records went: run_dir is read from the working
+    directory, so a resume started from another one would otherwise train from step 0 into a new
+    directory that looks like the old one."""
+    why = "none of its checkpoints can be resumed from (above)" if checkpoint.published(root) else \
+        "no checkpoint there to resume from"
+    kept = f"; the earlier run's {earlier.what()} are kept in {earlier.path} (`zerofit doctor` reads them there)" \
+        if earlier else ""
+    say(f"new run in {root.parent.resolve()}: {why}{kept}")
 
 
 def latest_problem(root: Path) -> str | None:
@@ -93,24 +104,51 @@ def latest_problem(root: Path) -> str | None:
     return None
 
 
-def set_aside_earlier_run(root: Path) -> None:
-    """--no-resume: the earlier run's checkpoints into checkpoints/earlier-TIME/ (checkpoint.set_aside),
-    with the records the new run would write over and a copy of what describes them."""
+# What a run records as it trains (metrics, every rank's memory timeline, tensorboard's events, the
+# post-mortems of its OOMs and kills): a new run in the same directory would write over or add to them.
+RUN_RECORDS = ("metrics.jsonl", "memory*.jsonl", "tensorboard", "postmortem")
+
+
+@dataclass
+class EarlierRun:
+    """An earlier run set aside in checkpoints/earlier-TIME/: its checkpoints and its records."""
+    path: Path
+    checkpoints: list[str]
+    records: list[str]
+
+    def what(self) -> str:
+        """`checkpoints (step-000004) and records (metrics.jsonl, memory.jsonl)`, as they were moved."""
+        parts = [f"checkpoints ({', '.join(self.checkpoints)})"] if self.checkpoints else []
+        parts += [f"records ({', '.join(self.records)})"] if self.records else []
+        return " and ".join(parts)
+
+
+def earlier_records(run_dir: Path) -> list[Path]:
+    """The RUN_RECORDS an earlier run left in run_dir; an empty file or directory holds nothing to keep."""
+    found = [path for pattern in RUN_RECORDS for path in sorted(run_dir.glob(pattern))]
+    return [path for path in found
+            if (path.is_dir() and any(path.iterdir())) or (path.is_file() and path.stat().st_size)]
+
+
+def set_aside_earlier_run(root: Path) -> EarlierRun | None:
+    """The earlier run's checkpoints (checkpoint.set_aside) and the records the new run would write
+    over into checkpoints/earlier-TIME/, with a copy of what describes them, so that `zerofit
+    doctor` and `zerofit export` read that directory as the earlier run. None when it left neither
+    (a first start)."""
+    records = earlier_records(root.parent)
     moved = checkpoint.set_aside(root)
-    if moved is None:
-        return
-    for record in [root.parent / "metrics.jsonl", *root.parent.glob("memory*.jsonl"), root.parent / "tensorboard"]:
-        if record.exists():  # the new run would write over (or add to) them: they go with their checkpoints
-            os.replace(record, moved.path / record.name)
+    if moved is None and not records:
+        return None
+    target = moved.path if moved else checkpoint.earlier_directory(root)
+    for record in records:  # they go with their checkpoints, or stand for a run that saved none
+        os.replace(record, target / record.name)
     for kept in runfiles.RUN_DESCRIPTION:  # rewritten by the new run: copied, so an export of these reads their own
         source = root.parent / kept
         if source.is_dir():
-            shutil.copytree(source, moved.path / kept)
+            shutil.copytree(source, target / kept)
         elif source.is_file():
-            shutil.copy2(source, moved.path / kept)
-    warn(f"--no-resume: moved the earlier run's checkpoints ({', '.join(moved.names)}) and its metrics and memory "
-         f"records to {moved.path}, with a copy of its model/ and config; delete that directory when you no longer "
-         f"need them")
+            shutil.copy2(source, target / kept)
+    return EarlierRun(target, moved.names if moved else [], [record.name for record in records])
 
 
 def refuse_resume_without_checkpoint(config: Config, resume: bool | None) -> None:

@@ -86,7 +86,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     # rank 0 alone writes loop_state.json and compares on resume: the other ranks need not hash the data
     fresh = fresh_state(config, dist, hf_config, epoch_sequences=len(train_set),
                         data_fingerprint=data.fingerprint(train_set) if dist.is_main else "")
-    resume_point = choose_resume(config, dist, resume, fresh)  # before any run file is rewritten
+    resume_point = choose_resume(config, dist, resume, fresh, session.retry)  # before any run file is rewritten
     if resume_point.directory is not None and resume_point.step >= total_steps:  # nothing to train: the run's files
         if dist.is_main:  # (config.yaml, model/) stay those of its checkpoints, and no engine is built
             say(f"{run_dir} is complete at step {resume_point.step}; raise train.max_steps to go on, or use "
