@@ -623,20 +623,27 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
 
 
 def test_resume_with_another_config_names_what_changed(tmp_path):
-    """A resume under changed settings names each one, old -> new; the checkpoints it saves
-    then carry the settings they were trained with, so the next resume compares with those."""
+    """A resume under changed settings names each one, old -> new, in one list said first: what
+    the checkpoint records against it, how the run saves, evaluates and logs against the run's
+    config.yaml. They were two messages, the checkpoint's after the load: a changed train.seed
+    came after the warning about the training tokens it had changed (another eval split), apart
+    from checkpoint.keep_last. The checkpoints it saves then carry the settings they were trained
+    with, so the next resume compares with those."""
     config = config_for(tmp_path, "run", max_steps=4)
     run_zerofit(["train", "--config", str(config)])
-    for before, after in ((4, 6), (6, 8)):
+    for before, after, changed in ((4, 6, "checkpoint.keep_last 2 -> 3, train.max_steps 4 -> 6, train.seed 7 -> 8"),
+                                   (6, 8, "train.max_steps 6 -> 8")):
         done = run_zerofit(["train", "--config", str(config), "--set", f"train.max_steps={after}", "--resume",
-                            "--set", "checkpoint.keep_last=3"], env={"COLUMNS": "400"})
-        assert (f"step-{before:06d} was written with a different config (train.max_steps {before} -> {after}); "
-                f"continuing with the current one") in done.stderr
-        # what the checkpoint does not record (how the run saves, evaluates, logs) is named against config.yaml
-        moved = "settings changed since the run's last start: checkpoint.keep_last 2 -> 3"
-        assert (moved in done.stderr) == (before == 4), done.stderr
+                            "--set", "checkpoint.keep_last=3", "--set", "train.seed=8"], env={"COLUMNS": "400"})
+        said = done.stderr.splitlines()
+        listed = [i for i, line in enumerate(said) if "under a different config" in line]
+        assert len(listed) == 1 and said[listed[0]] == (f"warning: resuming step-{before:06d} under a different config "
+                                                        f"({changed}); continuing with the current one"), done.stderr
+        assert "settings changed since" not in done.stderr and done.stderr.count("train.seed 7 -> 8") == (before == 4)
+        tokens = [i for i, line in enumerate(said) if "the training data's tokens differ" in line]
+        assert tokens == [] if before == 6 else listed[0] < tokens[0]  # the seed drew another eval split
     unchanged = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=8", "--resume",
-                             "--set", "checkpoint.keep_last=3"])
+                             "--set", "checkpoint.keep_last=3", "--set", "train.seed=8"])
     assert "different config" not in unchanged.stderr and "is complete at step 8" in unchanged.stderr.replace("\n", " ")
 
 

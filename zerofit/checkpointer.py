@@ -19,9 +19,9 @@ from pathlib import Path
 from zerofit import (cgroup, checkpoint, checkpoint_io, choice, data, engine, faults, lora, memory, nvme,
                      planner, zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
-from zerofit.config import Config, changed_settings
+from zerofit.config import Config
 from zerofit.progress import say, warn
-from zerofit.resume import (ResumePoint, adapter_rescaled, batch_shape, checkpoints_root, damaged_file_error,
+from zerofit.resume import (ResumePoint, batch_shape, checkpoints_root, damaged_file_error,
                             global_batch_change, keep_batch_advice, resume_command)
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
@@ -97,17 +97,13 @@ class Checkpointer:
         if self.dist.is_main and comparable and state.data_fingerprint != fresh.data_fingerprint \
                 and state.epoch_sequences == fresh.epoch_sequences:  # another count is named with the position
             warn(f"the training data's tokens differ from those {directory.name} trained on (the files under "
-                 f"data.path, the tokenizer or the data settings changed; the same number of sequences): the "
-                 f"position carries over, but the rows before it are not the ones trained, and the eval split may "
-                 f"hold rows trained on. Start afresh (--no-resume) to train on the new data from its beginning")
+                 f"data.path, the tokenizer, the data settings or train.seed, which draws the rows held out for "
+                 f"eval, changed; the same number of sequences): the position carries over, but the rows before it "
+                 f"are not the ones trained, and the eval split may hold rows trained on. Start afresh "
+                 f"(--no-resume) to train on the new data from its beginning")
         state = dataclasses.replace(state, data_fingerprint=fresh.data_fingerprint)  # what its saves train on now
         state = self._data_position_carried(state, fresh, directory.name)
-        if state.config_fingerprint != fresh.config_fingerprint:
-            changes = changed_settings(state.config_values, fresh.config_values) if state.config_values else []
-            if self.dist.is_main and (changes or not state.config_values):  # not a key added since, left unset
-                warn(f"{directory.name} was written with a different config "
-                     f"({', '.join(changes) or 'model, data or training shape'}); continuing with the current one"
-                     f"{adapter_rescaled(state.config_values, fresh.config_values)}")
+        if state.config_fingerprint != fresh.config_fingerprint:  # the changes were said at start (changed_on_resume)
             # what this run saves from here on is the current config's
             state = dataclasses.replace(state, config_fingerprint=fresh.config_fingerprint,
                                         config_values=fresh.config_values)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from zerofit import checkpoint, data, elastic, runfiles, universal, zerofiles
 from zerofit.checkpoint import CheckpointError, LoopState
-from zerofit.config import Config, ConfigError, short
+from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
 
 
@@ -238,6 +238,32 @@ def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
         changes.append(f"zero.offload_optimizer {old} -> {new} (the NVMe optimizer state is swap files beside the "
                        f"optimizer file, which a load under the other device cannot convert)")
     return changes
+
+
+def changed_on_resume(config: Config, point: ResumePoint, fresh: LoopState) -> str | None:
+    """Every setting a resume from `point` changes, in one list, old -> new: what its checkpoint
+    records (Config.fingerprinted: model, data, train.seed, ...) against its loop state; how the run
+    saves, evaluates, logs and watches memory (config.UNRECORDED), which no checkpoint records,
+    against the run's config.yaml of its last start. Said before the engine is built and the
+    checkpoint loaded, ahead of what the changes bring about (another data order, batch or LR):
+    the two were said apart, the checkpoint's after the load, so a changed train.seed came after
+    the warning about the training tokens it changed. None when nothing changed."""
+    saved = checkpoint.read_loop_state(Path(point.directory))
+    changes = sorted(recorded_changes(saved, fresh) + runfiles.changed_unrecorded(Path(config.run_dir), config))
+    if not changes:
+        return None
+    return (f"resuming {Path(point.directory).name} under a different config ({', '.join(changes)}); continuing "
+            f"with the current one{adapter_rescaled(saved.config_values, fresh.config_values)}")
+
+
+def recorded_changes(saved: LoopState, fresh: LoopState) -> list[str]:
+    """`section.key old -> new` for what a checkpoint's loop state recorded and this run changes;
+    one that recorded no values (older zerofit) is named by what its fingerprint covers."""
+    if saved.config_fingerprint == fresh.config_fingerprint:
+        return []
+    if not saved.config_values:
+        return ["model, data or training shape"]
+    return changed_settings(saved.config_values, fresh.config_values)  # none: a key added since, left unset
 
 
 def adapter_rescaled(before: dict, after: dict) -> str:

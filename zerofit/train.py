@@ -20,7 +20,8 @@ from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dscon
                      tokenizing, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
-from zerofit.resume import choose_resume, refuse_resume_without_checkpoint, resume_command, where_to_go_on
+from zerofit.resume import (changed_on_resume, choose_resume, refuse_resume_without_checkpoint, resume_command,
+                            where_to_go_on)
 
 
 @dataclass
@@ -92,8 +93,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             say(f"{run_dir} is complete at step {resume_point.step}; raise train.max_steps to go on, or use "
                 f"--no-resume")
         return RunResult(run_dir, resume_point.step, None, None, Path(resume_point.directory).name, False)
-    if dist.is_main and resume_point.directory is not None and (changes := runfiles.changed_unrecorded(run_dir, config)):
-        say(f"settings changed since the run's last start: {', '.join(changes)}")
+    if dist.is_main and resume_point.directory is not None and \
+            (changed := changed_on_resume(config, resume_point, fresh)):
+        warn(changed)  # before the run's config.yaml, which it compares with, is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
         runfiles.write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
