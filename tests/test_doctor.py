@@ -542,6 +542,43 @@ def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
                            "--no-resume (it moves them aside, not deletes), or restore a good copy"]
 
 
+def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_their_size(clean_run, tmp_path):
+    """A resume renames a newer checkpoint that does not verify to checkpoints/unusable-step-N (kept
+    for inspection, out of retention's way). The doctor did not mention it, so it held its disk
+    (a whole checkpoint: 12 bytes a parameter) until someone looked. Now each is a finding: why it
+    cannot be loaded (recorded when it was set aside), its size on disk and the fix."""
+    from zerofit.memory import human_bytes
+
+    run, config, _ = clean_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    victim = max((f for f in (copy / "checkpoints" / "step-000012").iterdir() if f.name != "MANIFEST.json"),
+                 key=lambda f: f.stat().st_size)
+    flipped = bytearray(victim.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    victim.write_bytes(bytes(flipped))
+    run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume", "--set", "train.max_steps=13"])
+    aside = copy / "checkpoints" / "unusable-step-000012"
+    older = copy / "checkpoints" / "unusable-step-000011"  # as an older zerofit set one aside: no record of why
+    shutil.copytree(aside, older)
+    (older / "UNUSABLE.json").unlink(missing_ok=True)
+    size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file())
+    assert size > 10**6
+
+    found = [f for f in diagnose(copy).findings if f.kind == "checkpoint_unusable"]
+    assert [(f.step, f.severity, f.device) for f in found] == [(11, "warning", "disk"), (12, "warning", "disk")]
+    assert found[1].title == (f"checkpoints/unusable-step-000012 ({human_bytes(size)} on disk) cannot be loaded: "
+                              f"{victim.name} does not match its xxh3_128 hash (corrupt)")
+    assert found[1].evidence == {"bytes": size}
+    assert found[1].fix == [f"inspect it if you need to know what damaged it, then delete it to free "
+                            f"{human_bytes(size)}: rm -r {aside}"]
+    assert found[0].title.endswith("cannot be loaded: why was not recorded (set aside by an older zerofit)")
+    doctored = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "r.html")], env={"COLUMNS": "400"})
+    said = " ".join(doctored.stdout.split())
+    assert f"checkpoints/unusable-step-000012 ({human_bytes(size)} on disk) cannot be loaded" in said
+    assert f"rm -r {aside}" in said and "unusable-step-000012" in (tmp_path / "r.html").read_text()
+
+
 def test_a_checkpoint_changed_in_place_is_not_called_intact(clean_run, tmp_path):
     """Bytes flipped in the newest checkpoint, its size kept: the doctor checked sizes only and
     named it the newest intact one, which a resume and an export then skipped; it verifies

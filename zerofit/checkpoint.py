@@ -266,23 +266,34 @@ def is_earlier_run(path: Path) -> bool:
 
 
 UNUSABLE_PREFIX = "unusable-"
+UNUSABLE_RECORD = "UNUSABLE.json"  # in an unusable-step-N: why it did not verify (the doctor says it)
 
 
-def set_aside_unusable(root: Path, names: list[str]) -> list[str]:
+def set_aside_unusable(root: Path, skipped: list[tuple[str, str]]) -> list[str]:
     """Published checkpoints a resume skipped (newer than the one it loads, but they do not
-    verify) renamed `unusable-step-N`: out of `published`, so retention never keeps one in
-    place of a good checkpoint (with keep_last 1 it deleted every good one) and the resumed
-    run's save of that step does not meet it. Kept for inspection; returns the new names."""
+    verify: (name, why)) renamed `unusable-step-N`: out of `published`, so retention never keeps
+    one in place of a good checkpoint (with keep_last 1 it deleted every good one) and the resumed
+    run's save of that step does not meet it. Kept for inspection, with UNUSABLE_RECORD saying
+    why; returns the new names."""
     moved = []
-    for name in names:
+    for name, reason in skipped:
         path = root / name
         if path.is_dir() and step_of(path) >= 0:
             target = unused(root / f"{UNUSABLE_PREFIX}{name}")
             os.replace(path, target)
+            try:
+                write_atomic(target / UNUSABLE_RECORD, json.dumps({"reason": reason, "set_aside": round(time.time())}))
+            except OSError:  # a full disk: the record only explains, the rename is what matters
+                pass
             moved.append(target.name)
     if moved:
         fsync_dir(root)
     return moved
+
+
+def unusable(root: Path) -> list[Path]:
+    """The checkpoints set aside as `unusable-*` under root, by name."""
+    return sorted(p for p in root.glob(f"{UNUSABLE_PREFIX}*") if p.is_dir()) if root.is_dir() else []
 
 
 def unused(path: Path) -> Path:

@@ -8,6 +8,7 @@ Reading files happens in `diagnose`; everything it computes comes from pure func
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     by_hash = hashes and running_pid is None
     newest, damaged = checkpoint.find_latest_valid(checkpoints_of(run_dir), hashes=by_hash)
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
-    findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None)
+    findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None) + unusable_checkpoints(run_dir)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
@@ -162,6 +163,25 @@ def checkpoint_findings(run_dir: Path, newest: Path | None, damaged: list[tuple[
             found.append(Finding("save_cut_short", "info", "disk", f"a save was cut short: checkpoints/{path.name} is "
                                  f"a partial write", "the process ended while writing it (killed, or the machine "
                                  "went down)", [f"nothing to do: the next `zerofit train` removes it; {fallback}"]))
+    return found
+
+
+def unusable_checkpoints(run_dir: Path) -> list[Finding]:
+    """Checkpoints a resume set aside as `unusable-step-N` (checkpoint.set_aside_unusable): why
+    they did not verify, as recorded then, and the disk they hold, which no retention frees."""
+    found = []
+    for path in checkpoint.unusable(checkpoints_of(run_dir)):
+        reason = (read_json(path / checkpoint.UNUSABLE_RECORD) or {}).get("reason") or \
+            "why was not recorded (set aside by an older zerofit)"
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        step = checkpoint.step_of(Path(path.name.removeprefix(checkpoint.UNUSABLE_PREFIX)))
+        found.append(Finding("checkpoint_unusable", "warning", "disk",
+                             f"checkpoints/{path.name} ({human_bytes(size)} on disk) cannot be loaded: {reason}",
+                             "a resume set it aside: it was newer than the checkpoint it resumed from and did not "
+                             "verify; no resume, export or retention reads or deletes it",
+                             [f"inspect it if you need to know what damaged it, then delete it to free "
+                              f"{human_bytes(size)}: rm -r {shlex.quote(str(path))}"],
+                             step if step >= 0 else None, {"bytes": size}))
     return found
 
 

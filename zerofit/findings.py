@@ -25,7 +25,7 @@ EVENT_KINDS = ("oom", "watchdog", "checkpoint_failed")  # findings of one record
 class Finding:
     kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
                        # | checkpoint_failed | rank_imbalance | cpu_threads | killed | checkpoint_damaged
-                       # | save_cut_short
+                       # | save_cut_short | checkpoint_unusable
     severity: str      # error | warning | info
     device: str        # gpu | host | disk
     title: str         # what was seen, with the numbers

@@ -312,7 +312,7 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
         except CheckpointError as e:
             point.error = str(e)
     if not point.error:
-        newer = [name for name, _ in skipped if checkpoint.step_of(root / name) > checkpoint.step_of(found)]
+        newer = [(name, why) for name, why in skipped if checkpoint.step_of(root / name) > checkpoint.step_of(found)]
         if moved := checkpoint.set_aside_unusable(root, newer):
             warn(f"set aside {', '.join(moved)} under {root} (newer than {found.name}, not verifying): kept for "
                  f"inspection, out of the way of this run's saves and retention")
