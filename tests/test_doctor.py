@@ -254,7 +254,8 @@ def test_doctor_needs_a_timeline(tmp_path):
     mixed = run_zerofit(["doctor", "--system", str(tmp_path)], check=False)  # it ignored the run dir
     assert mixed.returncode == 2 and "takes no RUN_DIR" in mixed.stderr
     nowhere = run_zerofit(["doctor", str(tmp_path), "--out", str(tmp_path / "no" / "r.html")], check=False)
-    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr  # not a traceback
+    assert nowhere.returncode == 1 and "has no memory.jsonl" in nowhere.stderr  # not a traceback
+    assert not (tmp_path / "no").exists()  # nothing to write: --out's folder is not made
 
 
 @pytest.mark.parametrize("written", [b"", b'{"phase": "start", "st'], ids=["empty", "torn"])
@@ -613,6 +614,26 @@ def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_
     assert "12 steps" in done.stdout and "report: not written" in done.stdout and "--out FILE" in done.stdout
     elsewhere = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "r.html")])
     assert (tmp_path / "r.html").is_file() and f"report: {tmp_path / 'r.html'}" in elsewhere.stdout
+
+
+def test_out_in_folders_that_do_not_exist_yet_makes_them(clean_run, tmp_path):
+    """`--out reports/run1/r.html` with no reports/ yet was a usage error (exit 2, "the folder does
+    not exist"); the folders are made, as `zerofit export --out` makes its own, for the report and
+    for --repro's script. A path that cannot be made (a file where a folder would go) is an error
+    that names why, not a traceback."""
+    run, _, _ = clean_run
+    report = tmp_path / "reports" / "run1" / "r.html"
+    done = run_zerofit(["doctor", str(run), "--out", str(report)], env={"COLUMNS": "300"})
+    assert report.read_text().startswith("<!doctype html>") and f"report: {report}" in done.stdout
+    script = tmp_path / "bugs" / "oom" / "repro.py"
+    made = run_zerofit(["doctor", "--repro", str(run), "--out", str(script)])
+    assert f"reproduction script: {script}" in made.stdout and "deepspeed.initialize" in script.read_text()
+    (tmp_path / "taken").write_text("a file where a folder would go")
+    blocked = run_zerofit(["doctor", str(run), "--out", str(tmp_path / "taken" / "r.html")], check=False)
+    said = " ".join(blocked.stderr.split())
+    assert blocked.returncode == 1 and "Traceback" not in said, said[-2000:]
+    assert f"cannot write {tmp_path / 'taken' / 'r.html'} ({tmp_path / 'taken'} is a file); give --out a writable " \
+           f"path" in said
 
 
 def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):

@@ -504,8 +504,6 @@ def check_doctor_arguments(parser, args) -> None:
         parser.error("doctor needs RUN_DIR (or --system)")
     if not args.system and (args.nvme_path or args.nvme_mib != NVME_TEST_MIB):
         parser.error("--nvme-path and --nvme-mib go with doctor --system")
-    if args.out and not Path(args.out).parent.is_dir():
-        parser.error(f"--out {args.out}: the folder {Path(args.out).parent} does not exist")
 
 
 # the arguments that name files or directories: `~` and $VARIABLES expanded, as in a config (a

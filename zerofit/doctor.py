@@ -440,13 +440,29 @@ def doctor(run_dir: str | Path, html: str | Path | None = None, console=None, ha
     from zerofit import report
 
     diagnosis = diagnose(run_dir, hashes)
+    page = report.render_html(diagnosis)
     out = Path(html) if html else Path(run_dir) / "report.html"
-    try:
-        out.write_text(report.render_html(diagnosis))
+    if html:
+        write_out(out, page)
         written = str(out)
-    except OSError as e:  # someone else's run on a shared disk, a read-only mount: the summary still helps
-        if html:
-            raise ConfigError(f"cannot write {out}: {e.strerror or e}; give --out a writable path") from None
-        written = f"not written ({out}: {e.strerror or e}); --out FILE writes it elsewhere"
+    else:
+        try:
+            out.write_text(page)
+            written = str(out)
+        except OSError as e:  # someone else's run on a shared disk, a read-only mount: the summary still helps
+            written = f"not written ({out}: {e.strerror or e}); --out FILE writes it elsewhere"
     report.print_summary(diagnosis, written, console)
     return diagnosis
+
+
+def write_out(path: Path, text: str) -> None:
+    """The file --out names (the report, or --repro's script), its missing folders made as
+    `zerofit export --out` makes its own: a path for a new folder was a usage error. Written
+    after the run was read, so a run that cannot be diagnosed leaves no folder behind."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:  # mkdir says "File exists" for a file where a folder would go: named as such
+        in_the_way = next((parent for parent in path.parents if parent.is_file()), None)
+        why = f"{in_the_way} is a file" if in_the_way else e.strerror or str(e)
+        raise ConfigError(f"cannot write {path} ({why}); give --out a writable path") from None

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from zerofit.config import ConfigError
-from zerofit.doctor import HF_RUN_FILE, diagnose, read_json, read_yaml
+from zerofit.doctor import HF_RUN_FILE, diagnose, read_json, read_yaml, write_out
 from zerofit.memory import read_timeline
 
 TEMPLATE = '''#!/usr/bin/env python
@@ -225,7 +225,7 @@ def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
         client_optimizer_lr=inputs["client_optimizer_lr"], lora=repr(inputs["lora"]),
         peft_note=" (and peft: the run trained LoRA adapters)" if inputs["lora"] else "",
         differences="".join(f"Unlike the run: {d}.\n" for d in inputs["differences"]))
-    out.write_text(text)
+    write_out(out, text)
     return out
 
 
