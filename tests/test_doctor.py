@@ -543,6 +543,18 @@ def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
                            "--no-resume (it moves them aside, not deletes), or restore a good copy"]
 
 
+def copy_with_a_flipped_byte(run: Path, copy: Path) -> tuple[Path, Path]:
+    """A copy of `run` whose newest checkpoint (step 12) has a byte flipped in its largest file,
+    its size kept: the copy and that file."""
+    shutil.copytree(run, copy)
+    victim = max((f for f in (copy / "checkpoints" / "step-000012").iterdir() if f.name != "MANIFEST.json"),
+                 key=lambda f: f.stat().st_size)
+    flipped = bytearray(victim.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    victim.write_bytes(bytes(flipped))
+    return copy, victim
+
+
 def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_their_size(clean_run, tmp_path):
     """A resume renames a newer checkpoint that does not verify to checkpoints/unusable-step-N (kept
     for inspection, out of retention's way). The doctor did not mention it, so it held its disk
@@ -551,13 +563,7 @@ def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_thei
     from zerofit.memory import human_bytes
 
     run, config, _ = clean_run
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    victim = max((f for f in (copy / "checkpoints" / "step-000012").iterdir() if f.name != "MANIFEST.json"),
-                 key=lambda f: f.stat().st_size)
-    flipped = bytearray(victim.read_bytes())
-    flipped[len(flipped) // 2] ^= 0xFF
-    victim.write_bytes(bytes(flipped))
+    copy, victim = copy_with_a_flipped_byte(run, tmp_path / "run")
     run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume", "--set", "train.max_steps=13"])
     aside = copy / "checkpoints" / "unusable-step-000012"
     older = copy / "checkpoints" / "unusable-step-000011"  # as an older zerofit set one aside: no record of why
@@ -585,13 +591,7 @@ def test_a_checkpoint_changed_in_place_is_not_called_intact(clean_run, tmp_path)
     named it the newest intact one, which a resume and an export then skipped; it verifies
     hashes as they do now (--no-hashes: sizes, and a note saying so)."""
     run, _, _ = clean_run
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    victim = max((f for f in (copy / "checkpoints" / "step-000012").iterdir() if f.name != "MANIFEST.json"),
-                 key=lambda f: f.stat().st_size)
-    flipped = bytearray(victim.read_bytes())
-    flipped[len(flipped) // 2] ^= 0xFF
-    victim.write_bytes(bytes(flipped))
+    copy, victim = copy_with_a_flipped_byte(run, tmp_path / "run")
     diagnosis = diagnose(copy)
     damaged = {f.kind: f for f in diagnosis.findings}["checkpoint_damaged"]
     assert damaged.title == f"checkpoint step-000012 cannot be loaded: {victim.name} does not match its xxh3_128 " \
