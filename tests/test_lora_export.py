@@ -3,6 +3,7 @@ merge_and_unload of the same weights (a model.path base streamed from its files,
 base replayed), adapter directories load in peft and run in chat/generate, a base that is not
 the trained one is refused, and a merge stays under --max-ram."""
 import json
+import shutil
 import sys
 
 import pytest
@@ -248,3 +249,67 @@ def test_universal_copy_of_a_lora_checkpoint_is_refused(random_run, tmp_path, ca
         assert "universal-step-000004 is a universal copy of a LoRA checkpoint" in err, err
         assert f"export {step_dir} instead" in err
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------ a tied-embedding base
+@pytest.fixture(scope="module")
+def tied_base(tmp_path_factory):
+    """The tiny model with tied input and output embeddings (as Llama-3.2-1B, Qwen2-0.5B), saved
+    with save_pretrained: its files hold model.embed_tokens.weight alone."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from zerofit.demo import build_tokenizer
+
+    base = tmp_path_factory.mktemp("tied") / "base"
+    fields = {k: v for k, v in PRESETS["tiny"].items() if k != "model_type"}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**fields, "tie_word_embeddings": True})).save_pretrained(base)
+    build_tokenizer().save_pretrained(base)
+    assert "lm_head.weight" not in exported_tensors(base)
+    return base
+
+
+@pytest.mark.parametrize("lora, adapted", [
+    ({"target_modules": ["embed_tokens", "q_proj"]}, "model.embed_tokens.weight"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "lm_head.weight"),
+    ({"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]}, "model.embed_tokens.weight"),
+])
+def test_merge_of_an_adapted_tied_embedding_is_the_trained_model(tied_base, tmp_path, lora, adapted):
+    """Training changed only the side of the tie peft wrapped; the merged export writes both
+    sides apart (the other the base's own), unties the config, and its logits are peft's
+    unmerged base + adapter. --verify passes it, and fails what the merge wrote before: one
+    tied tensor carrying the change into both sides (eval loss 19.27 exported, 4.82 trained)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zerofit import exportcheck
+
+    config = lora_run_config(tmp_path / "run", {"path": str(tied_base)}, 2, r=4, alpha=8, **lora)
+    run, _, _ = trained_run(tmp_path, config)
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    result = export(run, merged, dtype="fp32", verify=True, progress=False)
+    assert result.verify["ok"] and result.verify["max_abs_diff"] == 0.0
+    export(run, adapter, dtype="fp32", adapter_only=True, progress=False)
+    assert not json.loads((merged / "config.json").read_text())["tie_word_embeddings"]
+    tensors, base_weight = exported_tensors(merged), exported_tensors(tied_base)["model.embed_tokens.weight"]
+    other = ({"model.embed_tokens.weight", "lm_head.weight"} - {adapted}).pop()
+    assert torch.equal(tensors[other], base_weight) and not torch.equal(tensors[adapted], base_weight)
+
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tied_base, dtype=torch.float32),
+                                        adapter, autocast_adapter_dtype=False).eval()
+    with torch.no_grad():
+        got, want = model(IDS).logits, trained(IDS).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+    # what the merge wrote before: the adapted side as the one tied tensor, the config still tied
+    old = tmp_path / "old-merge"
+    shutil.copytree(merged, old)
+    from safetensors.torch import save_file
+
+    save_file({**{k: v for k, v in tensors.items() if k != "lm_head.weight"},
+               "model.embed_tokens.weight": tensors[adapted]}, str(old / "model.safetensors"), metadata={"format": "pt"})
+    (old / "config.json").write_text(json.dumps({**json.loads((merged / "config.json").read_text()),
+                                                 "tie_word_embeddings": True}))
+    with pytest.raises(exportcheck.VerifyError, match="does not reproduce the checkpoint"):
+        exportcheck.verify_lora_export(old, step_of(run), run / "model")

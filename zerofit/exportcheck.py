@@ -3,8 +3,11 @@
 The reference is DeepSpeed's own: deepspeed.utils.zero_to_fp32.
 get_fp32_state_dict_from_zero_checkpoint (for a universal checkpoint, its fp32.pt files as
 DeepSpeed's universal load reads them), loaded into a model built from the same
-config; for a LoRA run it is peft's own merge_and_unload of the same base (from_pretrained
-of its directory, or the replayed random init) and the checkpoint's fp32 adapters. The
+config; for a LoRA run it is what trained: peft's unmerged forward of the same base
+(from_pretrained of its directory, or the replayed random init) with the checkpoint's fp32
+adapters, and for the same-rounding comparison peft's merge_and_unload of it with tied
+embeddings untied first (peft merges a tied weight's delta into both sides: `untie`), itself
+checked against the unmerged forward. The
 export is loaded with from_pretrained (every key must load: no missing, unexpected or
 mismatched ones; an adapter directory as chat loads it) and both run the same prompt in fp32:
   * against the reference with its weights rounded to the export dtype, the logits must
@@ -139,18 +142,21 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
 
 
 def verify_lora_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path, base_dir=None) -> dict:
-    """A merged LoRA export against peft's own merge_and_unload of the same base and the
-    checkpoint's fp32 adapters."""
+    """A merged LoRA export against what trained: peft's unmerged forward of the same base and
+    the checkpoint's fp32 adapters (its merged weights, rounded as the export stores them, for
+    the same-rounding comparison)."""
     exported, load_problems, stored_dtype = load_export(out_dir)
-    reference = peft_merged(checkpoint_dir, config_dir, base_dir)
-    return compare(exported, reference, rounded_copy(reference, stored_dtype), stored_dtype,
-                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, "peft's merge_and_unload")
+    ids = prompt_ids(out_dir, exported.config.vocab_size)
+    trained = peft_unmerged(checkpoint_dir, config_dir, base_dir)
+    merged = merged_reference(trained, ids)
+    return compare(exported, trained, rounded_copy(merged, stored_dtype), stored_dtype, ids, load_problems,
+                   "peft's unmerged base + adapter")
 
 
 def verify_adapter_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path) -> dict:
     """An adapter directory as chat runs it (base checked, PeftModel on top, unmerged) against
-    peft's merge_and_unload of the directory's own adapters (same weights) and of the
-    checkpoint's fp32 ones."""
+    peft's merge of the directory's own adapters (same weights) and of the checkpoint's fp32
+    ones (tied embeddings untied first: `untie`)."""
     from zerofit.basemodel import adapter_base
     from zerofit.infer import load_adapter
 
@@ -160,7 +166,7 @@ def verify_adapter_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path)
     same = peft_merged(checkpoint_dir, config_dir, base_dir, adapter_dir=out_dir)
     reference = peft_merged(checkpoint_dir, config_dir, base_dir)
     return compare(loaded.model, reference, same, stored_dtype, prompt_ids(out_dir, loaded.model.config.vocab_size),
-                   {}, "peft's merge_and_unload")
+                   {}, "peft's merge_and_unload (tied embeddings untied)")
 
 
 # ----------------------------------------------------------------- references
@@ -186,8 +192,58 @@ def load_export_tensors(out_dir: Path) -> dict:
 
 
 def peft_merged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None):
-    """peft's merge_and_unload in fp32: the run's base (its files, or the replayed random
-    init) with the checkpoint's fp32 adapters (or those of `adapter_dir`)."""
+    """peft's merge_and_unload in fp32 of `peft_unmerged`, tied embeddings untied first."""
+    return merge_untied(peft_unmerged(checkpoint_dir, config_dir, base_dir, adapter_dir))
+
+
+def merged_reference(trained, ids):
+    """`merge_untied` of a copy of `trained`, refused (VerifyError) unless its logits are the
+    unmerged forward's to float32 noise: a reference that is not what trained would pass an
+    export that shares its mistake (peft's plain merge_and_unload of a tied, adapted
+    embedding: logits 27 off at a scale of 1.1, eval loss 19.27 against 4.82 trained)."""
+    import copy
+
+    import torch
+
+    merged = merge_untied(copy.deepcopy(trained))
+    with torch.no_grad():
+        want, got = trained(ids).logits, merged(ids).logits
+    scale = max(1.0, float(want.abs().max()))
+    diff = float((got - want).abs().max())
+    if diff > SAME_WEIGHTS_TOLERANCE * scale:
+        raise VerifyError(f"verify: peft's merge of the base and adapter moves the logits by {diff:.2e} (scale "
+                          f"{scale:.2f}) from its unmerged forward, what trained: no reference to check the "
+                          f"export against; export with --adapter-only and load it with peft")
+    return merged
+
+
+def untie(peft_model) -> None:
+    """Give each tied alias (lm_head.weight sharing model.embed_tokens.weight) its own copy of
+    the weight and untie the config. peft adapts only the module it wraps, so in training the
+    other side kept the base's weight; merge_and_unload adds the delta into the shared tensor
+    (peft tuners/lora/layer.py: base_layer.weight.data += delta), which moves both sides."""
+    import torch
+
+    from zerofit.basemodel import tied_aliases
+
+    for alias, owner in tied_aliases(peft_model).items():
+        module_name, _, attr = alias.rpartition(".")
+        module = peft_model.get_submodule(module_name)
+        setattr(module, attr, torch.nn.Parameter(peft_model.get_parameter(owner).detach().clone(),
+                                                 requires_grad=False))
+    config = peft_model.get_base_model().config
+    for part in (config, config.get_text_config()):  # a multimodal config ties in its text part
+        part.tie_word_embeddings = False
+
+
+def merge_untied(peft_model):
+    untie(peft_model)
+    return peft_model.merge_and_unload().eval()
+
+
+def peft_unmerged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None):
+    """PeftModel in fp32, unmerged (the forward training ran): the run's base (its files, or
+    the replayed random init) with the checkpoint's fp32 adapters (or those of `adapter_dir`)."""
     import tempfile
 
     import torch
@@ -208,8 +264,7 @@ def peft_merged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_d
         if adapter_dir is None:
             adapter_dir = adapters.write_peft_dir(checkpoint_dir, Path(scratch) / "adapter", "fp32")
         with basemodel.quiet_peft():
-            model = PeftModel.from_pretrained(base, adapter_dir, autocast_adapter_dtype=False)
-        return model.merge_and_unload().eval()
+            return PeftModel.from_pretrained(base, adapter_dir, autocast_adapter_dtype=False).eval()
 
 
 def rounded_copy(model, dtype):

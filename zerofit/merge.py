@@ -119,10 +119,12 @@ def adapter_scaling(config: dict) -> float:
     return adapters.scaling(int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora")))
 
 
-def deltas_and_replacements(zero: zerofiles.ZeroCheckpoint, adapter_config: dict, module_kinds: dict[str, str],
-                            owner_of) -> tuple[dict[str, list[Delta]], dict[str, zerofiles.StoredTensor]]:
+def deltas_and_replacements(zero: zerofiles.ZeroCheckpoint, adapter_config: dict, module_kinds: dict[str, str]
+                            ) -> tuple[dict[str, list[Delta]], dict[str, zerofiles.StoredTensor]]:
     """({base tensor: its deltas}, {base tensor: the checkpoint tensor replacing it}) from the
-    checkpoint's trainable tensors and buffers, named as in the HF model."""
+    checkpoint's trainable tensors and buffers, named as in the HF model: each under the name of
+    the module it was trained on, a tied alias (lm_head.weight) too, never under its owner's
+    (peft adapts only the module it wraps; `untied_aliases` keeps the other side the base's)."""
     scaling = adapter_scaling(adapter_config)
     pairs: dict[str, dict[str, zerofiles.StoredTensor]] = {}
     replacements = {}
@@ -143,7 +145,7 @@ def deltas_and_replacements(zero: zerofiles.ZeroCheckpoint, adapter_config: dict
             raise ConfigError(f"cannot merge the adapter on {module} ({kind}, parts {sorted(pair)}): zerofit "
                               f"export merges LoRA on {', '.join(MERGEABLE)} layers; use --adapter-only")
         transposed = kind == "Embedding" or bool(adapter_config.get("fan_in_fan_out"))
-        deltas.setdefault(owner_of(target), []).append(Delta(pair["A"], pair["B"], scaling, transposed))
+        deltas.setdefault(target, []).append(Delta(pair["A"], pair["B"], scaling, transposed))
     return deltas, replacements
 
 
@@ -196,7 +198,8 @@ def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path,
     skeleton = basemodel.meta_model(hf_config, recipe.torch_dtype, recipe.trust_remote_code)
     aliases = basemodel.tied_aliases(skeleton)
     kinds = {name: type(module).__name__ for name, module in skeleton.named_modules()}
-    deltas, replacements = deltas_and_replacements(zero, adapter_config, kinds, lambda n: aliases.get(n, n))
+    deltas, replacements = deltas_and_replacements(zero, adapter_config, kinds)
+    untied = untied_aliases(aliases, set(deltas) | set(replacements))
 
     replay = base_files = None
     if base_dir is not None or recipe.path:
@@ -210,19 +213,51 @@ def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path,
         sources = replay.sources
         names = [n for n in replay.walk.order if n in sources]  # the order the walk finishes them
         description = f"the {recipe.describe()} base"
+    names, sources = with_untied_aliases(names, sources, {a: o for a, o in untied.items() if a not in replacements})
 
     reader, scratch = zerofiles.TensorReader(), Scratch()
     tensors = output_tensors(names + [n for n in replacements if n not in sources], sources, replacements, deltas,
                              dtype, reader, scratch)
     if deltas:
         raise ConfigError(f"the base model has no {sorted(deltas)[0]} for the adapter trained on it")
-    untie = any(name in aliases for name in replacements)  # a trained copy of a tied head must stay apart on load
-    merged_config = dict(model_config, tie_word_embeddings=False) if untie else model_config
+    # both sides written apart must stay apart on load (from_pretrained re-ties a tied config)
+    merged_config = dict(model_config, tie_word_embeddings=False) if untied else model_config
     held = (replay.walk.host_peak_bytes() if replay else 0) + max(
         (sum(d.nbytes for d in t.transform.deltas) for t in tensors if t.transform), default=0)
     return MergePlan(tensors, merged_config, recipe, description, frozen,
                      sum(len(t.transform.deltas) for t in tensors if t.transform), held,
                      replay=replay, base_files=base_files, reader=reader)
+
+
+def untied_aliases(aliases: dict[str, str], adapted: set[str]) -> dict[str, str]:
+    """{alias: owner} of the tied weights (input and output embeddings) to write apart: those of
+    which either side is adapted (a LoRA delta) or replaced (modules_to_save). Training changed
+    only the side peft wrapped: LoRA on embed_tokens moves the input lookup while lm_head still
+    reads the base's tied weight, and the other way round (peft tuners/lora/layer.py Embedding
+    and Linear forward the base layer plus their own delta; a ModulesToSaveWrapper runs its
+    trained copy). One tied tensor would carry the change into both (eval loss 4.82 trained,
+    19.27 exported, LoRA on embed_tokens of a tied tiny Llama)."""
+    return {alias: owner for alias, owner in aliases.items() if alias in adapted or owner in adapted}
+
+
+def with_untied_aliases(names: list[str], sources: dict, untied: dict[str, str]) -> tuple[list[str], dict]:
+    """Write order and sources with each untied alias that keeps the base's weight right after
+    its owner, read from the owner's source where the base holds it once (save_pretrained drops
+    a tied alias; a replayed init draws it once: ReplayedBase.share keeps it for the second read)."""
+    if not untied:
+        return names, sources
+    sources = dict(sources)
+    for alias, owner in untied.items():
+        if alias not in sources and owner in sources:
+            sources[alias] = sources[owner]
+            if isinstance(sources[owner], ReplayedTensor):
+                sources[owner].base.share(sources[owner].name)
+    after = {owner: alias for alias, owner in untied.items() if alias in sources}
+    ordered = []
+    for name in names:
+        if name not in untied:
+            ordered += [name] + ([after[name]] if name in after else [])
+    return ordered + [n for n in after.values() if n not in ordered], sources
 
 
 def output_tensors(names: list[str], sources: dict, replacements: dict, deltas: dict[str, list[Delta]],
@@ -271,7 +306,11 @@ class ReplayedBase:
         self.sources = {name: ReplayedTensor(name, shape, walk.dtype, self) for name, shape in shapes.items()}
         self._stream = iter(walk)
         self._values: dict[str, torch.Tensor] = {}
+        self._reads_left: dict[str, int] = {}   # a tensor written twice (an untied alias): dropped after both
         self.digests: dict[str, list[bytes]] = {}
+
+    def share(self, name: str) -> None:
+        self._reads_left[name] = self._reads_left.get(name, 1) + 1
 
     def value(self, name: str) -> torch.Tensor:
         while name not in self._values:
@@ -284,7 +323,9 @@ class ReplayedBase:
         return self._values[name]
 
     def drop(self, name: str) -> None:
-        self._values.pop(name, None)
+        self._reads_left[name] = self._reads_left.get(name, 1) - 1
+        if self._reads_left[name] <= 0:
+            self._values.pop(name, None)
 
     def _digest(self, name: str, value: torch.Tensor) -> None:
         if name in self.frozen_names:
