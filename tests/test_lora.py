@@ -177,6 +177,53 @@ def test_two_ranks_with_a_fully_trained_head(tmp_path):
     assert result.lora.endswith("(fingerprint checked)") and result.world_size == 2
 
 
+BASE_DIFFERS = ("the frozen base model differs from the one this run's adapters were trained on (checkpoint at step "
+                "{step}): checkpoints hold only the adapters, so the base must be rebuilt exactly.")
+
+
+@pytest.fixture(scope="module")
+def path_bases(tmp_path_factory):
+    """The tiny model saved as a model.path base, and a copy with one weight moved by 1e-3."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.demo import build_tokenizer
+
+    root = tmp_path_factory.mktemp("bases")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained(root / "base")
+    build_tokenizer().save_pretrained(root / "base")
+    shutil.copytree(root / "base", root / "base_mod")
+    tensors = load_file(root / "base_mod" / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] += 1e-3
+    save_file(tensors, root / "base_mod" / "model.safetensors", metadata={"format": "pt"})
+    return root / "base", root / "base_mod"
+
+
+def test_resume_on_another_rank_count_checks_the_base(path_bases, tmp_path):
+    """Two ranks recorded two shares' fingerprints; one rank resuming on a changed base is
+    refused with the same-rank refusal (the fingerprint recomputed for the recorded split: it
+    was skipped, and the adapters went on silently on the other base), and on the same base
+    goes on (and then records its own split's fingerprint)."""
+    base, base_mod = path_bases
+    raw = lora_config(tmp_path / "run", train={"max_steps": 2}, eval={"every_steps": 0, "at_end": False},
+                      checkpoint={"every_steps": 2}, lora={"modules_to_save": ["lm_head"]})
+    raw["model"] = {"path": str(base), "gradient_checkpointing": False}
+    config = write_config(tmp_path / "c.yaml", raw)
+    run_zerofit(["train", "--config", str(config)], nproc=2)
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "run", copy)
+    done = run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume", "--set",
+                        f"model.path={base_mod}", "--set", "train.max_steps=3"], check=False, env={"COLUMNS": "400"})
+    assert done.returncode == 1
+    assert BASE_DIFFERS.format(step=2) in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+    assert not (copy / "checkpoints" / "step-000003").exists()
+    done = run_zerofit(["train", "--config", str(config), "--resume", "--set", "train.max_steps=3"])
+    assert "resumed from" in done.stderr and "cannot check" not in done.stderr
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "loop_state.json").read_text())
+    assert len(state["extra"][lora.BASE_FINGERPRINT]) == 1
+
+
 def test_unknown_target_module_names_what_exists(tmp_path):
     config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", lora={"target_modules": ["qq_proj"]}))
     done = run_zerofit(["train", "--config", str(config)], check=False)

@@ -312,24 +312,73 @@ def _local_share(p, rank: int):
     return p.ds_tensor.reshape(-1).narrow(0, 0, valid)
 
 
+def fingerprints_as_split_by(model, world_size: int, rank: int) -> list[str] | None:
+    """Every rank's fingerprint of the frozen base as `world_size` ranks would hold it: each
+    frozen parameter gathered whole in turn (deepspeed.zero.GatheredParameters, a collective
+    every rank joins) and digested on rank 0 with the shares of that split
+    (basemodel.param_digests), as `zerofit export` digests a base read from its files. It moves
+    the whole 16-bit base once (as a save's 16-bit gather does), so it runs only when a resume
+    meets a checkpoint written on another number of ranks. The list on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    from zerofit.basemodel import combine, digest, param_digests
+
+    named = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        partitioned = hasattr(p, "ds_tensor")  # else every rank holds it whole (_local_share)
+        with GatheredParameters([p], modifier_rank=None, enabled=partitioned):
+            if rank == 0:
+                whole = p.data.detach().reshape(-1).cpu()
+                named.append((name, param_digests(whole, world_size) if partitioned else [digest(whole)] * world_size))
+        dist.barrier()  # the next gather only once rank 0 has hashed this one
+    return [combine([(n, d[r]) for n, d in named]) for r in range(world_size)] if rank == 0 else None
+
+
 def check_and_record(model, state, rank: int, world_size: int, recipe: dict) -> None:
     """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on;
     then record its fingerprint, how to rebuild it (basemodel.recipe_record) and peft's
     adapter config in the loop state, so that every checkpoint says which base it needs and
-    how to read its adapters (adapters.write_peft_dir, zerofit export)."""
+    how to read its adapters (adapters.write_peft_dir, zerofit export).
+
+    A checkpoint of another number of ranks split the base otherwise: its fingerprint is
+    recomputed for that split (fingerprints_as_split_by). Where the base cannot be compared
+    (its partitions on NVMe now or then, or a checkpoint of an older fingerprint scheme) a
+    warning says so, and a recorded fingerprint is kept rather than overwritten with none."""
     import torch.distributed as dist
+
+    from zerofit.progress import warn
 
     prints = [None] * world_size
     dist.all_gather_object(prints, base_fingerprint(model, rank))
     saved = state.extra.get(BASE_FINGERPRINT)
     same_scheme = (state.extra.get(BASE_RECIPE) or {}).get("fingerprint_scheme") == FINGERPRINT_SCHEME
-    comparable = saved and same_scheme and len(saved) == len(prints) and None not in saved and None not in prints
-    if comparable and saved != prints:
-        raise ConfigError(
-            f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at "
-            f"step {state.step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. "
-            f"Point model.path at the same weights (or keep model.config, train.seed and train.precision "
-            f"as they were, on the same kind of device), or start over with --no-resume")
-    state.extra[BASE_FINGERPRINT] = prints
+    readable = bool(saved) and same_scheme and None not in saved
+    unchecked = None
+    if saved is None and not state.extra.get(BASE_RECIPE):
+        pass  # a fresh start: nothing to compare with
+    elif not readable:
+        unchecked = ("the checkpoint records no fingerprint of it " + ("(its partitions were on NVMe)" if saved and
+                     None in saved else "in this zerofit's scheme (an older checkpoint)"))
+    elif None in prints:
+        unchecked = "its partitions are on NVMe now, where reading them back would cost a full swap-in"
+    else:
+        expected = prints if len(saved) == world_size else fingerprints_as_split_by(model, len(saved), rank)
+        differs = [expected != saved if rank == 0 else None]
+        dist.broadcast_object_list(differs, src=0)
+        if differs[0]:
+            raise ConfigError(
+                f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at "
+                f"step {state.step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. "
+                f"Point model.path at the same weights (or keep model.config, train.seed and train.precision "
+                f"as they were, on the same kind of device), or start over with --no-resume")
+    if unchecked and rank == 0:
+        warn(f"cannot check that the frozen base is the one this run's adapters were trained on (checkpoint at step "
+             f"{state.step}): {unchecked}; make sure model.path (or model.config, train.seed and train.precision) "
+             f"is what it was")
+    if None not in prints or not readable:  # a fingerprint that cannot be taken now leaves the recorded one
+        state.extra[BASE_FINGERPRINT] = prints
     state.extra[BASE_RECIPE] = recipe
     state.extra[ADAPTER_CONFIG_KEY] = adapter_config(model)
