@@ -307,6 +307,25 @@ def test_modules_to_save_must_exist(tiny_table):
         lora.check_modules_to_save(LoraConfig(modules_to_save=["embed_out"]), tiny_table)
 
 
+def test_globs_in_modules_to_save_are_expanded(tiny_table):
+    """peft matches modules_to_save by name ending, so a glob handed to it trained nothing
+    fully; expanded to the names it matches (outermost only), lm_* trains lm_head as lm_head does."""
+    names = list(tiny_table.kinds)
+    assert lora.expand_modules_to_save(["lm_*"], names) == ["lm_head"]
+    assert lora.expand_modules_to_save(["model.layers.1.*", "lm_head"], names) == [
+        "model.layers.1.self_attn", "model.layers.1.mlp", "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm", "lm_head"]
+    assert lora.expand_modules_to_save(["lm_head", "embed_tokens"], names) == ["lm_head", "embed_tokens"]  # as is
+    trainable = {}
+    for written in ("lm_*", "lm_head"):
+        config = validate(tiny_config("/tmp/unused", lora={"enabled": True, "modules_to_save": [written]}))
+        model = lora.attach(meta_model(), config, lora.resolve(config, config_from_name("tiny")))
+        trainable[written] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        assert model.peft_config["default"].modules_to_save == ["lm_head"]
+    assert trainable["lm_*"] == trainable["lm_head"]
+    assert "base_model.model.lm_head.modules_to_save.default.weight" in trainable["lm_*"]
+
+
 def test_lora_config_section(tmp_path):
     assert validate(tiny_config(tmp_path)).lora.enabled is False
     with pytest.raises(ConfigError, match=r"\['lm_head'\] is in both lora.target_modules and lora.modules_to_save"):

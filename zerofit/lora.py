@@ -72,10 +72,14 @@ def module_table(hf_config, trust_remote_code: bool = False) -> ModuleTable:
     return ModuleTable(kinds, output_name)
 
 
+def is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
 def matches(pattern: str, name: str) -> bool:
     """peft's rule for a plain name (the module's name is it or ends with `.it`); a glob
     (* ? [ ]) is matched against the full dotted name."""
-    if any(c in pattern for c in "*?["):
+    if is_glob(pattern):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)
 
@@ -119,6 +123,27 @@ def check_modules_to_save(lora: LoraConfig, table: ModuleTable) -> None:
     if missing:
         raise ConfigError(f"lora.modules_to_save: {', '.join(map(repr, missing))} matches no module; "
                           f"the model's modules: {_leaf_summary(table.kinds)}")
+
+
+def expand_modules_to_save(patterns: list[str], module_names) -> list[str]:
+    """What peft's modules_to_save gets: plain names as written, each glob replaced by the full
+    names of the modules it matches, the outermost only (a module's children train with it).
+    peft matches these names by their ending alone (peft/utils/other.py _set_trainable:
+    key.endswith(target_key)), so a glob given to it matched nothing and nothing trained fully
+    (`lm_*`: 1.02K trainable parameters, 9.22K with `lm_head`)."""
+    names: list[str] = []
+    for pattern in patterns:
+        hits = [n for n in module_names if n and fnmatch.fnmatchcase(n, pattern)] if is_glob(pattern) else [pattern]
+        names += [n for n in hits if n not in names and not any(n.startswith(h + ".") for h in hits)]
+    return names
+
+
+def resolve_modules_to_save(config, hf_config) -> list[str]:
+    """peft's modules_to_save for a run's config (expand_modules_to_save over the model's modules)."""
+    if not any(is_glob(p) for p in config.lora.modules_to_save):
+        return list(config.lora.modules_to_save)
+    return expand_modules_to_save(config.lora.modules_to_save,
+                                  module_table(hf_config, config.model.trust_remote_code).kinds)
 
 
 def _leaf_summary(kinds: dict[str, str], limit: int = 20) -> str:
@@ -173,13 +198,15 @@ def check_base_files(config) -> None:
                           f"exported or merged. Fine-tune it fully instead (lora.enabled: false)")
 
 
-def peft_config(lora: LoraConfig, target_modules: list[str], base_path: str | None = None):
+def peft_config(lora: LoraConfig, target_modules: list[str], modules_to_save: list[str],
+                base_path: str | None = None):
+    """`target_modules` from `resolve`, `modules_to_save` from expand_modules_to_save."""
     try:
         import peft
     except ImportError:
         raise ConfigError("lora.enabled needs peft: pip install 'zerofit[lora]'") from None
     return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
-                           target_modules=target_modules, modules_to_save=list(lora.modules_to_save) or None,
+                           target_modules=target_modules, modules_to_save=modules_to_save or None,
                            task_type="CAUSAL_LM", base_model_name_or_path=base_path)
 
 
@@ -192,7 +219,8 @@ def attach(model, config, target_modules: list[str]):
     import peft
     import torch
 
-    lora_config = peft_config(config.lora, target_modules, config.model.path)
+    modules_to_save = expand_modules_to_save(config.lora.modules_to_save, [n for n, _ in model.named_modules()])
+    lora_config = peft_config(config.lora, target_modules, modules_to_save, config.model.path)
     torch.manual_seed(config.train.seed)
     with quiet_peft():
         return peft.get_peft_model(model, lora_config, autocast_adapter_dtype=False)

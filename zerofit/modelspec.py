@@ -114,7 +114,7 @@ def from_config(config: Config) -> ModelSpec:
 
     hf = hf_config(config.model)
     targets = lora.resolve(config, hf)
-    peft_config = lora.peft_config(config.lora, targets)
+    peft_config = lora.peft_config(config.lora, targets, lora.resolve_modules_to_save(config, hf))
     import peft
 
     with torch.device("meta"), _zero3_off(), quiet_peft():

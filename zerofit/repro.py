@@ -181,14 +181,14 @@ def lora_settings(raw_config: dict, model_config: dict) -> dict:
     from transformers import AutoConfig
 
     from zerofit.configfile import validate
-    from zerofit.lora import resolve
+    from zerofit.lora import resolve, resolve_modules_to_save
 
     config = validate(raw_config)
     fields = {k: v for k, v in model_config.items() if k not in ("model_type", "transformers_version")}
     hf_config = AutoConfig.for_model(model_config["model_type"], **fields)
     lora = config.lora
     return {"r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": lora.bias,
-            "target_modules": resolve(config, hf_config), "modules_to_save": list(lora.modules_to_save) or None}
+            "target_modules": resolve(config, hf_config), "modules_to_save": resolve_modules_to_save(config, hf_config) or None}
 
 
 def observed(run_dir: Path) -> str:
