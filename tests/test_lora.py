@@ -326,6 +326,12 @@ def test_globs_in_modules_to_save_are_expanded(tiny_table):
     assert "base_model.model.lm_head.modules_to_save.default.weight" in trainable["lm_*"]
 
 
+def test_all_linear_with_other_names_says_it_must_be_alone(tiny_table):
+    with pytest.raises(ConfigError, match=r"'all-linear' \(every Linear layer but the output head\) must be the "
+                                          r"only entry, here with 'embed_tokens'; write \[all-linear\] alone"):
+        lora.resolve_targets(LoraConfig(target_modules=["all-linear", "embed_tokens"]), tiny_table, "llama")
+
+
 def test_lora_config_section(tmp_path):
     assert validate(tiny_config(tmp_path)).lora.enabled is False
     with pytest.raises(ConfigError, match=r"\['lm_head'\] is in both lora.target_modules and lora.modules_to_save"):

@@ -98,8 +98,14 @@ def resolve_targets(lora: LoraConfig, table: ModuleTable, model_type: str) -> li
             raise ConfigError(f"this {model_type} model has no Linear layers for LoRA; set lora.target_modules "
                               f"(its modules: {_leaf_summary(table.kinds)})")
         return linears
-    if [p.lower() for p in lora.target_modules] in (["all"], ["all-linear"]):  # LLaMA-Factory's, peft's
+    keywords = [p for p in lora.target_modules if p.lower() in ("all", "all-linear")]  # LLaMA-Factory's, peft's
+    if keywords and len(lora.target_modules) == 1:
         return linears
+    if keywords:  # (peft too takes "all-linear" only as the whole value)
+        others = ", ".join(repr(p) for p in lora.target_modules if p not in keywords)
+        raise ConfigError(f"lora.target_modules: {keywords[0]!r} (every Linear layer but the output head) must be "
+                          f"the only entry, here with {others}; write [{keywords[0]}] alone, or name every module "
+                          f"to adapt")
     names, problems = [], []
     for pattern in lora.target_modules:
         hits = [n for n in table.kinds if matches(pattern, n)]
