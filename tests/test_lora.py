@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from zerofit import adapters, lora
+from zerofit import adapters, lora, runlock
 from zerofit.config import ConfigError, LoraConfig
 from zerofit.configfile import validate
 from zerofit.export import export
@@ -175,6 +175,19 @@ def test_two_ranks_with_a_fully_trained_head(tmp_path):
     # The merge replays the random init and checks both ranks' shares of it.
     result = export(tmp_path / "run", tmp_path / "merged", progress=False)
     assert result.lora.endswith("(fingerprint checked)") and result.world_size == 2
+    # On one rank the rebuilt random init is gathered and digested as two ranks' shares: the same
+    # base goes on; a record it does not match (one digit changed) is refused, as on two ranks.
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tmp_path / "run", tampered)
+    state_file = tampered / "checkpoints" / "step-000004" / "loop_state.json"
+    recorded = json.loads(state_file.read_text())["extra"][lora.BASE_FINGERPRINT][1]
+    state_file.write_text(state_file.read_text().replace(recorded, ("0" if recorded[0] != "0" else "1") + recorded[1:]))
+    for run_dir, refused in ((tmp_path / "run", False), (tampered, True)):
+        done = run_zerofit(["train", "--config", str(config), "--run-dir", str(run_dir), "--resume", "--set",
+                            "train.max_steps=5", "--set", "checkpoint.verify=sizes"], check=False,
+                           env={"COLUMNS": "400"})
+        assert done.returncode == int(refused) and "cannot check" not in done.stderr, done.stderr[-2000:]
+        assert (BASE_DIFFERS.format(step=4) in done.stderr) == refused and ("resumed from" in done.stderr) != refused
 
 
 BASE_DIFFERS = ("the frozen base model differs from the one this run's adapters were trained on (checkpoint at step "
@@ -222,6 +235,38 @@ def test_resume_on_another_rank_count_checks_the_base(path_bases, tmp_path):
     assert "resumed from" in done.stderr and "cannot check" not in done.stderr
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "loop_state.json").read_text())
     assert len(state["extra"][lora.BASE_FINGERPRINT]) == 1
+
+
+def files_of(directory):
+    """{relative path: (bytes, mtime)} of every file under `directory` but the lock, which every
+    start takes first and writes its pid into (runlock.hold)."""
+    return {str(f.relative_to(directory)): (f.read_bytes(), f.stat().st_mtime_ns)
+            for f in sorted(directory.rglob("*")) if f.is_file() and f.name != runlock.LOCK_FILE}
+
+
+def test_resume_refused_for_another_base_leaves_the_run_as_it_was(path_bases, tmp_path):
+    """The base is compared before the run's files are rewritten: a refusal left config.yaml
+    naming the refused base (so resuming with the run's own config failed too), plan.json,
+    ds_config.json and model/ rewritten, and said "resumed from" first. Now not a byte or an
+    mtime changes, and the run's own config resumes."""
+    base, base_mod = path_bases
+    raw = lora_config(tmp_path / "run", train={"max_steps": 2}, eval={"every_steps": 0, "at_end": False},
+                      checkpoint={"every_steps": 2})
+    raw["model"] = {"path": str(base), "gradient_checkpointing": False}
+    config = write_config(tmp_path / "c.yaml", raw)
+    run_zerofit(["train", "--config", str(config)])
+    run = tmp_path / "run"
+    before = files_of(run)
+    done = run_zerofit(["train", "--config", str(config), "--set", f"model.path={base_mod}", "--set",
+                        "train.max_steps=3"], check=False, env={"COLUMNS": "400"})
+    assert done.returncode == 1
+    assert BASE_DIFFERS.format(step=2) in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+    assert "resumed from" not in done.stderr
+    after = files_of(run)
+    assert after.keys() == before.keys() and [k for k in before if after[k] != before[k]] == []
+    done = run_zerofit(["train", "--config", str(run / "config.yaml"), "--set", "train.max_steps=3"])
+    assert f"resumed from {run / 'checkpoints' / 'step-000002'} at step 2" in done.stderr.replace("\n", "")
+    assert (run / "checkpoints" / "step-000003").is_dir()
 
 
 def test_unknown_target_module_names_what_exists(tmp_path):

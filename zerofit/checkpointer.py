@@ -107,9 +107,7 @@ class Checkpointer:
             # what this run saves from here on is the current config's
             state = dataclasses.replace(state, config_fingerprint=fresh.config_fingerprint,
                                         config_values=fresh.config_values)
-        if self.dist.is_main:
-            say(f"resumed from {directory} at step {state.step}")
-        return state
+        return state  # train.run says "resumed from" once LoRA's base check passed
 
     def _data_position_carried(self, state: LoopState, fresh: LoopState, name: str) -> LoopState:
         """The same data position counted in this run's micro batches: after a change of rank

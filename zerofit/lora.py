@@ -371,7 +371,40 @@ def fingerprints_as_split_by(model, world_size: int, rank: int) -> list[str] | N
     return [combine([(n, d[r]) for n, d in named]) for r in range(world_size)] if rank == 0 else None
 
 
-def check_and_record(model, state, rank: int, world_size: int, recipe: dict) -> None:
+def base_differs(step: int) -> str:
+    return (f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at step "
+            f"{step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. Point model.path "
+            f"at the same weights (or keep model.config, train.seed and train.precision as they were, on the same "
+            f"kind of device), or start over with --no-resume")
+
+
+def base_refusal(config, checkpoint_dir: Path, step: int) -> tuple[str | None, bool]:
+    """(why a resume from `checkpoint_dir` is refused, whether the base was checked), before
+    the run's files are rewritten or the engine is built (resume._pick, rank 0): a model.path
+    base's files are fingerprinted for the recorded split as `zerofit export` fingerprints them
+    (basemodel.files_fingerprint, one streamed read of the base), a random-init base's recipe
+    is compared (another train.seed draws another base). Whatever else differs in a rebuilt
+    random init (versions, device) `check_and_record` finds after the build."""
+    from zerofit import adapters, basemodel, zerofiles
+    from zerofit.models import hf_config
+
+    if not config.lora.enabled or not (Path(checkpoint_dir) / "loop_state.json").is_file():
+        return None, False
+    recorded = basemodel.read_recipe(checkpoint_dir)
+    if recorded.fingerprint is None or recorded.scheme != FINGERPRINT_SCHEME:
+        return None, False  # check_and_record warns
+    if not config.model.path:
+        return (base_differs(step) if recorded.path is None and recorded.seed != config.train.seed else
+                None), False
+    frozen = basemodel.frozen_params(basemodel.peft_skeleton(
+        hf_config(config.model), adapters.adapter_config(checkpoint_dir), recorded.torch_dtype,
+        config.model.trust_remote_code))
+    computed = basemodel.files_fingerprint(frozen, zerofiles.safetensors_tensors(Path(config.model.path)),
+                                           recorded.world_size, 1 << 22)
+    return (base_differs(step) if computed != recorded.fingerprint else None), True
+
+
+def check_and_record(model, state, rank: int, world_size: int, recipe: dict, files_checked: bool = False) -> None:
     """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on;
     then record its fingerprint, how to rebuild it (basemodel.recipe_record) and peft's
     adapter config in the loop state, so that every checkpoint says which base it needs and
@@ -380,7 +413,9 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict) -> 
     A checkpoint of another number of ranks split the base otherwise: its fingerprint is
     recomputed for that split (fingerprints_as_split_by). Where the base cannot be compared
     (its partitions on NVMe now or then, or a checkpoint of an older fingerprint scheme) a
-    warning says so, and a recorded fingerprint is kept rather than overwritten with none."""
+    warning says so, and a recorded fingerprint is kept rather than overwritten with none.
+    `files_checked`: base_refusal compared the model.path files with the recorded fingerprint
+    before the build (no second pass over the base for another split)."""
     import torch.distributed as dist
 
     from zerofit.progress import warn
@@ -399,15 +434,14 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict) -> 
     elif None in prints:
         unchecked = "its partitions are on NVMe now, where reading them back would cost a full swap-in"
     else:
-        expected = prints if len(saved) == world_size else fingerprints_as_split_by(model, len(saved), rank)
+        if len(saved) == world_size:
+            expected = prints
+        else:
+            expected = saved if files_checked else fingerprints_as_split_by(model, len(saved), rank)
         differs = [expected != saved if rank == 0 else None]
         dist.broadcast_object_list(differs, src=0)
         if differs[0]:
-            raise ConfigError(
-                f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at "
-                f"step {state.step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. "
-                f"Point model.path at the same weights (or keep model.config, train.seed and train.precision "
-                f"as they were, on the same kind of device), or start over with --no-resume")
+            raise ConfigError(base_differs(state.step))
     if unchecked and rank == 0:
         warn(f"cannot check that the frozen base is the one this run's adapters were trained on (checkpoint at step "
              f"{state.step}): {unchecked}; make sure model.path (or model.config, train.seed and train.precision) "

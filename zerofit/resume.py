@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit import checkpoint, data, elastic, runfiles, universal, zerofiles
+from zerofit import checkpoint, data, elastic, lora, runfiles, universal, zerofiles
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
@@ -28,6 +28,7 @@ class ResumePoint:
     skipped: list = field(default_factory=list)
     error: str | None = None
     step: int = 0  # the checkpoint's
+    base_checked: bool = False  # a LoRA run's model.path files compared with the recorded fingerprint
 
 
 def resume_command(config: Config, resume: bool = True) -> str:
@@ -294,11 +295,15 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
     point = ResumePoint(str(found), str(found), False, skipped, step=checkpoint.step_of(found))
     manifest = checkpoint.read_manifest(found)
     changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
+    # LoRA: the frozen base compared before anything is rewritten or built (the load cannot tell)
+    base_refused, point.base_checked = (None, False) if changes else lora.base_refusal(config, found, point.step)
     if changes:
         point.error = (f"{found.name} cannot be loaded under this config ({'; '.join(changes)}): resume with "
                        f"the run's own ({resume_command(config, resume=False)}), or start "
                        f"over here with --no-resume (the checkpoints are moved aside, not deleted); the run's "
                        f"config.yaml, model/ and checkpoints are as they were")
+    elif base_refused:
+        point.error = base_refused
     elif manifest["world_size"] != world_size and (found / zerofiles.NVME_COPIES).is_dir():
         point.error = (f"{found.name} was written by {manifest['world_size']} rank(s) with the optimizer on NVMe; "
                        f"its optimizer state lives in {zerofiles.NVME_COPIES}/ per rank, which DeepSpeed cannot convert "
