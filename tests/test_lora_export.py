@@ -111,7 +111,7 @@ def test_merge_of_a_model_path_base_equals_peft(path_run, tmp_path):
     run, base_dir = path_run
     done = run_zerofit(["export", str(run), "--out", str(tmp_path / "bf16"), "--verify"])
     assert f"into the base at {base_dir} (fingerprint checked)" in done.stderr
-    assert "vs peft's merge_and_unload" in done.stderr and ": ok" in done.stderr
+    assert "vs peft's unmerged base + adapter" in done.stderr and ": ok" in done.stderr
     export(run, tmp_path / "fp32", dtype="fp32", progress=False)
     merged = peft_merged(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), step_of(run), tmp_path)
     assert_equals_peft_merge(tmp_path / "fp32", tmp_path / "bf16", merged)
