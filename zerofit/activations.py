@@ -210,7 +210,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     # The last block's reduce holds at most its own gradients: a LoRA block's are a few
     # adapters, flushed once the bucket fills, blocks later (the first_flush moment).
     in_block = trainable_block_numel(spec)
-    bucket = min(cand.reduce_bucket_size, cand.reduce_bucket_size if in_block is None else in_block)
+    bucket = cand.reduce_bucket_size if in_block is None else min(cand.reduce_bucket_size, in_block)
 
     # The forward peaks at the loss, with what lm_head's fetch left gathered, or inside a block,
     # with the most gathered there (under eager attention its scores too; they are gone before

@@ -310,6 +310,12 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int
     frozen = {p.name for p in spec.params if not p.trainable}
     held_by_trigger: set[str] = set()  # a recompute's frozen parameters (update_recompute_parameters)
 
+    def release(n: str) -> None:
+        nonlocal live
+        available.discard(n)
+        in_buffers.discard(n)
+        live -= numel[n]
+
     def prefetch() -> None:  # one fetch call's prefetch from the queue's head
         nonlocal live, head
         room, fetched = min(prefetch_bucket, max_live - live), 0
@@ -345,14 +351,10 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int
             nxt = next_use[t].get(n)
             if n not in held_by_trigger and fetched_for[n] <= t and \
                     (nxt is None or prefix[nxt] - prefix[t + 1] >= reuse_distance):
-                available.discard(n)
-                in_buffers.discard(n)
-                live -= numel[n]
+                release(n)
         if span_end.get(t) == t:  # the recompute is over: the backward module that ran it releases them
             for n in held_by_trigger & available:
-                available.discard(n)
-                in_buffers.discard(n)
-                live -= numel[n]
+                release(n)
             held_by_trigger.clear()
         after_release.append(live)
     return lives, after_release
