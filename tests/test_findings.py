@@ -73,6 +73,40 @@ def test_spike_after_save_with_small_sub_group_blames_the_cache():
     assert "reshaped" in spike.cause and "sub_group_size" not in spike.fix[0]
 
 
+def test_spike_after_an_eval_names_the_gathered_parameters_under_zero3():
+    """A ZeRO-3 run whose evals left parameters gathered: the first step after each peaks higher
+    in its forward and backward (the H200's 2.78 -> 4.48 GiB, engine.release_gathered)."""
+    run = synthetic_run(eval_every=4, spike_after_eval=1536 * MiB)
+    spike = next(f for f in findings_of(run) if f.kind == "after_eval_spike")
+    assert spike.device == "gpu" and spike.step == 5 and spike.evidence["phase"] == "forward"
+    assert spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] == 1536 * MiB
+    # the forward after each of the evals at 4, 8, 12, 16 (the backward's 1.5 GiB is 10% of its peak: not above)
+    assert spike.evidence["spikes"] == 4
+    assert "stage3_max_reuse_distance" in spike.cause and spike.fix[0].startswith("update zerofit")
+    hf_facts = facts_from(run, ds_config(), {}, source="hf-trainer")
+    hf_spike = next(f for f in detect(run, hf_facts) if f.kind == "after_eval_spike")
+    assert hf_spike.fix[0].startswith("zerofit.hf.MemoryGuardCallback()")
+    assert "empty_partition_cache()" in hf_spike.fix[1]
+
+
+def test_spike_after_an_eval_that_released_its_parameters_blames_the_cache():
+    run = synthetic_run(eval_every=4, spike_after_eval=1536 * MiB, eval_released=True)
+    spike = next(f for f in findings_of(run) if f.kind == "after_eval_spike")
+    assert spike.evidence["released_gathered"] and "reshaped" in spike.cause
+    assert spike.fix == ["memory.expandable_segments: true"]
+    assert findings_of(synthetic_run(eval_every=4)) == []  # evals alone are no finding
+    assert findings_of(synthetic_run(eval_every=4, spike_after_eval=32 * MiB)) == []  # below the floor
+
+
+def test_a_step_after_both_a_save_and_an_eval_is_named_once():
+    """Evals and saves at the same steps (LLaMA-Factory's eval_steps = save_steps): a spike is the
+    eval's when the eval left parameters gathered, else the save's."""
+    gathered = findings_of(synthetic_run(eval_every=5, spike_after_eval=3 * GiB))
+    assert "after_eval_spike" in {f.kind for f in gathered} and "after_save_spike" not in {f.kind for f in gathered}
+    released = findings_of(synthetic_run(eval_every=5, spike_after_save=3 * GiB, eval_released=True))
+    assert "after_save_spike" in {f.kind for f in released} and "after_eval_spike" not in {f.kind for f in released}
+
+
 def test_fragmentation_suggests_expandable_segments_unless_set():
     found = findings_of(synthetic_run(frag=4 * GiB, inactive_split=2 * GiB))
     frag = next(f for f in found if f.kind == "fragmentation")

@@ -1,9 +1,11 @@
 """MemoryGuardCallback on a real (tiny, CPU) HF Trainer run, read back by zerofit doctor."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import read_jsonl, run_zerofit
+from conftest import ROOT, child_env, free_port, read_jsonl, run_zerofit
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from zerofit.doctor import diagnose
@@ -155,3 +157,28 @@ def test_plan_writes_no_deepspeed_config_when_nothing_fits(tmp_path, capsys):
     assert path.is_file() and "only zerofit's checkpoint disk falls short" in " ".join(capsys.readouterr().err.split())
     assert main(["plan", "--model", "tiny", "--ds-config", str(tmp_path / "missing" / "ds.json")]) == 1
     assert "cannot be written (No such file or directory)" in capsys.readouterr().err
+
+
+def zero3_trainer_run(tmp_path, *flags) -> dict:
+    """tests/hf_zero3_run.py under torchrun: Trainer + DeepSpeed ZeRO-3 with parameter offload."""
+    out = tmp_path / ("kept" if flags else "released")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port",
+                           str(free_port()), str(ROOT / "tests" / "hf_zero3_run.py"), str(out), *flags],
+                          env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    evals = [r for r in read_jsonl(out / "memory.jsonl") if r["phase"] == "eval"]
+    return {**result, "eval_steps": [r["step"] for r in evals], "released": [r["released_gathered"] for r in evals]}
+
+
+def test_parameters_an_eval_left_gathered_are_partitioned_before_the_next_step(tmp_path):
+    """HF Trainer does not partition what ZeRO-3 keeps gathered after an eval's forward (no
+    backward follows), and the first training step after it gathers its window on top (on the
+    H200: findings.after_eval_spike). MemoryGuardCallback partitions them after each eval batch."""
+    released = zero3_trainer_run(tmp_path)
+    assert released["eval_steps"] == [3, 6] and released["released"] == [True, True]
+    assert set(released["gathered_at_step_begin"].values()) == {0}  # step 4 opens after the eval at 3
+    kept = zero3_trainer_run(tmp_path, "--keep-gathered")  # HF Trainer's own behaviour
+    assert kept["released"] == [False, False]
+    gathered = {int(step): n for step, n in kept["gathered_at_step_begin"].items()}
+    assert gathered[4] == kept["params"] and gathered[3] == 0 and gathered[5] == 0  # the whole model

@@ -387,10 +387,13 @@ def release(ds_engine) -> None:
 
 def release_gathered(ds_engine) -> None:
     """Partition every ZeRO-3 parameter a forward left gathered (DeepSpeed's
-    empty_partition_cache, without its gc and cache flush). A forward with no backward (an
-    eval batch) keeps what the recorded training trace reuses within max_reuse_distance (its
-    recompute and backward, which never come), and the next forward's reset_step counts none
-    of it: that forward gathers a whole live window on top. On the H200, llama-3.6b LoRA with
+    empty_partition_cache, without its gc and cache flush). `ds_engine` is the engine or
+    anything holding its ZeRO optimizer as `.optimizer` (accelerate's DeepSpeedOptimizerWrapper,
+    what HF Trainer hands its callbacks).
+
+    A forward with no backward (an eval batch) keeps what the recorded training trace reuses
+    within max_reuse_distance (its recompute and backward, which never come), and the next
+    forward's reset_step counts none of it: that forward gathers a whole live window on top. On the H200, llama-3.6b LoRA with
     its base on the CPU, s512: an eval of 4 batches peaked at 3.93 GiB and the training step
     after it at 4.48 GiB, against 2.78 without an eval
     (bench/results/planner_accuracy-...-lora-eval.json)."""

@@ -23,7 +23,8 @@ EVENT_KINDS = ("oom", "watchdog", "checkpoint_failed")  # findings of one record
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike | oom | watchdog
+    kind: str          # post_save_residue | growth | fragmentation | near_budget | after_save_spike
+                       # | after_eval_spike | oom | watchdog
                        # | checkpoint_failed | rank_imbalance | cpu_threads | killed | checkpoint_damaged
                        # | save_cut_short | checkpoint_unusable
     severity: str      # error | warning | info
@@ -97,6 +98,7 @@ def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
         found += post_save_residue(records, facts, device)
         found += growth(records, facts, device)
         found += after_save_spike(records, facts, device)
+        found += after_eval_spike(records, facts, device)
         found += near_budget(records, facts, device)
     if on_gpu:
         found += fragmentation(records, facts)
@@ -246,14 +248,15 @@ def growth(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
                     device, title, cause, fix, last_step, evidence)]
 
 
-def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
-    """The first step after a save peaks above the same phase in its neighbours (the
-    step before the save and the step after), so steady growth is not mistaken for it."""
+def first_step_spikes(records: list[dict], facts: RunFacts, device: str, follows_event) -> list[tuple[dict, int, int]]:
+    """(record, peak, typical) for each phase of a first step after an event (`follows_event(record)`)
+    that peaks above the same phase in its neighbours (the step before the event and the step
+    after), so steady growth is not mistaken for it."""
     by_phase: dict[str, dict[int, int]] = {}
     after: list[tuple[dict, int]] = []
     for record, peak in peaks(training(records), device):
         by_phase.setdefault(record["phase"], {})[record["step"]] = peak
-        if record.get("after_save"):
+        if follows_event(record):
             after.append((record, peak))
     spikes = []
     for record, peak in after:
@@ -265,6 +268,25 @@ def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[
         excess = peak - typical
         if excess > significant_bytes(facts, device) and excess > 0.1 * typical:
             spikes.append((record, peak, typical))
+    return spikes
+
+
+def evals_by_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if r.get("phase") == "eval"}
+
+
+def left_gathered(eval_record: dict, facts: RunFacts) -> bool:
+    """A ZeRO-3 eval whose batches' gathered parameters were not partitioned after it (HF Trainer
+    without MemoryGuardCallback's release, zerofit before it released them)."""
+    return facts.zero.get("stage") == 3 and not eval_record.get("released_gathered", False)
+
+
+def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
+    """The first step after a save peaks above the same phase in the steps around it. A step
+    that also follows an eval which left parameters gathered is that eval's (after_eval_spike)."""
+    gathering_evals = {step for step, record in evals_by_step(records).items() if left_gathered(record, facts)}
+    spikes = first_step_spikes(records, facts, device,
+                               lambda record: record.get("after_save") and record["step"] - 1 not in gathering_evals)
     if not spikes:
         return []
     record, peak, typical = max(spikes, key=lambda s: s[1] - s[2])
@@ -292,6 +314,49 @@ def after_save_spike(records: list[dict], facts: RunFacts, device: str) -> list[
                     f"({gib(peak)} at step {record['step']} vs {gib(typical)} in the steps around it), in {len(spikes)} "
                     f"phase(s) after saves", cause, fix or ["empty the cache after each save"], record["step"],
                     {"peak_bytes": peak, "typical_bytes": int(typical), "phase": phase, "spikes": len(spikes)})]
+
+
+def after_eval_spike(records: list[dict], facts: RunFacts, device: str) -> list[Finding]:
+    """The first step after an eval peaks above the same phase in the steps around it. Under
+    ZeRO-3 an eval's forward (no backward) leaves gathered what the training trace would reuse
+    within stage3_max_reuse_distance, and the next training forward gathers a whole live window
+    on top of it (engine.release_gathered; on the H200, llama-3.6b LoRA: 2.78 -> 4.48 GiB). A
+    step that also follows a save is the save's (after_save_spike) unless the eval left them."""
+    evals = evals_by_step(records)
+
+    def follows_eval(record: dict) -> bool:
+        before = evals.get(record["step"] - 1)
+        return before is not None and (left_gathered(before, facts) or not record.get("after_save"))
+
+    spikes = first_step_spikes(records, facts, device, follows_eval)
+    if not spikes:
+        return []
+    record, peak, typical = max(spikes, key=lambda s: s[1] - s[2])
+    eval_record = evals[record["step"] - 1]
+    released = eval_record.get("released_gathered", False)  # runs from before the release did not
+    if left_gathered(eval_record, facts):
+        cause = ("ZeRO-3: an eval's forward has no backward, so it leaves gathered the parameters the training "
+                 "trace would reuse (stage3_max_reuse_distance); the next training forward gathers its whole "
+                 "window on top of them")
+        fix = (["zerofit.hf.MemoryGuardCallback() partitions them after each eval batch (release_after_eval, "
+                "its default)", "or call trainer.model_wrapped.empty_partition_cache() after each evaluation"]
+               if facts.source == "hf-trainer" else
+               ["update zerofit: it partitions them after each eval batch (this run's evals did not); the run "
+                "resumes from its last checkpoint"])
+    elif device == "gpu":
+        cause = ("the eval's activations and logits left the allocator's cache reshaped, so the next step's "
+                 "requests need fresh memory on top of what is held")
+        fix = [expandable_segments_setting(facts) if not facts.expandable_segments_on
+               else "torch.cuda.empty_cache() right after each eval"]
+    else:
+        cause = "host memory is allocated again after the eval (its outputs or metrics) on top of what the step needs"
+        fix = ["find what the first step after an eval allocates on the host (tracemalloc or memray)"]
+    return [Finding("after_eval_spike", "warning", device,
+                    f"The first step after an eval peaks {mib(peak - typical)} higher in {record['phase']} "
+                    f"({gib(peak)} at step {record['step']} vs {gib(typical)} in the steps around it), in "
+                    f"{len(spikes)} phase(s) after evals", cause, fix, record["step"],
+                    {"peak_bytes": peak, "typical_bytes": int(typical), "phase": record["phase"],
+                     "spikes": len(spikes), "released_gathered": released})]
 
 
 def near_budget(records: list[dict], facts: RunFacts, device: str, near: float = 0.85) -> list[Finding]:

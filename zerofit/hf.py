@@ -1,6 +1,8 @@
 """zerofit's memory guard for HF Trainer and LLaMA-Factory runs: the same memory.jsonl
 timeline, a post-save residue check, cache release after each save, and the watchdog,
-so that `zerofit doctor OUTPUT_DIR` explains the run.
+so that `zerofit doctor OUTPUT_DIR` explains the run; under ZeRO-3 it also partitions the
+parameters each eval batch leaves gathered (HF Trainer does not: the first training step after
+an eval gathers its window on top of them; findings.after_eval_spike).
 
     from zerofit.hf import MemoryGuardCallback
     trainer = Trainer(..., callbacks=[MemoryGuardCallback()])
@@ -26,6 +28,7 @@ from transformers import TrainerCallback
 
 from zerofit import watchdog
 from zerofit.doctor import HF_RUN_FILE
+from zerofit.engine import release_gathered
 from zerofit.findings import RunFacts, significant_bytes
 from zerofit.memory import Timeline, gib
 from zerofit.progress import warn
@@ -43,17 +46,20 @@ class MemoryGuardCallback(TrainerCallback):
       in zerofit: warn, save (a checkpoint now) or stop (save, then stop training).
     gpu_mem / host_mem: budgets such as "24GiB" (default: the device, the machine's RAM).
     release_cache_after_save: gc.collect() and torch.cuda.empty_cache() after each save.
+    release_after_eval: under ZeRO-3, partition every parameter an eval batch left gathered
+      (DeepSpeed's empty_partition_cache), as zerofit's own loop does.
     """
 
     def __init__(self, output_dir: str | None = None, watchdog_threshold: float = 0.9,
                  watchdog_action: str = "warn", gpu_mem: str | None = None, host_mem: str | None = None,
-                 release_cache_after_save: bool = True):
+                 release_cache_after_save: bool = True, release_after_eval: bool = True):
         if watchdog_action not in ("warn", "save", "stop"):
             raise ValueError(f"watchdog_action={watchdog_action!r}: choose warn, save or stop")
         if not 0 < watchdog_threshold <= 1:
             raise ValueError(f"watchdog_threshold={watchdog_threshold}: a fraction of the budget in (0, 1]")
         self.output_dir, self.threshold, self.action = output_dir, watchdog_threshold, watchdog_action
         self.gpu_mem, self.host_mem, self.release = gpu_mem, host_mem, release_cache_after_save
+        self.release_after_eval = release_after_eval
         self.timeline: Timeline | None = None
         self.dog: watchdog.Watchdog | None = None
         self.on_gpu, self.world_size, self.held_before_save = False, 1, 0
@@ -92,13 +98,18 @@ class MemoryGuardCallback(TrainerCallback):
             control.should_training_stop = control.should_training_stop or self.action == "stop"
         return control
 
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_prediction_step(self, args, state, control, optimizer=None, **kwargs):
+        if self.release_after_eval and optimizer is not None:  # None before train() built the engine
+            release_gathered(optimizer)
+
+    def on_evaluate(self, args, state, control, optimizer=None, **kwargs):
+        released = self.release_after_eval and optimizer is not None
         if self.timeline is not None:
-            self.timeline.mark(state.global_step, "eval")
+            self.timeline.mark(state.global_step, "eval", released_gathered=released)
             return
         # trainer.evaluate() outside train(): a baseline before it, LLaMA-Factory's do_eval after it
         timeline = Timeline(Path(self.output_dir or args.output_dir), args.process_index, on_gpu(args))
-        timeline.mark(state.global_step, "eval")
+        timeline.mark(state.global_step, "eval", released_gathered=released)
         timeline.close()
 
     def on_save(self, args, state, control, **kwargs):
