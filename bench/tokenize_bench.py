@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zerofit import engine, tokenworkers  # noqa: E402
-from zerofit.config import DataConfig  # noqa: E402
+from zerofit.dataconfig import DataConfig  # noqa: E402
 from zerofit.demo import build_tokenizer  # noqa: E402
 from zerofit.hardware import cpu_cores  # noqa: E402
 from zerofit.tokenizing import read_examples  # noqa: E402

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from zerofit import data, datafiles, rowlayout, tokenizing, tokenworkers
-from zerofit.config import ConfigError, DataConfig
+from zerofit.config import ConfigError
+from zerofit.dataconfig import DataConfig
 from zerofit.configfile import validate
 from zerofit.data import Batches
 from zerofit.datafiles import DataError
@@ -1722,7 +1723,7 @@ def test_rows_longer_than_the_tokenizers_maximum_warn_no_one_in_no_worker(tmp_pa
     path = write_jsonl(tmp_path / "long.jsonl", [{"text": f"a row of more than eight tokens, number {i}"}
                                                   for i in range(200)])
     script = ("from pathlib import Path\nfrom zerofit import tokenizing\n"
-              "from zerofit.config import DataConfig\n"
+              "from zerofit.dataconfig import DataConfig\n"
               "from zerofit.demo import build_tokenizer\n"
               "for workers in (2, 1):\n"
               "    tokenizer = build_tokenizer()\n"

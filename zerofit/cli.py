@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 from zerofit import elastic
-from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, Section, TrainConfig, expand_path
+from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError, TrainConfig
 from zerofit.peerwatch import TerminatedOutsideTheLoop
 from zerofit.engine import end_after_error
 from zerofit.memory import human_bytes
 from zerofit.planner import EXPORT_MAX_RAM_BYTES
+from zerofit.section import Section, expand_path
 
 
 def at_least(minimum, kind=int):

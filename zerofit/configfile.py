@@ -2,7 +2,7 @@
 refused with the fix), `--set section.key=value` overrides, validation errors said in words
 (an unknown key names the nearest valid one, or its LLaMA-Factory counterpart), and the config
 written back out (a run's config.yaml, `zerofit config --example`). The schema itself is
-config.py's."""
+config.py's (the data section dataconfig.py's, the sections' base section.py's)."""
 from __future__ import annotations
 
 import difflib
@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from zerofit import aliases
-from zerofit.config import Config, ConfigError, Section
+from zerofit.config import Config, ConfigError
+from zerofit.section import Section
 
 DEMO_CONFIG = Path(__file__).parent / "demo" / "config.yaml"
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from zerofit import datacache
-from zerofit.config import DataConfig
+from zerofit.dataconfig import DataConfig
 from zerofit.datafiles import DataError, data_entries
 from zerofit.progress import HIDDEN, Shown
 from zerofit.tokenizing import IGNORE, Read, read_examples

@@ -20,14 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerofit.config import DataConfig
+from zerofit.dataconfig import DataConfig
 from zerofit.progress import HIDDEN, Shown, say, warn
 from zerofit.tokenizing import Read, read_examples
 
 CACHE_DIR = "data-cache"
 # the data keys tokenize_row and read_examples read: the others shape sequences from the examples
 READ_KEYS = ("format", "alpaca_template", "columns", "max_samples", "skip_bad_rows")
-CODE = ("tokenizing.py", "tokenworkers.py", "datafiles.py", "toolcalls.py", "config.py", "datacache.py")
+# zerofit's code that reads and tokenizes rows: the data keys' meaning (dataconfig.py) and how a
+# section reads its values (section.py) included
+CODE = ("tokenizing.py", "tokenworkers.py", "datafiles.py", "toolcalls.py", "dataconfig.py", "section.py",
+        "datacache.py")
 LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 

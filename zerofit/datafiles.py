@@ -9,7 +9,9 @@ import logging
 import re
 from pathlib import Path
 
-from zerofit.config import FORMAT_FIELDS, ConfigError, column_fields, read_from
+from zerofit.config import ConfigError
+from zerofit.dataconfig import FORMAT_FIELDS, column_fields
+from zerofit.section import read_from
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
@@ -154,10 +156,10 @@ def first_rows(rows, limit: int | None):
 
 def with_columns(rows, columns: dict[str, str | None], file: Path, fmt: str = "auto") -> tuple:
     """(`read_rows`' rows with the files' columns renamed to the fields they hold, the renames
-    {column: field}, the columns left out): data.columns, config.column_fields under data.format
+    {column: field}, the columns left out): data.columns, dataconfig.column_fields under data.format
     `fmt`. A file holding none of the columns named keeps its own names (a directory may mix
     files); one holding a format's mapped column must hold that format's other required ones
-    (config.FORMAT_FIELDS). A field held under both names is read from the column named for it;
+    (dataconfig.FORMAT_FIELDS). A field held under both names is read from the column named for it;
     one mapped to None is not read: its column is dropped."""
     field_of, named = column_fields(fmt), {key: column for key, column in columns.items() if column is not None}
     # a null field's own column is dropped, unless another key reads that column ({prompt: input, query: null})

@@ -32,9 +32,10 @@ import yaml
 
 from zerofit import lfdata, lfkeys
 from zerofit.aliases import NO_EFFECT
-from zerofit.config import Config, ConfigError, expand_path
+from zerofit.config import Config, ConfigError
 from zerofit.configfile import read_yaml
 from zerofit.models import bundled_chat_templates
+from zerofit.section import expand_path
 
 # what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"}

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerofit.config import OPTIONAL_FIELDS, ConfigError, column_fields
+from zerofit.config import ConfigError
+from zerofit.dataconfig import OPTIONAL_FIELDS, column_fields
 
 if TYPE_CHECKING:
     from zerofit.lfconfig import Translation
@@ -21,7 +22,7 @@ SPEAKERS = {"user_tag": {"human", "user"}, "assistant_tag": {"gpt", "assistant"}
             "observation_tag": {"observation", "tool"}, "function_tag": {"function_call"}}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
-# config.OPTIONAL_FIELDS under LLaMA-Factory's names (its query is zerofit's input)
+# dataconfig.OPTIONAL_FIELDS under LLaMA-Factory's names (its query is zerofit's input)
 OPTIONAL_KEYS = tuple({"input": "query"}.get(name, name) for name in OPTIONAL_FIELDS)
 
 

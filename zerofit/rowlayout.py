@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 
-from zerofit.config import DataConfig
+from zerofit.dataconfig import DataConfig
 from zerofit.tokenizing import IGNORE
 
 

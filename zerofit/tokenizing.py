@@ -15,7 +15,7 @@ from typing import NamedTuple
 from jinja2.exceptions import TemplateError
 
 from zerofit import tokenworkers, toolcalls
-from zerofit.config import FORMAT_FIELDS, DataConfig
+from zerofit.dataconfig import FORMAT_FIELDS, DataConfig
 from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
 from zerofit.hardware import cpu_cores
 from zerofit.progress import HIDDEN, CountProgress, Shown
