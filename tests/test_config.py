@@ -351,7 +351,8 @@ def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeyp
 
 def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
     """The run directory (and the directories above it the start made) held only a lock file
-    after `model.path` was found missing; one that was there before stays."""
+    after `model.path` was found missing; one that was there before stays, without the lock file
+    the refused start made in it (runlock.give_back)."""
     from conftest import run_zerofit
 
     wrong = ["--set", "model.path=/nowhere", "--set", "model.config=null"]
@@ -360,13 +361,14 @@ def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "mine").mkdir()
     assert run_zerofit(["train", "--run-dir", str(tmp_path / "mine"), *wrong], check=False).returncode == 1
-    assert (tmp_path / "mine").is_dir()
+    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
 
 
 def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
     """The start that found the run directory locked by a live run (made by it a moment before:
     the refused start saw none) removed the other's lock and directory, so a third start ran
-    beside it."""
+    beside it. A refused start gives back only a lock it took (runlock.give_back): the live
+    run's stays, its pid in it, through `zerofit train` too."""
     import os
     import subprocess
     import sys as system
@@ -381,10 +383,15 @@ def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(system.path)})
     try:
         assert holder.stdout.readline().strip() == "held"
+        held = (run / runlock.LOCK_FILE).read_bytes(), (run / runlock.LOCK_FILE).stat().st_mtime_ns
         with pytest.raises(ConfigError, match="is in use by another zerofit train"):
             runlock.hold(run)
-        runlock.remove_if_only_locked(run, made=tmp_path / "runs")
+        runlock.leave_as_found(run, made=tmp_path / "runs")
         assert (run / runlock.LOCK_FILE).is_file() and runlock.holder(run) == holder.pid
+        refused = run_zerofit(["train", "--run-dir", str(run)], check=False)
+        assert refused.returncode == 1 and f"is in use by another zerofit train (pid {holder.pid})" in refused.stderr
+        assert runlock.holder(run) == holder.pid and [p.name for p in run.iterdir()] == [runlock.LOCK_FILE]
+        assert ((run / runlock.LOCK_FILE).read_bytes(), (run / runlock.LOCK_FILE).stat().st_mtime_ns) == held
     finally:
         holder.kill()
         holder.wait()

@@ -238,17 +238,18 @@ def test_resume_on_another_rank_count_checks_the_base(path_bases, tmp_path):
 
 
 def files_of(directory):
-    """{relative path: (bytes, mtime)} of every file under `directory` but the lock, which every
-    start takes first and writes its pid into (runlock.hold)."""
+    """{relative path: (bytes, mtime)} of every file under `directory`, the lock too: every start
+    takes it first and writes its pid into it (runlock.hold); a refused one gives it back as it was."""
     return {str(f.relative_to(directory)): (f.read_bytes(), f.stat().st_mtime_ns)
-            for f in sorted(directory.rglob("*")) if f.is_file() and f.name != runlock.LOCK_FILE}
+            for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
 def test_resume_refused_for_another_base_leaves_the_run_as_it_was(path_bases, tmp_path):
     """The base is compared before the run's files are rewritten: a refusal left config.yaml
     naming the refused base (so resuming with the run's own config failed too), plan.json,
     ds_config.json and model/ rewritten, and said "resumed from" first. Now not a byte or an
-    mtime changes, and the run's own config resumes."""
+    mtime changes, the lock's pid neither (the refused start's was left there), and the run's own
+    config resumes."""
     base, base_mod = path_bases
     raw = lora_config(tmp_path / "run", train={"max_steps": 2}, eval={"every_steps": 0, "at_end": False},
                       checkpoint={"every_steps": 2})
@@ -263,6 +264,7 @@ def test_resume_refused_for_another_base_leaves_the_run_as_it_was(path_bases, tm
     assert BASE_DIFFERS.format(step=2) in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
     assert "resumed from" not in done.stderr
     after = files_of(run)
+    assert runlock.LOCK_FILE in before  # the first run's pid, which the refused start wrote over (and left)
     assert after.keys() == before.keys() and [k for k in before if after[k] != before[k]] == []
     done = run_zerofit(["train", "--config", str(run / "config.yaml"), "--set", "train.max_steps=3"])
     assert f"resumed from {run / 'checkpoints' / 'step-000002'} at step 2" in done.stderr.replace("\n", "")

@@ -115,10 +115,10 @@ def cmd_train(args) -> int:
     try:
         result = train(config, resume=args.resume)
     except ConfigError:
-        if made and int(os.environ.get("RANK", "0")) == 0:  # a start that found an error leaves nothing it made
+        if int(os.environ.get("RANK", "0")) == 0:  # a start that found an error leaves nothing it made, nor its pid
             from zerofit import runlock
 
-            runlock.remove_if_only_locked(run_dir, made)
+            runlock.leave_as_found(run_dir, made)
         raise
     except KeyboardInterrupt:  # the steps since the newest checkpoint are lost: say which one that is
         from zerofit.resume import where_to_go_on

@@ -98,6 +98,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         warn(changed)  # before the run's config.yaml, which it compares with, is rewritten
     ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu, load_universal=resume_point.universal)
     if dist.is_main:
+        runlock.keep(run_dir)  # the start changes the run from here: a later error leaves the lock as the run's
         runfiles.write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
                         tokenizing.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
         runfiles.write_generation_config(run_dir, config, tokenizer, hf_config, train_set.formats)
