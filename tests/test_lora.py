@@ -271,6 +271,63 @@ def test_resume_refused_for_another_base_leaves_the_run_as_it_was(path_bases, tm
     assert (run / "checkpoints" / "step-000003").is_dir()
 
 
+def rewrite_loop_state(step_dir, change) -> None:
+    """`change(extra)` applied to a checkpoint's loop_state.json extra, its manifest entry made to
+    match (bytes and hash): the checkpoint as another zerofit, machine or base would have written it."""
+    from zerofit import checkpoint
+
+    state_file = step_dir / "loop_state.json"
+    state = json.loads(state_file.read_text())
+    change(state["extra"])
+    state_file.write_text(json.dumps(state))
+    manifest = checkpoint.read_manifest(step_dir)
+    entry = manifest["files"]["loop_state.json"]
+    manifest["total_bytes"] += state_file.stat().st_size - entry["bytes"]
+    entry.update({"bytes": state_file.stat().st_size, checkpoint.HASH: checkpoint.file_hash(state_file)})
+    (step_dir / checkpoint.MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def test_random_init_base_drawn_with_other_versions_is_replayed_before_the_rewrite(tmp_path):
+    """A random-init base with the same recipe that this machine draws otherwise (other torch /
+    transformers / DeepSpeed versions, another device type) was refused only after the engine
+    build, config.yaml, plan.json, ds_config.json and model/ rewritten by then. Where the versions
+    the checkpoint records differ from these, the base is replayed before anything is rewritten
+    (reinit.InitReplay, as export rebuilds it): one that draws the recorded base goes on; one that
+    draws another (here: the recorded fingerprint another) is refused, every file as it was."""
+    from zerofit.basemodel import BASE_FINGERPRINT, BASE_RECIPE
+
+    raw = lora_config(tmp_path / "run", train={"max_steps": 2}, eval={"every_steps": 0, "at_end": False},
+                      checkpoint={"every_steps": 2})
+    config = write_config(tmp_path / "c.yaml", raw)
+    run_zerofit(["train", "--config", str(config)])
+
+    def other_torch(extra):
+        extra[BASE_RECIPE]["versions"] = {**extra[BASE_RECIPE].get("versions", {}), "torch": "1.0.0"}
+
+    def other_torch_drawing_another_base(extra):
+        other_torch(extra)
+        extra[BASE_FINGERPRINT] = ["0" * 32]
+
+    for name, change, refused in (("other", other_torch_drawing_another_base, True), ("same", other_torch, False)):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "run", run)
+        rewrite_loop_state(run / "checkpoints" / "step-000002", change)
+        before = files_of(run)
+        done = run_zerofit(["train", "--config", str(config), "--run-dir", str(run), "--set", "train.max_steps=3"],
+                           check=False, env={"COLUMNS": "400"})
+        said = " ".join(done.stderr.split())
+        assert done.returncode == int(refused), said[-3000:]
+        assert (BASE_DIFFERS.format(step=2) in said) == refused and ("resumed from" in said) != refused
+        if refused:
+            after = files_of(run)
+            assert after.keys() == before.keys() and [k for k in before if after[k] != before[k]] == []
+            assert "It was drawn on cpu with torch 1.0.0, " in said and "replayed here, it is another base." in said
+        else:  # said why it replayed; the next checkpoint records the versions that drew it here
+            assert "with torch 1.0.0, " in said and "replaying the random-init base to compare it" in said
+            recipe = json.loads((run / "checkpoints" / "step-000003" / "loop_state.json").read_text())["extra"]
+            assert recipe[BASE_RECIPE]["versions"]["torch"] == torch.__version__
+
+
 def test_unknown_target_module_names_what_exists(tmp_path):
     config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", lora={"target_modules": ["qq_proj"]}))
     done = run_zerofit(["train", "--config", str(config)], check=False)

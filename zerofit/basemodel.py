@@ -49,6 +49,7 @@ class BaseRecipe:
     world_size: int
     fingerprint: list[str] | None
     scheme: int | None
+    versions: dict | None = None      # drawing_versions() of the build, None where not recorded (older)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,7 +66,19 @@ def recipe_record(config, on_gpu: bool, zero_init: bool) -> dict:
     return {"path": str(Path(config.model.path).resolve()) if config.model.path else None,
             "config": config.model.config, "seed": config.train.seed, "dtype": config.train.precision,
             "init_device": "cuda" if on_gpu else "cpu", "zero_init": zero_init,
-            "trust_remote_code": config.model.trust_remote_code, "fingerprint_scheme": FINGERPRINT_SCHEME}
+            "trust_remote_code": config.model.trust_remote_code, "fingerprint_scheme": FINGERPRINT_SCHEME,
+            "versions": drawing_versions()}
+
+
+def drawing_versions() -> dict:
+    """The libraries whose code draws a random-init base: torch (its generators and init
+    functions), transformers (the ZeRO-3 init walk and each model's _init_weights), DeepSpeed
+    (zero.Init, under which it is built). With these and the device type unchanged, the same
+    seed draws the same base; with any changed it may not (lora.base_refusal replays it then)."""
+    import deepspeed
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "deepspeed": deepspeed.__version__}
 
 
 def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
@@ -83,12 +96,12 @@ def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
 
         run_config = load(config_file)
         record = {**recipe_record(run_config, on_gpu=False, zero_init=run_config.zero.stage == 3),
-                  "init_device": None, "fingerprint_scheme": None}
+                  "init_device": None, "fingerprint_scheme": None, "versions": None}
     prints = extra.get(BASE_FINGERPRINT)
     return BaseRecipe(record["path"], int(record["seed"]), record["dtype"], record["init_device"] or "cpu",
                       bool(record.get("zero_init", True)), bool(record.get("trust_remote_code", False)),
                       len(prints) if prints else 1, prints if prints and None not in prints else None,
-                      record.get("fingerprint_scheme"))
+                      record.get("fingerprint_scheme"), record.get("versions"))
 
 
 # ------------------------------------------------------------------ fingerprint
@@ -269,6 +282,14 @@ def files_fingerprint(params: list[BaseParam], stored: dict, world_size: int, bl
             digests[p.name] = shares.digests()
     finally:
         reader.close()
+    return fingerprints(params, digests, world_size)
+
+
+def replay_fingerprint(params: list[BaseParam], walk, world_size: int) -> list[str]:
+    """The fingerprint of a random-init base replayed by `walk` (reinit.InitReplay): each frozen
+    parameter digested as the walk finishes it, then dropped (the replay holds about one layer)."""
+    wanted = {p.name for p in params}
+    digests = {name: param_digests(value, world_size) for name, value in walk if name in wanted}
     return fingerprints(params, digests, world_size)
 
 

@@ -371,20 +371,23 @@ def fingerprints_as_split_by(model, world_size: int, rank: int) -> list[str] | N
     return [combine([(n, d[r]) for n, d in named]) for r in range(world_size)] if rank == 0 else None
 
 
-def base_differs(step: int) -> str:
+def base_differs(step: int, drawn: str = "") -> str:
+    """The refusal of a resume onto another frozen base; `drawn`: how the checkpoint's random-init
+    base was drawn and how this machine draws it, where they differ (redrawn_here)."""
     return (f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at step "
-            f"{step}): checkpoints hold only the adapters, so the base must be rebuilt exactly. Point model.path "
-            f"at the same weights (or keep model.config, train.seed and train.precision as they were, on the same "
-            f"kind of device), or start over with --no-resume")
+            f"{step}): checkpoints hold only the adapters, so the base must be rebuilt exactly.{drawn} Point "
+            f"model.path at the same weights (or keep model.config, train.seed and train.precision as they were, on "
+            f"the same kind of device), or start over with --no-resume")
 
 
-def base_refusal(config, checkpoint_dir: Path, step: int) -> tuple[str | None, bool]:
+def base_refusal(config, checkpoint_dir: Path, step: int, on_gpu: bool) -> tuple[str | None, bool]:
     """(why a resume from `checkpoint_dir` is refused, whether the base was checked), before
     the run's files are rewritten or the engine is built (resume._pick, rank 0): a model.path
     base's files are fingerprinted for the recorded split as `zerofit export` fingerprints them
     (basemodel.files_fingerprint, one streamed read of the base), a random-init base's recipe
-    is compared (another train.seed draws another base). Whatever else differs in a rebuilt
-    random init (versions, device) `check_and_record` finds after the build."""
+    is compared (another train.seed draws another base) and, where this machine draws it
+    otherwise (random_init_refusal), replayed. Whatever else differs in a rebuilt random init
+    `check_and_record` finds after the build."""
     from zerofit import adapters, basemodel, zerofiles
     from zerofit.models import hf_config
 
@@ -394,8 +397,7 @@ def base_refusal(config, checkpoint_dir: Path, step: int) -> tuple[str | None, b
     if recorded.fingerprint is None or recorded.scheme != FINGERPRINT_SCHEME:
         return None, False  # check_and_record warns
     if not config.model.path:
-        return (base_differs(step) if recorded.path is None and recorded.seed != config.train.seed else
-                None), False
+        return random_init_refusal(config, checkpoint_dir, recorded, step, on_gpu)
     frozen = basemodel.frozen_params(basemodel.peft_skeleton(
         hf_config(config.model), adapters.adapter_config(checkpoint_dir), recorded.torch_dtype,
         config.model.trust_remote_code))
@@ -404,7 +406,52 @@ def base_refusal(config, checkpoint_dir: Path, step: int) -> tuple[str | None, b
     return (base_differs(step) if computed != recorded.fingerprint else None), True
 
 
-def check_and_record(model, state, rank: int, world_size: int, recipe: dict, files_checked: bool = False) -> None:
+def random_init_refusal(config, checkpoint_dir: Path, recorded, step: int, on_gpu: bool) -> tuple[str | None, bool]:
+    """base_refusal for a random-init base: another train.seed draws another base. Where this
+    machine draws it otherwise than the checkpoint's build did (redrawn_here: another device
+    type, other torch / transformers / DeepSpeed versions), the base is replayed here as the
+    build would draw it (reinit.InitReplay, as `zerofit export` rebuilds it) and its fingerprint
+    compared: a refusal then comes before anything is rewritten, not after the build. Where
+    nothing differs, or the replay does not mirror this build (built without zero.Init, or a
+    transformers without its ZeRO-3 init walk), the check after the build decides alone."""
+    from zerofit import adapters, basemodel, reinit
+    from zerofit.models import hf_config
+    from zerofit.progress import say
+
+    if recorded.path is not None:
+        return None, False
+    if recorded.seed != config.train.seed:
+        return base_differs(step), False
+    drawn = redrawn_here(recorded, on_gpu)
+    if drawn is None or not recorded.zero_init or not reinit.can_replay():
+        return None, False
+    say(f"{drawn}: replaying the random-init base to compare it with the checkpoint's before anything is rewritten")
+    model_config = hf_config(config.model)
+    frozen = basemodel.frozen_params(basemodel.peft_skeleton(
+        model_config, adapters.adapter_config(checkpoint_dir), recorded.torch_dtype, config.model.trust_remote_code))
+    walk = reinit.InitReplay(model_config, recorded.torch_dtype, recorded.seed, "cuda" if on_gpu else "cpu",
+                             config.model.trust_remote_code)
+    computed = basemodel.replay_fingerprint(frozen, walk, recorded.world_size)
+    return (base_differs(step, f" {drawn}: replayed here, it is another base.") if computed != recorded.fingerprint
+            else None), True
+
+
+def redrawn_here(recorded, on_gpu: bool) -> str | None:
+    """How the checkpoint's random-init base was drawn and how this machine draws it, where the
+    device type (the CPU and CUDA generators differ) or basemodel.drawing_versions differ (or
+    were not recorded); None where all are as they were."""
+    from zerofit.basemodel import drawing_versions
+
+    device, versions = "cuda" if on_gpu else "cpu", drawing_versions()
+    if recorded.init_device == device and recorded.versions == versions:
+        return None
+    then = ", ".join(f"{name} {version}" for name, version in recorded.versions.items()) if recorded.versions \
+        else "versions it did not record"
+    now = ", ".join(f"{name} {version}" for name, version in versions.items())
+    return f"It was drawn on {recorded.init_device} with {then}; this machine draws it on {device} with {now}"
+
+
+def check_and_record(model, state, rank: int, world_size: int, recipe: dict, base_checked: bool = False) -> None:
     """Compare the rebuilt base with the one a resumed checkpoint's adapters were trained on;
     then record its fingerprint, how to rebuild it (basemodel.recipe_record) and peft's
     adapter config in the loop state, so that every checkpoint says which base it needs and
@@ -414,8 +461,8 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, fil
     recomputed for that split (fingerprints_as_split_by). Where the base cannot be compared
     (its partitions on NVMe now or then, or a checkpoint of an older fingerprint scheme) a
     warning says so, and a recorded fingerprint is kept rather than overwritten with none.
-    `files_checked`: base_refusal compared the model.path files with the recorded fingerprint
-    before the build (no second pass over the base for another split)."""
+    `base_checked`: base_refusal compared the model.path files or the replayed random init with
+    the recorded fingerprint before the build (no second pass over the base for another split)."""
     import torch.distributed as dist
 
     from zerofit.progress import warn
@@ -437,7 +484,7 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, fil
         if len(saved) == world_size:
             expected = prints
         else:
-            expected = saved if files_checked else fingerprints_as_split_by(model, len(saved), rank)
+            expected = saved if base_checked else fingerprints_as_split_by(model, len(saved), rank)
         differs = [expected != saved if rank == 0 else None]
         dist.broadcast_object_list(differs, src=0)
         if differs[0]:

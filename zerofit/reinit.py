@@ -143,6 +143,13 @@ class InitReplay:
             module._parameters[attr] = self._meta[key]
 
 
+def can_replay() -> bool:
+    """Whether this transformers has the ZeRO-3 init walk InitReplay mirrors (5.x)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformers.initialization") is not None
+
+
 def build_model(hf_config, dtype: torch.dtype, seed: int, device: str = "cpu", trust_remote_code: bool = False):
     """The whole random-init base in memory (chat, --verify): the replay's values loaded into
     a model built without init, then tied as from_config ties it. Returns (model, values)."""

@@ -28,7 +28,7 @@ class ResumePoint:
     skipped: list = field(default_factory=list)
     error: str | None = None
     step: int = 0  # the checkpoint's
-    base_checked: bool = False  # a LoRA run's model.path files compared with the recorded fingerprint
+    base_checked: bool = False  # a LoRA run's base (model.path files, a replayed random init) compared before the build
 
 
 def resume_command(config: Config, resume: bool = True) -> str:
@@ -70,7 +70,7 @@ def choose_resume(config: Config, dist, resume: bool | None, fresh: LoopState, r
         for line in checkpoint.settle_leftovers(root, hashes=config.checkpoint.verify == "full").said(root):
             say(line)
         if resume is not False:
-            point = _pick(root, config, dist.world_size, fresh)
+            point = _pick(root, config, dist.world_size, dist.on_gpu, fresh)
             if point.directory is None and point.error is None and resume is None:
                 say_new_run(root, None if same_run else set_aside_earlier_run(root))
         elif earlier := set_aside_earlier_run(root):
@@ -279,7 +279,7 @@ def adapter_rescaled(before: dict, after: dict) -> str:
             f"what it did; keep {old['alpha']} to continue the same training)")
 
 
-def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> ResumePoint:
+def _pick(root: Path, config: Config, world_size: int, on_gpu: bool, fresh: LoopState) -> ResumePoint:
     found, skipped = checkpoint.find_latest_valid(root, hashes=config.checkpoint.verify == "full")
     for name, reason in skipped:
         warn(f"skipping checkpoint {name}: {reason}")
@@ -296,7 +296,8 @@ def _pick(root: Path, config: Config, world_size: int, fresh: LoopState) -> Resu
     manifest = checkpoint.read_manifest(found)
     changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
     # LoRA: the frozen base compared before anything is rewritten or built (the load cannot tell)
-    base_refused, point.base_checked = (None, False) if changes else lora.base_refusal(config, found, point.step)
+    base_refused, point.base_checked = (None, False) if changes else \
+        lora.base_refusal(config, found, point.step, on_gpu)
     if changes:
         point.error = (f"{found.name} cannot be loaded under this config ({'; '.join(changes)}): resume with "
                        f"the run's own ({resume_command(config, resume=False)}), or start "

@@ -122,7 +122,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
         lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
                               basemodel.recipe_record(config, dist.on_gpu, engine.builds_under_zero_init(ds_config)),
-                              files_checked=resume_point.base_checked)
+                              base_checked=resume_point.base_checked)
     if dist.is_main and resume_point.directory is not None:  # once nothing can refuse it any more
         say(f"resumed from {resume_point.directory} at step {state.step}")
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
