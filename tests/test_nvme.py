@@ -445,3 +445,41 @@ def test_an_nvme_path_that_is_a_file_is_named_so(tmp_path):
     file.write_text("")
     assert nvme.path_problem(file) == (f"zero.nvme_path={file} is a file, not a directory; name a directory for "
                                        f"DeepSpeed's swap files")
+
+
+@needs_async_io
+def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
+    """A LoRA base whose partitions are on NVMe (zero.offload_param nvme) is not fingerprinted:
+    reading it back would cost a full swap-in. A run on NVMe records no fingerprint, and its
+    resume says the base was not checked; a resume onto NVMe of a checkpoint that has one
+    (the base in RAM then) says so too and keeps that fingerprint for the next resume to check."""
+    from zerofit import lora
+
+    raw = tiny_config(tmp_path / "run", model={"config": "mini", "gradient_checkpointing": False},
+                      lora={"enabled": True, "r": 8, "alpha": 32}, train={"max_steps": 1},
+                      eval={"every_steps": 0, "at_end": False}, checkpoint={"every_steps": 1, "keep_last": 3})
+    config = write_config(tmp_path / "c.yaml", raw)
+    on_nvme = ["--set", "zero.offload_param=nvme", "--set", f"zero.nvme_path={tmp_path / 'swap'}",
+               "--set", f"zero.param_buffer_size={MINI_EMBEDDING}"]  # the embedding's 1 MiB is swapped
+    unchecked = ("cannot check that the frozen base is the one this run's adapters were trained on (checkpoint at "
+                 "step {step}): {why}; make sure model.path (or model.config, train.seed and train.precision) is "
+                 "what it was")
+
+    def fingerprint(step):
+        state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / "loop_state.json").read_text())
+        return state["extra"][lora.BASE_FINGERPRINT]
+
+    def train(max_steps, *sets):
+        done = run_zerofit(["train", "--config", str(config), "--set", f"train.max_steps={max_steps}", *sets],
+                           env={"COLUMNS": "400"})
+        return " ".join(done.stderr.split())
+
+    assert "cannot check" not in train(1, *on_nvme) and fingerprint(1) == [None]  # a new run: nothing to compare
+    said = train(2)  # the base in RAM
+    assert unchecked.format(step=1, why="the checkpoint records no fingerprint of it (its partitions were on NVMe)") \
+        in said, said[-3000:]
+    assert None not in fingerprint(2)
+    said = train(3, *on_nvme)
+    assert unchecked.format(step=2, why="its partitions are on NVMe now, where reading them back would cost a full "
+                                        "swap-in") in said, said[-3000:]
+    assert fingerprint(3) == fingerprint(2)
