@@ -483,3 +483,42 @@ def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
     assert unchecked.format(step=2, why="its partitions are on NVMe now, where reading them back would cost a full "
                                         "swap-in") in said, said[-3000:]
     assert fingerprint(3) == fingerprint(2)
+
+
+@needs_async_io
+def test_a_lora_base_on_nvme_checked_by_its_files_is_not_said_unchecked(tmp_path):
+    """A model.path base is compared with the checkpoint's fingerprint from its files before the
+    build (lora.base_refusal): on NVMe now, the resume said it could not check the base all the
+    same. Now it says nothing; another base is refused as in RAM."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from zerofit.demo import build_tokenizer
+    from zerofit.models import config_from_name
+
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config_from_name("mini")).save_pretrained(base)
+    build_tokenizer().save_pretrained(base)
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved)
+    tensors = load_file(moved / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] += 1e-3
+    save_file(tensors, moved / "model.safetensors", metadata={"format": "pt"})
+    raw = tiny_config(tmp_path / "run", lora={"enabled": True, "r": 8, "alpha": 32}, train={"max_steps": 1},
+                      eval={"every_steps": 0, "at_end": False}, checkpoint={"every_steps": 1})
+    raw["model"] = {"path": str(base), "gradient_checkpointing": False}
+    config = write_config(tmp_path / "c.yaml", raw)
+    run_zerofit(["train", "--config", str(config)])
+    on_nvme = ["--set", "zero.offload_param=nvme", "--set", f"zero.nvme_path={tmp_path / 'swap'}",
+               "--set", f"zero.param_buffer_size={MINI_EMBEDDING}"]
+    for path, refused in ((moved, True), (base, False)):
+        done = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=2", "--set",
+                            f"model.path={path}", *on_nvme], check=False, env={"COLUMNS": "400"})
+        said = " ".join(done.stderr.split())
+        assert done.returncode == int(refused) and "cannot check" not in said, said[-3000:]
+        assert ("the frozen base model differs from the one" in said) == refused
+    assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()

@@ -462,7 +462,8 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, bas
     (its partitions on NVMe now or then, or a checkpoint of an older fingerprint scheme) a
     warning says so, and a recorded fingerprint is kept rather than overwritten with none.
     `base_checked`: base_refusal compared the model.path files or the replayed random init with
-    the recorded fingerprint before the build (no second pass over the base for another split)."""
+    the recorded fingerprint before the build (no second pass over the base for another split,
+    and nothing to warn of where its partitions are on NVMe now)."""
     import torch.distributed as dist
 
     from zerofit.progress import warn
@@ -478,8 +479,9 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, bas
     elif not readable:
         unchecked = ("the checkpoint records no fingerprint of it " + ("(its partitions were on NVMe)" if saved and
                      None in saved else "in this zerofit's scheme (an older checkpoint)"))
-    elif None in prints:
-        unchecked = "its partitions are on NVMe now, where reading them back would cost a full swap-in"
+    elif None in prints:  # unless compared before the build, from the files or the replay it was built as
+        unchecked = None if base_checked else \
+            "its partitions are on NVMe now, where reading them back would cost a full swap-in"
     else:
         if len(saved) == world_size:
             expected = prints
