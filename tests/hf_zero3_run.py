@@ -10,6 +10,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+from test_hf import Tokens  # this script's directory leads sys.path
 from zerofit.hf import MemoryGuardCallback
 
 # LLaMA-Factory's ds_z3_offload_config.json shape, with nothing persistent so every parameter is gathered
@@ -18,17 +19,6 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_st
              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                                    "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 1e9,
                                    "stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 0}}
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int = 32, vocab: int = 128):
-        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class GatheredAtStepBegin(TrainerCallback):
