@@ -134,6 +134,7 @@ def test_plan_writes_a_deepspeed_config_hf_trainer_takes(tmp_path, capsys):
     assert json.loads(out.out)["shape"]["chunked_loss"] is False and "expandable_segments:True" in out.err
     # the Trainer hands DeepSpeed's optimizer one group: weight decay on norms and biases, said
     assert "--weight_decay then decays norm weights and biases too" in " ".join(out.err.split())
+    assert "give the Trainer zerofit.hf.MemoryGuardCallback()" in " ".join(out.err.split())  # its evals
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                              gradient_accumulation_steps=4, learning_rate=1e-3, use_cpu=True, report_to=[])
     for ds, mismatches in ((resolved, True), (written, False)):

@@ -206,6 +206,10 @@ def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
         "Trainer hands every parameter in one group: --weight_decay then decays norm weights and biases too "
         "(zerofit's own runs and the Trainer's AdamW exempt them); the Trainer's default --weight_decay 0 is the "
         "same either way")
+    if config.zero.stage == 3:  # the plan prices evals as zerofit runs them (engine.release_gathered)
+        say("with evals, give the Trainer zerofit.hf.MemoryGuardCallback(): it partitions what each eval batch "
+            "leaves gathered, as the plan assumes; HF Trainer does not, and each step after an eval would gather "
+            "its window on top (bench/results/hf_eval_leftovers-llama-1.5b.json)")
 
 
 def cmd_lint(args) -> int:
