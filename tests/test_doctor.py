@@ -667,3 +667,18 @@ def test_a_rank_of_an_earlier_attempt_on_more_ranks_is_left_out(clean_run, tmp_p
     diagnosis = diagnose(copy)
     assert [r["rank"] for r in diagnosis.ranks] == [0] and not diagnosis.other_ranks
     assert diagnosis.summary["host_peak"] == diagnose(run).summary["host_peak"]
+
+
+def test_a_plan_json_that_does_not_read_is_not_called_missing(tmp_path):
+    """A plan.json cut short (a start killed while writing it) was reported as "no plan.json in
+    the run directory", which sent the reader looking for a file that is there; it is named as
+    unreadable now, and a missing one is still said to be missing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "memory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in synthetic_run(steps=4, save_every=2)))
+    assert "no plan.json in the run directory: nothing predicted to compare with" in diagnose(run).notes
+    (run / "plan.json").write_text('{"fits": true, "devices": {"host": {"total_')
+    notes = diagnose(run).notes
+    assert not any(note.startswith("no plan.json") for note in notes), notes
+    assert "plan.json in the run directory cannot be read (not JSON: a write cut short, or the file changed since): " \
+           "nothing predicted to compare with; a start of the run that trains on writes it anew" in notes

@@ -79,7 +79,7 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None) + unusable_checkpoints(run_dir)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
-    notes = [] if plan else ["no plan.json in the run directory: nothing predicted to compare with"]
+    notes = [] if plan else [plan_missing_note(run_dir / "plan.json")]
     if not by_hash and newest is not None:
         why = "--no-hashes" if not hashes else "the run goes on, and its retention may remove one being read"
         notes.append(f"checkpoints checked by their files' sizes only ({why}): a file changed in place is not "
@@ -252,6 +252,15 @@ def read_json(path: Path) -> dict | None:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError alike: a damaged file is unread
         return None
+
+
+def plan_missing_note(path: Path) -> str:
+    """Why there is no prediction to compare with: no plan.json, or one that does not read
+    (a write cut short: train writes it again at the run's next start)."""
+    if not path.exists():
+        return "no plan.json in the run directory: nothing predicted to compare with"
+    return ("plan.json in the run directory cannot be read (not JSON: a write cut short, or the file changed "
+            "since): nothing predicted to compare with; a start of the run that trains on writes it anew")
 
 
 def read_yaml(path: Path) -> dict:
