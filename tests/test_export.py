@@ -288,6 +288,23 @@ def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys, mo
     assert "is the current directory" in capsys.readouterr().err and not any(empty.iterdir())
 
 
+def test_overwrite_replaces_an_earlier_export_only(one_rank, tmp_path, capsys):
+    """--overwrite deleted whatever --out held (a user's notes, a folder of other models);
+    it replaces an earlier export, and refuses anything else with every file kept."""
+    out = tmp_path / "model"
+    assert main(["export", str(one_rank), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")  # beside an earlier export: replaced with it, as the README says
+    assert main(["export", str(one_rank), "--out", str(out), "--overwrite", "--dtype", "fp32"]) == 0
+    assert not (out / "notes.txt").exists() and json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    mine = tmp_path / "mine"
+    (mine / "other-model").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    for held, said in ((mine, "it holds folders (other-model)"), (mine / "other-model", "no config.json")):
+        (held / "keep.txt").write_text("kept")
+        assert main(["export", str(one_rank), "--out", str(held), "--overwrite"]) == 1
+        assert said in capsys.readouterr().err.replace("\n", " ") and (held / "keep.txt").read_text() == "kept"
+
+
 def test_checkpoints_set_aside_by_no_resume_export_with_the_runs_model(one_rank, tmp_path, capsys):
     """checkpoints/earlier-TIME/ (--no-resume moves an earlier run's checkpoints there): the run's
     model/ is two levels up, not checkpoints/model (the error named a path that never exists)."""

@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load the export and compare its logits with DeepSpeed's own reconstruction; for "
                              "LoRA with peft's merge_and_unload of the same weights (holds the model twice in RAM); "
                              "an export that fails it is not published")
-    export.add_argument("--overwrite", action="store_true", help="replace --out if it holds files")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out (a model or adapter directory)")
     export.add_argument("--model-dir", metavar="DIR",
                         help="config.json + tokenizer (default: RUN_DIR/model, or next to a DeepSpeed checkpoint)")
     export.add_argument("--adapter-only", action="store_true",

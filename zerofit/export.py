@@ -380,12 +380,27 @@ def check_destination(out: Path, overwrite: bool, reads: tuple = ()) -> None:
         if path.parent.name == "checkpoints" and path.parent in target.parents:
             raise ExportError(f"--out {out} is inside the run's checkpoints ({path.parent}); choose a directory "
                               f"outside them")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+        check_replaceable(out)
     existing = staging_parent(out)
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise ExportError(f"--out {out}: {existing} is not a directory you can write (a read-only filesystem, "
                           f"another user's directory, or a file); choose a directory you can write")
+
+
+def check_replaceable(out: Path) -> None:
+    """--overwrite replaces an earlier export whole: a model or adapter directory (config.json or
+    adapter_config.json, no folders). Anything else (a folder of the user's files, `--out ~/models`
+    for `--out ~/models/x`) is refused rather than deleted."""
+    folders = sorted(p.name for p in out.iterdir() if p.is_dir())
+    is_model = any((out / name).is_file() for name in ("config.json", "adapter_config.json"))
+    if folders or not is_model:
+        what = f"folders ({', '.join(folders[:3])}{', ...' if len(folders) > 3 else ''})" if folders else \
+            "no config.json or adapter_config.json"
+        raise ExportError(f"--out {out} is not an earlier export (it holds {what}): --overwrite replaces a model "
+                          f"directory whole and would delete what is there; choose a new directory")
 
 
 def staging_parent(out: Path) -> Path:
