@@ -682,3 +682,20 @@ def test_a_plan_json_that_does_not_read_is_not_called_missing(tmp_path):
     assert not any(note.startswith("no plan.json") for note in notes), notes
     assert "plan.json in the run directory cannot be read (not JSON: a write cut short, or the file changed since): " \
            "nothing predicted to compare with; a start of the run that trains on writes it anew" in notes
+
+
+def test_a_config_that_does_not_read_is_said(tmp_path):
+    """config.yaml and ds_config.json cut short were read as empty without a word, and the fixes
+    then named defaults instead of the run's settings."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "memory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in synthetic_run(steps=4, save_every=2)))
+    assert not any("cannot be read" in note for note in diagnose(run).notes)  # absent: nothing to say
+    (run / "config.yaml").write_text("")
+    (run / "ds_config.json").write_text('{"zero_optimization": {"sta')
+    notes = [note for note in diagnose(run).notes if "cannot be read" in note]
+    assert [note.split(" ")[0] for note in notes] == ["config.yaml", "ds_config.json"], notes
+    assert "the fixes name zerofit's defaults" in notes[0]
+    (run / "config.yaml").write_text("model: {config: tiny}\n")
+    (run / "ds_config.json").write_text('{"zero_optimization": {"stage": 3}}')
+    assert not any("cannot be read" in note for note in diagnose(run).notes)

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from zerofit import choice, dsconfig, hardware, modelspec, nvme
 from zerofit.choice import Decision
+from zerofit.checkpoint import write_atomic
 from zerofit.config import Config
 from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes, human_count, parse_bytes
@@ -215,7 +216,7 @@ def buckets(cand) -> str:
 # ------------------------------------------------------------------ train's call
 def write_plan(run_dir: Path, record: dict) -> None:
     """plan.json: the prediction a run is measured against (`zerofit doctor`)."""
-    (Path(run_dir) / "plan.json").write_text(json.dumps(record, indent=2))
+    write_atomic(Path(run_dir) / "plan.json", json.dumps(record, indent=2))
 
 
 def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Decision]:

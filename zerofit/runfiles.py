@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from zerofit import models, planview, tokenizing
+from zerofit import checkpoint, models, planview, tokenizing
 from zerofit.config import UNRECORDED, Config, ConfigError, changed_settings
 from zerofit.configfile import dump_yaml
 from zerofit.progress import say
@@ -76,9 +76,10 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
     """config.yaml (resolved, with the planner's choices), ds_config.json (what DeepSpeed
     gets), plan.json (the prediction) and model/ (the HF config and tokenizer an export needs,
     the tokenizer with `chat_template`, the layout the data trained, when given)."""
+    # whole or not at all: a start killed mid-write left an empty config.yaml, the file the resume hints name
     planview.write_plan(run_dir, plan)  # the run dir was made first thing (usable_run_dir)
-    (run_dir / "config.yaml").write_text(dump_yaml(config))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    checkpoint.write_atomic(run_dir / "config.yaml", dump_yaml(config))
+    checkpoint.write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
     hf_config.save_pretrained(run_dir / "model")
     own_template = tokenizer.chat_template
     written = run_dir / "model" / "chat_template.jinja"  # as transformers saves it: said once, not at each resume
