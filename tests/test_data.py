@@ -168,6 +168,9 @@ def test_bad_row_names_file_line_and_field(tmp_path, tokenizer):
                                               {"instruction": "a", "output": "b"}, {"instruction": "c"}])
     with pytest.raises(DataError, match=r"d\.jsonl, line 4: field `output`: missing \(alpaca format\)"):
         data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 32)
+    misspelt = write_jsonl(tmp_path / "m.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c", "outptu": "d"}])
+    with pytest.raises(DataError, match=r"m\.jsonl, line 2: field `output`: missing \(the row has `outptu`: misspelt\?\)"):
+        data.build_sequences([misspelt], DataConfig(path=str(misspelt)), tokenizer, 32)
 
 
 def test_wrong_type_is_named(tmp_path, tokenizer):

@@ -152,12 +152,19 @@ def test_plan_writes_no_deepspeed_config_when_nothing_fits(tmp_path, capsys):
     assert main(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "8GiB", "--accelerator", "cuda",
                  "--ds-config", str(path)]) == 1
     assert not path.exists() and "ds.json not written: nothing fits" in " ".join(capsys.readouterr().err.split())
+    assert main(["plan", "--model", "llama-8b", "--gpu-mem", "24GiB", "--host-mem", "8GiB", "--accelerator", "cuda",
+                 "--json"]) == 1
+    out = capsys.readouterr()  # exit 1 said on stderr too, not only as "fits": false inside the JSON
+    assert json.loads(out.out)["fits"] is False and "nothing fits" in out.err
     # zerofit's checkpoint disk alone short: the DeepSpeed config does not use it, so it is written
     assert main(["plan", "--model", "llama-0.5b", "--gpu-mem", "24GiB", "--host-mem", "64GiB", "--accelerator", "cuda",
                  "--disk-free", "1GB", "--ds-config", str(path)]) == 1
     assert path.is_file() and "only zerofit's checkpoint disk falls short" in " ".join(capsys.readouterr().err.split())
-    assert main(["plan", "--model", "tiny", "--ds-config", str(tmp_path / "missing" / "ds.json")]) == 1
-    assert "cannot be written (No such file or directory)" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--ds-config", str(tmp_path / "made" / "ds.json")]) == 0
+    assert (tmp_path / "made" / "ds.json").is_file()  # its folder made, as doctor --out and export --out do
+    (tmp_path / "afile").touch()
+    assert main(["plan", "--model", "tiny", "--ds-config", str(tmp_path / "afile" / "ds.json")]) == 1
+    assert "cannot be written" in capsys.readouterr().err
 
 
 def zero3_trainer_run(tmp_path, *flags) -> dict:

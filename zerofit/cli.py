@@ -168,6 +168,10 @@ def cmd_plan(args) -> int:
                               args.accelerator, args.cpu_cores, args.disk_free)
     if args.json:
         print(json.dumps(plan_json(decision, spec, hw), indent=2))
+        if not decision.plan.fits:  # the exit status's reason, where a person reads (stdout is the JSON's)
+            from zerofit.progress import warn
+
+            warn("nothing fits (\"fits\": false in the JSON; `zerofit plan` without --json says what would)")
     else:
         render(decision, spec, hw, explain=args.explain)
     if args.ds_config:
@@ -188,6 +192,7 @@ def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
     config, shape = decision.config, decision.plan.shape
     ds = dsconfig.for_hf_trainer(dsconfig.build(config, shape.world_size, on_gpu))
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as doctor --out and export --out make theirs
         path.write_text(json.dumps(ds, indent=2) + "\n")
     except OSError as e:
         raise ConfigError(f"--ds-config {path} cannot be written ({e.strerror}); give a file path in a directory "

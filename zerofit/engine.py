@@ -74,7 +74,8 @@ def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, o
         return fair_share, None
     kept = f", {reserved} kept for the checkpoint writer" if reserved else ""
     return fair_share, (f"torchrun set OMP_NUM_THREADS=1 for its {local_ranks} ranks; zerofit gives each rank "
-                        f"{fair_share} CPU threads ({cores} cores / {local_ranks} ranks{kept}; train.cpu_threads sets it)")
+                        f"{fair_share} CPU thread{'s' if fair_share > 1 else ''} ({cores} cores / {local_ranks} ranks"
+                        f"{kept}; train.cpu_threads sets it)")
 
 
 def apply_cpu_threads(config: Config) -> str | None:

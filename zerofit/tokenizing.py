@@ -5,6 +5,7 @@ go through the tokenizer's chat template, whose layout the run then keeps for ch
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import re
@@ -80,11 +81,18 @@ def _text(row: dict, key: str, required: bool = True) -> str:
     value = row.get(key)
     if value is None:
         if required:
-            raise RowError(key, "missing")
+            raise RowError(key, "missing" + misspelt_hint(row, key))
         return ""
     if not isinstance(value, str):
         raise RowError(key, f"expected a string, got {type(value).__name__}")
     return value
+
+
+def misspelt_hint(row: dict, key: str) -> str:
+    """A field of the row that is a near spelling of the missing `key` (`outptu` for `output`)."""
+    held = [name for name, value in row.items() if value is not None and name != key]
+    close = difflib.get_close_matches(key, held, n=1, cutoff=0.75)
+    return f" (the row has `{close[0]}`: misspelt?)" if close else ""
 
 
 def text_ids(tokenizer, text: str) -> list[int]:
