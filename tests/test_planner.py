@@ -456,6 +456,7 @@ def test_the_plan_line_train_says_names_what_runs_and_who_chose_it():
     assert "zero.offload_param" in chosen and "model.gradient_checkpointing" in chosen
     assert "zero.offload_optimizer" not in chosen and chosen[-1] == "bucket and window sizes"  # set by hand; tuning
     assert f"predicted peak gpu {human_bytes(gpu.total_bytes)} of {human_bytes(gpu.usable_bytes)}, host " in line
+    assert "usable (the budgets less plan.headroom 10%); ~" in line  # the doctor's figure is the whole budget
     fixed = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"enabled": False})})
     assert "(plan.enabled false: as configured)" in planview.plan_line(planview.plan_config(fixed, 1,
                                                                                             hw=cuda_box("8GiB"))[0])

@@ -197,6 +197,7 @@ def plan_line(decision: Decision) -> str:
     plan = decision.plan
     peaks = ", ".join(f"{name} {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)}"
                       for name, device in plan.devices.items() if name in ("gpu", "host") and device.budget_bytes)
+    peaks += f" usable (the budgets less plan.headroom {decision.config.plan.headroom:.0%})"
     tuning = ("bucket_size", "persistence_threshold", "max_live_parameters", "max_reuse_distance")
     chosen = [key for key in decision.chosen_fields if not key.endswith(tuning)]
     chosen += ["bucket and window sizes"] * any(key.endswith(tuning) for key in decision.chosen_fields)
