@@ -190,3 +190,14 @@ def test_parameters_an_eval_left_gathered_are_partitioned_before_the_next_step(t
     assert kept["released"] == [False, False]
     gathered = {int(step): n for step, n in kept["gathered_at_step_begin"].items()}
     assert gathered[4] == kept["params"] and gathered[3] == 0 and gathered[5] == 0  # the whole model
+
+
+def test_the_release_passes_over_an_optimizer_without_zero3():
+    """A Trainer's optimizer that is not DeepSpeed's (a bare torch one, or accelerate's wrapper of
+    one) has nothing gathered: the callback's release leaves it alone instead of raising."""
+    from zerofit.engine import release_gathered
+
+    bare = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    release_gathered(bare)  # it raised AttributeError: no .optimizer
+    callback = MemoryGuardCallback()
+    callback.on_prediction_step(None, None, None, optimizer=bare)

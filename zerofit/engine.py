@@ -398,7 +398,7 @@ def release_gathered(ds_engine) -> None:
     its base on the CPU, s512: an eval of 4 batches peaked at 3.93 GiB and the training step
     after it at 4.48 GiB, against 2.78 without an eval
     (bench/results/planner_accuracy-...-lora-eval.json)."""
-    partition = getattr(ds_engine.optimizer, "empty_partition_cache", None)  # ZeRO-3 only
+    partition = getattr(getattr(ds_engine, "optimizer", None), "empty_partition_cache", None)  # ZeRO-3 only
     if partition is not None:
         partition()
 
