@@ -80,7 +80,7 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = ([] if plan else [plan_missing_note(run_dir / "plan.json")]) + \
-        ([] if hf_run else unreadable_run_files(run_dir))
+        ([] if hf_run else unreadable_run_files(run_dir, {"config.yaml": config, "ds_config.json": ds_config}))
     if not by_hash and newest is not None:
         why = "--no-hashes" if not hashes else "the run goes on, and its retention may remove one being read"
         notes.append(f"checkpoints checked by their files' sizes only ({why}): a file changed in place is not "
@@ -260,8 +260,13 @@ def plan_missing_note(path: Path) -> str:
     (a write cut short: train writes it again at the run's next start)."""
     if not path.exists():
         return "no plan.json in the run directory: nothing predicted to compare with"
-    return ("plan.json in the run directory cannot be read (not JSON: a write cut short, or the file changed "
-            "since): nothing predicted to compare with; a start of the run that trains on writes it anew")
+    return unread_note("plan.json", "not JSON", "nothing predicted to compare with")
+
+
+def unread_note(name: str, how: str, cost: str) -> str:
+    """A run file there but unread: what the doctor does without it, and that a start writes it again."""
+    return (f"{name} in the run directory cannot be read ({how}: a write cut short, or the file changed since): "
+            f"{cost}; a start of the run that trains on writes it anew")
 
 
 # what the doctor does without a run file it cannot read (plan.json: plan_missing_note)
@@ -270,17 +275,11 @@ UNREAD_COSTS = {"config.yaml": "the fixes name zerofit's defaults, not the run's
                                   "DeepSpeed's defaults"}
 
 
-def unreadable_run_files(run_dir: Path) -> list[str]:
-    """Notes for the run's config.yaml and ds_config.json where they are there but do not read
-    (both read as empty, which said nothing)."""
-    notes = []
-    for name, cost in UNREAD_COSTS.items():
-        path = run_dir / name
-        readable = read_yaml(path) if name.endswith(".yaml") else read_json(path)
-        if path.exists() and not readable:
-            notes.append(f"{name} in the run directory cannot be read (empty or damaged: a write cut short, or the "
-                         f"file changed since): {cost}; a start of the run that trains on writes it anew")
-    return notes
+def unreadable_run_files(run_dir: Path, read: dict[str, dict]) -> list[str]:
+    """Notes for the run's config.yaml and ds_config.json where they are there but `diagnose`
+    read them as empty (`read`: what it read, by file name), which said nothing."""
+    return [unread_note(name, "empty or damaged", cost) for name, cost in UNREAD_COSTS.items()
+            if (run_dir / name).exists() and not read[name]]
 
 
 def read_yaml(path: Path) -> dict:
