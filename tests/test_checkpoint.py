@@ -981,3 +981,18 @@ def test_ctrl_c_names_the_checkpoint_to_go_on_from(tmp_path):
         + {0: "", 1: f" (step {end['step']} in no intact checkpoint)"}.get(unsaved, f" (steps {end['step'] - unsaved + 1}-"
                                                                      f"{end['step']} in no intact checkpoint)"))
     assert f"`zerofit train --config {tmp_path / 'run' / 'config.yaml'} --resume` continues from it" in said
+
+
+def test_ctrl_c_under_torchrun_says_it_once(tmp_path):
+    """A terminal's Ctrl-C reaches every rank (the foreground process group): each printed the
+    "interrupted" line, so two ranks said the same thing twice."""
+    config = config_for(tmp_path, "run", max_steps=400)
+    process = subprocess.Popen(zerofit_command(["train", "--config", str(config)], nproc=2), cwd=ROOT,
+                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    wait_for(tmp_path / "run" / "checkpoints" / "step-000002", process)
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal sends it: torchrun and both ranks
+    _, stderr = process.communicate(timeout=300)
+    said = [line for line in stderr.splitlines() if "zerofit: interrupted" in line]
+    assert process.returncode != 0, stderr[-2000:]
+    assert len(said) == 1 and "the newest checkpoint is step-0000" in said[0], stderr[-3000:]

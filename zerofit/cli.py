@@ -123,7 +123,8 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:  # the steps since the newest checkpoint are lost: say which one that is
         from zerofit.resume import where_to_go_on
 
-        print(f"zerofit: interrupted; {where_to_go_on(config)}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # a terminal's Ctrl-C reaches every rank: one says it
+            print(f"zerofit: interrupted; {where_to_go_on(config)}", file=sys.stderr)
         return end_after_error(130)
     except RuntimeError as e:
         if not elastic.peer_gone(e):
