@@ -8,6 +8,7 @@ import pytest
 
 from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config, write_jsonl
 
+from zerofit import runlock
 from zerofit.memory import human_count
 
 
@@ -250,11 +251,13 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
 def test_finished_run_is_not_retrained(one_rank_run):
     """Started again, a finished run says so; with max_steps lowered under the step reached too,
     and its config.yaml (the run's own, which messages name) still says what its checkpoints were
-    trained under: nothing is rewritten and no engine is built."""
+    trained under: nothing is rewritten and no engine is built, and the lock file keeps the pid of
+    the run that trained (the start that said so left its own)."""
     run, config, _ = one_rank_run
+    files = {name: (run / name).read_bytes() for name in ("config.yaml", "plan.json", "ds_config.json",
+                                                           runlock.LOCK_FILE)}
     done = run_zerofit(["train", "--config", str(config)])
     assert "is complete at step 6" in done.stderr and "done: step 6, train loss n/a" not in done.stderr
-    files = {name: (run / name).read_bytes() for name in ("config.yaml", "plan.json", "ds_config.json")}
     lowered = run_zerofit(["train", "--config", str(config), "--set", "train.max_steps=4"])
     assert "is complete at step 6" in lowered.stderr.replace("\n", " ")
     assert {name: (run / name).read_bytes() for name in files} == files

@@ -92,6 +92,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         if dist.is_main:  # (config.yaml, model/) stay those of its checkpoints, and no engine is built
             say(f"{run_dir} is complete at step {resume_point.step}; raise train.max_steps to go on, or use "
                 f"--no-resume")
+            runlock.give_back(run_dir)  # nor the lock: the pid there stays that of the run that trained
         return RunResult(run_dir, resume_point.step, None, None, Path(resume_point.directory).name, False)
     if dist.is_main and resume_point.directory is not None and \
             (changed := changed_on_resume(config, resume_point, fresh)):
