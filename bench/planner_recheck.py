@@ -1,4 +1,4 @@
-"""The current planner's GPU-peak prediction for every cell measured so far, against what was measured.
+"""The current planner's GPU-peak and host-RSS predictions for every cell measured so far, against what was measured.
 
 Each committed bench/results/planner_accuracy*.json cell (a real run on the GPU machine) is
 planned again here, on any machine, with planner_accuracy.predict (the cell's own config, the
@@ -70,10 +70,23 @@ def recheck() -> list[dict]:
                           # a cell with evals: the plan's peak is over its eval phase too
                           "measured_gpu_peak": max(c["measured_gpu_peak"], c.get("measured_eval_gpu_peak", 0)),
                           "predicted_gpu_peak": predicted["predicted_gpu_peak"],
+                          # the process's peak RSS through its steps (VmHWM, reset after loading)
+                          "measured_host_rss": c.get("measured_host_rss"),
+                          "predicted_host_rss": predicted["predicted_host_rss"],
                           "eval": cell.evaluate})
-            cells[-1]["error_pct"] = round(100 * (cells[-1]["predicted_gpu_peak"] - cells[-1]["measured_gpu_peak"])
-                                           / cells[-1]["measured_gpu_peak"], 1)
+            cells[-1]["error_pct"] = error_pct(cells[-1]["predicted_gpu_peak"], cells[-1]["measured_gpu_peak"])
+            cells[-1]["host_error_pct"] = error_pct(cells[-1]["predicted_host_rss"], cells[-1]["measured_host_rss"])
     return cells
+
+
+def error_pct(predicted: int, measured: int | None) -> float | None:
+    return None if not measured else round(100 * (predicted - measured) / measured, 1)
+
+
+def spread(errors: list[float | None]) -> dict:
+    known = [e for e in errors if e is not None]
+    return {"min_error_pct": min(known), "max_error_pct": max(known), "within_3_pct": sum(abs(e) <= 3 for e in known),
+            "measured": len(known)}
 
 
 def main() -> None:
@@ -84,13 +97,15 @@ def main() -> None:
     if args.hook_order == "transformers-5.17":
         with_layer_hook_at_recompute()
     cells = recheck()
-    errors = [c["error_pct"] for c in cells]
-    summary = {"cells": len(cells), "min_error_pct": min(errors), "max_error_pct": max(errors),
-               "within_3_pct": sum(abs(e) <= 3 for e in errors)}
+    summary = {"cells": len(cells), "gpu": spread([c["error_pct"] for c in cells]),
+               "host": spread([c["host_error_pct"] for c in cells])}
     for c in cells:
-        print(f"{c['model']:16s} {c['mode']:22s} s{c['seq_len']:<5d} {c['attn']:5s}{' lora' if c['lora'] else ''}{' eval' if c['eval'] else ''} measured "
+        host = "" if c["measured_host_rss"] is None else (
+            f"; host {c['measured_host_rss'] / 2**30:6.2f} GiB, predicted {c['predicted_host_rss'] / 2**30:6.2f} "
+            f"({c['host_error_pct']:+.1f}%)")
+        print(f"{c['model']:16s} {c['mode']:22s} s{c['seq_len']:<5d} {c['attn']:5s}{' lora' if c['lora'] else ''}{' eval' if c['eval'] else ''} GPU "
               f"{c['measured_gpu_peak'] / 2**30:6.2f} GiB, predicted {c['predicted_gpu_peak'] / 2**30:6.2f} "
-              f"({c['error_pct']:+.1f}%)")
+              f"({c['error_pct']:+.1f}%){host}")
     print(summary)
     if args.out:
         args.out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "summary": summary,

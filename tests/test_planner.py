@@ -546,16 +546,16 @@ def test_what_would_fit_offloads_or_partitions_parameters_the_closest_plan_holds
                  "--offload-optimizer", "nvme", "--offload-param", "cpu", "--nvme-path", str(tmp_path),
                  *hardware_flags]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert "host (engine start): 20.9GiB of host RAM (have 20.0GiB)" in out and "nothing zerofit can change" not in out
+    assert "host (engine start): 21.3GiB of host RAM (have 20.0GiB)" in out and "nothing zerofit can change" not in out
 
 
 def test_what_would_fit_says_what_a_change_leaves_over_and_tells_close_sizes_apart(capsys):
-    """llama-1.5b at 24 GiB on 23 GiB of RAM: each GPU fix left the host over budget without a
+    """llama-1.5b at 24 GiB on 23.5 GiB of RAM: each GPU fix left the host over budget without a
     word (a user who shortened train.seq_len met "does not fit" again), and the GPU's need read
     "24.0GiB (have 24.0GiB)"."""
     from zerofit.cli import main
 
-    flags = ["--model", "llama-1.5b", "--gpu-mem", "24GiB", "--host-mem", "23GiB", "--accelerator", "cuda",
+    flags = ["--model", "llama-1.5b", "--gpu-mem", "24GiB", "--host-mem", "23.5GiB", "--accelerator", "cuda",
              "--disk-free", "2TB"]
     assert main(["plan", *flags]) == 1
     lines = [" ".join(line.split()) for line in capsys.readouterr().out.split("\n  - ")]
