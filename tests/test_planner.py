@@ -881,3 +881,23 @@ def test_lora_runs_with_evals_are_planned_at_their_measured_peaks():
         assert -0.03 <= plan["predicted_gpu_peak"] / peak - 1 <= 0.10, cell.name
         if c["offload_mode"] != "none":
             assert plan["predicted_host_rss"] == pytest.approx(c["measured_host_rss"], rel=0.07), cell.name
+
+
+def test_plan_takes_another_machines_nvme_free_space(tmp_path, capsys):
+    """--disk-free stood in for the checkpoints' disk of another machine, but its NVMe's free
+    space was always measured here (where the path may not even be), so an NVMe plan for it
+    fitted or not by this machine's disk."""
+    from zerofit.cli import main
+
+    flags = ["plan", "--model", "llama-1.5b", "--gpu-mem", "8GiB", "--host-mem", "64GiB", "--accelerator", "cuda",
+             "--offload-optimizer", "nvme", "--offload-param", "cpu", "--nvme-path", str(tmp_path / "nvme"),
+             "--disk-free", "2TB", "--json"]
+    planned = {}
+    for free in ("1GB", "2TB"):
+        main([*flags, "--nvme-free", free])
+        planned[free] = json.loads(capsys.readouterr().out)
+    assert planned["1GB"]["nvme"]["free_bytes"] == 10**9 and not planned["1GB"]["devices"]["nvme"]["fits"]
+    assert planned["2TB"]["nvme"]["free_bytes"] == 2 * 10**12 and planned["2TB"]["devices"]["nvme"]["fits"]
+    assert planned["2TB"]["nvme"]["swap_bytes"] > 10**9  # the 1 GB did not hold the swap files
+    assert main(["plan", "--model", "llama-1.5b", "--nvme-free", "1TB"]) == 1
+    assert "--nvme-free is the free space at zero.nvme_path: give --nvme-path" in capsys.readouterr().err

@@ -166,7 +166,7 @@ def cmd_plan(args) -> int:
     # a config for HF Trainer is planned as HF Trainer runs: its own loss, with vocab-sized fp32 logits
     hf_side = ["train.chunked_loss=false"] if args.ds_config else []
     decision, spec, hw = plan(args.model, args.config, plan_overrides(args) + hf_side, args.world_size,
-                              args.accelerator, args.cpu_cores, args.disk_free)
+                              args.accelerator, args.cpu_cores, args.disk_free, args.nvme_free)
     if args.json:
         print(json.dumps(plan_json(decision, spec, hw), indent=2))
         if not decision.plan.fits:  # the exit status's reason, where a person reads (stdout is the JSON's)
@@ -442,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"])
     plan.add_argument("--offload-param", choices=["none", "cpu", "nvme"])
     plan.add_argument("--nvme-path", metavar="DIR", help="NVMe directory (makes NVMe offload a candidate)")
+    plan.add_argument("--nvme-free", metavar="SIZE", type=size,
+                      help="free space at --nvme-path for the swap files, e.g. 2TB (default: measured there, on this "
+                      "machine); a disk of its own, apart from the checkpoints'")
     plan.add_argument("--headroom", type=float, metavar="F", help=f"fraction of each budget kept free (default {DEFAULT_HEADROOM})")
     plan.add_argument("--explain", action="store_true", help="show the cost terms and the candidates")
     plan.add_argument("--ds-config", metavar="FILE", help="write the plan's DeepSpeed config for HF Trainer / "

@@ -25,13 +25,21 @@ from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
 
 
 def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
-              disk_free: str | None = None) -> Hardware:
-    """This machine as the config describes it; `cpu_cores` and `disk_free` (free space for
-    checkpoints, e.g. 2TB) stand in for what is measured here when planning another machine."""
+              disk_free: str | None = None, nvme_free: str | None = None) -> Hardware:
+    """This machine as the config describes it; `cpu_cores`, `disk_free` (free space for
+    checkpoints, e.g. 2TB) and `nvme_free` (free space at zero.nvme_path) stand in for what is
+    measured here when planning another machine."""
+    if nvme_free and not config.zero.nvme_path:
+        from zerofit.config import ConfigError
+
+        raise ConfigError("--nvme-free is the free space at zero.nvme_path: give --nvme-path (or zero.nvme_path "
+                          "in the config) too")
     hw = hardware.probe(disk_path=config.run_dir, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem,
                         host_mem=config.plan.host_mem, accelerator=accelerator)
     overrides = {"cpu_cores": cpu_cores, "disk_free_bytes": parse_bytes(disk_free, "--disk-free")}
-    overrides = {key: value for key, value in overrides.items() if value}
+    if nvme_free:  # another machine's NVMe: a disk of its own, apart from the checkpoints'
+        overrides.update(nvme_free_bytes=parse_bytes(nvme_free, "--nvme-free"), nvme_shares_disk=False)
+    overrides = {key: value for key, value in overrides.items() if value is not None}
     return hardware.with_overrides(hw, **overrides) if overrides else hw
 
 
@@ -251,7 +259,7 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
 # ----------------------------------------------------------- the verb as a function
 def plan(model: str | None = None, config_path: str | None = None, overrides: list[str] = (),
          world_size: int = 1, accelerator: str | None = None, cpu_cores: int | None = None,
-         disk_free: str | None = None) -> tuple[Decision, ModelSpec, Hardware]:
+         disk_free: str | None = None, nvme_free: str | None = None) -> tuple[Decision, ModelSpec, Hardware]:
     """`zerofit plan`: a model (preset, config.json, directory) with a default run around
     it, or a run config; `overrides` are `section.key=value` as for train's --set."""
     from zerofit.configfile import load, parse_override, set_dotted, validate
@@ -267,5 +275,5 @@ def plan(model: str | None = None, config_path: str | None = None, overrides: li
         for item in overrides:
             set_dotted(raw, *parse_override(item))
         config = validate(raw)
-    hw = probe_for(config, accelerator, cpu_cores, disk_free)
+    hw = probe_for(config, accelerator, cpu_cores, disk_free, nvme_free)
     return plan_config(config, world_size, hw=hw)
