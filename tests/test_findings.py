@@ -2,7 +2,8 @@
 and nothing found on a healthy run."""
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.findings import RunFacts, detect, facts_from, fragmentation, phase_advice
+from zerofit.findings import RunFacts, detect, facts_from, fragmentation
+from zerofit.fixes import phase_advice
 from zerofit.rankfindings import across_ranks
 from zerofit.memory import effective_records
 
@@ -263,7 +264,7 @@ def test_fragmentation_is_measured_per_step_not_per_phase():
 
 
 def test_optimizer_step_advice_names_expandable_segments_only_when_off():
-    from zerofit.findings import phase_advice
+    from zerofit.fixes import phase_advice
 
     zerofit_run = {"model": {"gradient_checkpointing": True}}
     off = phase_advice("optimizer_step", "gpu", facts_from([], ds_config(), zerofit_run))[1]

@@ -13,6 +13,7 @@ import copy
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
+from zerofit.fixes import expandable_segments_setting, phase_advice, setting
 from zerofit.memory import EVENT_PHASES
 
 MiB, GiB = 2**20, 2**30
@@ -386,35 +387,6 @@ def near_budget(records: list[dict], facts: RunFacts, device: str, near: float =
                      "phase": record["phase"]})]
 
 
-# zerofit's keys as an HF Trainer run sets them (TrainingArguments, the DeepSpeed JSON, the environment)
-HF_NAMES = {
-    "train.micro_batch_size": "per_device_train_batch_size",
-    "grad_accum_steps": "gradient_accumulation_steps",
-    "model.gradient_checkpointing: true": "gradient_checkpointing=True (TrainingArguments)",
-    "zero.offload_param: cpu": 'zero_optimization.offload_param: {"device": "cpu"}',
-    "zero.offload_optimizer: cpu": 'zero_optimization.offload_optimizer: {"device": "cpu"}',
-    "zero.offload_optimizer: nvme, zero.nvme_path: /fast/disk":
-        'zero_optimization.offload_optimizer: {"device": "nvme", "nvme_path": "/fast/disk"}',
-    "zero.pin_memory: false": "pin_memory: false in zero_optimization.offload_optimizer / offload_param",
-    "zero.prefetch_bucket_size": "zero_optimization.stage3_prefetch_bucket_size",
-    "zero.max_live_parameters": "zero_optimization.stage3_max_live_parameters",
-    "zero.sub_group_size: 100000000": "zero_optimization.sub_group_size: 100000000",
-    "zero.gather_16bit_weights_on_save: false": "zero_optimization.stage3_gather_16bit_weights_on_model_save: false",
-    "memory.expandable_segments: true": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-}
-
-
-def setting(facts: RunFacts, key: str) -> str:
-    """`key` (zerofit's name of a setting) as the run's user sets it."""
-    return HF_NAMES.get(key, key) if facts.source == "hf-trainer" else key
-
-
-def expandable_segments_setting(facts: RunFacts) -> str:
-    """How to turn expandable segments on: zerofit's key for its runs (on by default), the
-    allocator's variable for others (HF Trainer through `zerofit doctor`)."""
-    return setting(facts, "memory.expandable_segments: true")
-
-
 def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
     """Reserved but unusable GPU memory: cached beyond the peak, and free pieces of split
     blocks (inactive_split) that a large request cannot use."""
@@ -544,59 +516,13 @@ def facts_with(facts: RunFacts, settings: dict) -> RunFacts:
     return replace(facts, ds_config=ds, config=config)
 
 
-# ------------------------------------------------------------------------ advice
+# ------------------------------------------------------------------------ shared with the watchdog and reports
 def host_in_use(record: dict, facts: RunFacts) -> int:
     """Machine-wide use when the budget is the machine (what the kernel's OOM killer sees),
     else this process's peak RSS."""
     if facts.host_budget_is_machine and facts.host_total and record.get("host_avail"):
         return max(facts.host_total - record["host_avail"], record.get("host_peak", 0))
     return record.get("host_peak", record.get("host_rss", 0))
-
-
-def phase_advice(phase: str, device: str, facts: RunFacts) -> tuple[str, list[str]]:
-    """The likely cause of a peak (or an OOM) in `phase` and the fixes, most effective
-    first, tailored to what the run's DeepSpeed config already does."""
-    micro = facts.ds_config.get("train_micro_batch_size_per_gpu")
-    if device == "host":
-        fix = []
-        if facts.zero.get("offload_optimizer", {}).get("pin_memory") or facts.zero.get("offload_param", {}).get(
-                "pin_memory"):
-            fix.append(f"{setting(facts, 'zero.pin_memory: false')} (pinned offload buffers can never be swapped out)")
-        if facts.gathers_on_save():
-            fix.append("turn off stage3_gather_16bit_weights_on_model_save (it builds the whole 16-bit model "
-                       "in host RAM at each save) and export at the end")
-        fix += [f"offload to NVMe instead of RAM ({setting(facts, 'zero.offload_optimizer: nvme, zero.nvme_path: /fast/disk')})",
-                "fewer ranks per node, or more host RAM"]
-        return "host RAM holds the offloaded optimizer states and parameters, pinned buffers and save copies", fix
-    if phase in ("forward", "backward", "forward_backward", "eval"):
-        fix = []
-        if micro and micro > 1:
-            fix.append(f"halve {setting(facts, 'train.micro_batch_size')} ({micro} -> {micro // 2}) and double "
-                       f"{setting(facts, 'grad_accum_steps')} (same global batch)")
-        if facts.gradient_checkpointing() is False:
-            fix.append(f"{setting(facts, 'model.gradient_checkpointing: true')} (recompute activations in backward)")
-        if facts.offloaded("param") == "none" and facts.zero.get("stage") == 3:
-            fix.append(f"{setting(facts, 'zero.offload_param: cpu')} (parameters live in host RAM between uses)")
-        fix.append(f"lower {setting(facts, 'zero.prefetch_bucket_size')} and {setting(facts, 'zero.max_live_parameters')}"
-                   f" (fewer gathered parameters at once)")
-        return ("activations (micro batch x sequence length x hidden, and the logits at vocabulary size) "
-                "plus the ZeRO-3 parameters gathered for the current layers"), fix
-    if phase == "optimizer_step":
-        fix = []
-        if facts.sub_group_size() >= 500_000_000:
-            fix.append(f"zero_optimization.sub_group_size {facts.sub_group_size():.0e} -> 1e8 "
-                       f"({setting(facts, 'zero.sub_group_size: 100000000')})")
-        if facts.offloaded("optimizer") == "none":
-            fix.append(f"{setting(facts, 'zero.offload_optimizer: cpu')} (fp32 master weights and Adam moments in host RAM)")
-        if not facts.expandable_segments_on:
-            fix.append(expandable_segments_setting(facts))
-        return "the optimizer step's fp32 temporaries (per sub group) on top of the held gradients", fix
-    if phase == "save":
-        fix = ["turn off stage3_gather_16bit_weights_on_model_save and export at the end (`zerofit export`)"] \
-            if facts.gathers_on_save() else []
-        fix.append("torch.cuda.empty_cache() before saving, so the save's buffers find room")
-        return "the checkpoint save gathers parameters and builds state-dict copies", fix
-    return "memory use reached the budget", ["see the timeline for the phase that peaks"]
 
 
 def label(device: str) -> str:
