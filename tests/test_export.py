@@ -446,7 +446,8 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     """What a LoRA merge will plug into: a transform on row blocks before the cast."""
     from safetensors.torch import load_file
 
-    from zerofit.export import output_tensors, plan_shards, write_model
+    from zerofit.export import output_tensors
+    from zerofit.shards import plan_shards, write_model
     from zerofit.zerofiles import open_checkpoint
 
     checkpoint_dir = one_rank / "checkpoints" / "step-000002"

@@ -27,6 +27,7 @@ import torch
 from zerofit import adapters, basemodel, zerofiles
 from zerofit.config import ConfigError
 from zerofit.progress import warn
+from zerofit.shards import OutputTensor
 
 # A product of fewer rows can take BLAS's small-matrix path and round differently from the
 # whole-matrix B @ A peft computes (measured with MKL: fewer than 12 rows or columns);
@@ -153,7 +154,7 @@ def deltas_and_replacements(zero: zerofiles.ZeroCheckpoint, adapter_config: dict
 @dataclass
 class MergePlan:
     """What export.py writes for a LoRA checkpoint, and the checks around it."""
-    tensors: list                     # export.OutputTensor, in write order
+    tensors: list[OutputTensor]       # in write order
     model_config: dict                # config.json of the merged model
     recipe: basemodel.BaseRecipe
     base: str                         # where the base came from, in words
@@ -261,11 +262,9 @@ def with_untied_aliases(names: list[str], sources: dict, untied: dict[str, str])
 
 
 def output_tensors(names: list[str], sources: dict, replacements: dict, deltas: dict[str, list[Delta]],
-                   dtype: torch.dtype, reader: zerofiles.TensorReader, scratch: Scratch) -> list:
-    """export.OutputTensor per name: the checkpoint's tensor where it replaces the base's,
+                   dtype: torch.dtype, reader: zerofiles.TensorReader, scratch: Scratch) -> list[OutputTensor]:
+    """An OutputTensor per name: the checkpoint's tensor where it replaces the base's,
     else the base's with its deltas as the transform (popped from `deltas`)."""
-    from zerofit.export import OutputTensor
-
     tensors = []
     for name in names:
         source = replacements[name] if name in replacements else sources[name]
