@@ -28,10 +28,10 @@ CASES = {"buffered": (False, None), "direct_8MiB_stages": (True, 8 << 20), "dire
 def one(path: Path, tensor, direct: bool, stage_bytes: int | None) -> dict:
     import torch
 
-    from zerofit import checkpoint_io
+    from zerofit import checkpoint_io, directio
 
     if stage_bytes:
-        checkpoint_io.STAGE_BYTES = stage_bytes
+        directio.STAGE_BYTES = stage_bytes
     busy, done, result = torch.zeros(16), threading.Event(), {}
 
     def write() -> None:

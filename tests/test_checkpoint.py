@@ -261,9 +261,9 @@ def test_checked_file_writes_every_byte(tmp_path, monkeypatch, direct):
     import torch
     import xxhash
 
-    from zerofit import checkpoint_io
+    from zerofit import checkpoint_io, directio
 
-    monkeypatch.setattr(checkpoint_io, "STAGE_BYTES", 64 << 10)
+    monkeypatch.setattr(directio, "STAGE_BYTES", 64 << 10)
     pieces = [np.random.default_rng(i).integers(0, 255, size=n, dtype=np.uint8).tobytes()
               for i, n in enumerate([1, 4095, (64 << 10) + 3, 10_000, 5])]
     checked = checkpoint_io.CheckedFile(tmp_path / "f.bin", None, 0, direct=direct)
@@ -359,9 +359,9 @@ def test_direct_writer_hashes_every_byte_once_across_random_writes_and_flushes(t
 
     import xxhash
 
-    from zerofit import checkpoint_io
+    from zerofit import checkpoint_io, directio
 
-    monkeypatch.setattr(checkpoint_io, "STAGE_BYTES", 64 << 10)
+    monkeypatch.setattr(directio, "STAGE_BYTES", 64 << 10)
     rng = rng_module.Random(7)
     for trial in range(5):
         content = bytearray()
