@@ -2,12 +2,15 @@
 Template.encode_multiturn: text, token ids and learned tokens, on six offline tokenizers
 (character-level, byte-level BPE with GPT-2's and Llama-3's split, SentencePiece-like ones).
 LLaMA-Factory in a venv of its own, beside this environment's packages:
-  python -m venv --system-site-packages /tmp/lfvenv && /tmp/lfvenv/bin/pip install --no-deps llamafactory==0.9.5
+  python -m venv --system-site-packages /tmp/lfvenv && /tmp/lfvenv/bin/pip install --no-deps llamafactory==0.9.5  # or /tmp/lfdl/llamafactory-0.9.5-py3-none-any.whl
   # its import wants torchaudio (for audio data only): an empty module stands in where no wheel fits torch
   mkdir -p /tmp/lfvenv/lib/python3.11/site-packages/torchaudio && touch $_/__init__.py
   /tmp/lfvenv/bin/python bench/lf_templates.py > bench/results/lf_templates.txt
+Rows with tool calls, observations and a tools list (TOOL_CONVS) are compared as well; a template
+zerofit renders no tool turns under shows as "zerofit RowError" (refused, naming the template).
 The summary at the end says per tokenizer and template: identical, or what differs."""
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -101,11 +104,32 @@ CONVS = {
     "empty-string system": ("", [(U, "Hi there"), (A, "Hello! How can I help?")]),
     "answers end in newline": (None, [(U, "Hi"), (A, "Sure.\n"), (U, "More?"), (A, "line one\n\nline two\n")]),
 }
+# Function calling, in LLaMA-Factory's roles (function: the call's JSON, learned; observation: the
+# tool's answer, prompt) with a tools list; zerofit gets them as OpenAI tool_calls / tool turns.
+F, O = "function", "observation"
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+TOOL_CONVS = {
+    "tool call, observation, answer; tools": (None, [(U, "Weather in Paris?"), (F, [CALL]), (O, '{"temp_c": 21}'),
+                                                     (A, "It is sunny.")], [WEATHER_TOOL]),
+    "tool call with system and a bare tool schema": ("You are terse.", [(U, "Weather in Paris?"), (F, [CALL]),
+                                                                         (O, "sunny"), (A, "It is sunny.")],
+                                                     [WEATHER_TOOL["function"]]),
+    "two parallel calls": (None, [(U, "Weather in Paris and Rome?"),
+                                  (F, [CALL, {"name": "get_weather", "arguments": {"city": "Rome"}}]),
+                                  (O, "sunny"), (A, "Both sunny.")], [WEATHER_TOOL]),
+    "tool call, no tools list": (None, [(U, "Weather in Paris?"), (F, [CALL]), (O, "sunny"), (A, "It is sunny.")],
+                                 None),
+}
+
+ALL_CONVS = {**{c: (system, turns, None) for c, (system, turns) in CONVS.items()}, **TOOL_CONVS}
 
 
-def lf_encode(template, tok, system, turns):
-    msgs = [{"role": r, "content": c} for r, c in turns]
-    pairs = template.encode_multiturn(tok, msgs, system)
+def lf_encode(template, tok, system, turns, tools=None):
+    msgs = [{"role": r, "content": json.dumps(c[0] if len(c) == 1 else c) if r == F else c} for r, c in turns]
+    pairs = template.encode_multiturn(tok, msgs, system, json.dumps(tools) if tools else None)
     ids, labels = [], []
     for p, r in pairs:
         ids += p + r
@@ -113,10 +137,16 @@ def lf_encode(template, tok, system, turns):
     return ids, labels
 
 
-def zf_encode(tok, system, turns):
+def zf_message(role, content):
+    if role == F:
+        return {"role": A, "content": None, "tool_calls": [{"type": "function", "function": call} for call in content]}
+    return {"role": "tool" if role == O else role, "content": content}
+
+
+def zf_encode(tok, system, turns, tools=None):
     msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
-           [{"role": r, "content": c} for r, c in turns]
-    return tokenize_row({"messages": msgs}, "messages", tok)
+           [zf_message(r, c) for r, c in turns]
+    return tokenize_row({"messages": msgs, **({"tools": tools} if tools else {})}, "messages", tok)
 
 
 def learned_text(tok, ids, labels):
@@ -145,11 +175,11 @@ def main():
             after = (lf_tok.eos_token, lf_tok.eos_token_id, lf_tok.pad_token, len(lf_tok))
             fix_note = "" if before == after else f"fix_special_tokens: (eos, eos_id, pad, len) {before} -> {after}"
             zf_tok = zmodels.with_chat_template(copy.deepcopy(base), name)
-            for cname, (system, turns) in CONVS.items():
+            for cname, (system, turns, tools) in ALL_CONVS.items():
                 key = (tname, name, cname)
-                lf_ids, lf_labels = lf_encode(template, lf_tok, system, turns)
+                lf_ids, lf_labels = lf_encode(template, lf_tok, system, turns, tools)
                 try:
-                    zf_ids, zf_labels = zf_encode(zf_tok, system, turns)
+                    zf_ids, zf_labels = zf_encode(zf_tok, system, turns, tools)
                 except RowError as e:
                     summary[key] = "zerofit RowError"
                     print(f"--- [{tname}] {name} / {cname}: zerofit REFUSED the row: {e}")
@@ -178,7 +208,7 @@ def main():
     for tname in dict.fromkeys(k[0] for k in summary):
         print(f"\n{tname}")
         for name in NAMES:
-            res = {c: summary[(tname, name, c)] for c in CONVS}
+            res = {c: summary[(tname, name, c)] for c in ALL_CONVS}
             if all(v == "identical" for v in res.values()):
                 print(f"  {name:14s} identical ({len(res)} conversations)")
             else:

@@ -1357,12 +1357,15 @@ def test_a_row_whose_turns_the_tokenizer_joins_is_tokenized_turn_by_turn():
         ([2, 3, 2, 3, 2], [IGNORE, 3, IGNORE, 3, IGNORE])
 
 
+TOOL_TEMPLATES = ["llama3", "qwen", "qwen3_nothink"]  # LLaMA-Factory's tool formats, rendered as it does
+
+
 @pytest.mark.parametrize("name", ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi",
                                   "qwen", "qwen3_nothink", "vicuna"])
 def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
     """Each name the config's doc lists is bundled (the package ships it) and renders a plain
-    exchange; a tool turn, which these layouts do not hold, is a bad row naming the template,
-    not one dropped without a word."""
+    exchange; a tool turn under a template zerofit renders no tool turns for is a bad row naming
+    the template and the ones that do, not one dropped without a word."""
     from zerofit import models
     from zerofit.config import ModelConfig
 
@@ -1372,9 +1375,98 @@ def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
     assert "hello" in tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
     turns = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny"},
              {"role": "assistant", "content": "sunny"}]
-    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
-                                                  f"not tool"):
+    if name in TOOL_TEMPLATES:
         tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+        return
+    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
+                                                  f"not tool .*model.chat_template: llama3, qwen or qwen3_nothink"):
+        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+
+
+WEATHER_SCHEMA = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                   "parameters": {"type": "object", "properties": {
+                                                       "city": {"type": "string"}}}}}
+WEATHER_CALL_ROW = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                                 {"role": "assistant", "content": None, "tool_calls": [
+                                     {"type": "function", "function": {"name": "get_weather",
+                                                                       "arguments": '{"city": "Paris"}'}}]},
+                                 {"role": "tool", "content": "sunny"},
+                                 {"role": "assistant", "content": "It is sunny."}],
+                    "tools": [WEATHER_SCHEMA]}
+# LLaMA-Factory 0.9.5's layouts of that row, written out from its source (data/template.py's
+# llama3 and qwen slots; tool_utils.py's LLAMA3_TOOL_PROMPT / QWEN_TOOL_PROMPT and the
+# function_formatters): the tools' JSON joins the system text, a call is the function slot, the
+# tool's answer the observation slot (ipython header; <tool_response> in a user turn).
+SCHEMA_INDENTED = """{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {
+                    "type": "string"
+                }
+            }
+        }
+    }
+}"""
+LLAMA3_TOOL_LAYOUT = (
+    "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
+    "You have access to the following functions. To call a function, please respond with JSON for a function call. "
+    'Respond in the format {{"name": function name, "parameters": dictionary of argument name and its value}}. '
+    "Do not use variables.\n\n" + SCHEMA_INDENTED.replace("{", "{{").replace("}", "}}") + "\n\n<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nWeather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+    '\n\n{{"name": "get_weather", "parameters": {{"city": "Paris"}}}}<|eot_id|>'
+    "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    "It is sunny.<|eot_id|>")
+QWEN_TOOL_LAYOUT = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}\n</tools>\n\n'
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    "It is sunny.<|im_end|>\n")
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen"])
+def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
+    """A call, the tool's answer and the tools offered, under the llama3 and qwen templates, in
+    LLaMA-Factory's layout (they were refused as bad rows). Learned: the call (LLaMA-Factory's
+    function turn is a response) and the answer after it, not the tool's answer (its observation
+    turn is prompt)."""
+    from datetime import datetime
+
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                                "<|eot_id|>", "<|im_start|>", "<|im_end|>"]})
+    ids, labels = tokenizing.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
+    today = datetime.now().strftime("%d %b %Y")  # LLaMA-Factory's Llama3ToolUtils dates the prompt so
+    expected = tokenizer.bos_token + LLAMA3_TOOL_LAYOUT.format(date=today) if name == "llama3" else QWEN_TOOL_LAYOUT
+    assert tokenizer.decode(ids) == expected
+    call = {"llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+            "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'}
+    answer = {"llama3": "It is sunny.<|eot_id|>", "qwen": "It is sunny.<|im_end|>\n"}
+    assert decode_learned(tokenizer, ids, labels) == call[name] + answer[name]  # "sunny" alone: the tool's, not learned
+    parallel = json.loads(json.dumps(WEATHER_CALL_ROW))
+    parallel["messages"][1]["tool_calls"].append({"type": "function", "function": {"name": "get_weather",
+                                                                                    "arguments": {"city": "Rome"}}})
+    learned = decode_learned(tokenizer, *tokenizing.tokenize_row(parallel, "messages", tokenizer))
+    parallel_call = {"llama3": '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                               '{"name": "get_weather", "parameters": {"city": "Rome"}}]<|eot_id|>',
+                     "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+                             '<|im_end|>\n'}
+    assert learned == parallel_call[name] + answer[name]
 
 
 @pytest.mark.parametrize("text, message", [
