@@ -1357,9 +1357,6 @@ def test_a_row_whose_turns_the_tokenizer_joins_is_tokenized_turn_by_turn():
         ([2, 3, 2, 3, 2], [IGNORE, 3, IGNORE, 3, IGNORE])
 
 
-TOOL_TEMPLATES = ["llama3", "qwen", "qwen3_nothink"]  # LLaMA-Factory's tool formats, rendered as it does
-
-
 @pytest.mark.parametrize("name", ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi",
                                   "qwen", "qwen3_nothink", "vicuna"])
 def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
@@ -1375,7 +1372,7 @@ def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
     assert "hello" in tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
     turns = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny"},
              {"role": "assistant", "content": "sunny"}]
-    if name in TOOL_TEMPLATES:
+    if name in models.TOOL_CALLING_TEMPLATES:
         tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
         return
     with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
