@@ -1378,6 +1378,14 @@ def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
     with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
                                                   f"not tool .*model.chat_template: llama3, qwen or qwen3_nothink"):
         tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+    call_only = {"messages": WEATHER_CALL_ROW["messages"][:2]}  # a call and no tool turn: the call, not ''
+    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
+                                                  f"not tool calls .*llama3, qwen or qwen3_nothink"):
+        tokenizing.tokenize_row(call_only, "messages", tokenizer)
+    offered = {"messages": turns[:1] + turns[2:], "tools": WEATHER_CALL_ROW["tools"]}
+    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders no tools list .*llama3, qwen or "
+                                                  f"qwen3_nothink"):
+        tokenizing.tokenize_row(offered, "messages", tokenizer)
 
 
 WEATHER_SCHEMA = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
