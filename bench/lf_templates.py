@@ -2,7 +2,8 @@
 Template.encode_multiturn: text, token ids and learned tokens, on six offline tokenizers
 (character-level, byte-level BPE with GPT-2's and Llama-3's split, SentencePiece-like ones).
 LLaMA-Factory in a venv of its own, beside this environment's packages:
-  python -m venv --system-site-packages /tmp/lfvenv && /tmp/lfvenv/bin/pip install --no-deps llamafactory==0.9.5  # or /tmp/lfdl/llamafactory-0.9.5-py3-none-any.whl
+  python -m venv --system-site-packages /tmp/lfvenv && /tmp/lfvenv/bin/pip install --no-deps llamafactory==0.9.5
+  # (or the wheel's path in place of llamafactory==0.9.5, offline)
   # its import wants torchaudio (for audio data only): an empty module stands in where no wheel fits torch
   mkdir -p /tmp/lfvenv/lib/python3.11/site-packages/torchaudio && touch $_/__init__.py
   /tmp/lfvenv/bin/python bench/lf_templates.py > bench/results/lf_templates.txt

@@ -1376,15 +1376,15 @@ def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
         tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
         return
     with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
-                                                  f"not tool .*model.chat_template: llama3, qwen or qwen3_nothink"):
+                                                  f"not tool .*chat_template: llama3, mistral, qwen or qwen3_nothink"):
         tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
     call_only = {"messages": WEATHER_CALL_ROW["messages"][:2]}  # a call and no tool turn: the call, not ''
     with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
-                                                  f"not tool calls .*llama3, qwen or qwen3_nothink"):
+                                                  f"not tool calls .*llama3, mistral, qwen or qwen3_nothink"):
         tokenizing.tokenize_row(call_only, "messages", tokenizer)
     offered = {"messages": turns[:1] + turns[2:], "tools": WEATHER_CALL_ROW["tools"]}
-    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders no tools list .*llama3, qwen or "
-                                                  f"qwen3_nothink"):
+    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders no tools list .*llama3, mistral, "
+                                                  f"qwen or qwen3_nothink"):
         tokenizing.tokenize_row(offered, "messages", tokenizer)
 
 
@@ -1422,8 +1422,8 @@ LLAMA3_TOOL_LAYOUT = (
     "You have access to the following functions. To call a function, please respond with JSON for a function call. "
     'Respond in the format {{"name": function name, "parameters": dictionary of argument name and its value}}. '
     "Do not use variables.\n\n" + SCHEMA_INDENTED.replace("{", "{{").replace("}", "}}") + "\n\n<|eot_id|>"
-    "<|start_header_id|>user<|end_header_id|>\n\nWeather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
-    '\n\n{{"name": "get_weather", "parameters": {{"city": "Paris"}}}}<|eot_id|>'
+    "<|start_header_id|>user<|end_header_id|>\n\nWeather in Paris?<|eot_id|>"
+    '<|start_header_id|>assistant<|end_header_id|>\n\n{{"name": "get_weather", "parameters": {{"city": "Paris"}}}}<|eot_id|>'
     "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     "It is sunny.<|eot_id|>")
 QWEN_TOOL_LAYOUT = (
@@ -1439,10 +1439,18 @@ QWEN_TOOL_LAYOUT = (
     "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     "It is sunny.<|im_end|>\n")
 
+# mistral (LF's Llama2Template): the tools after the system text, both inside the first [INST];
+# calls always a JSON list; the tool's answer put in unquoted, as LF's observation slot does.
+MISTRAL_TOOL_LAYOUT = (
+    '[INST] [AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "get_weather", "description": '
+    '"Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]'
+    '[/AVAILABLE_TOOLS]\n\nWeather in Paris?[/INST][TOOL_CALLS] [{"name": "get_weather", "arguments": '
+    '{"city": "Paris"}}]</s>[TOOL_RESULTS] {"content": sunny}[/TOOL_RESULTS] It is sunny.</s>')
 
-@pytest.mark.parametrize("name", ["llama3", "qwen"])
+
+@pytest.mark.parametrize("name", ["llama3", "qwen", "mistral"])
 def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
-    """A call, the tool's answer and the tools offered, under the llama3 and qwen templates, in
+    """A call, the tool's answer and the tools offered, under the llama3, qwen and mistral templates, in
     LLaMA-Factory's layout (they were refused as bad rows). Learned: the call (LLaMA-Factory's
     function turn is a response) and the answer after it, not the tool's answer (its observation
     turn is prompt)."""
@@ -1456,11 +1464,13 @@ def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
                                                                 "<|eot_id|>", "<|im_start|>", "<|im_end|>"]})
     ids, labels = tokenizing.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
     today = datetime.now().strftime("%d %b %Y")  # LLaMA-Factory's Llama3ToolUtils dates the prompt so
-    expected = tokenizer.bos_token + LLAMA3_TOOL_LAYOUT.format(date=today) if name == "llama3" else QWEN_TOOL_LAYOUT
+    expected = {"llama3": tokenizer.bos_token + LLAMA3_TOOL_LAYOUT.format(date=today), "qwen": QWEN_TOOL_LAYOUT,
+                "mistral": tokenizer.bos_token + MISTRAL_TOOL_LAYOUT}[name]
     assert tokenizer.decode(ids) == expected
     call = {"llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
-            "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'}
-    answer = {"llama3": "It is sunny.<|eot_id|>", "qwen": "It is sunny.<|im_end|>\n"}
+            "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+            "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>'}
+    answer = {"llama3": "It is sunny.<|eot_id|>", "qwen": "It is sunny.<|im_end|>\n", "mistral": " It is sunny.</s>"}
     assert decode_learned(tokenizer, ids, labels) == call[name] + answer[name]  # "sunny" alone: the tool's, not learned
     parallel = json.loads(json.dumps(WEATHER_CALL_ROW))
     parallel["messages"][1]["tool_calls"].append({"type": "function", "function": {"name": "get_weather",
@@ -1470,7 +1480,9 @@ def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
                                '{"name": "get_weather", "parameters": {"city": "Rome"}}]<|eot_id|>',
                      "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-                             '<|im_end|>\n'}
+                             '<|im_end|>\n',
+                     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                                '{"name": "get_weather", "arguments": {"city": "Rome"}}]</s>'}
     assert learned == parallel_call[name] + answer[name]
 
 

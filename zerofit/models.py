@@ -260,8 +260,8 @@ def with_chat_template(tokenizer, path: str | None):
 # files (their layouts: register_template's slots in LLaMA-Factory's src/llamafactory/data/template.py)
 BUNDLED_TEMPLATES = Path(__file__).parent / "chat_templates"
 # Those that render tool calls, tool answers and the tools offered as LLaMA-Factory 0.9.5 does
-# (its llama3 and qwen tool formats, data/tool_utils.py); the others refuse a tool turn by name.
-TOOL_CALLING_TEMPLATES = ("llama3", "qwen", "qwen3_nothink")
+# (its llama3, mistral and qwen tool formats, data/tool_utils.py); the others refuse a tool turn by name.
+TOOL_CALLING_TEMPLATES = ("llama3", "mistral", "qwen", "qwen3_nothink")
 
 
 def bundled_chat_templates() -> list[str]:
