@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from zerofit.activations import NORM_BUFFER_NUMEL
 from zerofit.config import Config, ConfigError
 from zerofit.hardware import Hardware
+from zerofit.loadpeak import LOADING, load_fix
 from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import Candidate, Plan, Shape, predict, zero_default
@@ -236,12 +237,14 @@ def all_persistent(spec: ModelSpec) -> int:
 
 
 # ------------------------------------------------------------------------ choose
-def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, dataset_bytes: int = 0) -> Decision:
-    """The fastest fitting configuration. When plan.enabled is false, the config as given."""
+def decide(config: Config, spec: ModelSpec, hw: Hardware, world_size: int, dataset_bytes: int = 0,
+           data_load: dict[str, int] | None = None) -> Decision:
+    """The fastest fitting configuration. When plan.enabled is false, the config as given.
+    `data_load`: the host peak of loading the data (loadpeak), the same for every candidate."""
     headroom = config.plan.headroom
     options = candidates(config, spec, hw, world_size, dataset_bytes) if config.plan.enabled else \
         [(shape_of(config, world_size, dataset_bytes, hw.glibc_heap), candidate_of(config, spec, world_size))]
-    plans = [predict(spec, hw, shape, cand, headroom) for shape, cand in options]
+    plans = [predict(spec, hw, shape, cand, headroom, data_load) for shape, cand in options]
     fitting = [p for p in plans if p.fits]
     if fitting:
         # a narrowed live window only where nothing fits with DeepSpeed's own (what its
@@ -296,7 +299,7 @@ def fixed_segments_note(plan: Plan, spec: ModelSpec) -> str | None:
 def overflow(plan: Plan, exclude: tuple[str, ...] = ()) -> float:
     """How far over their budgets the devices are, summed (0 = everything fits); `exclude`
     leaves those devices out."""
-    peaks = (plan.devices, plan.save_peak, plan.start_peak, plan.first_step_after_save_peak)
+    peaks = (plan.devices, plan.save_peak, plan.start_peak, plan.first_step_after_save_peak, plan.data_load_peak)
     devices = [device for peak in peaks for name, device in peak.items() if name not in exclude]
     return sum(max(0.0, d.total_bytes / max(d.usable_bytes, 1) - 1) for d in devices)
 
@@ -336,7 +339,8 @@ def refuse(decision: Decision) -> PlanError:
     plan = decision.plan
     lines = [f"no configuration fits; the closest ({describe(plan)}) needs:"]
     moments = (("checkpoint save", plan.save_peak), ("engine start", plan.start_peak),
-               ("first step after a save", plan.first_step_after_save_peak))  # the peaks `predict` fits besides
+               ("first step after a save", plan.first_step_after_save_peak),
+               (LOADING, plan.data_load_peak))  # the peaks `predict` fits besides
     over = [(name, d) for name, d in plan.devices.items() if not d.fits] or [
         (f"{name} ({when})", d) for when, peak in moments for name, d in peak.items() if not d.fits]
     for name, device in over:
@@ -438,11 +442,12 @@ def what_would_fit(plan: Plan, spec: ModelSpec, hw: Hardware, headroom: float) -
         advice.append(f"{name}: {need} of {labels[name]} (have {have}{raise_limit if name == 'host' and limited else ''})")
     # the training phases fit, a moment outside them does not: say how much that moment needs
     for when, peak in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
-                       ("first step after a save", plan.first_step_after_save_peak)):
+                       ("first step after a save", plan.first_step_after_save_peak), (LOADING, plan.data_load_peak)):
         for name, device in peak.items():
-            if not device.fits and name not in over:
+            if not device.fits and (name not in over or when == LOADING):  # loading: a fix of its own
                 need, have = need_and_have(device.total_bytes / (1 - headroom), device.budget_bytes)
-                advice.append(f"{name} ({when}): {need} of {labels[name]} (have {have})")
+                fix = f": {load_fix(device.components)}" if when == LOADING else ""
+                advice.append(f"{name} ({when}): {need} of {labels[name]} (have {have}){fix}")
     return advice
 
 

@@ -144,6 +144,8 @@ class Plan:
     step_terms: dict[str, float]
     notes: list[str] = field(default_factory=list)
     ranks_on_host: int = 1                      # the host device's figures are for this many ranks
+    data_load_peak: dict[str, Device] = field(default_factory=dict)  # host, loading and tokenizing the
+    #                                             data files before the model is built (loadpeak); {} without files
 
     @property
     def binding(self) -> list[str]:
@@ -165,6 +167,7 @@ class Plan:
             "export_peak": {k: d.to_json() for k, d in self.export_peak.items()},
             "estimated_step_seconds": self.step_seconds, "step_terms": self.step_terms,
             "notes": self.notes, "ranks_on_host": self.ranks_on_host,
+            "data_load_peak": {k: d.to_json() for k, d in self.data_load_peak.items()},
         }
 
 
@@ -390,8 +393,10 @@ def save_margin_bytes(checkpoint_bytes: int) -> int:
     return int(checkpoint_bytes * (SAVE_FREE_FACTOR - 1)) + SAVE_FREE_SLACK
 
 
-def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = DEFAULT_HEADROOM) -> Plan:
-    """The whole prediction for one candidate configuration."""
+def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = DEFAULT_HEADROOM,
+            data_load: dict[str, int] | None = None) -> Plan:
+    """The whole prediction for one candidate configuration; `data_load`: one rank's host peak
+    of loading the data, by component (loadpeak.load_peak), the same for every candidate."""
     on_gpu = hw.on_gpu
     gpu_states, host_states, nvme_states = model_states(spec, shape, cand, on_gpu)
     phases = device_phases(spec, shape, cand, on_gpu)
@@ -474,14 +479,23 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     terms = step_time_terms(spec, hw, shape, cand)
     seconds = step_seconds(terms)
     notes += step_time_notes(terms, seconds, on_gpu)
-    fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step) for d in peak.values())
+    load_peak = data_load_devices(data_load, hw, headroom, ranks_here)
+    fits = all(d.fits for peak in (devices, save_peak, start_peak, first_step, load_peak) for d in peak.values())
     host_rss_peak = max(max(p["host"] for p in per_phase.values()), start_peak["host"].total_bytes // ranks_here)
     return Plan(fits=fits, params=spec.total_params, trainable_params=spec.trainable_params, shape=shape, candidate=cand, accelerator=hw.accelerator,
                 devices=devices, gpu_allocated_peak=max(p["gpu"] for p in per_phase.values()),
                 host_rss_peak=host_rss_peak, phases=per_phase, save_peak=save_peak, start_peak=start_peak,
                 first_step_after_save_peak=first_step, checkpoint_bytes=ckpt_bytes,
                 export_peak=export_peak(spec, hw, headroom),
-                step_seconds=seconds, step_terms=terms, notes=notes, ranks_on_host=ranks_here)
+                step_seconds=seconds, step_terms=terms, notes=notes, ranks_on_host=ranks_here, data_load_peak=load_peak)
+
+
+def data_load_devices(data_load: dict[str, int] | None, hw: Hardware, headroom: float,
+                      ranks_here: int = 1) -> dict[str, Device]:
+    """Loading the data (loadpeak.load_peak, one rank's), on a host where `ranks_here` load it."""
+    if not data_load:
+        return {}
+    return {"host": _device({k: v * ranks_here for k, v in data_load.items()}, hw.host_budget_bytes, headroom)}
 
 
 def save_components(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -> tuple[dict, dict]:

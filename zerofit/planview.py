@@ -13,15 +13,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from zerofit import choice, dsconfig, hardware, modelspec, nvme
+from zerofit import choice, dsconfig, hardware, loadpeak, modelspec, nvme
 from zerofit.choice import Decision
 from zerofit.checkpoint import write_atomic
-from zerofit.config import Config
+from zerofit.config import Config, ConfigError
+from zerofit.loadpeak import LOADING
 from zerofit.hardware import Hardware
 from zerofit.memory import human_bytes, human_count, parse_bytes
 from zerofit.progress import warn
 from zerofit.modelspec import ModelSpec
-from zerofit.planner import DATASETS_LIBRARY_BYTES, Device
+from zerofit.planner import DATASETS_LIBRARY_BYTES, Device, data_load_devices, ranks_on_this_node
 
 
 def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
@@ -30,8 +31,6 @@ def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | N
     checkpoints, e.g. 2TB) and `nvme_free` (free space at zero.nvme_path) stand in for what is
     measured here when planning another machine."""
     if nvme_free and not config.zero.nvme_path:
-        from zerofit.config import ConfigError
-
         raise ConfigError("--nvme-free is the free space at zero.nvme_path: give --nvme-path (or zero.nvme_path "
                           "in the config) too")
     hw = hardware.probe(disk_path=config.run_dir, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem,
@@ -44,12 +43,14 @@ def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | N
 
 
 def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None, spec: ModelSpec | None = None,
-                dataset_bytes: int = 0) -> tuple[Decision, ModelSpec, Hardware]:
-    """Plan `config` for `world_size` ranks on `hw` (probed when not given)."""
+                dataset_bytes: int = 0,
+                data_load: dict[str, int] | None = None) -> tuple[Decision, ModelSpec, Hardware]:
+    """Plan `config` for `world_size` ranks on `hw` (probed when not given); `data_load`: the host
+    peak of loading its data (loadpeak), None when there are no files to load."""
     spec = spec or modelspec.from_config(config)
     hw = hw or probe_for(config)
     config, notes, problems = nvme.resolve_aio(config, spec, world_size)
-    decision = choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes))
+    decision = choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes), data_load)
     if nvme.uses_nvme(decision.config):
         decision.plan.notes.extend(notes)
     if decision.config.zero.offload_optimizer == "nvme":  # the problems are the optimizer's transfers
@@ -145,9 +146,10 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
     peaks = Table(title="other peaks")
     for column in ("when", "gpu", "host", "disk"):
         peaks.add_column(column)
-    for label, devices in (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
-                           ("first step after a save", plan.first_step_after_save_peak),
-                           ("export", plan.export_peak)):
+    moments = ((LOADING, plan.data_load_peak),) if plan.data_load_peak else ()
+    for label, devices in moments + (("engine start", plan.start_peak), ("checkpoint save", plan.save_peak),
+                                     ("first step after a save", plan.first_step_after_save_peak),
+                                     ("export", plan.export_peak)):
         peaks.add_row(label, *(human_bytes(devices[d].total_bytes) + ("" if devices[d].fits else " [red]over[/]")
                                if d in devices else "-" for d in ("gpu", "host", "disk")))
     console.print(peaks)
@@ -228,11 +230,45 @@ def write_plan(run_dir: Path, record: dict) -> None:
     write_atomic(Path(run_dir) / "plan.json", json.dumps(record, indent=2))
 
 
-def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Decision]:
+def check_data_load(config: Config, dist, data_load: dict[str, int] | None) -> dict[str, Device]:
+    """Before train loads its data: its predicted peak on this host (plan.json's data_load_peak,
+    {} without data files), rank 0's for every rank; refused (plan.enabled) when over the host
+    budget (loadpeak.over_budget), as plan_run refuses a plan."""
+    import torch.distributed as torch_dist
+
+    box: list = [{}, None]
+    if dist.is_main and data_load:
+        hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
+        ranks = ranks_on_this_node(hw, dist.world_size)
+        box[0] = data_load_devices(data_load, hw, config.plan.headroom, ranks)
+        box[1] = loadpeak.over_budget(box[0]["host"], config.plan.headroom, ranks) if config.plan.enabled else None
+    if dist.world_size > 1:
+        torch_dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise choice.PlanError(box[1])
+    return box[0]
+
+
+def data_load_of(config: Config, tokenizer=None, run_dir: Path | None = None,
+                 process_bytes: int = loadpeak.LOAD_BASE_BYTES) -> dict[str, int] | None:
+    """The host peak of loading `config`'s data files by component (loadpeak), None for the
+    built-in sources; the model's own tokenizer when none is given."""
+    from zerofit import models
+
+    if config.data.path in loadpeak.BUILT_IN:
+        return None
+    tokenizer = tokenizer or models.load_tokenizer(config.model)
+    shape = loadpeak.load_facts(config.data, tokenizer, run_dir, process_bytes)
+    return loadpeak.load_peak(shape) if shape else None
+
+
+def plan_run(config: Config, dist, dataset_bytes: int = 0,
+             data_loaded: dict[str, Device] | None = None) -> tuple[Config, Decision]:
     """Plan on rank 0, share the decision with every rank (plan.json's content in
     `decision.record`, written with the run's other files once a resume is known to be
     possible), refuse when nothing fits (plan.enabled) or just record the prediction
-    (plan.enabled false)."""
+    (plan.enabled false). `data_loaded`: check_data_load's prediction, recorded (the
+    loading it predicted is over: the plan's fit no longer depends on it)."""
     import torch.distributed as torch_dist
 
     box: list = [None, None]
@@ -241,6 +277,7 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0) -> tuple[Config, Deci
         if beyond := hardware.host_mem_beyond_reach(hw):
             warn(beyond)
         decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
+        decision.plan.data_load_peak = data_loaded or {}
         decision.record = plan_json(decision, spec, hw)
         box = [decision, nvme.preflight(decision.config, decision.plan, dist.on_gpu, decision.nvme_problems)]
     if dist.world_size > 1:
@@ -268,12 +305,18 @@ def plan(model: str | None = None, config_path: str | None = None, overrides: li
         config = load(config_path, list(overrides))
     else:
         if not model:
-            from zerofit.config import ConfigError
-
             raise ConfigError("zerofit plan needs --model (a preset, config.json or model directory) or --config FILE")
         raw = {"model": {"config": model}, "train": {"epochs": 1}}
         for item in overrides:
             set_dotted(raw, *parse_override(item))
         config = validate(raw)
     hw = probe_for(config, accelerator, cpu_cores, disk_free, nvme_free)
-    return plan_config(config, world_size, hw=hw)
+    data_load, unplanned = None, None
+    try:  # the data may live on the machine planned for, not this one: then the rest is planned
+        data_load = data_load_of(config, run_dir=Path(config.run_dir))
+    except ConfigError as e:
+        unplanned = f"{loadpeak.LOADING} is not planned: {e}"
+    decision, spec, hw = plan_config(config, world_size, hw=hw, data_load=data_load)
+    if unplanned:
+        decision.plan.notes.append(unplanned)
+    return decision, spec, hw

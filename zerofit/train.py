@@ -72,6 +72,10 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if (beyond := models.positions_beyond_trained(config.model, config.train.seq_len, hf_config)) and dist.is_main:
         warn(beyond)
     lora.check_base_files(config)
+    # refused before loading where its peak would not fit the host: the process's RSS now, and what
+    # the files' sizes and a sample of their rows say the rows will hold (loadpeak)
+    data_loaded = planview.check_data_load(config, dist, planview.data_load_of(config, tokenizer, run_dir,
+                                                                               memory.host_rss_bytes()))
     memory.reset_host_peak()  # an in-process OOM retry's earlier attempt peaked above the loading
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size, Shown(dist.is_main, config.log.progress),
@@ -81,7 +85,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     # from the peaks of what the plan predicts (VmHWM reset), which it would otherwise stand for
     data_load_host_peak = memory.proc_status()["VmHWM"]
     memory.reset_host_peak()
-    config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set))
+    config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set),
+                                         data_loaded=data_loaded)
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
     # rank 0 alone writes loop_state.json and compares on resume: the other ranks need not hash the data
