@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import bench_module, run_zerofit, tiny_config, write_config
+from conftest import bench_module, run_zerofit, tiny_config, write_config
 from zerofit import loadpeak, planview
 from zerofit.configfile import load
 
@@ -99,3 +99,22 @@ def test_a_tokenized_cache_is_priced_without_the_tables(tmp_path):
     datacache.read(data_entries(cfg.path), cfg, tokenizer, tmp_path / "run", "train")
     shape = loadpeak.load_facts(cfg, tokenizer, tmp_path / "run")
     assert shape.cached and set(loadpeak.load_peak(shape)) == {"process", "examples"}
+
+
+def test_doctor_sets_the_measured_loading_beside_its_prediction(tmp_path):
+    """The loading's prediction was in plan.json and its measured peak in the start record, but
+    the doctor's plan vs measured showed neither: its host row now has the loading as a phase,
+    and its summary says both figures."""
+    from zerofit.doctor import diagnose
+
+    config = data_config(tmp_path, rows=3000, train={"max_steps": 2}, eval={"every_steps": 0},
+                         checkpoint={"every_steps": 0})
+    run_zerofit(["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    host = next(row for row in diagnose(tmp_path / "run").plan if row["device"] == "host")
+    loading = next(phase for phase in host["phases"] if phase["phase"] == "loading the data")
+    assert loading["predicted_bytes"] == plan["data_load_peak"]["host"]["total_bytes"]
+    assert 0.7 < loading["measured_bytes"] / loading["predicted_bytes"] < 1.3, loading
+    said = " ".join(run_zerofit(["doctor", str(tmp_path / "run"), "--no-hashes"]).stdout.split())
+    assert f"before training: loading the data peaked at {loading['measured_bytes'] / 2**30:.2f} GiB host (planned " \
+           f"{loading['predicted_bytes'] / 2**30:.2f} GiB;" in said, said

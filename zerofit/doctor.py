@@ -17,6 +17,7 @@ import yaml
 from zerofit import checkpoint, runlock
 from zerofit.config import ConfigError
 from zerofit.findings import Finding, RunFacts, detect, facts_from
+from zerofit.loadpeak import LOADING
 from zerofit.rankfindings import across_ranks, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
 
@@ -362,6 +363,8 @@ def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpo
                 mine = [r for r in records if r["phase"] == phase and predicted_key in r]
                 phases.append({"phase": phase, "predicted_bytes": max(r[predicted_key] for r in mine),
                                "measured_bytes": max(r.get(measured_key, 0) for r in mine)})
+        if device == "host" and (loading := loading_row(plan, per_rank, share)):
+            phases.insert(0, loading)
         predicted = entry.get("total_bytes") or sum(c["predicted_bytes"] for c in components)
         # the engine's start can be the host's peak (NVMe offload: planner.Plan.start_peak), a save's
         # staging another (the plan's save and first-step-after peaks: counted where the run saved)
@@ -373,6 +376,18 @@ def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpo
                      "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
                      "components": components, "phases": phases})
     return rows
+
+
+def loading_row(plan: dict, per_rank: dict[int, list[dict]], share: float) -> dict | None:
+    """The host's peak while the data was loaded and tokenized, predicted (plan.json
+    data_load_peak, for the ranks on the host) against the start records' data_load_host_peak
+    (each rank's VmHWM then, summed as the host's are); None where nothing was predicted."""
+    predicted = ((plan.get("data_load_peak") or {}).get("host") or {}).get("total_bytes")
+    if not predicted:
+        return None
+    measured = sum(max((r.get("data_load_host_peak", 0) for r in timeline if r["phase"] == "start"), default=0)
+                   for timeline in per_rank.values())
+    return {"phase": LOADING, "predicted_bytes": int(predicted * share), "measured_bytes": measured}
 
 
 def peaks_run(records: list[dict]) -> tuple[str, ...]:

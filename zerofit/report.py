@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from zerofit.findings import gib
+from zerofit.loadpeak import LOADING
 from zerofit.progress import counted
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
@@ -400,9 +401,12 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     console.print(f"[bold]zerofit doctor[/] {diagnosis.run_dir} ({diagnosis.source}): {s['steps']} steps, "
                   f"{saves_phrase(s)}, {counted(s['evals'], 'eval')}, {gpu}host peak {gib(s['host_peak'])}"
                   + (f" of {gib(s['host_budget'])} ({host_budget_kind(diagnosis)})" if s["host_budget"] else ""))
-    if s.get("data_load_host_peak", 0) > s["host_peak"]:
-        console.print(f"before training: loading the data peaked at {gib(s['data_load_host_peak'])} host (each "
-                      f"example's token lists while tokenizing; the plan counts the packed arrays that stay)")
+    loading = next((phase for row in diagnosis.plan if row["device"] == "host" for phase in row["phases"]
+                    if phase["phase"] == LOADING), None)
+    if loading or s.get("data_load_host_peak", 0) > s["host_peak"]:
+        planned = f"planned {gib(loading['predicted_bytes'])}" if loading else "not in plan.json"
+        console.print(f"before training: loading the data peaked at {gib(s['data_load_host_peak'])} host ({planned}; "
+                      f"each example's token lists while tokenizing, before they are packed)")
     if diagnosis.running_note:
         console.print(f"[yellow]{escape(diagnosis.running_note)}[/]")
     if diagnosis.ending:
