@@ -158,7 +158,6 @@ def file_facts(file: Path, cfg, tokenizer) -> DataFile:
     if file.is_dir():
         from zerofit.datafiles import saved_dataset
 
-
         table = saved_dataset(file)
         rows, sample = len(table), table.select(range(min(SAMPLE_ROWS, len(table)))).to_list()
         table_bytes = sum(p.stat().st_size for p in file.rglob("*.arrow"))
