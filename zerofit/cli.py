@@ -112,10 +112,11 @@ def cmd_train(args) -> int:
         config.checkpoint.verify = args.verify
     run_dir = Path(config.run_dir).absolute()
     made = next((d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()), None)  # the topmost new one
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # (the process group is not up yet)
     try:
         result = train(config, resume=args.resume)
     except ConfigError:
-        if int(os.environ.get("RANK", "0")) == 0:  # a start that found an error leaves nothing it made, nor its pid
+        if first_rank:  # a start that found an error leaves nothing it made, nor its pid
             from zerofit import runlock
 
             runlock.leave_as_found(run_dir, made)
@@ -123,7 +124,7 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:  # the steps since the newest checkpoint are lost: say which one that is
         from zerofit.resume import where_to_go_on
 
-        if int(os.environ.get("RANK", "0")) == 0:  # a terminal's Ctrl-C reaches every rank: one says it
+        if first_rank:  # a terminal's Ctrl-C reaches every rank: one says it
             print(f"zerofit: interrupted; {where_to_go_on(config)}", file=sys.stderr)
         return end_after_error(130)
     except RuntimeError as e:

@@ -73,9 +73,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
         warn(beyond)
     lora.check_base_files(config)
     # refused before loading where its peak would not fit the host: the process's RSS now, and what
-    # the files' sizes and a sample of their rows say the rows will hold (loadpeak)
-    data_loaded = planview.check_data_load(config, dist, planview.data_load_of(config, tokenizer, run_dir,
-                                                                               memory.host_rss_bytes()))
+    # the files' sizes and a sample of their rows say the rows will hold (loadpeak); rank 0's for all
+    data_load = planview.data_load_of(config, tokenizer, run_dir, memory.host_rss_bytes()) if dist.is_main else None
+    data_loaded = planview.check_data_load(config, dist, data_load)
     memory.reset_host_peak()  # an in-process OOM retry's earlier attempt peaked above the loading
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size, Shown(dist.is_main, config.log.progress),
