@@ -7,6 +7,7 @@ CPython cached ints, which no real tokenizer is), then loads each case in a fres
 records VmHWM, the process tree's PSS peak (parent RSS + forked workers' private pages), and
 loadpeak.load_facts + load_peak's prediction made before the load.
   python bench/tokenize_peak.py [--quick] [OUT.json]     # bench/results/tokenize_peak-cpu2.json
+  python bench/tokenize_peak.py --workers 8 OUT.json     # forked workers on a many-core machine
   python bench/tokenize_peak.py --again OUT.json         # its predictions again, after a refit"""
 import json
 import os
@@ -160,6 +161,17 @@ def run_case(case: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def worker_cases(workers: int) -> list[dict]:
+    """`workers` forked tokenizers against one, on the files where their count shows: each worker
+    holds its own copy of the tokenizer and its shard's token lists until they are gathered."""
+    bpe = str(bpe_tokenizer())
+    alpaca, sharegpt = (str(write_dataset(kind, 20_000, "jsonl")) for kind in ("alpaca", "sharegpt"))
+    return [{"path": alpaca, "tokenizer": bpe, "workers": 1}, {"path": alpaca, "tokenizer": bpe, "workers": workers},
+            {"path": sharegpt, "tokenizer": bpe, "workers": workers},
+            {"path": str(write_dataset("sharegpt", 2_000, "jsonl")), "tokenizer": bpe, "workers": workers},
+            {"path": str(write_dataset("alpaca", 100_000, "jsonl")), "tokenizer": bpe, "workers": workers}]
+
+
 def cases(quick: bool) -> list[dict]:
     bpe = str(bpe_tokenizer())
     sizes = (2_000, 20_000) if quick else (2_000, 20_000, 100_000)
@@ -226,21 +238,22 @@ def main() -> None:
         print(json.dumps({"error_range": result["error_range"]}))
         return
     quick = "--quick" in sys.argv
-    out = next((Path(a) for a in sys.argv[1:] if not a.startswith("--")), None)
+    workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else 0
+    out = next((Path(a) for a in sys.argv[1:] if not a.startswith("--") and not a.isdigit()), None)
     WORK.mkdir(parents=True, exist_ok=True)
     results = []
-    for case in cases(quick):
+    for case in worker_cases(workers) if workers else cases(quick):
         results.append(run_case(case))
         r = results[-1]
         print(f"{Path(r['path']).name:24} {r['tokenizer'][-4:]:5} w{r['workers']} {r.get('note', ''):26} "
               f"base {r['base_rss'] / GIB:.2f} hwm {r['vm_hwm'] / GIB:.2f} tree {r['tree_peak'] / GIB:.2f} "
               f"pred {r['predicted'] / GIB:.2f} ({r['error_vs_measured']:+.1%}) tokens {r['tokens_predicted']}/"
               f"{r['packed_tokens']} {r['load_seconds']}s", flush=True)
-    errors = [r["error_vs_measured"] for r in results]
-    summary = {"cores": os.cpu_count(), "seq_len": SEQ_LEN, "error_range": [min(errors), max(errors)],
-               "command": "python bench/tokenize_peak.py " + " ".join(sys.argv[1:]), "cases": results}
-    if out:
-        out.write_text(json.dumps(summary, indent=2) + "\n")
+        errors = [r["error_vs_measured"] for r in results]
+        summary = {"cores": os.cpu_count(), "seq_len": SEQ_LEN, "error_range": [min(errors), max(errors)],
+                   "command": "python bench/tokenize_peak.py " + " ".join(sys.argv[1:]), "cases": results}
+        if out:  # after every case: a timed-out run keeps what it measured
+            out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "cases"}))
 
 

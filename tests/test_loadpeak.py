@@ -60,9 +60,10 @@ def test_plan_shows_loading_the_data(tmp_path, capsys):
 
 
 def test_plan_does_not_fit_a_host_too_small_to_load_the_data(tmp_path):
-    """The loading alone over plan.host_mem (the training steps' ~620 MiB fit its 630 MiB usable):
-    the plan does not fit, and its advice names the loading's figure and its fix."""
-    config_file = write_config(tmp_path / "c.yaml", data_config(tmp_path, plan={"host_mem": "700MiB"}))
+    """The loading alone over plan.host_mem (the training steps' ~620 MiB fit its 630 MiB usable,
+    the loading of 6000 rows ~700 MiB): the plan does not fit, and its advice names the loading's
+    figure and its fix."""
+    config_file = write_config(tmp_path / "c.yaml", data_config(tmp_path, rows=6000, plan={"host_mem": "700MiB"}))
     decision, _, _ = planview.plan(config_path=str(config_file))
     assert decision.plan.devices["host"].fits and not decision.plan.data_load_peak["host"].fits
     assert not decision.plan.fits

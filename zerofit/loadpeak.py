@@ -50,8 +50,11 @@ UNSAMPLED_ROW_BYTES = 1024  # a file without rows to sample (one JSON array): ro
 # buffers, the parent's pages it touched), and per token the results the parent has not read yet
 # (pool.map sends every chunk's back as soon as it is done): with 2 workers the parent's VmHWM
 # rose 0.14 GiB over one process's for 6.3M sharegpt tokens, 0.45 GiB for 14.3M alpaca tokens
-# (tokenize_peak-cpu2.json; the children's private pages were too few to show in the tree's peak)
-WORKER_BYTES = 60 * MIB
+# (tokenize_peak-cpu2.json). 8 workers on the 16-core H200 host held 17 MiB each in private
+# pages (the tree's peak over the parent's VmHWM, 2k sharegpt rows) and the tree rose 0.19 GiB
+# over one process's for 2.8M alpaca tokens (tokenize_peak-h200-w8.json; 60 MiB a worker had
+# planned 28-34% over there, and 2.0 GiB for a 1.0 GiB load of 16 workers in the smoke run).
+WORKER_BYTES = 20 * MIB
 WORKER_RESULT_BYTES = 24  # per token
 
 
