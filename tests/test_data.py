@@ -1359,10 +1359,13 @@ def test_a_row_whose_turns_the_tokenizer_joins_is_tokenized_turn_by_turn():
 
 @pytest.mark.parametrize("name", ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi",
                                   "qwen", "qwen3_nothink", "vicuna"])
-def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
+def test_every_bundled_template_trains_plain_and_tool_rows(name):
     """Each name the config's doc lists is bundled (the package ships it) and renders a plain
-    exchange; a tool turn under a template zerofit renders no tool turns for is a bad row naming
-    the template and the ones that do, not one dropped without a word."""
+    exchange, a call with the tool's answer and a tools list (the eight without a tool format of
+    their own in LLaMA-Factory's `default` one: they refused tool rows); a role no template
+    renders fails naming the template (tokenize_row refuses such a role before: ROLES)."""
+    from jinja2.exceptions import TemplateError
+
     from zerofit import models
     from zerofit.config import ModelConfig
 
@@ -1370,22 +1373,12 @@ def test_every_bundled_template_trains_and_refuses_tool_turns_by_name(name):
     tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
     ids, labels = tokenizing.tokenize_row({"instruction": "hi", "output": "hello"}, "alpaca", tokenizer)
     assert "hello" in tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
-    turns = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny"},
-             {"role": "assistant", "content": "sunny"}]
-    if name in models.TOOL_CALLING_TEMPLATES:
-        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
-        return
-    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
-                                                  f"not tool .*chat_template: llama3, mistral, qwen or qwen3_nothink"):
-        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
-    call_only = {"messages": WEATHER_CALL_ROW["messages"][:2]}  # a call and no tool turn: the call, not ''
-    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders system, user and assistant turns, "
-                                                  f"not tool calls .*llama3, mistral, qwen or qwen3_nothink"):
-        tokenizing.tokenize_row(call_only, "messages", tokenizer)
-    offered = {"messages": turns[:1] + turns[2:], "tools": WEATHER_CALL_ROW["tools"]}
-    with pytest.raises(tokenizing.RowError, match=f"the {name} template renders no tools list .*llama3, mistral, "
-                                                  f"qwen or qwen3_nothink"):
-        tokenizing.tokenize_row(offered, "messages", tokenizer)
+    ids, labels = tokenizing.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
+    assert "get_weather" in decode_learned(tokenizer, ids, labels) and "sunny" in tokenizer.decode(ids)
+    with pytest.raises(TemplateError, match=f"the {name} template renders system, user, assistant and tool turns, "
+                                            f"not narrator"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"}],
+                                      tokenize=False)
 
 
 WEATHER_SCHEMA = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -1484,6 +1477,87 @@ def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
                      "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                                 '{"name": "get_weather", "arguments": {"city": "Rome"}}]</s>'}
     assert learned == parallel_call[name] + answer[name]
+
+
+# LLaMA-Factory 0.9.5's `default` tool format (tool_utils.py DefaultToolUtils), which its templates
+# naming no tool format take (alpaca, chatml, default, empty, gemma, llama2, phi, vicuna): the texts
+# below are its Template.encode_multiturn output for these rows, copied as they came (decoded), with
+# the demo tokenizer. The tools' prompt ends the system text (alpaca's default one; gemma's system
+# opens the first user turn, LF's Llama2Template), joined to it without a separator.
+FORECAST_SCHEMA = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
+                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city"]}}}
+DEFAULT_TOOL_PROMPT = (
+    "You have access to the following tools:\n> Tool Name: get_weather\nTool Description: Weather of a city\n"
+    "Tool Args:\n  - city (string, required): The city\n  - unit (string): , should be one of [C, F]\n\n"
+    "Use the following format if using a tool:\n```\nAction: tool name (one of [get_weather])\n"
+    'Action Input: the input to the tool, in a JSON format representing the kwargs (e.g. ```{"input": "hello world", '
+    '"num_beams": 5}```)\n```\n')
+DEFAULT_TOOL_LAYOUTS = {
+    "alpaca": "Below is an instruction that describes a task. Write a response that appropriately completes the "
+              "request.\n\n" + DEFAULT_TOOL_PROMPT + "### Instruction:\nWeather in Paris?\n\n### Response:\n"
+              'Action: get_weather\nAction Input: {"city": "Paris"}</s>\n\n### Instruction:\nsunny\n\n'
+              "### Response:\nIt is sunny.</s>\n\n",
+    "gemma": "<s><start_of_turn>user\nBe brief." + DEFAULT_TOOL_PROMPT + "\n\nWeather in Paris?<end_of_turn>\n"
+             '<start_of_turn>model\nAction: get_weather\nAction Input: {"city": "Paris"}<end_of_turn>\n'
+             "<start_of_turn>tool\nsunny<end_of_turn>\n<start_of_turn>model\nIt is sunny.<end_of_turn>\n",
+}
+
+
+def learned_runs(tokenizer, ids, labels) -> list[str]:
+    """Each run of learned tokens, decoded."""
+    runs, run = [], []
+    for token, label in zip(ids + [None], labels + [IGNORE]):
+        if label != IGNORE:
+            run.append(token)
+        elif run:
+            runs, run = runs + [tokenizer.decode(run)], []
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_TOOL_LAYOUTS))
+def test_templates_without_a_tool_format_render_llamafactorys_default_one(name):
+    """alpaca and gemma (as the other six without a tool format of their own) render a call, the
+    tool's answer and the tools offered as LLaMA-Factory does (they refused such rows): the call's
+    `Action:` lines learned with the assistant turn's end, the tool's answer (its observation turn:
+    the user's slot under alpaca, gemma's own `tool` turn) not; parallel calls one pair a line; a
+    ShareGPT function_call / observation row trains the same."""
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
+    row = json.loads(json.dumps(WEATHER_CALL_ROW))
+    row["tools"] = [FORECAST_SCHEMA]
+    if name == "gemma":
+        row["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
+    assert tokenizer.decode(ids) == DEFAULT_TOOL_LAYOUTS[name]
+    end = {"alpaca": "</s>\n\n", "gemma": "<end_of_turn>\n"}[name]
+    call = 'Action: get_weather\nAction Input: {"city": "Paris"}'
+    assert learned_runs(tokenizer, ids, labels) == [call + end, "It is sunny." + end]  # the observation between: prompt
+    share = {"conversations": [{"from": m["role"], "value": m["content"]} for m in row["messages"]], "tools": row["tools"]}
+    share["conversations"][-3] = {"from": "function_call", "value": json.dumps({"name": "get_weather",
+                                                                                "arguments": {"city": "Paris"}})}
+    share["conversations"][-2]["from"] = "observation"
+    assert tokenizing.tokenize_row(share, "sharegpt", tokenizer) == (ids, labels)
+    row["messages"][-3]["tool_calls"].append({"type": "function", "function": {"name": "get_weather",
+                                                                               "arguments": {"city": "Rome"}}})
+    parallel = learned_runs(tokenizer, *tokenizing.tokenize_row(row, "messages", tokenizer))
+    assert parallel[0] == f'{call}\nAction: get_weather\nAction Input: {{"city": "Rome"}}{end}'
+
+
+def test_the_default_tool_format_is_one_block_in_the_eight_templates():
+    """The eight templates taking LLaMA-Factory's default tool format carry the same Jinja for it
+    (a template is one self-contained file: the run's tokenizer and exports carry it)."""
+    blocks = {}
+    for file in BUNDLED.glob("*.jinja"):
+        text = file.read_text()
+        if "default_tool_prompt" in text:
+            blocks[file.stem] = text[text.index("{#- Tool rows:"):text.rindex("{%- endmacro -%}")]
+    assert sorted(blocks) == ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "phi", "vicuna"]
+    assert len(set(blocks.values())) == 1
 
 
 @pytest.mark.parametrize("text, message", [

@@ -43,9 +43,9 @@ class ModelConfig(Section):
     """A Jinja chat template file (.jinja) to render conversations and alpaca rows with, instead of
     the tokenizer's own or where it has none: a base model trained on chat data, or the template
     LLaMA-Factory's `template:` wrote. Or a bundled template's name, LLaMA-Factory's template of that
-    name (system, user and assistant turns; tool calls too under llama3, mistral, qwen and
-    qwen3_nothink): alpaca, chatml, default, empty, gemma, llama2, llama3, mistral, phi, qwen,
-    qwen3_nothink, vicuna. The run's tokenizer, and so the export, carry it."""
+    name (system, user and assistant turns, tool calls and their answers): alpaca, chatml, default,
+    empty, gemma, llama2, llama3, mistral, phi, qwen, qwen3_nothink, vicuna. The run's tokenizer, and
+    so the export, carry it."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward (HF gradient_checkpointing_enable, non-reentrant)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"

@@ -34,7 +34,7 @@ from zerofit import lfdata, lfkeys
 from zerofit.aliases import NO_EFFECT
 from zerofit.config import Config, ConfigError
 from zerofit.configfile import read_yaml
-from zerofit.models import TOOL_CALLING_TEMPLATES, bundled_chat_templates
+from zerofit.models import bundled_chat_templates
 from zerofit.section import expand_path
 
 # what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
@@ -282,8 +282,7 @@ def _model(lf: dict, out: Translation, model_is_dir: bool, has_chat_template: bo
                         f"own chat template (model.path's, model.tokenizer's, or model.chat_template's), which for a "
                         f"chat model is what LLaMA-Factory's template of it writes"
                         + (f"; for LLaMA-Factory's own layout set model.chat_template: {template} (bundled: system, "
-                           f"user and assistant turns, {'and' if template in TOOL_CALLING_TEMPLATES else 'not'} "
-                           f"tool calls)" if bundled else ""))
+                           f"user and assistant turns, tool calls and their answers)" if bundled else ""))
     if has_chat_template is False:
         out.todo["model.chat_template"] = (
             f"{name}'s tokenizer has no chat template, so zerofit would lay conversations out as `role:` lines and "

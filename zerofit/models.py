@@ -259,9 +259,8 @@ def with_chat_template(tokenizer, path: str | None):
 # LLaMA-Factory's templates for the models most often fine-tuned from a base checkpoint, as Jinja
 # files (their layouts: register_template's slots in LLaMA-Factory's src/llamafactory/data/template.py)
 BUNDLED_TEMPLATES = Path(__file__).parent / "chat_templates"
-# Those that render tool calls, tool answers and the tools offered as LLaMA-Factory 0.9.5 does
-# (its llama3, mistral and qwen tool formats, data/tool_utils.py); the others refuse a tool turn by name.
-TOOL_CALLING_TEMPLATES = ("llama3", "mistral", "qwen", "qwen3_nothink")
+# Each renders tool calls, tool answers and the tools offered as LLaMA-Factory 0.9.5 does (data/tool_utils.py):
+# llama3, mistral, qwen and qwen3_nothink in their own tool formats, the other eight in its `default` one.
 
 
 def bundled_chat_templates() -> list[str]:
