@@ -7,8 +7,9 @@ LLaMA-Factory in a venv of its own, beside this environment's packages:
   # its import wants torchaudio (for audio data only): an empty module stands in where no wheel fits torch
   mkdir -p /tmp/lfvenv/lib/python3.11/site-packages/torchaudio && touch $_/__init__.py
   /tmp/lfvenv/bin/python bench/lf_templates.py > bench/results/lf_templates.txt
-Rows with tool calls, observations and a tools list (TOOL_CONVS) are compared as well; a template
-zerofit renders no tool turns under shows as "zerofit RowError" (refused, naming the template).
+Rows with tool calls, observations and a tools list (TOOL_CONVS) are compared as well: every bundled
+template renders them (llama3, mistral, qwen, qwen3_nothink in their own tool formats, the other eight in
+LLaMA-Factory's `default` one); a row zerofit refuses shows as "zerofit RowError" with its reason.
 The summary at the end says per tokenizer and template: identical, or what differs."""
 import copy
 import json
@@ -123,6 +124,20 @@ TOOL_CONVS = {
                                   (O, "sunny"), (A, "Both sunny.")], [WEATHER_TOOL]),
     "tool call, no tools list": (None, [(U, "Weather in Paris?"), (F, [CALL]), (O, "sunny"), (A, "It is sunny.")],
                                  None),
+    # the default tool prompt's branches (required, enum, items, descriptions, a tool without arguments),
+    # calls in two exchanges, non-ASCII text and arguments
+    "two tools, a call in each of two exchanges": (
+        "Sé breve.", [(U, "Météo à Zürich?"), (F, [{"name": "get_weather", "arguments": {"city": "Zürich",
+                                                                                         "days": [1, 2]}}]),
+                      (O, "sonnig"), (A, "Sonnig."), (U, "Und die Zeit?"), (F, [{"name": "get_time", "arguments": {}}]),
+                      (O, "12:00"), (A, "Mittag.")],
+        [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "description": "The city"},
+                                             "unit": {"type": "string", "enum": ["C", "F"]},
+                                             "days": {"type": "array", "items": {"type": "integer"},
+                                                      "description": "Days ahead"}},
+            "required": ["city", "days"]}}},
+         {"name": "get_time", "description": "Time now", "parameters": {"type": "object", "properties": {}}}]),
 }
 
 ALL_CONVS = {**{c: (system, turns, None) for c, (system, turns) in CONVS.items()}, **TOOL_CONVS}
