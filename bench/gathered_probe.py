@@ -1,7 +1,7 @@
 """What DeepSpeed keeps gathered, module by module, against the planner's replay of it.
 
 The planner replays ZeRO-3's parameter coordinator over the model's module trace
-(zerofit/zerostates.gathered_numel) to say how many parameter elements are gathered on the
+(zerofit/zerotrace.gathered_numel) to say how many parameter elements are gathered on the
 GPU at each moment of a step. This runs a real `zerofit train` (planner_accuracy.py's cell
 configuration) with DeepSpeed's PartitionedParameterCoordinator wrapped: after every
 fetch_sub_module and release_sub_module of every hooked module (parameterless ones too: each
@@ -84,7 +84,7 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
 def replay(seq_len: int, work: Path) -> dict:
     """The planner's replay for the candidate the run chose (read back from plan.json), on the
     model the run trained (its config.yaml: the peft model with lora.enabled)."""
-    from zerofit import modelspec, zerostates
+    from zerofit import modelspec, zerotrace
     from zerofit.activations import nvme_parameters
     from zerofit.configfile import load
     from zerofit.planner import Candidate, Shape
@@ -93,8 +93,8 @@ def replay(seq_len: int, work: Path) -> dict:
     cand = Candidate(**plan["candidate"])
     spec = modelspec.from_config(load(work / "run" / "config.yaml"))
     nvme = nvme_parameters(spec, Shape(seq_len=seq_len, micro_batch=1, world_size=1), cand)
-    trace, n_forward, numel = zerostates.zero3_trace(spec, True, cand.param_persistence_threshold)
-    result = zerostates.gathered_numel(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
+    trace, n_forward, numel = zerotrace.zero3_trace(spec, True, cand.param_persistence_threshold)
+    result = zerotrace.gathered_numel(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
                                        cand.max_reuse_distance, cand.param_persistence_threshold,
                                        cand.reduce_bucket_size, nvme)
     return {"candidate": plan["candidate"], "trace": [list(t) for t in trace], "n_forward": n_forward,

@@ -1,4 +1,4 @@
-"""The planner's replay of ZeRO-3's parameter coordinator (zerostates.gathered_timeline)
+"""The planner's replay of ZeRO-3's parameter coordinator (zerotrace.gathered_timeline)
 against what DeepSpeed really keeps gathered: bench/gathered_probe.py wraps the
 coordinator's fetch and release calls in a real `zerofit train` and records the parameter
 elements gathered after each."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zerofit import hookorder, modelspec, zerostates
+from zerofit import hookorder, modelspec, zerostates, zerotrace
 from zerofit.activations import nvme_parameters
 from zerofit.planner import Candidate, Shape
 
@@ -35,7 +35,7 @@ def replayed(record: dict, events=None) -> tuple[modelspec.ModelSpec, Candidate,
     if events is not None:
         spec = dataclasses.replace(spec, hook_events=events)
     nvme = nvme_parameters(spec, Shape(seq_len=record["seq_len"], micro_batch=1), cand)
-    lives, after_release = zerostates.gathered_timeline(
+    lives, after_release = zerotrace.gathered_timeline(
         spec, True, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
         cand.param_persistence_threshold, nvme)
     return spec, cand, lives, after_release
@@ -43,7 +43,7 @@ def replayed(record: dict, events=None) -> tuple[modelspec.ModelSpec, Candidate,
 
 def fetches(record: dict, spec: modelspec.ModelSpec, cand: Candidate) -> list[list]:
     """The last step's fetches of modules that fetch (not all persistent), in order."""
-    fetching = {m.name for m, fetches in zip(spec.modules, zerostates.fetching_modules(
+    fetching = {m.name for m, fetches in zip(spec.modules, zerotrace.fetching_modules(
         spec, cand.param_persistence_threshold)) if fetches}
     return [e for e in record["steps"][-1] if e[0] == "fetch" and e[2] in fetching]
 
@@ -69,7 +69,7 @@ def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
 
 
 def replay_names(spec: modelspec.ModelSpec, cand: Candidate) -> list[str]:
-    return [spec.modules[i].name for i, _ in zerostates.trace_entries(spec, True, cand.param_persistence_threshold)]
+    return [spec.modules[i].name for i, _ in zerotrace.trace_entries(spec, True, cand.param_persistence_threshold)]
 
 
 @pytest.mark.parametrize("name", ["llama-0.5b-optimizer_param_cpu", "llama-1.5b-optimizer_param_cpu",
@@ -131,17 +131,17 @@ def test_hook_order_is_taken_from_a_narrowed_run_of_the_architecture():
     assert mlp == ["gate_proj", "act_fn", "up_proj", "down_proj"]
     assert len(recompute) == 16 * len([n for n in forward if n.startswith("model.layers.3.")])
     tree = dataclasses.replace(spec, hook_events=None)
-    assert sum(zerostates.fetch_calls(spec, True, 20480)) == len(spec.hook_events)
-    assert zerostates.fetch_calls(tree, True, 20480) != zerostates.fetch_calls(spec, True, 20480)
+    assert sum(zerotrace.fetch_calls(spec, True, 20480)) == len(spec.hook_events)
+    assert zerotrace.fetch_calls(tree, True, 20480) != zerotrace.fetch_calls(spec, True, 20480)
     no_recompute = [kind for kind, _ in spec.hook_events if kind != "recompute"]
-    assert sum(zerostates.fetch_calls(spec, False, 20480)) == len(no_recompute)
+    assert sum(zerotrace.fetch_calls(spec, False, 20480)) == len(no_recompute)
 
     from transformers import AutoConfig
 
     assert hookorder.hook_events(AutoConfig.for_model("llama", num_hidden_layers=2, hidden_act="no-such-act")) is None
     olmo2 = modelspec.from_hf_config(AutoConfig.for_model("olmo2", num_hidden_layers=2))  # norms after the projections
     assert olmo2.hook_events is not None
-    assert zerostates.fetch_calls(olmo2, True, 0) == zerostates.fetch_calls(
+    assert zerotrace.fetch_calls(olmo2, True, 0) == zerotrace.fetch_calls(
         dataclasses.replace(olmo2, hook_events=None), True, 0)
 
 
@@ -174,7 +174,7 @@ def test_a_lora_base_gathered_in_a_recompute_is_released_when_the_recompute_ends
 
     def off_by(spec) -> float:
         measured = [e[3] for e in fetches(record, spec, cand)]
-        lives, _ = zerostates.gathered_timeline(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
+        lives, _ = zerotrace.gathered_timeline(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
                                                 cand.max_reuse_distance, cand.param_persistence_threshold)
         assert len(lives) == len(measured) == 916
         return max(abs(replayed - seen) / seen for replayed, seen in zip(lives, measured))

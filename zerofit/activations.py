@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from zerofit import loss
 from zerofit.modelspec import ModelSpec
 from zerofit.swaplayout import Aio, min_swap_bytes
-from zerofit.zerostates import Gathered, gathered_numel, nvme_resident, optimizer_step_device, partition_numel
+from zerofit.zerostates import nvme_resident, optimizer_step_device, partition_numel
+from zerofit.zerotrace import Gathered, gathered_numel
 
 if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape

@@ -23,7 +23,8 @@ from zerofit.memory import human_bytes
 from zerofit.modelspec import ModelSpec
 from zerofit.planner import Candidate, Plan, Shape, predict, zero_default
 from zerofit.swaplayout import bandwidth_to_hide
-from zerofit.zerostates import DEEPSPEED_LIVE_WINDOW, largest_partition_numel, param_buffer_numel, swap_layout
+from zerofit.zerostates import largest_partition_numel, param_buffer_numel, swap_layout
+from zerofit.zerotrace import DEEPSPEED_LIVE_WINDOW
 
 PARTIAL_OFFLOAD_RATIOS = (1.0, 0.75, 0.5, 0.25)
 # Reduce-bucket sizes tried beside HF's hidden^2 when the user set none, in elements: zerofit's

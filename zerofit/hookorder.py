@@ -5,7 +5,7 @@ forward pre-hook and at every module's pre-backward, parameterless modules inclu
 (runtime/zero/parameter_offload.py: `_pre_forward_module_hook`; `_pre_backward_module_hook`
 wraps each output tensor in an autograd function whose backward fetches, counted per module
 by `applied_pre_backward_ref_cnt`). How many such calls fall between two fetches decides how
-far the prefetch window runs ahead (zerostates.gathered_timeline).
+far the prefetch window runs ahead (zerotrace.gathered_timeline).
 
 The order is the architecture's own: a Llama decoder layer registers self_attn before
 input_layernorm and runs it after; its MLP runs act_fn between gate_proj and up_proj; the

@@ -33,7 +33,7 @@ class ModuleSize:
     layer: int | None    # decoder block index, None outside the blocks
     params: tuple[str, ...] = ()   # names of those parameters (a tied lm_head names the embedding)
     # Modules without parameters just before it (containers, activations): ZeRO-3 hooks them
-    # too, and each of their fetch calls prefetches (zerostates.gathered_numel).
+    # too, and each of their fetch calls prefetches (zerotrace.gathered_numel).
     hooked_before: int = 0
 
 

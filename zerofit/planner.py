@@ -22,7 +22,8 @@ from zerofit.hardware import Hardware
 from zerofit.modelspec import ModelSpec
 from zerofit.swaplayout import Aio, nvme_seconds
 from zerofit.zerostates import (PARAM_MAX_IN_CPU, engine_start_host, model_states, optimizer_groups, optimizer_step_host,
-                                partition_numel, swap_layout, zero3_trace)
+                                partition_numel, swap_layout)
+from zerofit.zerotrace import zero3_trace
 
 GIB = 2**30
 # Process RSS before any model state: python, torch, transformers, deepspeed and its
