@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from zerofit import hardware, modelspec, planner  # noqa: E402 (after the path above)
+from zerofit import hardware, modelspec, steptime  # noqa: E402 (after the path above)
 from zerofit.planner import Candidate, Shape  # noqa: E402
 from speed_bench import stock_candidate, under_warmup_rule  # noqa: E402 (LLaMA-Factory's config in the planner's terms; the bench's steady step)
 
@@ -65,10 +65,10 @@ class MeasuredStep:
     candidate: Candidate
     hw: hardware.Hardware
     seconds: float
-    work: dict = field(init=False, compare=False)  # planner.step_work's, whatever the rates
+    work: dict = field(init=False, compare=False)  # steptime.step_work's, whatever the rates
 
     def __post_init__(self):
-        object.__setattr__(self, "work", planner.step_work(self.spec, self.shape, self.candidate))
+        object.__setattr__(self, "work", steptime.step_work(self.spec, self.shape, self.candidate))
 
 
 def h200_host(cores: int, nvme_rates: tuple[float, float] | None = None) -> hardware.Hardware:
@@ -139,7 +139,7 @@ def measured_steps() -> list[MeasuredStep]:
 
 
 def predicted(step: MeasuredStep, rates: hardware.StepRates = hardware.STEP_RATES) -> float:
-    return planner.step_seconds(planner.step_time_terms(step.spec, step.hw, step.shape, step.candidate, rates,
+    return steptime.step_seconds(steptime.step_time_terms(step.spec, step.hw, step.shape, step.candidate, rates,
                                                         work=step.work))
 
 

@@ -23,7 +23,7 @@ runs' recorded steps), steady tokens/s, GPU peak (max_memory_allocated / reserve
 parent), the planner's predicted step seconds and terms for that config, and its roofline:
 the bound is max(FLOPs / measured bf16 matmul rate, PCIe bytes / measured pinned rate,
 CPU-Adam elements x measured DeepSpeedCPUAdam seconds per element) with FLOPs, bytes and
-elements from planner.step_work; roofline_fraction = bound / measured step seconds.
+elements from steptime.step_work; roofline_fraction = bound / measured step seconds.
 The rates are measured in the same command, first (roofline worker).
 
 Deadlines: every config has its own, and the whole command stops at --deadline-s (default
@@ -619,7 +619,8 @@ def lever_summary(name: str, record: dict) -> dict:
 def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:
     """A measured config's record: the run's outcome, the planner's prediction for it, the
     step's work and its roofline at the measured rates."""
-    from zerofit.planner import Shape, step_seconds, step_time_terms, step_work
+    from zerofit.planner import Shape
+    from zerofit.steptime import step_seconds, step_time_terms, step_work
 
     entry.update({k: v for k, v in result.items() if k != "dir"})
     shape = Shape(seq_len=case["seq_len"], micro_batch=entry["micro_batch"],

@@ -5,7 +5,7 @@ import pytest
 from conftest import bench_module
 from test_planner import cuda_box
 
-from zerofit import hardware, modelspec, planner
+from zerofit import hardware, modelspec, planner, steptime
 from zerofit.planner import Candidate, Shape
 
 cost_fit = bench_module("cost_fit")
@@ -54,6 +54,6 @@ def test_the_boundary_is_paid_once_per_step_and_the_gradients_overlap_the_backwa
 def test_cpu_adam_scales_with_the_square_root_of_the_cores():
     spec15 = modelspec.from_name("llama-1.5b")
     shape, cand = Shape(seq_len=1024, micro_batch=2), Candidate(offload_optimizer="cpu", offload_param="cpu")
-    on16, on32 = (planner.step_time_terms(spec15, cuda_box(cores=c), shape, cand)["cpu_adam"] for c in (16, 32))
+    on16, on32 = (steptime.step_time_terms(spec15, cuda_box(cores=c), shape, cand)["cpu_adam"] for c in (16, 32))
     assert on16 == pytest.approx(spec15.total_params * hardware.CPU_ADAM_SECONDS_PER_PARAM, rel=1e-3)
     assert on16 / on32 == pytest.approx(2 ** 0.5, rel=1e-3)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from zerofit import activations, choice, hardware, modelspec, planner, zerostates
+from zerofit import activations, choice, hardware, modelspec, planner, steptime, zerostates
 from zerofit.configfile import validate
 from zerofit.memory import human_bytes
 from zerofit.planner import Candidate, Shape
@@ -440,7 +440,7 @@ def test_plan_json_has_the_documented_keys():
         assert out["devices"][device]["total_bytes"] == sum(out["devices"][device]["components"].values())
     assert "gpu" in out["save_peak"] and "host" in out["first_step_after_save_peak"]
     assert '"auto"' not in str(out["deepspeed_config"]) and out["deepspeed_config"]["zero_optimization"]["stage"] == 3
-    assert out["estimated_step_seconds"] == planner.step_seconds(out["step_terms"]) > 0
+    assert out["estimated_step_seconds"] == steptime.step_seconds(out["step_terms"]) > 0
 
 
 def test_the_plan_line_train_says_names_what_runs_and_who_chose_it():

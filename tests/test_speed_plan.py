@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from test_planner import config, cpu_box, cuda_box
 
-from zerofit import choice, dsconfig, hardware, modelspec, planner, zerostates
+from zerofit import choice, dsconfig, hardware, modelspec, planner, steptime, zerostates
 from zerofit.planner import Candidate, Shape
 
 LLAMA_1_5B_EMBEDDING = 128256 * 2048  # the largest parameter of llama-1.5b (embedding = lm_head)
@@ -33,7 +33,7 @@ def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
     assert before.devices["gpu"].total_bytes == decision.plan.devices["gpu"].total_bytes
     assert before.step_terms["zero3_hooks"] > decision.plan.step_terms["zero3_hooks"]
     assert before.step_seconds > decision.plan.step_seconds
-    work = planner.step_work(spec, decision.plan.shape, decision.plan.candidate)
+    work = steptime.step_work(spec, decision.plan.shape, decision.plan.candidate)
     assert work["fetch_visits"] == 0 and work["idle_visits"] > 0
 
 
@@ -52,7 +52,7 @@ def test_step_work_counts_flops_pcie_bytes_and_adam_elements():
     spec = modelspec.from_name("llama-1.5b")
     n, t = spec.total_params, 2 * 1024
     stock = Candidate(offload_optimizer="cpu", offload_param="cpu")
-    work = planner.step_work(spec, Shape(seq_len=1024, micro_batch=2, grad_accum=8), stock)
+    work = steptime.step_work(spec, Shape(seq_len=1024, micro_batch=2, grad_accum=8), stock)
     attention = 12 * spec.num_layers * spec.hidden_size * 1024
     assert work["flops"] == 8 * (8 * n + attention) * t  # 6N + recompute 2N, per token, 8 micro batches
     assert work["pcie_param_bytes"] == 8 * 3 * 2 * n     # forward, recompute, backward fetches
@@ -62,7 +62,7 @@ def test_step_work_counts_flops_pcie_bytes_and_adam_elements():
     assert work["boundary_grad_bytes"] == 4 * n
     assert work["copy_back_bytes"] == 0
     assert work["adam_host_params"] == n and work["adam_device_params"] == 0
-    on_gpu = planner.step_work(spec, Shape(seq_len=1024, micro_batch=2, grad_accum=8),
+    on_gpu = steptime.step_work(spec, Shape(seq_len=1024, micro_batch=2, grad_accum=8),
                                replace(stock, offload_param="none"))
     assert on_gpu["pcie_param_bytes"] == 0 and on_gpu["pcie_grad_bytes"] == work["pcie_grad_bytes"]
     assert on_gpu["copy_back_bytes"] == 2 * n  # to the GPU after the step
@@ -101,17 +101,17 @@ def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():
     spec = modelspec.from_name("llama-3.6b")
     shape = Shape(seq_len=1024, micro_batch=16, gradient_checkpointing=True)
     partial = Candidate(offload_optimizer="cpu", offload_optimizer_ratio=0.75, offload_param="cpu")
-    work = planner.step_work(spec, shape, partial)
+    work = steptime.step_work(spec, shape, partial)
     assert work["adam_device_params"] > 0.2 * spec.total_params
     assert work["copy_out_bytes"] == 4 * work["adam_device_params"] and work["copy_back_bytes"] == 0
     hw, whole = cuda_box("40GiB"), replace(partial, offload_optimizer_ratio=1.0)
-    terms = planner.step_time_terms(spec, hw, shape, partial, work=work)
+    terms = steptime.step_time_terms(spec, hw, shape, partial, work=work)
     assert terms["param_copy_out"] == pytest.approx(work["copy_out_bytes"] / hardware.COPY_OUT_BYTES_PER_S, rel=1e-3)
     # measured 6.07 s against 2.66 s for the whole optimizer on the CPU (speed-3.6b-40-run1.json)
-    assert planner.step_seconds(terms) > 1.5 * planner.step_seconds(planner.step_time_terms(spec, hw, shape, whole))
+    assert steptime.step_seconds(terms) > 1.5 * steptime.step_seconds(steptime.step_time_terms(spec, hw, shape, whole))
     assert any("zero.offload_optimizer_ratio unset" in n for n in planner.predict(spec, hw, shape, partial).notes)
     assert not any("ratio unset" in n for n in planner.predict(spec, hw, shape, whole).notes)
-    on_gpu = planner.step_work(spec, shape, replace(partial, offload_param="none"))
+    on_gpu = steptime.step_work(spec, shape, replace(partial, offload_param="none"))
     assert on_gpu["copy_out_bytes"] == 0 and on_gpu["copy_back_bytes"] == 2 * on_gpu["adam_host_params"]
 
 
@@ -222,7 +222,7 @@ def test_a_step_the_cpu_optimizer_dominates_says_so_and_what_amortises_it():
     spec = modelspec.from_name("llama-3.6b")
     hw = cuda_box("24GiB", host="120GiB")
     small = choice.decide(batch16(), spec, hw, 1).plan
-    optimizer_step = sum(small.step_terms.get(k, 0) for k in planner.OPTIMIZER_STEP_TERMS)
+    optimizer_step = sum(small.step_terms.get(k, 0) for k in steptime.OPTIMIZER_STEP_TERMS)
     assert optimizer_step > small.step_seconds / 3  # grad_boundary + cpu_adam: 1.6 of 2.8 s
     note = next(n for n in small.notes if "the optimizer's" in n)
     assert f"{optimizer_step:.1f} s of the {small.step_seconds:.1f} s step" in note

@@ -196,7 +196,7 @@ def live_windows(base: Candidate, spec: ModelSpec, zero_set: set[str], device: s
     forward fetched until backward reuses it. With the GPU short, the planner may narrow it
     to the largest module (nothing kept for reuse): on llama-3.6b at micro 1 the gathered set
     drops from 1.9 to 0.75 GiB. Parameters are then fetched again for recompute and backward,
-    which the cost model counts in any case (planner.step_work: 3 passes with recompute).
+    which the cost model counts in any case (steptime.step_work: 3 passes with recompute).
 
     Parameters on NVMe are released at once (reuse distance 0): each one swapped in holds one
     of offload_param's 5 swap buffers until released, and with DeepSpeed's reuse distance

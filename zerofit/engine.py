@@ -54,7 +54,7 @@ def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, o
                          under_torchrun: bool, writer_core: bool = False) -> tuple[int, str | None]:
     """Threads for one rank's CPU work (torch's pool, DeepSpeedCPUAdam's OpenMP loop) and,
     when zerofit overrides the environment, a line saying so. Default: the cores this
-    process may run on, shared by the ranks of the node (what planner.step_time_terms
+    process may run on, shared by the ranks of the node (what steptime.step_time_terms
     assumes). torchrun sets OMP_NUM_THREADS=1 whenever it starts more than one rank
     (torch/distributed/run.py), which leaves the CPU optimizer one core per rank: measured on
     2 x H200, 3.6B with the optimizer on the CPU ran slower on 2 GPUs than on 1

@@ -55,7 +55,7 @@ NVLINK_BYTES_PER_S = 0.5 * 450e9
 
 @dataclass(frozen=True)
 class StepRates:
-    """The cost model's fitted constants (planner.step_time_terms, planner.step_seconds).
+    """The cost model's fitted constants (steptime.step_time_terms, steptime.step_seconds).
 
     Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
     machine (36 steps: 0.5B, 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per
@@ -176,6 +176,12 @@ def host_mem_beyond_reach(hw: Hardware) -> str | None:
 
 def with_overrides(hw: Hardware, **changes) -> Hardware:
     return replace(hw, **changes)
+
+
+def ranks_on_this_node(hw: Hardware, world_size: int) -> int:
+    """Ranks sharing this host's RAM and cores: one per GPU here; all of them on the CPU
+    accelerator or when the GPU count is unknown (planned from elsewhere)."""
+    return min(world_size, hw.gpu_count) if hw.on_gpu and hw.gpu_count else world_size
 
 
 def _probe_gpu() -> tuple[str, int, int, int] | None:

@@ -18,11 +18,11 @@ from zerofit.choice import Decision
 from zerofit.checkpoint import write_atomic
 from zerofit.config import Config, ConfigError
 from zerofit.loadpeak import LOADING
-from zerofit.hardware import Hardware
+from zerofit.hardware import Hardware, ranks_on_this_node
 from zerofit.memory import human_bytes, human_count, parse_bytes
 from zerofit.progress import warn
 from zerofit.modelspec import ModelSpec
-from zerofit.planner import DATASETS_LIBRARY_BYTES, Device, data_load_devices, ranks_on_this_node
+from zerofit.planner import DATASETS_LIBRARY_BYTES, Device, data_load_devices
 
 
 def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
@@ -82,7 +82,7 @@ def nvme_summary(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict | No
     plan, config = decision.plan, decision.config
     if plan.candidate.offload_optimizer != "nvme":
         return None
-    from zerofit.planner import nvme_rates
+    from zerofit.steptime import nvme_rates
     from zerofit.swaplayout import bandwidth_to_hide
     from zerofit.zerostates import swap_layout
 
@@ -182,10 +182,10 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
 
 
 def render_explain(decision: Decision, console: Console) -> None:
-    from zerofit.planner import step_seconds, step_time_terms
+    from zerofit.steptime import step_seconds, step_time_terms
 
     for function in (step_time_terms, step_seconds):
-        console.print(f"[bold]{function.__name__}[/] (planner.{function.__name__}):")
+        console.print(f"[bold]{function.__name__}[/] (steptime.{function.__name__}):")
         for line in (function.__doc__ or "").splitlines():
             if line.strip():
                 console.print(f"  {line.strip()}")
