@@ -16,7 +16,8 @@ from zerofit import elastic, engine, peerwatch
 from zerofit.configfile import load, validate
 from zerofit.doctor import diagnose
 from zerofit.findings import RunFacts
-from zerofit.postmortem import OomEvent, parse_requested_bytes, retry_line, would_fit
+from zerofit.oomreport import retry_line
+from zerofit.postmortem import OomEvent, parse_requested_bytes, would_fit
 
 WIDE = {"COLUMNS": "400"}  # rich wraps at 80 columns off a terminal; these tests read whole lines
 OOM_AT_5 = {"ZEROFIT_FAULT": "oom@step:5", **WIDE}
@@ -102,7 +103,7 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
         "the run resumed afterwards with train.micro_batch_size 4 -> 2, train.grad_accum_steps 1 -> 2")
     assert oom.fix[0].startswith("halve train.micro_batch_size (4 -> 2)")
     # and its post-mortem no longer asks for the retry that has run
-    from zerofit.postmortem import explanation
+    from zerofit.oomreport import explanation
 
     said = explanation(diagnose(run).postmortem)
     assert "retry: the run started again after this OOM" in said and "retry-config.yaml" not in said

@@ -20,6 +20,7 @@ from zerofit.findings import Finding, RunFacts, detect, facts_from
 from zerofit.loadpeak import LOADING
 from zerofit.rankfindings import across_ranks, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
+from zerofit.oomreport import rank_files
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
 
@@ -196,8 +197,6 @@ def resumed_after(records: list[dict], oom_step: int | None) -> bool:
 def newest_postmortem(run_dir: Path) -> dict | None:
     """The newest post-mortem report of any rank (postmortem/report.json is rank 0's,
     postmortem/rankN/ rank N's): with several ranks the one that ran out of memory may be any."""
-    from zerofit.postmortem import rank_files  # postmortem imports this module
-
     found = rank_files(run_dir, "report.json")
     return read_json(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
@@ -208,7 +207,6 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
     has dropped the steps it rolled back, so the last record before the kill moved to the save
     it resumed from: "killed 12.5 s after step 10, save" for a kill at step 12)."""
     from zerofit.lastword import RECORD
-    from zerofit.postmortem import rank_files  # postmortem imports this module
 
     found = []
     for path in rank_files(run_dir, RECORD):

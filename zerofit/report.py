@@ -11,6 +11,7 @@ from pathlib import Path
 
 from zerofit.findings import gib
 from zerofit.loadpeak import LOADING
+from zerofit.oomreport import directory_of, explanation
 from zerofit.progress import counted
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
@@ -349,8 +350,6 @@ def plan_html(diagnosis) -> str:
 def postmortem_html(report: dict | None) -> str:
     if not report:
         return "<p>No out-of-memory error in this run.</p>"
-    from zerofit.postmortem import directory_of, explanation
-
     event = report["event"]
     snapshot = event.get("snapshot") or "none:"
     changes = "".join(f"<li><code>{esc(c)}</code></li>" for c in report["changes"]) or "<li>none left to try</li>"
@@ -434,8 +433,6 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
     for note in diagnosis.notes:  # also without a plan: the note that there is none
         console.print(f"[dim]note: {escape(note)}[/]")
     if diagnosis.postmortem:
-        from zerofit.postmortem import explanation
-
         console.print("[bold red]out-of-memory post-mortem[/]")
         console.print(explanation(diagnosis.postmortem), markup=False)
     console.print(f"report: {html_path}")

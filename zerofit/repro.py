@@ -14,6 +14,7 @@ from pathlib import Path
 from zerofit.config import ConfigError
 from zerofit.doctor import HF_RUN_FILE, diagnose, read_json, read_yaml, write_out
 from zerofit.memory import read_timeline
+from zerofit.oomreport import headline
 
 TEMPLATE = '''#!/usr/bin/env python
 """Memory reproduction written by `zerofit doctor --repro` on {date}
@@ -199,8 +200,6 @@ def observed(run_dir: Path) -> str:
         return "No memory timeline was recorded."
     lines = ["What zerofit doctor saw:"] + [f"  - {f.severity}: {f.title}" for f in diagnosis.findings[:6]]
     if diagnosis.postmortem:
-        from zerofit.postmortem import headline
-
         lines.append(f"  - {headline(diagnosis.postmortem['event'])}; DS_CONFIG is the one the run had last "
                      f"(a retry's safer settings, if it retried: postmortem/report.json holds the one that failed)")
     return "\n".join(lines) if len(lines) > 1 else "zerofit doctor found nothing unusual."

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, checkpoint, checkpointer, data, datafiles, dsconfig, elastic, engine, faults, hostalloc,
-                     lastword, lora, loss, memory, models, nvme, peerwatch, planview, postmortem, runfiles, runlock,
-                     tokenizing, watchdog)
+                     lastword, lora, loss, memory, models, nvme, oomreport, peerwatch, planview, postmortem, runfiles,
+                     runlock, tokenizing, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, counted, say, warn
 from zerofit.resume import (changed_on_resume, choose_resume, refuse_resume_without_checkpoint, resume_command,
@@ -39,7 +39,7 @@ def train(config: Config, resume: bool | None = None) -> RunResult:
     when the run dir holds a valid checkpoint. An OOM writes RUN_DIR/postmortem/ and
     stops (exit 1), or retries with safer settings (memory.on_oom)."""
     rank = int(os.environ.get("RANK", "0"))  # the process group is not up yet
-    last_word = postmortem.directory_of(Path(config.run_dir), rank) / lastword.RECORD
+    last_word = oomreport.directory_of(Path(config.run_dir), rank) / lastword.RECORD
     with peerwatch.sigterm_ends_by_way_of_python(), \
             peerwatch.failure_announced(last_word, rank):  # the other ranks' watchers then leave at once
         return postmortem.run_with_oom_policy(run, config, resume)
