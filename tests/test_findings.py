@@ -2,7 +2,8 @@
 and nothing found on a healthy run."""
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.findings import RunFacts, detect, facts_from, fragmentation
+from zerofit.detectors import detect, fragmentation
+from zerofit.findings import RunFacts, facts_from
 from zerofit.fixes import phase_advice
 from zerofit.rankfindings import across_ranks
 from zerofit.memory import effective_records
@@ -233,7 +234,7 @@ def test_a_cpu_optimizer_on_one_thread_is_flagged():
 def test_oom_with_the_space_in_pieces_is_called_fragmentation():
     """The H200's headline without expandable segments (bench/results/oom_retry-3.6b-headline.json):
     1.86 GiB asked with 2.36 allocated and 3.68 reserved under 5.3 GiB."""
-    from zerofit.findings import events
+    from zerofit.detectors import events
 
     oom = {"step": 1, "phase": "oom", "device": "gpu", "failed_phase": "backward", "requested_bytes": int(1.86 * GiB),
            "gpu_alloc": int(2.36 * GiB), "gpu_reserved": int(3.68 * GiB)}

@@ -182,7 +182,7 @@ def zero3_trainer_run(tmp_path, *flags) -> dict:
 def test_parameters_an_eval_left_gathered_are_partitioned_before_the_next_step(tmp_path):
     """HF Trainer does not partition what ZeRO-3 keeps gathered after an eval's forward (no
     backward follows), and the first training step after it gathers its window on top (on the
-    H200: findings.after_eval_spike). MemoryGuardCallback partitions them after each eval batch."""
+    H200: detectors.after_eval_spike). MemoryGuardCallback partitions them after each eval batch."""
     released = zero3_trainer_run(tmp_path)
     assert released["eval_steps"] == [3, 6] and released["released"] == [True, True]
     assert set(released["gathered_at_step_begin"].values()) == {0}  # step 4 opens after the eval at 3

@@ -16,7 +16,8 @@ import yaml
 
 from zerofit import checkpoint, runlock
 from zerofit.config import ConfigError
-from zerofit.findings import Finding, RunFacts, detect, facts_from
+from zerofit.detectors import detect
+from zerofit.findings import Finding, RunFacts, facts_from
 from zerofit.loadpeak import LOADING
 from zerofit.rankfindings import across_ranks, killed_outright, rank_imbalance
 from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks

@@ -2,7 +2,7 @@
 timeline, a post-save residue check, cache release after each save, and the watchdog,
 so that `zerofit doctor OUTPUT_DIR` explains the run; under ZeRO-3 it also partitions the
 parameters each eval batch leaves gathered (HF Trainer does not: the first training step after
-an eval gathers its window on top of them; findings.after_eval_spike).
+an eval gathers its window on top of them; detectors.after_eval_spike).
 
     from zerofit.hf import MemoryGuardCallback
     trainer = Trainer(..., callbacks=[MemoryGuardCallback()])

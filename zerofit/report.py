@@ -1,6 +1,6 @@
 """Rendering for `zerofit doctor`: a self-contained report.html (matplotlib PNGs embedded as
 base64, inline CSS, no scripts, nothing fetched) and a terminal summary (rich). Only
-presentation here; doctor.py and findings.py decide what is said."""
+presentation here; doctor.py and the detectors (detectors.py) decide what is said."""
 from __future__ import annotations
 
 import base64

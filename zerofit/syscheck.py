@@ -83,7 +83,7 @@ def check_host_ram() -> Check:
 
 def check_cpu_cores(enough: int = 4) -> Check:
     """The cores CPU-Adam and the tokenizing workers get: the affinity, within a cgroup quota.
-    Under `enough` an offloaded optimizer step is bound by them (findings.starved_cpu_optimizer)."""
+    Under `enough` an offloaded optimizer step is bound by them (detectors.starved_cpu_optimizer)."""
     cores, machine = hardware.cpu_cores(), os.cpu_count() or 1
     quota = cgroup.cpu_quota(cgroup.group_dirs("cpu"))
     detail = f"{cores} for this process of {machine} on the machine" + (
