@@ -157,15 +157,15 @@ def test_inference_and_planning_numbers_are_checked_as_usage(capsys):
     """--temperature 0 asks for greedy decoding (as most tools read it); numbers no run can take
     (a negative temperature, no new tokens, zero ranks) are usage errors naming the flag, exit 2,
     not a traceback from transformers or the planner."""
-    from zerofit import cli
+    from zerofit import cli, verbs
 
     parser = cli.build_parser()
-    assert cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0"])).greedy
-    sampled = cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0.7"]))
+    assert verbs.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0"])).greedy
+    sampled = verbs.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0.7"]))
     assert not sampled.greedy and sampled.temperature == 0.7
     # 0 stays greedy beside --top-k / --top-p (it was read as unset there: top-k sampled at temperature 1)
-    zero_with_top_k = cli.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0",
-                                                           "--top-k", "50", "--top-p", "0.9"]))
+    zero_with_top_k = verbs.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0",
+                                                             "--top-k", "50", "--top-p", "0.9"]))
     assert zero_with_top_k.greedy and zero_with_top_k.generate_kwargs()["do_sample"] is False
     for argv, said in ((["generate", "m", "--prompt", "p", "--temperature", "-1"], "--temperature: -1 is below 0.0"),
                        (["generate", "m", "--prompt", "p", "--top-p", "2"], "--top-p: 2 is not in (0, 1]"),

@@ -53,7 +53,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     threads_note = engine.apply_cpu_threads(config)
     dist = engine.init_distributed()
     # the other ranks' after rank 0's (it joined the group first): one that made the directory while rank 0
-    # looked whether it was there left it behind when the start failed (cli.cmd_train removes what it made)
+    # looked whether it was there left it behind when the start failed (verbs.cmd_train removes what it made)
     runfiles.usable_run_dir(run_dir)
     engine.check_precision(config.train.precision, dist.on_gpu)
     peerwatch.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
