@@ -65,7 +65,8 @@ def test_the_host_plan_compared_is_the_highest_the_run_went_through(clean_run):
     planned for the save, 2.12 for training; the save measured 2.98): the doctor compared the
     measured peak, the save's, with training's plan alone (-29%). A run that never saved is
     compared without it."""
-    from zerofit.doctor import plan_vs_measured, rank_timelines
+    from zerofit.doctor import rank_timelines
+    from zerofit.measured import plan_vs_measured
 
     run, _, _ = clean_run
     plan = json.loads((run / "plan.json").read_text())
@@ -494,7 +495,7 @@ def test_an_async_save_resumed_from_counts_as_published():
     """An async save of step 4 is published (checkpoint_written) at step 5; a kill at step 6 and
     a resume from step-000004 dropped that record with step 5's, and the summary called the
     checkpoint it resumed from unfinished."""
-    from zerofit.doctor import save_outcomes
+    from zerofit.measured import save_outcomes
     from zerofit.memory import effective_records
 
     def saved(step, phase, name):

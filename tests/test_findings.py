@@ -191,7 +191,7 @@ def test_resume_drops_rolled_back_records_but_keeps_events():
 
 
 def test_findings_across_ranks_name_the_ranks_that_show_them():
-    from zerofit.doctor import rank_peaks
+    from zerofit.measured import rank_peaks
     from zerofit.rankfindings import rank_imbalance
 
     per_rank = {0: synthetic_run(residue_per_save=GiB), 1: synthetic_run(residue_per_save=GiB, leak_per_step=256 * MiB)}

@@ -36,10 +36,11 @@ from pathlib import Path
 from zerofit import checkpoint, elastic, faults
 from zerofit.config import Config, ConfigError
 from zerofit.configfile import dump_yaml, set_dotted, validate
-from zerofit.doctor import newest_checkpoint_bytes, plan_vs_measured, read_json
+from zerofit.doctor import newest_checkpoint_bytes, read_json
 from zerofit.engine import allocator_setting, release as release_engine
 from zerofit.detectors import detect, fragmented_request
 from zerofit.findings import RunFacts, facts_from
+from zerofit.measured import plan_vs_measured
 from zerofit.memory import effective_records, gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.oomreport import MAX_RETRIES, directory_of, explanation, render_markdown, retry_message, why_not_retried
 from zerofit.progress import say, warn

@@ -32,7 +32,7 @@ def across_ranks(per_rank: dict[int, list[Finding]]) -> list[Finding]:
 
 
 def rank_imbalance(peaks: list[dict], facts: RunFacts, uneven: float = 0.10) -> list[Finding]:
-    """`peaks`: one row per rank with gpu_peak and host_peak (doctor.rank_peaks). ZeRO-3
+    """`peaks`: one row per rank with gpu_peak and host_peak (measured.rank_peaks). ZeRO-3
     gives every rank an equal share of the model states, so ranks of one run should peak
     alike; one peaking over `uneven` above the lowest (and by a significant amount) is
     the one that will run out first, and the planner's per-rank prediction does not cover it."""

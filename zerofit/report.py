@@ -180,8 +180,8 @@ def draw_markers(ax, records: list[dict]) -> None:
 
 def stacked(row: dict) -> list[dict]:
     """The components the plan chart stacks: the planned figure the table gives, without the
-    free space a save asks of the disk (doctor.NOT_WRITTEN), which is never written."""
-    from zerofit.doctor import NOT_WRITTEN
+    free space a save asks of the disk (measured.NOT_WRITTEN), which is never written."""
+    from zerofit.measured import NOT_WRITTEN
 
     return [c for c in row["components"] if c["name"] not in NOT_WRITTEN]
 
