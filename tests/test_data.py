@@ -513,7 +513,7 @@ def test_eval_examples_holds_out_that_many_rows_seeded(tmp_path, tokenizer, caps
     """data.eval_examples is LLaMA-Factory's integer val_size: exactly that many rows held out,
     chosen as eval_fraction chooses them; a count that leaves nothing to train is refused with
     the figures; synthetic data is held out so too; the data line names the key."""
-    from zerofit import train
+    from zerofit import datareport
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
     cfg = DataConfig(path=str(path), eval_examples=7, packing=False)
@@ -535,7 +535,7 @@ def test_eval_examples_holds_out_that_many_rows_seeded(tmp_path, tokenizer, caps
         data.load_splits(synthetic.model_copy(update={"eval_examples": 64}), tokenizer, 16, 1, 128)
     config = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1, "seq_len": 16},
                        "data": {"path": str(path), "packing": False, "eval_examples": 7}})
-    train.report_data(kept, held, config, tokenizer)
+    datareport.report_data(kept, held, config, tokenizer)
     assert "data: 93 examples, eval 7 held out (data.eval_examples 7) -> 93 train / 7 eval sequences" in \
         capsys.readouterr().err.replace("\n", " ")
 
@@ -1125,7 +1125,7 @@ def test_max_samples_cuts_before_the_eval_split_and_counts_bad_rows(tmp_path, to
 
 
 def test_the_data_line_says_what_max_samples_cut(tmp_path, tokenizer, capsys):
-    from zerofit import train
+    from zerofit import datareport
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(40)])
     held = write_jsonl(tmp_path / "e.jsonl", [{"text": f"held {i}"} for i in range(8)])
@@ -1141,7 +1141,7 @@ def test_the_data_line_says_what_max_samples_cut(tmp_path, tokenizer, capsys):
         config = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1, "seq_len": 16},
                            "data": {"path": str(path), "packing": False, **extra}})
         train_set, eval_set = data.load_splits(config.data, tokenizer, 16, 7, 4096)
-        train.report_data(train_set, eval_set, config, tokenizer)
+        datareport.report_data(train_set, eval_set, config, tokenizer)
         assert said in capsys.readouterr().err.replace("\n", " ")
 
 
@@ -1207,7 +1207,7 @@ def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, to
     assert "gamma delta" not in learned(seq_len=first_turn)  # in order, the first turn takes the room
     assert "gamma delta" in learned(seq_len=first_turn, mask_history=True)  # the last turn's first
 
-    from zerofit.train import learned_note
+    from zerofit.datareport import learned_note
     from zerofit.config import Config
 
     config = Config.model_validate({"model": {"config": "tiny"}, "train": {"max_steps": 1},
@@ -1237,14 +1237,14 @@ def test_a_column_mapped_to_null_is_not_read(tmp_path, tokenizer):
 
 
 def test_the_data_line_names_a_column_left_out_for_the_one_data_columns_names(tmp_path, tokenizer, capsys):
-    from zerofit import train
+    from zerofit import datareport
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"q {i}", "output": f"a {i}", "system": "unused",
                                                "persona": "terse"} for i in range(20)])
     config = validate({"model": {"config": "tiny"}, "train": {"max_steps": 1, "seq_len": 32},
                        "data": {"path": str(path), "columns": {"system": "persona"}}})
     train_set, eval_set = data.load_splits(config.data, tokenizer, 32, 7, 4096)
-    train.report_data(train_set, eval_set, config, tokenizer)
+    datareport.report_data(train_set, eval_set, config, tokenizer)
     assert f"not read: {path}: its system column (persona is read as system, data.columns)" in \
         capsys.readouterr().err.replace("\n", " ")
 
@@ -1637,7 +1637,7 @@ def test_an_earlier_runs_template_does_not_stay_in_the_run_directory(tmp_path, t
 
 
 def test_a_chat_template_the_rows_do_not_use_is_said(tmp_path, tokenizer, capsys):
-    from zerofit import train
+    from zerofit import datareport
 
     (tmp_path / "t.jinja").write_text(CHATML)
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"q {i}", "output": f"a {i}"} for i in range(20)])
@@ -1645,7 +1645,7 @@ def test_a_chat_template_the_rows_do_not_use_is_said(tmp_path, tokenizer, capsys
                        "train": {"max_steps": 1, "seq_len": 32},
                        "data": {"path": str(path), "alpaca_template": "alpaca"}})
     train_set, eval_set = data.load_splits(config.data, tokenizer, 32, 7, 4096)
-    train.report_data(train_set, eval_set, config, tokenizer)
+    datareport.report_data(train_set, eval_set, config, tokenizer)
     assert "model.chat_template is not what the rows are laid out by (alpaca rows in the alpaca layout)" in \
         capsys.readouterr().err.replace("\n", " ")
 

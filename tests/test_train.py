@@ -174,7 +174,7 @@ def test_the_data_line_counts_examples_and_says_where_eval_comes_from(tmp_path, 
     the eval set comes from (a default 5% hold-out surprises a LLaMA-Factory user: val_size is 0
     there); an eval_fraction beside eval_path is said to be unused; examples cut in the eval set
     are said too."""
-    from zerofit import data, train
+    from zerofit import data, datareport
     from zerofit.configfile import validate
 
     rows = [{"instruction": f"say {i} " * (1 + i % 9), "output": "ab" * (1 + i % 5)} for i in range(40)]
@@ -182,7 +182,7 @@ def test_the_data_line_counts_examples_and_says_where_eval_comes_from(tmp_path, 
     for extra in ({}, {"eval_path": str(held), "eval_fraction": 0.1}):
         config = validate(tiny_config(tmp_path / "run", data_path=str(path), data=extra, train={"seq_len": 24}))
         train_set, eval_set = data.load_splits(config.data, tokenizer, 24, 7, 4096)
-        train.report_data(train_set, eval_set, config, tokenizer)
+        datareport.report_data(train_set, eval_set, config, tokenizer)
         said = capsys.readouterr().err.replace("\n", " ")
         source = "6 from data.eval_path" if extra else "2 held out (data.eval_fraction 0.05)"
         assert f"data: {len(rows) - (0 if extra else 2)} examples, eval {source} -> {len(train_set)} train / " in said
