@@ -3,7 +3,7 @@ written by zerofit.hf.MemoryGuardCallback) and explain its memory: the timeline 
 saves, evals and OOMs, plan vs measured, findings with fixes, the post-mortem.
 
 Reading files happens in `diagnose`; everything it computes comes from pure functions
-(findings.detect, and measured.py's plan_vs_measured, phase_peaks, summarize); report.py renders.
+(detectors.detect, and measured.py's plan_vs_measured, phase_peaks, summarize); report.py renders.
 """
 from __future__ import annotations
 

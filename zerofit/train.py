@@ -329,7 +329,7 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.D
             summed.append(loss_value * n if n else torch.zeros((), device=ds_engine.device))  # a stand-in row: 0/0
             progress.advance()
     ds_engine.train()
-    timeline.mark(step, "eval", released_gathered=True)  # read by findings.after_eval_spike
+    timeline.mark(step, "eval", released_gathered=True)  # read by detectors.after_eval_spike
     tokens = torch.tensor(float(sum(learned_counts)), device=ds_engine.device)
     return sum_over_ranks(torch.stack(summed).sum(), dist) / sum_over_ranks(tokens, dist)
 
