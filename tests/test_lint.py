@@ -195,6 +195,78 @@ def test_zenflow_under_zero3_is_flagged_with_what_it_needs_of_this_model():
     assert "zero_optimization.zenflow" not in findings(stage2)
 
 
+DEEPCOMPILE_BUILD_SCRIPT = """
+import json, sys
+import torch
+from zerofit import engine
+import deepspeed
+
+engine.init_distributed()
+for ds in json.loads(sys.argv[1]):
+    try:
+        built, *_ = deepspeed.initialize(model=torch.nn.Sequential(torch.nn.Linear(8, 8)), config=ds)
+        built.compile()
+        print(json.dumps("compiled"), flush=True)
+    except ValueError as e:  # the engine's refusals, before DeepCompile builds its CUDA op
+        print(json.dumps("refused"), flush=True)
+"""
+
+
+def test_what_lint_says_of_deepcompile_offloads_is_what_deepspeed_refuses():
+    """DeepCompile's engine.compile() refuses an optimizer-state offload beside ZeRO's, and an
+    activation offload beside either (the engine turns offload_parameters on where ZeRO offloads
+    optimizer and parameters to the CPU). Real DeepSpeed on the CPU accelerator: its refusals come
+    before the CUDA-only op build, so each refused config is built here and linted."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    def config(zero: dict, compile_section: dict) -> dict:
+        return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3, **zero}, "compile": {"deepcompile": True, **compile_section}}
+
+    cpu = {"device": "cpu"}
+    refused = [config({"offload_optimizer": cpu}, {"offload_opt_states": True}),
+               config({"offload_optimizer": cpu, "offload_param": cpu}, {"offload_activation": True}),
+               config({}, {"offload_activation": True, "offload_opt_states": True})]
+    done = subprocess.run([sys.executable, "-c", DEEPCOMPILE_BUILD_SCRIPT, json.dumps(refused)], capture_output=True,
+                          text=True, timeout=600, env=child_env(), cwd=ROOT)
+    built = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('"')]
+    assert built == ["refused"] * 3, done.stderr[-3000:]
+    linted = [sorted(f.key for f in lint.lint(ds).errors) for ds in refused]
+    assert linted == [["compile.offload_opt_states"], ["compile.offload_activation"], ["compile.offload_activation"]]
+    implied = findings(lint.lint(refused[1]), "error")["compile.offload_activation"].message
+    assert "the engine turns it on" in implied
+    for accepted in (config({}, {"offload_opt_states": True}), config({"offload_optimizer": cpu}, {}),
+                     config({"offload_optimizer": cpu}, {"offload_opt_states": True}) | {"compile": {"deepcompile": False,
+                                                                                                    "offload_opt_states": True}}):
+        assert not [f for f in lint.lint(accepted).errors if f.key.startswith("compile.")]
+
+
+@pytest.mark.parametrize("world_size, gpu, level", [(1, "24GiB", "error"), (4, "24GiB", None), (1, "80GiB", None)])
+def test_deepcompile_optimizer_state_offload_is_sized_at_the_step(world_size, gpu, level):
+    """offload_opt_states steps on the GPU with every state back: 16 bytes a parameter in bf16,
+    over the ranks. llama-3.6b: 3,606,752,256 x 16 B = 53.7 GiB on one rank, 13.4 GiB on four."""
+    spec = modelspec.from_name("llama-3.6b")
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "sub_group_size": 1e8},
+          "compile": {"deepcompile": True, "offload_opt_states": True}}
+    result = lint.lint(ds, spec=spec, hw=gpu_box(gpu), world_size=world_size)
+    found = findings(result).get("compile.offload_opt_states")
+    if level is None:
+        assert found is None  # it fits, accumulation 1: nothing to say
+    else:
+        assert found.level == level and "53.7GiB a rank for this model, more than the 24.0GiB GPU budget" in found.message
+    accumulating = lint.lint(ds | {"gradient_accumulation_steps": 4}, spec=spec, hw=gpu_box("80GiB"), world_size=world_size)
+    warning = findings(accumulating, "warning")["compile.offload_opt_states"]
+    assert "gradient_accumulation_steps 4" in warning.message and "gradient_accumulation_steps 1" in warning.fix
+    without_model = findings(lint.lint(ds), "warning")["compile.offload_opt_states"]
+    assert "16 bytes per parameter" in without_model.message and "--model" in without_model.fix
+    stage2 = findings(lint.lint(ds | {"zero_optimization": {"stage": 2}}), "warning")["compile.offload_opt_states"]
+    assert "does not read it" in stage2.message
+
+
 @pytest.mark.parametrize("param_device, ratio, warned", [("cpu", 0.75, True), ("none", 0.75, False), ("cpu", 1.0, False)])
 def test_partial_offload_beside_offloaded_parameters_is_flagged(param_device, ratio, warned):
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}, "offload_param": {"device": param_device}}

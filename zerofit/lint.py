@@ -109,6 +109,7 @@ def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None 
         lintrisk.check_step_overlap(ds, zero, spec, result, autos)
         lintrisk.check_partial_offload(zero, result)
         lintrisk.check_offload_stage(zero, result)
+        lintrisk.check_deepcompile(ds, zero, spec, hw, world_size, result)
         if spec is not None and hw is not None and not result.errors:
             result.plan = lintrisk.plan_ds_config(ds, zero, spec, hw, world_size, trainer, model_ref, autos)
             if not result.plan["fits"]:  # the run would die of memory: as much an error as a bad key

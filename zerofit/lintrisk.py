@@ -101,6 +101,88 @@ def zenflow_finding(zero, spec) -> Finding:
         + (f"{largest.numel}" if largest is not None else "the largest weight's elements"))
 
 
+def check_deepcompile(ds: dict, zero, spec, hw: Hardware | None, world_size: int, result: LintResult) -> None:
+    """DeepSpeed 0.19.8's DeepCompile (the `compile` section, read when the training script
+    calls engine.compile()): the offload combinations its engine refuses there (compile/
+    init_z3.py, engine.get_deepcompile_backend), and what `offload_opt_states` holds on the GPU:
+    offload_opt_states_inc (compile/passes/offload_adam_states.py) reloads every state it moved
+    out before the backward ends, and the optimizer then steps on the GPU over all of them.
+    Read, not measured: bench/deepcompile_probe.py, bench/results/README.md (thirty-third session)."""
+    from deepspeed.compile.config import CompileConfig
+
+    section = ds.get("compile")
+    try:
+        dc = CompileConfig(**section)
+    except Exception:  # not an object, an unknown key, a wrong type: the schema checks name it
+        return
+    if not dc.deepcompile or zero.stage == 0:  # stage 0 falls back to torch.compile
+        return
+    if zero.stage < 3:
+        if dc.offload_opt_states:
+            result.findings.append(Finding(
+                "warning", "compile.offload_opt_states",
+                f"stage {zero.stage}'s DeepCompile (compile/init_z1_and_2.py) does not read it: the optimizer states "
+                "stay on the GPU", "use stage 3, or remove it"))
+        return
+    optimizer_device = _device(zero.offload_optimizer)
+    # the engine turns offload_parameters on itself where ZeRO offloads both to the CPU
+    implied = optimizer_device == "cpu" and _device(zero.offload_param) == "cpu" and not dc.offload_parameters
+    if dc.offload_activation and (dc.offload_opt_states or dc.offload_parameters or implied):
+        result.findings.append(Finding(
+            "error", "compile.offload_activation",
+            "DeepSpeed refuses offload_activation beside offload_opt_states or offload_parameters at engine.compile()"
+            + (" (offload_parameters: the engine turns it on when zero_optimization offloads both the optimizer "
+               "and the parameters to the CPU)" if implied else ""),
+            "keep one offloading target: remove offload_activation, or the other"))
+    if not dc.offload_opt_states:
+        return
+    if optimizer_device != "none":
+        result.findings.append(Finding(
+            "error", "compile.offload_opt_states",
+            f"DeepSpeed refuses it at engine.compile() beside zero_optimization.offload_optimizer on {optimizer_device}: "
+            "both manage the optimizer states", "remove compile.offload_opt_states (ZeRO's offload keeps the states on "
+            "the host through the step), or set offload_optimizer's device to none"))
+        return
+    if dc.offload_parameters:
+        result.findings.append(Finding(
+            "error", "compile.offload_opt_states", "DeepSpeed refuses it beside compile.offload_parameters",
+            "keep one of the two"))
+        return
+    _deepcompile_step_finding(ds, spec, hw, world_size, result)
+
+
+def _deepcompile_step_finding(ds: dict, spec, hw: Hardware | None, world_size: int, result: LintResult) -> None:
+    """offload_opt_states moves states out for the forward and backward only: the step holds
+    the 16-bit weights and gradients, the fp32 masters and both Adam moments of each rank's
+    partition, (2a + 12) bytes a parameter over the ranks."""
+    a = 4 if precision(ds) == "fp32" else 2
+    holds = f"{2 * a + 12} bytes per parameter of each rank's partition"
+    budget = hw.gpu_budget_bytes if hw is not None and hw.on_gpu else None
+    accumulation = ds.get("gradient_accumulation_steps")
+    cycles = (f"; with gradient_accumulation_steps {accumulation} the offload and reload run every micro batch "
+              "(DeepSpeed: designed for accumulation 1)" if is_number(accumulation) and accumulation > 1 else "")
+    if spec is not None:
+        step_bytes = (2 * a + 12) * spec.total_params / world_size
+        holds = f"{human_bytes(step_bytes)} a rank for this model"
+        if budget is not None and step_bytes > budget:
+            result.findings.append(Finding(
+                "error", "compile.offload_opt_states",
+                f"DeepCompile offloads the optimizer states during the forward and backward only and steps on the GPU "
+                f"with all of them back: {holds}, more than the {human_bytes(budget)} GPU budget", "offload the "
+                "optimizer with ZeRO (zero_optimization.offload_optimizer cpu) and remove compile.offload_opt_states, "
+                "or add ranks"))
+            return
+        if not cycles:
+            return
+    result.findings.append(Finding(
+        "warning", "compile.offload_opt_states",
+        f"DeepCompile offloads the optimizer states during the forward and backward only and steps on the GPU with all "
+        f"of them back ({holds}); it sizes what stays resident by the device's whole memory, not a process's memory "
+        f"fraction (DS_DC_OFFLOAD_OPT_BUDGET_GB overrides it){cycles}",
+        "lint with --model and --gpu-mem to see whether the step fits" if spec is None else
+        "use gradient_accumulation_steps 1 with a larger micro batch"))
+
+
 def check_partial_offload(zero, result: LintResult) -> None:
     """A partial optimizer offload beside offloaded parameters: the GPU-stepped sub-groups'
     fp32 masters go to the host's 16-bit parameters by a blocking pageable copy
