@@ -362,6 +362,30 @@ def test_nothing_fits_says_what_would_with_numbers():
     assert any("nvme" in a for a in decision.advice)
 
 
+def test_a_full_fine_tune_that_fits_nowhere_is_told_whether_lora_would():
+    """llama-8b's full fine-tune needs ~145 GiB of host beside a 24 GiB card: the LoRA of the
+    config's own lora section (rank 8 here) fits, and the advice says so with the numbers the
+    planner gives that LoRA run; where even LoRA's frozen base fits nowhere, and for a LoRA run,
+    no such line."""
+    from zerofit import planview
+
+    full = config(model={"config": "llama-8b"}, lora={"r": 8})
+    decision, _, hw = planview.plan_config(full, 1, hw=cuda_box("24GiB", host="64GiB"))
+    assert not decision.plan.fits
+    lora = [a for a in decision.advice if a.startswith("lora.enabled=true")]
+    assert len(lora) == 1 and "rank 8 adapters on the frozen base" in lora[0] and "instead of 8.03B" in lora[0]
+    as_lora, _, _ = planview.plan_config(config(model={"config": "llama-8b"}, lora={"r": 8, "enabled": True}), 1, hw=hw)
+    assert as_lora.plan.fits and f"fits as {choice.describe(as_lora.plan)};" in lora[0]
+    assert f"host {human_bytes(as_lora.plan.devices['host'].total_bytes)} of" in lora[0]
+    assert lora[0].endswith(f"~{as_lora.plan.step_seconds:.2f} s a step")
+    assert "lora.enabled=true" in str(choice.refuse(decision))  # what train prints when it refuses
+    # the frozen 16-bit base alone (16 GB) is over an 8 GiB card and a 4 GiB host
+    for lora_section in ({"r": 8}, {"r": 8, "enabled": True}):
+        tight, _, _ = planview.plan_config(config(model={"config": "llama-8b"}, lora=lora_section), 1,
+                                           hw=cuda_box("8GiB", host="4GiB"))
+        assert not tight.plan.fits and tight.advice and not any(a.startswith("lora.") for a in tight.advice)
+
+
 def test_a_refusal_names_the_one_moment_that_does_not_fit():
     """A plan may fail only in the first step after a save (the save's GPU residue on top of
     the step's peak): the refusal's breakdown names it, not an empty list."""

@@ -55,7 +55,32 @@ def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None,
         decision.plan.notes.extend(notes)
     if decision.config.zero.offload_optimizer == "nvme":  # the problems are the optimizer's transfers
         decision.nvme_problems = problems
+    if not decision.plan.fits and (lora := lora_instead(config, spec, world_size, hw, dataset_bytes, data_load)):
+        decision.advice.append(lora)
     return decision, spec, hw
+
+
+def lora_instead(config: Config, full: ModelSpec, world_size: int, hw: Hardware, dataset_bytes: int = 0,
+                 data_load: dict[str, int] | None = None) -> str | None:
+    """Where a full fine-tune fits no candidate: whether LoRA would, its section as the config
+    has it (rank, targets, dropout) but enabled, planned the same way; None where it would not,
+    the run is LoRA already, or peft is missing (the planner builds the peft model to count it)."""
+    if config.lora.enabled:
+        return None
+    lora_config = config.model_copy(update={"lora": config.lora.model_copy(update={"enabled": True})})
+    try:
+        spec = modelspec.from_config(lora_config)
+    except (ImportError, ConfigError):  # no peft, or no module of this architecture to adapt
+        return None
+    decision = choice.decide(lora_config, spec, hw, world_size, data_bytes(lora_config, dataset_bytes), data_load)
+    plan = decision.plan
+    if not plan.fits:
+        return None
+    devices = ", ".join(f"{name} {human_bytes(device.total_bytes)} of {human_bytes(device.usable_bytes)}"
+                        for name, device in plan.devices.items())
+    return (f"lora.enabled=true (rank {config.lora.r} adapters on the frozen base, {human_count(spec.trainable_params)} "
+            f"parameters trained instead of {human_count(full.trainable_params)}): fits as {choice.describe(plan)}; "
+            f"{devices}; ~{plan.step_seconds:.2f} s a step")
 
 
 def data_bytes(config: Config, held: int = 0) -> int:
