@@ -22,8 +22,9 @@ from transformers import PreTrainedTokenizerFast
 
 from llamafactory.data.template import TEMPLATES
 from zerofit import models as zmodels
+from zerofit.conversations import RowError
 from zerofit.demo import build_tokenizer
-from zerofit.tokenizing import IGNORE, RowError, tokenize_row
+from zerofit.tokenizing import IGNORE, tokenize_row
 
 NAMES = ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi", "qwen",
          "qwen3_nothink", "vicuna"]

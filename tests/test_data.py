@@ -12,6 +12,7 @@ import pytest
 
 from zerofit import data, datafiles, rowlayout, tokenizing, tokenworkers
 from zerofit.config import ConfigError
+from zerofit.conversations import RowError
 from zerofit.dataconfig import DataConfig
 from zerofit.configfile import validate
 from zerofit.data import Batches
@@ -722,7 +723,7 @@ def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(token
     rendered = tokenizer.apply_chat_template(conversation, chat_template=tokenizing.ALPACA_CHAT_TEMPLATE, tokenize=True,
                                              return_dict=False)
     assert list(rendered) == ids  # the exported template prompts as training read it
-    with pytest.raises(tokenizing.RowError, match="history.*pairs"):
+    with pytest.raises(RowError, match="history.*pairs"):
         tokenizing.tokenize_row(row | {"history": ["What is 0*2?"]}, "alpaca", tokenizer)
 
 
@@ -797,10 +798,10 @@ def test_turns_are_read_under_either_naming(tokenizer):
     assert tokenizing.tokenize_row(shared, "messages", tokenizer) == expected
     mixed = {"messages": [{"from": "human", "value": "2+2?"}, {"role": "assistant", "content": "4"}]}
     assert tokenizing.tokenize_row(mixed, "messages", tokenizer) == expected
-    with pytest.raises(tokenizing.RowError, match=r"messages\[1\]`: expected \{role: str, content: str\}"):
+    with pytest.raises(RowError, match=r"messages\[1\]`: expected \{role: str, content: str\}"):
         tokenizing.tokenize_row({"messages": [plain["messages"][0], {"speaker": "gpt", "text": "4"}]}, "messages",
                           tokenizer)
-    with pytest.raises(tokenizing.RowError, match=r"conversations\[0\].role`: unknown speaker 'model'"):
+    with pytest.raises(RowError, match=r"conversations\[0\].role`: unknown speaker 'model'"):
         tokenizing.tokenize_row({"conversations": [{"role": "model", "content": "4"}]}, "sharegpt", tokenizer)
 
 
@@ -810,14 +811,14 @@ def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
     tokenizer.chat_template = CHATML
     typo = {"conversations": [{"from": "human", "value": "q1"}, {"from": "model", "value": "a1"},
                               {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]}
-    with pytest.raises(tokenizing.RowError, match=r"conversations\[1\].from`: unknown speaker 'model'.*use system, user"):
+    with pytest.raises(RowError, match=r"conversations\[1\].from`: unknown speaker 'model'.*use system, user"):
         tokenizing.tokenize_row(typo, "sharegpt", tokenizer)
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2?"}]},
                           {"role": "assistant", "content": "4"}]}
     plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
     assert tokenizing.tokenize_row(parts, "messages", tokenizer) == tokenizing.tokenize_row(plain, "messages", tokenizer)
     parts["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
-    with pytest.raises(tokenizing.RowError, match=r"messages\[0\].content`: only text parts .* not image_url"):
+    with pytest.raises(RowError, match=r"messages\[0\].content`: only text parts .* not image_url"):
         tokenizing.tokenize_row(parts, "messages", tokenizer)
 
 
@@ -862,7 +863,7 @@ def test_a_mapped_conversation_column_keeps_tool_calls_system_and_tools(tmp_path
     assert "mine" in tokenizer.decode(ids) and "theirs" not in tokenizer.decode(ids)
     alpaca = {"instruction": "weather in Paris?", "output": "sunny", "tools": WEATHER_TOOLS}
     assert "Tools: get_weather" in tokenizer.decode(tokenizing.tokenize_row(alpaca, "alpaca", tokenizer)[0])
-    with pytest.raises(tokenizing.RowError, match="the alpaca layout has no place for tools"):
+    with pytest.raises(RowError, match="the alpaca layout has no place for tools"):
         tokenizing.tokenize_row(alpaca, "alpaca", tokenizer, alpaca_template="alpaca")
     # data.format sharegpt (LLaMA-Factory's formatting) over OpenAI-style rows: the file's columns said
     with pytest.raises(DataError, match=r"o\.jsonl has no conversations column for data\.format sharegpt; its "
@@ -944,7 +945,7 @@ def test_sharegpt_function_calls_are_tool_calls(tokenizer):
                               '{"city": "Rome"}</tool_call>')
     for value, problem in (("get_weather(Paris)", "not JSON"), ('{"city": "Paris"}', "holds the call as JSON")):
         call["value"] = value
-        with pytest.raises(tokenizing.RowError, match=f"conversations\\[1\\].value`: .*{problem}"):
+        with pytest.raises(RowError, match=f"conversations\\[1\\].value`: .*{problem}"):
             tokenizing.tokenize_row(share, "sharegpt", tokenizer)
 
 
@@ -952,9 +953,9 @@ def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):
     """A template without function calling would drop the call (an empty turn learned): a bad row
     naming the fix. Without any template the `role:` layout writes calls as JSON lines."""
     tokenizer.chat_template = CHATML
-    with pytest.raises(tokenizing.RowError, match="does not render function calling \\(call get_weather"):
+    with pytest.raises(RowError, match="does not render function calling \\(call get_weather"):
         tokenizing.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
-    with pytest.raises(tokenizing.RowError, match="tool get_weather"):
+    with pytest.raises(RowError, match="tool get_weather"):
         tokenizing.tokenize_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
                            "tools": WEATHER_TOOLS}, "messages", tokenizer)
     tokenizer.chat_template = None
@@ -964,9 +965,9 @@ def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):
     for calls, where in (("get_weather()", "messages[1].tool_calls"), ([{"function": {}}], "tool_calls[0]")):
         row = tool_row("{}")
         row["messages"][1]["tool_calls"] = calls
-        with pytest.raises(tokenizing.RowError, match=where.replace("[", "\\[")):
+        with pytest.raises(RowError, match=where.replace("[", "\\[")):
             tokenizing.tokenize_row(row, "messages", tokenizer)
-    with pytest.raises(tokenizing.RowError, match="arguments`: not JSON"):
+    with pytest.raises(RowError, match="arguments`: not JSON"):
         tokenizing.tokenize_row(tool_row("{city: Paris}"), "messages", tokenizer)
 
 
@@ -1604,7 +1605,7 @@ def test_a_template_failing_on_one_row_names_that_row(tokenizer):
     tokenizer.chat_template = CHATML.replace("{% endfor %}", "{% if m.content == 'boom' %}{{ 1/0 }}{% endif %}"
                                                              "{% endfor %}")
     turns = [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]
-    with pytest.raises(tokenizing.RowError, match=r"failed on it \(ZeroDivisionError"):
+    with pytest.raises(RowError, match=r"failed on it \(ZeroDivisionError"):
         tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
 
 

@@ -29,8 +29,8 @@ CACHE_DIR = "data-cache"
 READ_KEYS = ("format", "alpaca_template", "columns", "max_samples", "skip_bad_rows")
 # zerofit's code that reads and tokenizes rows: the data keys' meaning (dataconfig.py) and how a
 # section reads its values (section.py) included
-CODE = ("tokenizing.py", "tokenworkers.py", "datafiles.py", "toolcalls.py", "dataconfig.py", "section.py",
-        "datacache.py")
+CODE = ("tokenizing.py", "conversations.py", "tokenworkers.py", "datafiles.py", "toolcalls.py", "dataconfig.py",
+        "section.py", "datacache.py")
 LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 

@@ -24,7 +24,7 @@ CALL_SHAPE = "a list of {type: function, function: {name: str, arguments: object
 
 
 class ToolCallError(ValueError):
-    """A malformed tool call or tools list: (field, problem), as tokenizing.RowError takes them."""
+    """A malformed tool call or tools list: (field, problem), as conversations.RowError takes them."""
 
     def __init__(self, field_name: str, problem: str):
         super().__init__(problem)
