@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zerofit import data, datafiles, rowlayout, tokenizing, tokenworkers
+from zerofit import chatlayout, data, datafiles, rowlayout, tokenizing, tokenworkers
 from zerofit.config import ConfigError
 from zerofit.conversations import RowError
 from zerofit.dataconfig import DataConfig
@@ -61,19 +61,19 @@ def test_alpaca_rows_take_the_tokenizers_chat_template(tokenizer):
                                  {"role": "user", "content": "Reverse the word.\nabc"},
                                  {"role": "assistant", "content": "cba"}]}
     assert tokenizing.tokenize_row(row, "alpaca", tokenizer) == tokenizing.tokenize_row(conversation, "messages", tokenizer)
-    assert tokenizing.trained_chat_template(("alpaca",), tokenizer) is None  # the tokenizer's own
-    assert tokenizing.trained_chat_template(("alpaca", "messages"), tokenizer) is None
-    assert tokenizing.trained_chat_template(("alpaca",), tokenizer, "alpaca") == tokenizing.ALPACA_CHAT_TEMPLATE
-    assert tokenizing.trained_chat_template(("alpaca", "messages"), tokenizer, "alpaca") is None  # layouts mixed
-    assert tokenizing.layouts(("alpaca", "messages"), tokenizer) == "alpaca/messages rows by the tokenizer's chat template"
-    assert tokenizing.layouts(("alpaca", "messages"), tokenizer, "alpaca") == \
+    assert chatlayout.trained_chat_template(("alpaca",), tokenizer) is None  # the tokenizer's own
+    assert chatlayout.trained_chat_template(("alpaca", "messages"), tokenizer) is None
+    assert chatlayout.trained_chat_template(("alpaca",), tokenizer, "alpaca") == chatlayout.ALPACA_CHAT_TEMPLATE
+    assert chatlayout.trained_chat_template(("alpaca", "messages"), tokenizer, "alpaca") is None  # layouts mixed
+    assert chatlayout.layouts(("alpaca", "messages"), tokenizer) == "alpaca/messages rows by the tokenizer's chat template"
+    assert chatlayout.layouts(("alpaca", "messages"), tokenizer, "alpaca") == \
         "messages rows by the tokenizer's chat template; alpaca rows in the alpaca layout"
-    assert tokenizing.layouts(("text",), tokenizer) == ""
+    assert chatlayout.layouts(("text",), tokenizer) == ""
     tokenizer.chat_template = None
     ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer)
     assert tokenizer.decode(ids).startswith("<s>be brief\n\n### Instruction:\nSay hi.")
-    assert tokenizing.trained_chat_template(("alpaca",), tokenizer) == tokenizing.ALPACA_CHAT_TEMPLATE
-    assert tokenizing.layouts(("alpaca",), tokenizer) == "alpaca rows in the alpaca layout"
+    assert chatlayout.trained_chat_template(("alpaca",), tokenizer) == chatlayout.ALPACA_CHAT_TEMPLATE
+    assert chatlayout.layouts(("alpaca",), tokenizer) == "alpaca rows in the alpaca layout"
 
 
 def test_messages_learn_only_assistant_turns_with_chat_template(tokenizer):
@@ -654,7 +654,7 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     token for token (chat used the tokenizer's unrelated template and `role: text` lines)."""
     row = {"instruction": "Reverse the word. abc", "output": "cba"}
     ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
-    template = tokenizing.trained_chat_template(("alpaca",), tokenizer, "alpaca")
+    template = chatlayout.trained_chat_template(("alpaca",), tokenizer, "alpaca")
     conversation = [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": "cba"}]
     render = lambda turns, prompt: list(tokenizer.apply_chat_template(  # noqa: E731
         turns, chat_template=template, tokenize=True, return_dict=False, add_generation_prompt=prompt))
@@ -663,11 +663,11 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     tokenizer.chat_template = None
     messages = {"messages": conversation}
     ids, labels = tokenizing.tokenize_row(messages, "messages", tokenizer)
-    template = tokenizing.trained_chat_template(("messages",), tokenizer)
+    template = chatlayout.trained_chat_template(("messages",), tokenizer)
     assert render(conversation, False) == ids
     assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
-    assert tokenizing.trained_chat_template(("text",), tokenizer) is None
-    assert tokenizing.trained_chat_template(("alpaca", "messages"), tokenizer) is None
+    assert chatlayout.trained_chat_template(("text",), tokenizer) is None
+    assert chatlayout.trained_chat_template(("alpaca", "messages"), tokenizer) is None
 
 
 def test_tokens_per_step_leave_the_padding_out(tmp_path, tokenizer):
@@ -720,7 +720,7 @@ def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(token
     conversation = [{"role": "system", "content": row["system"]}, {"role": "user", "content": "What is 0*2?"},
                     {"role": "assistant", "content": "0"}, {"role": "user", "content": row["instruction"]},
                     {"role": "assistant", "content": "0"}]
-    rendered = tokenizer.apply_chat_template(conversation, chat_template=tokenizing.ALPACA_CHAT_TEMPLATE, tokenize=True,
+    rendered = tokenizer.apply_chat_template(conversation, chat_template=chatlayout.ALPACA_CHAT_TEMPLATE, tokenize=True,
                                              return_dict=False)
     assert list(rendered) == ids  # the exported template prompts as training read it
     with pytest.raises(RowError, match="history.*pairs"):
@@ -1154,17 +1154,17 @@ def test_a_model_that_would_not_learn_to_stop_is_named(tokenizer):
     """A ChatML template ends a turn with <|im_end|>: with EOS </s> and no generation config
     that lists <|im_end|>, the trained model talks past its turn; a tokenizer without EOS trains
     answers without an end. The demo's own layouts end every answer with EOS."""
-    assert tokenizing.stop_problem(tokenizer, ("messages",)) is None and tokenizing.stop_problem(tokenizer, ("alpaca",)) is None
+    assert chatlayout.stop_problem(tokenizer, ("messages",)) is None and chatlayout.stop_problem(tokenizer, ("alpaca",)) is None
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML
-    problem = tokenizing.stop_problem(tokenizer, ("messages",))
+    problem = chatlayout.stop_problem(tokenizer, ("messages",))
     assert problem.startswith("the tokenizer's chat template ends an assistant turn with") and "'</s>'" in problem
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert tokenizing.stop_problem(tokenizer, ("messages",), generation_eos={end_of_turn}) is None
+    assert chatlayout.stop_problem(tokenizer, ("messages",), generation_eos={end_of_turn}) is None
     tokenizer.eos_token = "<|im_end|>"
-    assert tokenizing.stop_problem(tokenizer, ("sharegpt",)) is None
+    assert chatlayout.stop_problem(tokenizer, ("sharegpt",)) is None
     tokenizer.eos_token = None
-    assert tokenizing.stop_problem(tokenizer, ("text",)).startswith("the tokenizer has no EOS token")
+    assert chatlayout.stop_problem(tokenizer, ("text",)).startswith("the tokenizer has no EOS token")
 
 
 def test_mask_history_keeps_the_last_turns_first_and_learns_the_last_answer():

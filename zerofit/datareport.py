@@ -4,13 +4,13 @@ not read, rows skipped or cut, an empty eval set, a chat template the rows do no
 """
 from __future__ import annotations
 
-from zerofit import data, datafiles, runfiles, tokenizing
+from zerofit import chatlayout, data, datafiles, runfiles
 from zerofit.config import Config
 from zerofit.progress import counted, say, warn
 
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:
-    laid_out = tokenizing.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
+    laid_out = chatlayout.layouts(train_set.formats, tokenizer, config.data.alpaca_template)
     held = f"{eval_set.examples}{max_samples_note(config, eval_set, 'data.eval_path') or ' from data.eval_path'}" \
         if config.data.eval_path else f"{eval_set.examples} held out ({held_out_by(config)})"
     say(f"data: {train_set.examples} examples{max_samples_note(config, train_set, 'data.path')}, eval {held} -> "
@@ -44,12 +44,12 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
     for name, sequences in (("", train_set), ("eval set: ", eval_set)):
         if sequences.cut[0]:
             warn(name + sequences.cut_note(config.train.seq_len))
-    if config.model.chat_template and tokenizing.trained_chat_template(train_set.formats, tokenizer,
+    if config.model.chat_template and chatlayout.trained_chat_template(train_set.formats, tokenizer,
                                                                          config.data.alpaca_template) is not None:
         warn(f"model.chat_template is not what the rows are laid out by ({laid_out or 'text rows'}), so the run's "
              f"tokenizer and exports carry that layout instead")
     ends = runfiles.generation_ends(config, tokenizer, train_set.formats)
-    stop = tokenizing.stop_problem(tokenizer, train_set.formats, ends,
+    stop = chatlayout.stop_problem(tokenizer, train_set.formats, ends,
                                    config.data.alpaca_template)
     if stop:
         warn(stop)

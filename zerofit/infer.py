@@ -310,10 +310,10 @@ def eos_ids(loaded: Loaded) -> set[int]:
 def chat_input_ids(tokenizer, history: list[dict], limit: int):
     """The conversation as model input: the tokenizer's chat template (a zerofit export's is
     the layout its data trained), else the layout messages rows train on without one
-    (tokenizing.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens. A
+    (chatlayout.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens. A
     last message that alone outgrows it is refused: cut to fit, it lost the template's opening
     (the model saw the middle of a message, not a prompt)."""
-    from zerofit.tokenizing import PLAIN_CHAT_TEMPLATE
+    from zerofit.chatlayout import PLAIN_CHAT_TEMPLATE
 
     while True:
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from zerofit import checkpoint, models, planview, tokenizing
+from zerofit import chatlayout, checkpoint, models, planview
 from zerofit.config import UNRECORDED, Config, ConfigError, changed_settings
 from zerofit.configfile import dump_yaml
 from zerofit.progress import say
@@ -85,7 +85,7 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
     written = run_dir / "model" / "chat_template.jinja"  # as transformers saves it: said once, not at each resume
     if chat_template and chat_template != own_template and not (written.is_file() and written.read_text() == chat_template):
         say(f"model/: the tokenizer's chat template is now the layout the data trains "
-            f"({'alpaca' if chat_template == tokenizing.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
+            f"({'alpaca' if chat_template == chatlayout.ALPACA_CHAT_TEMPLATE else 'role: text'}), so chat and "
             f"exports prompt the model as it learned")
     tokenizer.chat_template = chat_template or own_template
     if not tokenizer.chat_template:  # save_pretrained leaves an earlier run's template file, which exports would carry
@@ -99,8 +99,8 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
 
 def generation_ends(config: Config, tokenizer, formats: tuple[str, ...]) -> set[int]:
     """The tokens generation stops at: model.path's generation config's, and the special token that
-    ends the template's assistant turn where that is not EOS (tokenizing.turn_end_id)."""
-    end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
+    ends the template's assistant turn where that is not EOS (chatlayout.turn_end_id)."""
+    end = chatlayout.turn_end_id(tokenizer, formats, config.data.alpaca_template)
     return models.generation_eos(config.model) | ({end} if end is not None else set())
 
 
@@ -111,7 +111,7 @@ def write_generation_config(run_dir: Path, config: Config, tokenizer, hf_config,
     chat`, transformers' generate and vLLM stop there, as LLaMA-Factory's replacing EOS with it
     makes theirs stop. Otherwise none (an export writes config.json's end tokens)."""
     path = run_dir / "model" / "generation_config.json"
-    end = tokenizing.turn_end_id(tokenizer, formats, config.data.alpaca_template)
+    end = chatlayout.turn_end_id(tokenizer, formats, config.data.alpaca_template)
     config_eos = hf_config.eos_token_id if isinstance(hf_config.eos_token_id, list) else [hf_config.eos_token_id]
     ends = models.generation_eos(config.model) or {*config_eos, tokenizer.eos_token_id} - {None}
     if end is None or end in ends:

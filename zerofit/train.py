@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, checkpoint, checkpointer, data, datareport, dsconfig, elastic, engine, faults,
-                     hostalloc, lastword, lora, loss, memory, models, nvme, oomreport, peerwatch, planview, postmortem,
-                     runfiles, runlock, tokenizing, watchdog)
+from zerofit import (basemodel, chatlayout, checkpoint, checkpointer, data, datareport, dsconfig, elastic, engine,
+                     faults, hostalloc, lastword, lora, loss, memory, models, nvme, oomreport, peerwatch, planview,
+                     postmortem, runfiles, runlock, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, say, warn
 from zerofit.resume import (changed_on_resume, choose_resume, refuse_resume_without_checkpoint, resume_command,
@@ -106,7 +106,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if dist.is_main:
         runlock.keep(run_dir)  # the start changes the run from here: a later error leaves the lock as the run's
         runfiles.write_run_files(run_dir, config, ds_config, tokenizer, hf_config, decision.record,
-                        tokenizing.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
+                        chatlayout.trained_chat_template(train_set.formats, tokenizer, config.data.alpaca_template))
         runfiles.write_generation_config(run_dir, config, tokenizer, hf_config, train_set.formats)
         datareport.report_data(train_set, eval_set, config, tokenizer)
         say(planview.plan_line(decision))
