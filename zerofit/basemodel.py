@@ -81,6 +81,19 @@ def drawing_versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "deepspeed": deepspeed.__version__}
 
 
+def redrawn_here(recorded, on_gpu: bool) -> str | None:
+    """How the checkpoint's random-init base was drawn and how this machine draws it, where the
+    device type (the CPU and CUDA generators differ) or drawing_versions differ (or were not
+    recorded); None where all are as they were."""
+    device, versions = "cuda" if on_gpu else "cpu", drawing_versions()
+    if recorded.init_device == device and recorded.versions == versions:
+        return None
+    then = ", ".join(f"{name} {version}" for name, version in recorded.versions.items()) if recorded.versions \
+        else "versions it did not record"
+    now = ", ".join(f"{name} {version}" for name, version in versions.items())
+    return f"It was drawn on {recorded.init_device} with {then}; this machine draws it on {device} with {now}"
+
+
 def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
     """The recipe a LoRA checkpoint recorded; for checkpoints written before it was recorded,
     the run's config.yaml (its fingerprint then uses another scheme and cannot be checked)."""

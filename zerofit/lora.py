@@ -373,7 +373,7 @@ def fingerprints_as_split_by(model, world_size: int, rank: int) -> list[str] | N
 
 def base_differs(step: int, drawn: str = "") -> str:
     """The refusal of a resume onto another frozen base; `drawn`: how the checkpoint's random-init
-    base was drawn and how this machine draws it, where they differ (redrawn_here)."""
+    base was drawn and how this machine draws it, where they differ (basemodel.redrawn_here)."""
     return (f"the frozen base model differs from the one this run's adapters were trained on (checkpoint at step "
             f"{step}): checkpoints hold only the adapters, so the base must be rebuilt exactly.{drawn} Point "
             f"model.path at the same weights (or keep model.config, train.seed and train.precision as they were, on "
@@ -408,8 +408,8 @@ def base_refusal(config, checkpoint_dir: Path, step: int, on_gpu: bool) -> tuple
 
 def random_init_refusal(config, checkpoint_dir: Path, recorded, step: int, on_gpu: bool) -> tuple[str | None, bool]:
     """base_refusal for a random-init base: another train.seed draws another base. Where this
-    machine draws it otherwise than the checkpoint's build did (redrawn_here: another device
-    type, other torch / transformers / DeepSpeed versions), the base is replayed here as the
+    machine draws it otherwise than the checkpoint's build did (basemodel.redrawn_here: another
+    device type, other torch / transformers / DeepSpeed versions), the base is replayed here as the
     build would draw it (reinit.InitReplay, as `zerofit export` rebuilds it) and its fingerprint
     compared: a refusal then comes before anything is rewritten, not after the build. Where
     nothing differs, or the replay does not mirror this build (built without zero.Init, or a
@@ -422,7 +422,7 @@ def random_init_refusal(config, checkpoint_dir: Path, recorded, step: int, on_gp
         return None, False
     if recorded.seed != config.train.seed:
         return base_differs(step), False
-    drawn = redrawn_here(recorded, on_gpu)
+    drawn = basemodel.redrawn_here(recorded, on_gpu)
     if drawn is None or not recorded.zero_init or not reinit.can_replay():
         return None, False
     say(f"{drawn}: replaying the random-init base to compare it with the checkpoint's before anything is rewritten")
@@ -434,21 +434,6 @@ def random_init_refusal(config, checkpoint_dir: Path, recorded, step: int, on_gp
     computed = basemodel.replay_fingerprint(frozen, walk, recorded.world_size)
     return (base_differs(step, f" {drawn}: replayed here, it is another base.") if computed != recorded.fingerprint
             else None), True
-
-
-def redrawn_here(recorded, on_gpu: bool) -> str | None:
-    """How the checkpoint's random-init base was drawn and how this machine draws it, where the
-    device type (the CPU and CUDA generators differ) or basemodel.drawing_versions differ (or
-    were not recorded); None where all are as they were."""
-    from zerofit.basemodel import drawing_versions
-
-    device, versions = "cuda" if on_gpu else "cpu", drawing_versions()
-    if recorded.init_device == device and recorded.versions == versions:
-        return None
-    then = ", ".join(f"{name} {version}" for name, version in recorded.versions.items()) if recorded.versions \
-        else "versions it did not record"
-    now = ", ".join(f"{name} {version}" for name, version in versions.items())
-    return f"It was drawn on {recorded.init_device} with {then}; this machine draws it on {device} with {now}"
 
 
 def check_and_record(model, state, rank: int, world_size: int, recipe: dict, base_checked: bool = False) -> None:
