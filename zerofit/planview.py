@@ -70,7 +70,7 @@ def lora_instead(config: Config, full: ModelSpec, world_size: int, hw: Hardware,
     lora_config = config.model_copy(update={"lora": config.lora.model_copy(update={"enabled": True})})
     try:
         spec = modelspec.from_config(lora_config)
-    except (ImportError, ConfigError):  # no peft, or no module of this architecture to adapt
+    except (ImportError, ConfigError, ValueError):  # no peft; no module to adapt (ours, or peft's ValueError)
         return None
     decision = choice.decide(lora_config, spec, hw, world_size, data_bytes(lora_config, dataset_bytes), data_load)
     plan = decision.plan
