@@ -111,9 +111,11 @@ def check_deepcompile(ds: dict, zero, spec, hw: Hardware | None, world_size: int
     from deepspeed.compile.config import CompileConfig
 
     section = ds.get("compile")
+    if not isinstance(section, dict):  # absent, or not an object (check_section_objects names that)
+        return
     try:
         dc = CompileConfig(**section)
-    except Exception:  # not an object, an unknown key, a wrong type: the schema checks name it
+    except ValueError:  # an unknown key or a wrong type (pydantic's ValidationError): the schema check names it
         return
     if not dc.deepcompile or zero.stage == 0:  # stage 0 falls back to torch.compile
         return
@@ -151,6 +153,10 @@ def check_deepcompile(ds: dict, zero, spec, hw: Hardware | None, world_size: int
     _deepcompile_step_finding(ds, spec, hw, world_size, result)
 
 
+DEEPCOMPILE_STEP = ("DeepCompile offloads the optimizer states during the forward and backward only and steps on "
+                    "the GPU with all of them back")
+
+
 def _deepcompile_step_finding(ds: dict, spec, hw: Hardware | None, world_size: int, result: LintResult) -> None:
     """offload_opt_states moves states out for the forward and backward only: the step holds
     the 16-bit weights and gradients, the fp32 masters and both Adam moments of each rank's
@@ -167,8 +173,7 @@ def _deepcompile_step_finding(ds: dict, spec, hw: Hardware | None, world_size: i
         if budget is not None and step_bytes > budget:
             result.findings.append(Finding(
                 "error", "compile.offload_opt_states",
-                f"DeepCompile offloads the optimizer states during the forward and backward only and steps on the GPU "
-                f"with all of them back: {holds}, more than the {human_bytes(budget)} GPU budget", "offload the "
+                f"{DEEPCOMPILE_STEP}: {holds}, more than the {human_bytes(budget)} GPU budget", "offload the "
                 "optimizer with ZeRO (zero_optimization.offload_optimizer cpu) and remove compile.offload_opt_states, "
                 "or add ranks"))
             return
@@ -176,8 +181,7 @@ def _deepcompile_step_finding(ds: dict, spec, hw: Hardware | None, world_size: i
             return
     result.findings.append(Finding(
         "warning", "compile.offload_opt_states",
-        f"DeepCompile offloads the optimizer states during the forward and backward only and steps on the GPU with all "
-        f"of them back ({holds}); it sizes what stays resident by the device's whole memory, not a process's memory "
+        f"{DEEPCOMPILE_STEP} ({holds}); it sizes what stays resident by the device's whole memory, not a process's memory "
         f"fraction (DS_DC_OFFLOAD_OPT_BUDGET_GB overrides it){cycles}",
         "lint with --model and --gpu-mem to see whether the step fits" if spec is None else
         "use gradient_accumulation_steps 1 with a larger micro batch"))
