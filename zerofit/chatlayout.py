@@ -4,14 +4,14 @@ the run's tokenizer and so into every export, where the tokenizer's own template
 the rows were laid out by), the layouts the data line names, the special token that ends an
 assistant turn (listed among the generation config's end tokens), and why a model trained so
 would not stop generating. Read off tokenizing, which lays the rows out: the formats it renders
-as chat (chat_formats) and what an answer learns under the chat template (_chat_template_spans);
+as chat (chat_formats) and what an answer learns under the chat template (chat_template_spans);
 tokenizing imports nothing from here."""
 from __future__ import annotations
 
 from jinja2.exceptions import TemplateError
 
 from zerofit.conversations import RowError
-from zerofit.tokenizing import IGNORE, _chat_template_spans, chat_formats
+from zerofit.tokenizing import IGNORE, chat_template_spans, chat_formats
 
 # The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
 # into every export) so that `zerofit chat`, transformers and vLLM prompt the model as it was
@@ -64,7 +64,7 @@ def _answer_learned(tokenizer, formats: tuple[str, ...], alpaca_template: str) -
     if not formats or not set(formats) <= chat_formats(tokenizer, alpaca_template) or not tokenizer.chat_template:
         return None
     try:
-        ids, labels = _chat_template_spans([{"role": "user", "content": "Hi"},
+        ids, labels = chat_template_spans([{"role": "user", "content": "Hi"},
                                             {"role": "assistant", "content": "Hello"}], tokenizer)
     except (RowError, TemplateError, ValueError):
         return None

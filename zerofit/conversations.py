@@ -22,7 +22,8 @@ class RowError(ValueError):
         return type(self), (self.field_name, self.problem)
 
 
-def _text(row: dict, key: str, required: bool = True) -> str:
+def text_field(row: dict, key: str, required: bool = True) -> str:
+    """The row's string column `key` ("" when absent and not required); RowError naming the key otherwise."""
     value = row.get(key)
     if value is None:
         if required:
@@ -57,14 +58,15 @@ def alpaca_messages(row: dict) -> list[dict]:
     """An alpaca row as a conversation, as LLaMA-Factory's alpaca converter makes it: the system
     text, each `history` pair a user and an assistant turn, then the instruction and its input
     (on a line of its own) as the user's turn and the output as the answer."""
-    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
-    system = _text(row, "system", required=False)
-    turns = [*_history(row), ("\n".join(part for part in (instruction, extra) if part), _text(row, "output"))]
+    instruction, extra = text_field(row, "instruction"), text_field(row, "input", required=False)
+    system = text_field(row, "system", required=False)
+    turns = [*history_pairs(row), ("\n".join(part for part in (instruction, extra) if part), text_field(row, "output"))]
     return [{"role": "system", "content": system}] * bool(system) + \
         [{"role": role, "content": text} for pair in turns for role, text in zip(("user", "assistant"), pair)]
 
 
-def _history(row: dict) -> list[tuple[str, str]]:
+def history_pairs(row: dict) -> list[tuple[str, str]]:
+    """An alpaca row's earlier exchanges (its `history` column: [instruction, response] pairs)."""
     history = row.get("history") or []
     if not isinstance(history, list) or not all(
             isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair) for pair in history):
@@ -79,7 +81,8 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant
 ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; any other role they skip unseen
 
 
-def _messages(row: dict) -> list[dict]:
+def openai_messages(row: dict) -> list[dict]:
+    """An OpenAI-style row ({messages: [{role, content, tool_calls?}], system?}) as chat messages."""
     return with_system(row, _turns(row, "messages", "role", "content", tool_calls=True))
 
 
@@ -91,7 +94,7 @@ def sharegpt_messages(row: dict) -> list[dict]:
 def with_system(row: dict, messages: list[dict]) -> list[dict]:
     """The row's `system` column as the conversation's first turn, unless the conversation opens
     with a system turn of its own, which wins (LLaMA-Factory's sharegpt converter)."""
-    system = _text(row, "system", required=False)
+    system = text_field(row, "system", required=False)
     if not system or messages[0]["role"] == "system":
         return messages
     return [{"role": "system", "content": system}] + messages

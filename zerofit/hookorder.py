@@ -80,12 +80,12 @@ def _run(config, adapter_json: str | None) -> list[Event]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.modelspec import _zero3_off
+    from zerofit.modelspec import zero3_init_parked
 
     # a real model on the CPU whatever the caller's default device, without a live ZeRO-3
     # engine's partitioned init (an OOM retry re-plans in the training process), and the run's
     # own random state untouched
-    with torch.device("cpu"), _zero3_off(), torch.random.fork_rng(devices=[]):
+    with torch.device("cpu"), zero3_init_parked(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return _hooked_step(AutoModelForCausalLM.from_config(config), adapter_json, config.vocab_size)
 

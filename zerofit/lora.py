@@ -62,9 +62,9 @@ def module_table(hf_config, trust_remote_code: bool = False) -> ModuleTable:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.modelspec import _zero3_off
+    from zerofit.modelspec import zero3_init_parked
 
-    with torch.device("meta"), _zero3_off():
+    with torch.device("meta"), zero3_init_parked():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     output = model.get_output_embeddings()
     kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}

@@ -117,7 +117,7 @@ def from_config(config: Config) -> ModelSpec:
     peft_config = lora.peft_config(config.lora, targets, lora.resolve_modules_to_save(config, hf))
     import peft
 
-    with torch.device("meta"), _zero3_off(), quiet_peft():
+    with torch.device("meta"), zero3_init_parked(), quiet_peft():
         model = AutoModelForCausalLM.from_config(hf, trust_remote_code=config.model.trust_remote_code)
         model = peft.get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     spec = from_module(model, hf, peft_config)
@@ -137,13 +137,13 @@ def from_hf_config(hf_config, trust_remote_code: bool = False) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), _zero3_off():
+    with torch.device("meta"), zero3_init_parked():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     return from_module(model, hf_config)
 
 
 @contextmanager
-def _zero3_off():
+def zero3_init_parked():
     """A meta build while a ZeRO-3 engine lives in this process (an OOM retry re-plans):
     transformers would run its ZeRO-3 weight init on meta tensors, so its weak reference
     to the live HfDeepSpeedConfig is parked for the build."""

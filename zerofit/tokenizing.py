@@ -16,8 +16,8 @@ from typing import NamedTuple
 from jinja2.exceptions import TemplateError
 
 from zerofit import tokenworkers, toolcalls
-from zerofit.conversations import (RowError, _history, _messages, _text, alpaca_messages, conversation_named,
-                                   sharegpt_messages)
+from zerofit.conversations import (RowError, alpaca_messages, conversation_named, history_pairs, openai_messages,
+                                   sharegpt_messages, text_field)
 from zerofit.dataconfig import FORMAT_FIELDS, DataConfig
 from zerofit.datafiles import DataError, line_of_row, read_rows, with_columns
 from zerofit.hardware import cpu_cores
@@ -79,7 +79,7 @@ def tokenize_row(row: dict, fmt: str, tokenizer, alpaca_template: str = "chat") 
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "text":
-        ids = text_ids(tokenizer, _text(row, "text")) + eos
+        ids = text_ids(tokenizer, text_field(row, "text")) + eos
         return ids, list(ids)
     if fmt not in ("alpaca", *CHAT_FORMATS):
         raise ValueError(f"unknown format {fmt}")
@@ -90,7 +90,7 @@ def tokenize_row(row: dict, fmt: str, tokenizer, alpaca_template: str = "chat") 
                 raise RowError("tools", "the alpaca layout has no place for tools: give the run a tokenizer whose "
                                         "chat template renders them (model.tokenizer), with data.alpaca_template: chat")
             return _tokenize_alpaca(row, tokenizer, bos, eos)
-        messages = {"alpaca": alpaca_messages, "messages": _messages, "sharegpt": sharegpt_messages}[fmt](row)
+        messages = {"alpaca": alpaca_messages, "messages": openai_messages, "sharegpt": sharegpt_messages}[fmt](row)
     except toolcalls.ToolCallError as e:
         raise RowError(e.field_name, e.problem) from None
     with conversation_named({"alpaca": ALPACA_AS_CHAT, "sharegpt": "conversations"}.get(fmt, "messages")):
@@ -104,11 +104,11 @@ def _tokenize_alpaca(row: dict, tokenizer, bos: list[int], eos: list[int]) -> tu
     """LLaMA-Factory's alpaca row: the system text opens the prompt, each `history` pair is an
     earlier instruction and response (learned, as every assistant turn of a conversation is),
     then the row's own instruction (with its input) and output."""
-    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
-    turns = [(ALPACA_PROMPT.format(instruction=q), a) for q, a in _history(row)]
+    instruction, extra = text_field(row, "instruction"), text_field(row, "input", required=False)
+    turns = [(ALPACA_PROMPT.format(instruction=q), a) for q, a in history_pairs(row)]
     turns.append(((ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra),
-                  _text(row, "output")))
-    system = _text(row, "system", required=False)
+                  text_field(row, "output")))
+    system = text_field(row, "system", required=False)
     ids, labels = list(bos), [IGNORE] * len(bos)
     for n, (prompt_text, answer_text) in enumerate(turns):
         prompt = tokenizer.encode((f"{system}\n\n" if system and n == 0 else "") + prompt_text,
@@ -135,7 +135,7 @@ def _tokenize_messages(messages: list[dict], tokenizer, bos: list[int], eos: lis
                                        "template that renders it (model.chat_template), or drop the system turn "
                                        "(a `system` column: data.columns {system: null})")
         try:
-            ids, labels = _chat_template_spans(messages, tokenizer, tools)
+            ids, labels = chat_template_spans(messages, tokenizer, tools)
         except RowError:
             raise
         except (TemplateError, ValueError) as e:  # the template's raise_exception: Gemma's "System role not supported"
@@ -177,7 +177,7 @@ def renders_system(tokenizer) -> bool:
     return _renders_system[template]
 
 
-def _chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+def chat_template_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Render the conversation up to each assistant turn (with its generation prompt) and through
     it; each assistant turn's new tokens are learned, everything else masked. Only an assistant
     turn's edges are rendered: a template may close a turn differently when another of the same
