@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from zerofit import adapters, lora, runlock
+from zerofit import adapters, basemodel, lora, runlock
 from zerofit.config import ConfigError, LoraConfig
 from zerofit.configfile import validate
 from zerofit.export import export
@@ -100,7 +100,7 @@ def test_resume_continues_exactly(lora_run, tmp_path):
 @pytest.mark.parametrize("change, reason, recorded", [
     ("train.seed=8", "frozen base model differs", True),  # checkpoints hold no base: it must be rebuilt the same
     # refused before anything is rewritten (resume.unloadable_changes); a checkpoint of an
-    # older zerofit, which recorded no settings, meets lora.check_adapter_shapes at the load instead
+    # older zerofit, which recorded no settings, meets loraresume.check_adapter_shapes at the load instead
     ("lora.r=4", "step-000012 cannot be loaded under this config (lora.r ", True),
     ("lora.target_modules=[q_proj,v_proj]", "cannot be loaded under this config (lora targets ", True),
     ("lora.r=4", "step-000012 holds other trainable parameters than this lora section makes", False),
@@ -167,7 +167,7 @@ def test_two_ranks_with_a_fully_trained_head(tmp_path):
     for rank in (0, 1):
         assert f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in manifest["files"]
     loop_state = json.loads((step / "loop_state.json").read_text())
-    assert len(loop_state["extra"][lora.BASE_FINGERPRINT]) == 2
+    assert len(loop_state["extra"][basemodel.BASE_FINGERPRINT]) == 2
     tensors = adapters.read_adapter(step)  # reassembled from both ranks' partitions
     assert len(tensors) == 2 * 14 + 1  # A and B of 14 modules, and the trained copy of lm_head
     assert tensors["base_model.model.lm_head.weight"].shape == (128, 64)
@@ -180,7 +180,7 @@ def test_two_ranks_with_a_fully_trained_head(tmp_path):
     tampered = tmp_path / "tampered"
     shutil.copytree(tmp_path / "run", tampered)
     state_file = tampered / "checkpoints" / "step-000004" / "loop_state.json"
-    recorded = json.loads(state_file.read_text())["extra"][lora.BASE_FINGERPRINT][1]
+    recorded = json.loads(state_file.read_text())["extra"][basemodel.BASE_FINGERPRINT][1]
     state_file.write_text(state_file.read_text().replace(recorded, ("0" if recorded[0] != "0" else "1") + recorded[1:]))
     for run_dir, refused in ((tmp_path / "run", False), (tampered, True)):
         done = run_zerofit(["train", "--config", str(config), "--run-dir", str(run_dir), "--resume", "--set",
@@ -234,7 +234,7 @@ def test_resume_on_another_rank_count_checks_the_base(path_bases, tmp_path):
     done = run_zerofit(["train", "--config", str(config), "--resume", "--set", "train.max_steps=3"])
     assert "resumed from" in done.stderr and "cannot check" not in done.stderr
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-000003" / "loop_state.json").read_text())
-    assert len(state["extra"][lora.BASE_FINGERPRINT]) == 1
+    assert len(state["extra"][basemodel.BASE_FINGERPRINT]) == 1
 
 
 def files_of(directory):

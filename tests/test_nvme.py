@@ -453,7 +453,7 @@ def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
     reading it back would cost a full swap-in. A run on NVMe records no fingerprint, and its
     resume says the base was not checked; a resume onto NVMe of a checkpoint that has one
     (the base in RAM then) says so too and keeps that fingerprint for the next resume to check."""
-    from zerofit import lora
+    from zerofit.basemodel import BASE_FINGERPRINT
 
     raw = tiny_config(tmp_path / "run", model={"config": "mini", "gradient_checkpointing": False},
                       lora={"enabled": True, "r": 8, "alpha": 32}, train={"max_steps": 1},
@@ -467,7 +467,7 @@ def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
 
     def fingerprint(step):
         state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / "loop_state.json").read_text())
-        return state["extra"][lora.BASE_FINGERPRINT]
+        return state["extra"][BASE_FINGERPRINT]
 
     def train(max_steps, *sets):
         done = run_zerofit(["train", "--config", str(config), "--set", f"train.max_steps={max_steps}", *sets],
@@ -488,7 +488,7 @@ def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
 @needs_async_io
 def test_a_lora_base_on_nvme_checked_by_its_files_is_not_said_unchecked(tmp_path):
     """A model.path base is compared with the checkpoint's fingerprint from its files before the
-    build (lora.base_refusal): on NVMe now, the resume said it could not check the base all the
+    build (loraresume.base_refusal): on NVMe now, the resume said it could not check the base all the
     same. Now it says nothing; another base is refused as in RAM."""
     import shutil
 

@@ -19,7 +19,7 @@ PEFT_PREFIX = "base_model.model."   # PeftModel -> LoraModel -> the HF model
 LORA_LAYERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG_KEY = "lora_adapter_config"  # in LoopState.extra, written by lora.check_and_record
+ADAPTER_CONFIG_KEY = "lora_adapter_config"  # in LoopState.extra, written by loraresume.check_and_record
 
 
 def is_adapter(name: str, bias: str = "none", adapter: str = ADAPTER) -> bool:
@@ -103,7 +103,7 @@ def read_adapter(checkpoint: Path, bias: str = "none") -> dict:
 
 def adapter_config(checkpoint: Path) -> dict:
     """peft's adapter config a LoRA checkpoint was trained with (its loop_state.json, written
-    by lora.check_and_record at every save)."""
+    by loraresume.check_and_record at every save)."""
     loop_state = json.loads((Path(checkpoint) / "loop_state.json").read_text())
     config = loop_state.get("extra", {}).get(ADAPTER_CONFIG_KEY)
     if config is None:

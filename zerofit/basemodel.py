@@ -26,7 +26,7 @@ import torch
 from zerofit import adapters
 from zerofit.config import ConfigError
 
-BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by lora.check_and_record
+BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by loraresume.check_and_record
 ADAPTER_BASE_FILE = "zerofit_base.json"  # in an `export --adapter-only` directory: recipe + HF config
 BASE_FINGERPRINT = "lora_base_fingerprint"
 FINGERPRINT_SCHEME = 2                # 1 (before): one running hash over the shares, model order only
@@ -74,7 +74,7 @@ def drawing_versions() -> dict:
     """The libraries whose code draws a random-init base: torch (its generators and init
     functions), transformers (the ZeRO-3 init walk and each model's _init_weights), DeepSpeed
     (zero.Init, under which it is built). With these and the device type unchanged, the same
-    seed draws the same base; with any changed it may not (lora.base_refusal replays it then)."""
+    seed draws the same base; with any changed it may not (loraresume.base_refusal replays it then)."""
     import deepspeed
     import transformers
 
@@ -254,7 +254,7 @@ def quiet_peft():
 
 
 def frozen_params(peft_model) -> list[BaseParam]:
-    """The frozen parameters in the order lora.base_fingerprint hashes them."""
+    """The frozen parameters in the order loraresume.base_fingerprint hashes them."""
     return [BaseParam(name, adapters.base_name(name), tuple(p.shape), p.dtype)
             for name, p in peft_model.named_parameters() if not p.requires_grad]
 

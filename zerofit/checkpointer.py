@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from zerofit import (cgroup, checkpoint, checkpoint_io, choice, data, engine, faults, lora, memory, nvme,
+from zerofit import (cgroup, checkpoint, checkpoint_io, choice, data, engine, faults, loraresume, memory, nvme,
                      planner, zerofiles)
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config
@@ -65,8 +65,8 @@ class Checkpointer:
         directory, load_dir = Path(point.directory), Path(point.load_dir)
         custom_load_fn = None
         if self.config.lora.enabled:  # LoRA checkpoints hold the adapters, not the frozen base
-            lora.check_adapter_shapes(self.ds_engine.module, directory)
-            custom_load_fn = lora.load_trainable_only
+            loraresume.check_adapter_shapes(self.ds_engine.module, directory)
+            custom_load_fn = loraresume.load_trainable_only
         try:
             path, _ = self.ds_engine.load_checkpoint(str(load_dir.parent), tag=load_dir.name,
                                                      load_optimizer_states=True, load_lr_scheduler_states=True,

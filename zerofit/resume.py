@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit import checkpoint, data, elastic, lora, runfiles, universal, zerofiles
+from zerofit import checkpoint, data, elastic, loraresume, runfiles, universal, zerofiles
 from zerofit.checkpoint import CheckpointError, LoopState
 from zerofit.config import Config, ConfigError, changed_settings, short
 from zerofit.progress import say, warn
@@ -297,7 +297,7 @@ def _pick(root: Path, config: Config, world_size: int, on_gpu: bool, fresh: Loop
     changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
     # LoRA: the frozen base compared before anything is rewritten or built (the load cannot tell)
     base_refused, point.base_checked = (None, False) if changes else \
-        lora.base_refusal(config, found, point.step, on_gpu)
+        loraresume.base_refusal(config, found, point.step, on_gpu)
     if changes:
         point.error = (f"{found.name} cannot be loaded under this config ({'; '.join(changes)}): resume with "
                        f"the run's own ({resume_command(config, resume=False)}), or start "

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from zerofit import (basemodel, chatlayout, checkpoint, checkpointer, data, datareport, dsconfig, elastic, engine,
-                     faults, hostalloc, lastword, lora, loss, memory, models, nvme, oomreport, peerwatch, planview,
+                     faults, hostalloc, lastword, lora, loraresume, loss, memory, models, nvme, oomreport, peerwatch, planview,
                      postmortem, runfiles, runlock, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, say, warn
@@ -126,9 +126,9 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     swap_guard = nvme.SwapGuard(ds_engine)
     state = saver.load(resume_point, fresh)
     if config.lora.enabled:  # checkpoints hold adapters only: the rebuilt base must be the same
-        lora.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
-                              basemodel.recipe_record(config, dist.on_gpu, engine.builds_under_zero_init(ds_config)),
-                              base_checked=resume_point.base_checked)
+        loraresume.check_and_record(ds_engine.module, state, dist.rank, dist.world_size,
+                                    basemodel.recipe_record(config, dist.on_gpu, engine.builds_under_zero_init(ds_config)),
+                                    base_checked=resume_point.base_checked)
     if dist.is_main and resume_point.directory is not None:  # once nothing can refuse it any more
         say(f"resumed from {resume_point.directory} at step {state.step}")
     batches = data.Batches(train_set, config.train.micro_batch_size, dist.rank, dist.world_size,
