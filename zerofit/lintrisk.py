@@ -17,7 +17,7 @@ LARGE_MODEL_PARAMS = 1_000_000_000      # where a 16-bit consolidation at save s
 def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, autos: list[str] = ()) -> None:
     """Values that work until the worst moment: a save, the first step after it."""
     section = ds.get("zero_optimization", {})
-    a = 4 if precision(ds) == "fp32" else 2
+    a = weight_bytes(ds)
     N = spec.total_params if spec is not None else None
     offload_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
     if zero.stage == 3 and zero.gather_16bit_weights_on_model_save and (N is None or N >= LARGE_MODEL_PARAMS):
@@ -161,7 +161,7 @@ def _deepcompile_step_finding(ds: dict, spec, hw: Hardware | None, world_size: i
     """offload_opt_states moves states out for the forward and backward only: the step holds
     the 16-bit weights and gradients, the fp32 masters and both Adam moments of each rank's
     partition, (2a + 12) bytes a parameter over the ranks."""
-    a = 4 if precision(ds) == "fp32" else 2
+    a = weight_bytes(ds)
     holds = f"{2 * a + 12} bytes per parameter of each rank's partition"
     budget = hw.gpu_budget_bytes if hw is not None and hw.on_gpu else None
     accumulation = ds.get("gradient_accumulation_steps")
@@ -256,6 +256,11 @@ def to_zerofit(ds: dict, zero, trainer: TrainerArgs, model_ref: str, auto_values
         "checkpoint": {"save_final": False},
         "plan": {"enabled": False},
     }
+
+
+def weight_bytes(ds: dict) -> int:
+    """Bytes of one training-precision weight or gradient: 4 in fp32, else 2."""
+    return 4 if precision(ds) == "fp32" else 2
 
 
 def precision(ds: dict) -> str:
