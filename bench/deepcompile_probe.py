@@ -17,6 +17,10 @@ per step, the forward+backward peak, the peak of the optimizer step, and the tim
 
 each under --cap-gib when given (torch's per-process fraction, a smaller card).
 
+Measured (bench/results/README.md, thirty-fourth session, H100): DeepCompile's schedule starts the
+offload at step 1 (compile/init_z3.py), so step 0 holds every state on the GPU and OOMs under a cap
+below 16 bytes a parameter; from step 1 the forward+backward peak falls and the step's does not.
+
 GPU machine:  source .whl/prelude.sh || exit; python bench/deepcompile_probe.py --runs plain,dc_offload
 Writes $OUT/deepcompile_probe-TAG.json (one entry per run: steps, peaks, the error if any).
 """
@@ -102,7 +106,7 @@ def worker(args) -> dict:
 
 def run_one(run: str, args, out: Path) -> dict:
     """One run in its own process (DeepCompile patches torch and DeepSpeed process-wide)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + RUNS.index(run))}
     if run == "dc_offload" and args.budget_gb:
         env["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = str(args.budget_gb)
@@ -132,7 +136,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cap-gib", type=float, default=None)
     parser.add_argument("--budget-gb", type=float, default=None, help="DS_DC_OFFLOAD_OPT_BUDGET_GB for dc_offload")
-    parser.add_argument("--timeout-s", type=int, default=240)
+    parser.add_argument("--timeout-s", type=int, default=440,
+                        help="per run: DeepCompile compiles step 0 (~76 s on an H100) and again at step 1 (~89 s)")
     parser.add_argument("--tag", default="0.5b")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
