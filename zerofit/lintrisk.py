@@ -153,8 +153,10 @@ def check_deepcompile(ds: dict, zero, spec, hw: Hardware | None, world_size: int
     _deepcompile_step_finding(ds, spec, hw, world_size, result)
 
 
-DEEPCOMPILE_STEP = ("DeepCompile offloads the optimizer states during the forward and backward only and steps on "
-                    "the GPU with all of them back")
+# Measured (bench/results/README.md, thirty-fourth session): DeepCompile's schedule starts the offload at
+# step 1, so step 0 holds every state on the GPU as well (an OOM under a cap below them).
+DEEPCOMPILE_STEP = ("DeepCompile offloads the optimizer states during the forward and backward only, from its second "
+                    "step on, and steps on the GPU with all of them back")
 
 
 def _deepcompile_step_finding(ds: dict, spec, hw: Hardware | None, world_size: int, result: LintResult) -> None:
