@@ -365,7 +365,7 @@ def planning(case: dict, accelerator: str):
 
 def stock_candidate(spec):
     """The LLaMA-Factory config in the planner's terms ("auto" = HF Trainer's formulas)."""
-    from zerofit.choice import auto_buckets
+    from zerofit.planner import auto_buckets
     from zerofit.planner import Candidate
 
     return replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,

@@ -651,7 +651,7 @@ def test_reducing_lm_head_and_embedding_gradients_holds_fp64_copies_of_their_nor
     on_gpu = Candidate(offload_optimizer="none")  # no boundary copy to the host: nothing in flight here
     assert activations.reduce_transient_bytes(small, on_gpu, shape, several=False, fp64_norm=True) == 0
     spec = modelspec.from_name("llama-0.5b")
-    persistent = replace(cand, param_persistence_threshold=choice.all_persistent(spec))
+    persistent = replace(cand, param_persistence_threshold=planner.all_persistent(spec))
     phases = activations.device_phases(spec, shape, persistent, on_gpu=True)
     assert phases["backward_peak_at"] == "lm_head_reduce"
     head = small + 1024  # llama-0.5b's lm_head (not tied) and the final norm after the blocks

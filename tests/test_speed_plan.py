@@ -22,7 +22,7 @@ def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
     # (the planner itself prefers them offloaded here since the copy back to the GPU is counted)
     decision = choice.decide(batch16(zero={"offload_param": "none"}), spec, cuda_box("8GiB", host="120GiB"), 1)
     assert decision.plan.fits and decision.config.zero.offload_param == "none"
-    assert decision.config.zero.param_persistence_threshold == LLAMA_1_5B_EMBEDDING == choice.all_persistent(spec)
+    assert decision.config.zero.param_persistence_threshold == LLAMA_1_5B_EMBEDDING == planner.all_persistent(spec)
     assert decision.chosen_fields["zero.param_persistence_threshold"] == LLAMA_1_5B_EMBEDDING
     # the same configuration with HF's "auto" threshold: same memory, more hook time (a visit
     # that fetches costs more than one that finds its parameters; measured: 1.02x, the
@@ -72,7 +72,7 @@ def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident()
     spec = modelspec.from_name("llama-3.6b")
     hw = cuda_box("24GiB", host="240GiB")
     cand = Candidate(offload_optimizer="cpu", offload_param="none",
-                     param_persistence_threshold=choice.all_persistent(spec))
+                     param_persistence_threshold=planner.all_persistent(spec))
     kept, fresh = (planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=16, heap_step_temporaries=heap), cand)
                    for heap in (True, False))
     # what the H200 measured for this model's 7.2 GB copy (bench/results/speed-3.6b.json): 0.71 s
@@ -128,7 +128,7 @@ def test_the_planner_no_longer_offloads_part_of_the_optimizer_beside_offloaded_p
 def test_larger_micro_batches_amortise_the_gradient_round_trips():
     spec = modelspec.from_name("llama-1.5b")
     hw = cuda_box("80GiB")
-    cand = Candidate(offload_optimizer="cpu", offload_param="none", param_persistence_threshold=choice.all_persistent(spec))
+    cand = Candidate(offload_optimizer="cpu", offload_param="none", param_persistence_threshold=planner.all_persistent(spec))
     seconds = [planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m), cand).step_terms
                for m in (1, 2, 4, 8, 16)]
     grads = [s["pcie_grads"] for s in seconds]
@@ -163,7 +163,7 @@ def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
     hw = cuda_box("8GiB", host="120GiB")
     decision = choice.decide(batch16(), spec, hw, 1)
     stock = replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,
-                              gather_16bit_weights_on_save=True), **choice.auto_buckets(spec))
+                              gather_16bit_weights_on_save=True), **planner.auto_buckets(spec))
     fitting = {m: p for m in (1, 2, 4, 8, 16)
                if (p := planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m, chunked_loss=False),
                                         stock)).devices["gpu"].fits}

@@ -29,7 +29,7 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["train_batch_size"] == 4 and "auto" not in json.dumps(ds)
-    # one rank, parameters on the device: every parameter persistent (choice.all_persistent), and it trains
+    # one rank, parameters on the device: every parameter persistent (planner.all_persistent), and it trains
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 8192
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]

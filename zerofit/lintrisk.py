@@ -288,12 +288,12 @@ def _device(offload) -> str:
 
 def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, trainer: TrainerArgs, model_ref: str,
                    autos: list[str] = ()) -> dict:
-    from zerofit import choice, planview
+    from zerofit import choice, planner, planview
     from zerofit.configfile import validate
 
     names = {"reduce_bucket_size": "reduce_bucket_size", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
              "stage3_param_persistence_threshold": "param_persistence_threshold"}
-    hf_auto = choice.auto_buckets(spec)
+    hf_auto = planner.auto_buckets(spec)
     auto_values = {ours: hf_auto[ours] for theirs, ours in names.items() if f"zero_optimization.{theirs}" in autos}
     config = validate(to_zerofit(ds, zero, trainer, model_ref or "tiny", auto_values))
     if config.lora.enabled:  # the peft model: adapters trained, the base frozen

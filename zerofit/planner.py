@@ -87,6 +87,24 @@ def zero_default(key: str):
     return ZeroConfig.model_fields[key].default
 
 
+def auto_buckets(spec: ModelSpec) -> dict[str, int]:
+    """HF Trainer's "auto" values (transformers integrations/deepspeed.py,
+    HfTrainerDeepSpeedConfig.trainer_config_finalize): hidden^2, 0.9 hidden^2, 10 hidden."""
+    h = spec.hidden_size
+    return {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
+            "param_persistence_threshold": 10 * h}
+
+
+def all_persistent(spec: ModelSpec) -> int:
+    """A stage3_param_persistence_threshold that makes every parameter persistent.
+
+    One rank whose 16-bit parameters stay on the GPU holds each one whole already: ZeRO-3's
+    fetch there is a view of the partition (partition_parameters.py `_no_gather_coalesced`,
+    NoGatherHandle), so persistence costs no memory (zerostates: (W - 1) / W copies) and
+    spares every module visit its fetch and release (partitioned_param_coordinator.py)."""
+    return max(p.numel for p in spec.params)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """The DeepSpeed knobs one configuration sets (names as in zerofit's zero section; the
