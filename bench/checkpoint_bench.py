@@ -107,12 +107,12 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
 
-    from zerofit import checkpoint, checkpointer, data, dsconfig, engine, memory, models
+    from zerofit import checkpoint, checkpointer, data, dsconfig, engine, memory, models, procenv, ranks
     from zerofit.train import fresh_state, train_step
 
     config = bench_config(args, work / "run")
-    engine.apply_cpu_threads(config)  # what train() does: the writer's core is kept free of CPU-Adam
-    dist = engine.init_distributed()
+    procenv.apply_cpu_threads(config)  # what train() does: the writer's core is kept free of CPU-Adam
+    dist = ranks.init_distributed()
     import torch
 
     hf_config = models.hf_config(config.model)

@@ -2,13 +2,13 @@
 more when CPU-Adam uses every core than when it leaves one free? An OpenMP loop runs at the
 pace of its slowest thread, so one thread sharing a core with the writer holds back all of
 them. This is why zerofit keeps a core for the writer when checkpoint.async_save is on
-(engine.cpu_threads_per_rank).
+(procenv.cpu_threads_per_rank).
 
 Each case runs in its own process (OMP_NUM_THREADS is read once, when the op loads):
 CPU-Adam on --params fp32 elements with all cores or one fewer, the writer idle or busy
 (zlib.crc32 over 256 MiB in a loop: releases the GIL, like torch.save's CRC and the copies).
 One more case checks the mechanism zerofit relies on: a process launched with
-OMP_NUM_THREADS=1 (torchrun's default) whose threads engine.apply_cpu_threads sets to all
+OMP_NUM_THREADS=1 (torchrun's default) whose threads procenv.apply_cpu_threads sets to all
 cores before the op loads (`set_by_zerofit`) should step as fast as one launched with them.
     python bench/omp_straggler.py            # any machine; writes $OUT/omp_straggler.json
 """
@@ -35,10 +35,10 @@ def case(threads: int, load: str, params: int, steps: int) -> float:
 
     if load == "set_by_zerofit":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from zerofit import engine
+        from zerofit import procenv
         from zerofit.configfile import validate
 
-        engine.apply_cpu_threads(validate({"model": {"config": "tiny"},
+        procenv.apply_cpu_threads(validate({"model": {"config": "tiny"},
                                            "train": {"max_steps": 1, "cpu_threads": threads}}))
     else:
         torch.set_num_threads(threads)

@@ -87,7 +87,7 @@ class RandomBatches:
 
 
 def build(args, run_dir: Path):
-    from zerofit import dsconfig, engine
+    from zerofit import dsconfig, engine, ranks
     from zerofit.configfile import validate
     from zerofit.models import hf_config
 
@@ -97,7 +97,7 @@ def build(args, run_dir: Path):
         "train": {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch, "grad_accum_steps": args.grad_accum,
                   "max_steps": 10**6, "lr": 1e-5, "precision": "bf16"},
         "zero": {"stage": 3, "offload_optimizer": "cpu"}, "log": {"progress": False}})
-    dist = engine.init_distributed()
+    dist = ranks.init_distributed()
     if dist.on_gpu and args.gpu_cap_gib:
         import torch
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zerofit import engine, tokenworkers  # noqa: E402
+from zerofit import ranks, tokenworkers  # noqa: E402
 from zerofit.dataconfig import DataConfig  # noqa: E402
 from zerofit.demo import build_tokenizer  # noqa: E402
 from zerofit.hardware import cpu_cores  # noqa: E402
@@ -31,7 +31,7 @@ def main() -> None:
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else None
     path = Path("/tmp/tokenize_bench.jsonl")
     write_rows(path, rows)
-    dist = engine.init_distributed()  # gloo on CPU; NCCL and a CUDA context on a GPU: the fork's parent as in train
+    dist = ranks.init_distributed()  # gloo on CPU; NCCL and a CUDA context on a GPU: the fork's parent as in train
     tokenizer = build_tokenizer()
     cores = cpu_cores()
     auto = tokenworkers.worker_count(None, rows, cores, 1)

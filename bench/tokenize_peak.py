@@ -105,11 +105,11 @@ def tree_rss() -> int:
 
 
 def measure(case: dict) -> dict:
-    from zerofit import data, engine, loadpeak, memory, models, train  # noqa: F401 - train's imports, its base
+    from zerofit import data, engine, loadpeak, ranks, memory, models, train  # noqa: F401 - train's imports, its base
     from zerofit.config import ModelConfig
     from zerofit.dataconfig import DataConfig
 
-    engine.init_distributed()
+    ranks.init_distributed()
     if case["tokenizer"] == "demo":
         from zerofit.demo import build_tokenizer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerofit.engine import free_port
+from zerofit.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

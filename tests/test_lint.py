@@ -198,10 +198,10 @@ def test_zenflow_under_zero3_is_flagged_with_what_it_needs_of_this_model():
 DEEPCOMPILE_BUILD_SCRIPT = """
 import json, sys
 import torch
-from zerofit import engine
+from zerofit import ranks
 import deepspeed
 
-engine.init_distributed()
+ranks.init_distributed()
 for ds in json.loads(sys.argv[1]):
     try:
         built, *_ = deepspeed.initialize(model=torch.nn.Sequential(torch.nn.Linear(8, 8)), config=ds)
@@ -355,10 +355,10 @@ def test_optimizer_and_scheduler_sections_are_checked():
 ADAM_BUILD_SCRIPT = """
 import json, sys
 import torch
-from zerofit import engine
+from zerofit import ranks
 import deepspeed
 
-engine.init_distributed()
+ranks.init_distributed()
 for params in json.loads(sys.argv[1]):
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
           "optimizer": {"type": "AdamW", "params": params}}

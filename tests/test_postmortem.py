@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from conftest import ROOT, child_env, read_jsonl, run_zerofit, tiny_config, write_config
 
-from zerofit import elastic, engine, peerwatch
+from zerofit import elastic, peerwatch, ranks
 from zerofit.configfile import load, validate
 from zerofit.doctor import diagnose
 from zerofit.findings import RunFacts
@@ -185,7 +185,7 @@ def node_command(port: int, rdzv_id: str, config, *args: str, max_restarts: int 
 def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], list[int]]:
     """`zerofit train` under two torchrun agents of one rank each (rendezvous c10d, --max-restarts 1):
     two nodes on one machine. Their outputs and exit codes."""
-    port = engine.free_port()
+    port = ranks.free_port()
     env = child_env({"ZEROFIT_FAULT": fault, **WIDE})
     nodes = [subprocess.Popen(node_command(port, "two-nodes", config, *args, max_restarts=1),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -279,8 +279,8 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
 # ended it leaves (exit 143); after, it stays (the byte waited in the pipe while the ranks stopped together).
 WATCHER_VERDICT = """
 import os, signal, sys, threading, torch.distributed as td
-from zerofit import elastic, engine, peerwatch
-port = engine.free_port()
+from zerofit import elastic, engine, peerwatch, ranks
+port = ranks.free_port()
 server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True",
                   TORCHELASTIC_RESTART_COUNT="0")
@@ -360,7 +360,7 @@ def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monke
     import psutil
     import torch.distributed as td
 
-    port = engine.free_port()
+    port = ranks.free_port()
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
         monkeypatch.setenv(name, value)
@@ -441,7 +441,7 @@ def test_ranks_leave_when_a_whole_node_is_lost(tmp_path, frozen, said):
     import psutil
 
     config = oom_config(tmp_path, elastic={"lost_node_after_s": 8})
-    port = engine.free_port()
+    port = ranks.free_port()
     env = child_env({"ZEROFIT_FAULT": "stall@step:5", **WIDE})
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     nodes = [subprocess.Popen(node_command(port, "lost", config), cwd=ROOT, env=env, stdout=log.open("w"),
@@ -580,7 +580,7 @@ def agent_store_env(monkeypatch, restart: int, max_restarts: int):
     """What torchrun gives a worker, with a TCP store of this test's as the agent's."""
     import torch.distributed as td
 
-    port = engine.free_port()
+    port = ranks.free_port()
     server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(restart),
@@ -664,11 +664,11 @@ RELEASE_SCRIPT = """
 import gc, sys, weakref
 sys.path.insert(0, "tests")
 from conftest import tiny_config
-from zerofit import dsconfig, engine
+from zerofit import dsconfig, engine, ranks
 from zerofit.configfile import validate
 
 config = validate(tiny_config("{run}"))
-dist = engine.init_distributed()
+dist = ranks.init_distributed()
 ds_config = dsconfig.build(config, 1, dist.on_gpu)
 
 def collected(release):

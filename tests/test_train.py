@@ -312,7 +312,7 @@ def test_two_ranks_a_bad_row_is_said_once_and_the_start_leaves_no_run_directory(
 
 
 def test_cpu_threads_per_rank():
-    from zerofit.engine import cpu_threads_per_rank
+    from zerofit.procenv import cpu_threads_per_rank
 
     threads, note = cpu_threads_per_rank(None, 32, 2, "1", True)  # torchrun's default for 2 ranks
     assert threads == 16 and "torchrun set OMP_NUM_THREADS=1" in note
@@ -325,9 +325,9 @@ def test_cpu_threads_per_rank():
 
 
 def test_allocator_setting_leaves_the_users_choice():
-    """engine.allocator_setting: expandable segments by default; the config or the user's
+    """procenv.allocator_setting: expandable segments by default; the config or the user's
     allocator variables (either name, either value) turn zerofit's setting off."""
-    from zerofit.engine import allocator_setting
+    from zerofit.procenv import allocator_setting
 
     assert allocator_setting(True, {}) == "expandable_segments:True"
     assert allocator_setting(True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == "expandable_segments:True"
@@ -337,7 +337,7 @@ def test_allocator_setting_leaves_the_users_choice():
 
 
 def test_a_launched_rank_exits_at_once_with_its_code():
-    """engine.finish_distributed: in one of several launched ranks (WORLD_SIZE > 1) the
+    """ranks.finish_distributed: in one of several launched ranks (WORLD_SIZE > 1) the
     process ends there with the run's code, what it printed flushed, nothing after it runs
     (no interpreter teardown, where gloo could abort the exit); a lone process goes on."""
     import subprocess
@@ -345,8 +345,8 @@ def test_a_launched_rank_exits_at_once_with_its_code():
 
     from conftest import ROOT
 
-    program = ("import atexit; from zerofit import engine; atexit.register(print, 'teardown ran'); "
-               "print('trained', end=''); engine.finish_distributed(7); print(' went on')")
+    program = ("import atexit; from zerofit import ranks; atexit.register(print, 'teardown ran'); "
+               "print('trained', end=''); ranks.finish_distributed(7); print(' went on')")
     for world_size, code, printed in (("2", 7, "trained"), ("1", 0, "trained went on\nteardown ran\n")):
         done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)
@@ -354,7 +354,7 @@ def test_a_launched_rank_exits_at_once_with_its_code():
 
 
 def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
-    """engine.end_after_error: a process in a process group (one rank here, as a refused
+    """ranks.end_after_error: a process in a process group (one rank here, as a refused
     resume leaves it) ends with the error's code and no interpreter teardown, where gloo
     could abort the exit (-6 instead of 1); a process that joined none returns the code."""
     import subprocess
@@ -364,8 +364,8 @@ def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
 
     join = ("import torch.distributed as d; d.init_process_group('gloo', init_method='file://{store}', rank=0, "
             "world_size=1); ")
-    program = ("import atexit; from zerofit import engine; atexit.register(print, 'teardown ran'); {join}"
-               "print('refused', end=''); code = engine.end_after_error(3); print(' returned', code)")
+    program = ("import atexit; from zerofit import ranks; atexit.register(print, 'teardown ran'); {join}"
+               "print('refused', end=''); code = ranks.end_after_error(3); print(' returned', code)")
     for joined, code, printed in ((True, 3, "refused"), (False, 0, "refused returned 3\nteardown ran\n")):
         source = program.format(join=join.format(store=tmp_path / f"store-{joined}") if joined else "")
         done = subprocess.run([sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -397,7 +397,7 @@ def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 2},
                                                              checkpoint={"every_steps": 0}, eval={"every_steps": 0}))
     from conftest import ROOT
-    from zerofit.engine import free_port
+    from zerofit.ranks import free_port
 
     # `-m zerofit` through the launcher's --module, run from this checkout
     done = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "zerofit",
@@ -412,14 +412,14 @@ import sys
 sys.path.insert(0, "tests")
 import torch
 from conftest import tiny_config
-from zerofit import dsconfig, engine
+from zerofit import dsconfig, engine, ranks
 from zerofit.config import ConfigError
 from zerofit.configfile import validate
 
 bucket, checkpointing, guarded = {bucket}, {checkpointing}, {guarded}
 config = validate(tiny_config("{run}", model={{"gradient_checkpointing": checkpointing}},
                               zero={{"reduce_bucket_size": bucket}}))
-dist = engine.init_distributed()
+dist = ranks.init_distributed()
 ds_config = dsconfig.build(config, 1, dist.on_gpu)
 ds_config["zero_optimization"]["zenflow"] = {{"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}}
 if not guarded:
@@ -614,7 +614,7 @@ sys.path.insert(0, "tests")
 import torch
 from transformers import AutoModelForCausalLM
 from conftest import tiny_config
-from zerofit import dsconfig, engine
+from zerofit import dsconfig, engine, ranks
 from zerofit.configfile import validate
 from zerofit.demo import build_tokenizer
 from zerofit.models import config_from_name
@@ -622,7 +622,7 @@ from zerofit.models import config_from_name
 AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained("{base}")
 build_tokenizer().save_pretrained("{base}")
 config = validate(tiny_config("{run}", model={{"path": "{base}", "config": None, "gradient_checkpointing": True}}))
-dist = engine.init_distributed()
+dist = ranks.init_distributed()
 ds_config = dsconfig.build(config, 1, dist.on_gpu)
 built = engine.build_engine(engine.build_model(config, ds_config), config, ds_config, total_steps=4)
 mlp, calls = built.module.model.layers[0].mlp, []

@@ -11,7 +11,7 @@ import sys
 
 from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError
 from zerofit.peerwatch import TerminatedOutsideTheLoop
-from zerofit.engine import end_after_error
+from zerofit.ranks import end_after_error
 from zerofit.memory import human_bytes
 from zerofit.planner import EXPORT_MAX_RAM_BYTES
 from zerofit.section import Section, expand_path

@@ -40,7 +40,7 @@ def reference_state_dict(checkpoint_dir: Path) -> tuple[dict, str]:
     """The independent reference's weights, and what they were built from as the verdict
     names it: DeepSpeed's reconstruction (its progress output silenced), or for a checkpoint
     DeepSpeed's zero_to_fp32 cannot read (NVMe swap files) the files through torch.load."""
-    from zerofit.engine import select_accelerator
+    from zerofit.ranks import select_accelerator
 
     select_accelerator()  # DeepSpeed picks its accelerator at import time
     if universalfiles.is_universal(checkpoint_dir):

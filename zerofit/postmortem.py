@@ -37,7 +37,8 @@ from zerofit import checkpoint, elastic, faults
 from zerofit.config import Config, ConfigError
 from zerofit.configfile import dump_yaml, set_dotted, validate
 from zerofit.doctor import newest_checkpoint_bytes, read_json
-from zerofit.engine import allocator_setting, release as release_engine
+from zerofit.procenv import allocator_setting
+from zerofit.engine import release as release_engine
 from zerofit.detectors import detect, fragmented_request
 from zerofit.findings import RunFacts, facts_from
 from zerofit.measured import plan_vs_measured

@@ -17,7 +17,7 @@ import numpy as np
 
 from zerofit import (basemodel, chatlayout, checkpoint, checkpointer, data, datareport, dsconfig, elastic, engine,
                      faults, hostalloc, lastword, lora, loraresume, loss, memory, models, nvme, oomreport, peerwatch, planview,
-                     postmortem, runfiles, runlock, watchdog)
+                     postmortem, procenv, ranks, runfiles, runlock, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, say, warn
 from zerofit.resume import (changed_on_resume, choose_resume, refuse_resume_without_checkpoint, resume_command,
@@ -50,8 +50,8 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     if int(os.environ.get("RANK", "0")) == 0:  # made and locked before anything in it is read or rewritten
         refuse_resume_without_checkpoint(config, resume)
         runlock.hold(runfiles.usable_run_dir(run_dir))
-    threads_note = engine.apply_cpu_threads(config)
-    dist = engine.init_distributed()
+    threads_note = procenv.apply_cpu_threads(config)
+    dist = ranks.init_distributed()
     # the other ranks' after rank 0's (it joined the group first): one that made the directory while rank 0
     # looked whether it was there left it behind when the start failed (verbs.cmd_train removes what it made)
     runfiles.usable_run_dir(run_dir)
@@ -59,7 +59,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     peerwatch.keep_beating(config.elastic.lost_node_after_s)  # several nodes: heard through the build and the load
     config, resume = elastic.resume_after_oom(config, resume, dist)  # torchrun restarted the ranks after an OOM
     session.attach(config=config)
-    engine.use_expandable_segments(config, dist.on_gpu)
+    procenv.use_expandable_segments(config, dist.on_gpu)
     session.begin(dist)
     if threads_note and dist.is_main:
         say(threads_note)
@@ -79,7 +79,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     memory.reset_host_peak()  # an in-process OOM retry's earlier attempt peaked above the loading
     train_set, eval_set = data.load_splits(config.data, tokenizer, config.train.seq_len, config.train.seed,
                                            hf_config.vocab_size, Shown(dist.is_main, config.log.progress),
-                                           run_dir=run_dir, node=engine.machine_node(dist))
+                                           run_dir=run_dir, node=ranks.machine_node(dist))
     hostalloc.return_freed_heap()  # the examples' lists, before the planner counts the packed arrays alone
     # tokenizing peaks above what stays (each example's Python lists): said in the start record, apart
     # from the peaks of what the plan predicts (VmHWM reset), which it would otherwise stand for
@@ -224,7 +224,7 @@ def refuse_non_finite(loss: float, step: int, saver: checkpointer.Checkpointer) 
 
 
 # ------------------------------------------------------------------------ one step
-def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: engine.Dist,
+def train_step(ds_engine, batches: data.Batches, accum: int, timeline: memory.Timeline, dist: ranks.Dist,
                step: int, chunked_loss: bool = True, heap_step_temporaries: bool = False) -> float:
     """One optimizer step of `accum` micro batches; returns its loss, the mean over every token
     the step trained on, on every rank.
@@ -268,7 +268,7 @@ def forward_loss(ds_engine, batch: data.MicroBatch, chunked: bool):
     return loss.causal_lm_loss(ds_engine(**on_device).logits, labels)
 
 
-def sum_over_ranks(value, dist: engine.Dist) -> float:
+def sum_over_ranks(value, dist: ranks.Dist) -> float:
     import torch.distributed as torch_dist
 
     if dist.world_size > 1:
@@ -277,7 +277,7 @@ def sum_over_ranks(value, dist: engine.Dist) -> float:
 
 
 def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkpointer.Checkpointer, config: Config,
-                 state: checkpoint.LoopState, dist: engine.Dist, timeline: memory.Timeline) -> str | None:
+                 state: checkpoint.LoopState, dist: ranks.Dist, timeline: memory.Timeline) -> str | None:
     """The watchdog's turn: warn, save pre-emptively, or save and stop (returns why).
     A save is collective, so with watchdog_action save/stop the ranks agree first: one
     rank over the threshold acts for all."""
@@ -311,7 +311,7 @@ def eval_sequences(config: Config, world_size: int, held: int) -> int:
     return held
 
 
-def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: engine.Dist,
+def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: ranks.Dist,
              timeline: memory.Timeline, step: int, shown: Shown) -> float | None:
     import torch
 
@@ -365,7 +365,7 @@ def held_bytes(*sets: data.Sequences) -> int:
                for s in sets)
 
 
-def fresh_state(config: Config, dist: engine.Dist, hf_config=None, epoch_sequences: int = 0,
+def fresh_state(config: Config, dist: ranks.Dist, hf_config=None, epoch_sequences: int = 0,
                 data_fingerprint: str = "") -> checkpoint.LoopState:
     shape = models.shape_of(hf_config) if hf_config is not None else {}
     if shape and config.lora.enabled:  # the modules adapted, however lora.target_modules names them

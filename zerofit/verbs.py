@@ -11,7 +11,7 @@ from pathlib import Path
 
 from zerofit import elastic
 from zerofit.config import Config, ConfigError, TrainConfig
-from zerofit.engine import end_after_error
+from zerofit.ranks import end_after_error
 
 
 def load_config(args) -> Config:
@@ -25,10 +25,10 @@ def load_config(args) -> Config:
 
 
 def cmd_train(args) -> int:
-    from zerofit import engine
+    from zerofit import ranks
 
     config = load_config(args)  # a bad config is said at once, before DeepSpeed's import (seconds)
-    engine.select_accelerator()  # before that import, which otherwise guesses and says so on stdout
+    ranks.select_accelerator()  # before that import, which otherwise guesses and says so on stdout
     from zerofit.train import train
 
     if args.verify:
@@ -57,7 +57,7 @@ def cmd_train(args) -> int:
 
         raise ConfigError(elastic.peer_gone_message(e, resume_command(config), config.run_dir)) from None
     code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
-    engine.finish_distributed(code)  # every rank finished (an error raised past this)
+    ranks.finish_distributed(code)  # every rank finished (an error raised past this)
     return code
 
 

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from zerofit.config import ConfigError
-from zerofit.engine import allocator_variables, node_cores_and_ranks
+from zerofit.procenv import allocator_variables, node_cores_and_ranks
 from zerofit.findings import RunFacts, host_in_use
 from zerofit.memory import budgets, gib
 
