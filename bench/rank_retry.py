@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_bench  # noqa: E402 (after the path above)
 from zerofit.doctor import read_json  # noqa: E402
-from zerofit.engine import free_port  # noqa: E402
+from zerofit.ranks import free_port  # noqa: E402
 from zerofit.memory import read_jsonl  # noqa: E402
 
 VARIANTS = ("zerofit", "default_store")  # the default --variants; also: no_peer_watch

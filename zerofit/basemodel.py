@@ -6,7 +6,7 @@ LoRA checkpoints hold only the adapters (lora.py), so a resume, `zerofit export`
 - `model.config`: random init, replayed module by module (reinit.py) with the training seed
   on the device type that drew it.
 Every checkpoint's loop_state.json records how (BASE_RECIPE) and a fingerprint of the base
-as training held it (lora.BASE_FINGERPRINT): per rank, xxh3-128 over each frozen parameter's
+as training held it (BASE_FINGERPRINT, written by loraresume.check_and_record): per rank, xxh3-128 over each frozen parameter's
 name and the xxh3-128 digest of that rank's ZeRO-3 share of it, in the training dtype, in
 the PeftModel's parameter order. Digesting each parameter on its own lets an export compute
 the fingerprint in whatever order the base arrives (a replayed init finishes the embedding
