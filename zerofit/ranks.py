@@ -22,6 +22,8 @@ from zerofit import elastic, opbuild
 
 @dataclass(frozen=True)
 class Dist:
+    """This process's place in the run: its global and local rank, the ranks in all, and
+    whether it trains on CUDA (init_distributed's choice of accelerator)."""
     rank: int
     local_rank: int
     world_size: int
