@@ -6,7 +6,7 @@ seconds next to the measured steady step, and a refit of hardware.StepRates.
 
 Measured steps (bench/results): every config of the speed benches with a steady step (their
 JSON records the case, the micro batch and zerofit's chosen fields; the stock config is
-speed_bench.stock_candidate), the NVMe bench's CPU-offload and NVMe runs (step 2 of 2), and
+speed_cases.stock_candidate), the NVMe bench's CPU-offload and NVMe runs (step 2 of 2), and
 the device README's stock steps. Left out: `speed-2026-11-29.json` (two benches shared the
 socket, bench/results/README.md) and the lever rows (one field changed from the choice,
 not recorded field by field). CPU cores per file: the host it ran on (bench/results/README.md).
@@ -26,7 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from zerofit import hardware, modelspec, steptime  # noqa: E402 (after the path above)
 from zerofit.planner import Candidate, Shape  # noqa: E402
-from speed_bench import stock_candidate, under_warmup_rule  # noqa: E402 (LLaMA-Factory's config in the planner's terms; the bench's steady step)
+from speed_bench import under_warmup_rule  # noqa: E402 (the bench's steady step)
+from speed_cases import stock_candidate  # noqa: E402 (LLaMA-Factory's config in the planner's terms)
 
 RESULTS = ROOT / "bench" / "results"
 # file -> CPU cores of the host it ran on: the 1 x H200 machine (16), the 2 x H200 one (32)
@@ -38,7 +39,7 @@ SPEED_FILES = {"speed-3.6b.json": 16, "speed-3.6b-headline.json": 16, "speed-1.5
                "speed-3.6b-headline_0.5b-8_3.6b.json": 16, "speed-3.6b-headline-expandable.json": 16,
                "speed-1.5b-h200.json": 16, "speed-3.6b-headline_0.5b-8.json": 16, "speed-3.6b_1.5b-s12.json": 16,
                "speed-3.6b-headline-s12.json": 16}
-# Every steady step under speed_bench.WARMUP_RULE, applied to the recorded step times (the
+# Every steady step under speed_record.WARMUP_RULE, applied to the recorded step times (the
 # runs before the twelfth session averaged from the second step on, which at accumulation 1 is
 # ZeRO-3's first prefetching forward: 1.99 s against 0.56-0.70 for llama-0.5b @ 8 GiB in
 # speed-3.6b-headline_0.5b-8.json, left out here until then).

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import speed_bench  # noqa: E402 (after the path above)
+import speed_cases  # noqa: E402 (after the path above)
+import speed_workers  # noqa: E402
 from zerofit.doctor import read_json  # noqa: E402
 from zerofit.memory import read_jsonl  # noqa: E402
 
@@ -61,7 +62,7 @@ def worker(spec: dict, out: Path) -> None:
     from zerofit.configfile import validate
     from zerofit.train import train
 
-    speed_bench.cap_gpu(spec["cap_gib"])
+    speed_workers.cap_gpu(spec["cap_gib"])
     attempts, plan_run = [], planview.plan_run
 
     def recorded_plan_run(config, *args, **kwargs):
@@ -81,7 +82,7 @@ def worker(spec: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="3.6b-headline", choices=sorted(speed_bench.CASES))
+    parser.add_argument("--case", default="3.6b-headline", choices=sorted(speed_cases.CASES))
     parser.add_argument("--smoke", action="store_true", help="preset tiny on the CPU, an injected OOM")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout-s", type=int, default=420)
@@ -96,7 +97,7 @@ def main() -> None:
     import torch
 
     accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    case = dict(speed_bench.CASES[args.case])
+    case = dict(speed_cases.CASES[args.case])
     env = dict(os.environ)
     if args.smoke:
         case.update(model="tiny", seq_len=64, global_batch=4)
@@ -105,7 +106,7 @@ def main() -> None:
     work = Path(f"/tmp/zerofit-{name}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    config = speed_bench.zerofit_config(case, work / "run", args.steps, accelerator)
+    config = speed_cases.zerofit_config(case, work / "run", args.steps, accelerator)
     config["memory"] = {"on_oom": "retry", "expandable_segments": False}
     if args.smoke:  # the tiny plan's micro batch is the global batch: 4 x 1, so the retry has one to halve
         config["train"]["micro_batch_size"] = 4
@@ -122,7 +123,7 @@ def main() -> None:
     report = read_json(work / "run" / "postmortem" / "report.json") or {}
     steps = read_jsonl(work / "run" / "metrics.jsonl")
     log_lines = (work / "log.txt").read_text().splitlines()
-    result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name() if accelerator == "cuda"
+    result = {"command": "python " + " ".join(sys.argv), "device": speed_workers.gpu_name() if accelerator == "cuda"
               else "cpu", "case": case, "memory": config["memory"], "exit_code": code,
               "wall_s": round(time.perf_counter() - started, 1), "attempts": read_json(work / "attempts.json") or [],
               "oom_event": {k: report.get("event", {}).get(k) for k in ("step", "phase", "device", "requested_bytes")},

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_bench import LEVERS, SUPER_OFFLOAD, Runner, gpu_name  # noqa: E402 (after the path above)
+from speed_levers import LEVERS, SUPER_OFFLOAD  # noqa: E402 (after the path above)
+from speed_workers import Runner, gpu_name  # noqa: E402
 from zerofit.memory import read_jsonl  # noqa: E402
 
 ZENFLOW = LEVERS["zenflow"]["deepspeed_changes"]

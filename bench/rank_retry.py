@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import speed_bench  # noqa: E402 (after the path above)
+import speed_cases  # noqa: E402 (after the path above)
+import speed_workers  # noqa: E402
 from zerofit.doctor import read_json  # noqa: E402
 from zerofit.ranks import free_port  # noqa: E402
 from zerofit.memory import read_jsonl  # noqa: E402
@@ -137,7 +138,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--entry-without"]:
         raise SystemExit(entry_without(sys.argv[2], sys.argv[3:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="0.5b-8", choices=sorted(speed_bench.CASES))
+    parser.add_argument("--case", default="0.5b-8", choices=sorted(speed_cases.CASES))
     parser.add_argument("--smoke", action="store_true", help="preset tiny on the CPU (gloo)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--oom-step", type=int, default=5)
@@ -157,13 +158,13 @@ def main() -> None:
     import torch
 
     accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    case = dict(speed_bench.CASES[args.case])
+    case = dict(speed_cases.CASES[args.case])
     env = {**os.environ, "ZEROFIT_FAULT": f"{args.drill}@step:{args.oom_step}", "ZEROFIT_FAULT_RANKS": "1",
            "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
     if args.smoke:
         case.update(model="tiny", seq_len=64, global_batch=8)
         env.update(DS_ACCELERATOR="cpu")
-    config = speed_bench.zerofit_config(case, Path("unset"), args.steps, accelerator)
+    config = speed_cases.zerofit_config(case, Path("unset"), args.steps, accelerator)
     config["checkpoint"] = {"every_steps": args.save_every, "keep_last": 2, "save_final": False}
     config["memory"] = {"on_oom": "retry"}
     config["train"]["micro_batch_size"] = case["global_batch"] // 2  # per rank, so the retry has one to halve
@@ -173,7 +174,7 @@ def main() -> None:
     results = [dict(run_variant(variant, config, Path(f"/tmp/zerofit-{stem}-{variant}-{n + 1}"), env, args.timeout_s,
                                 args.nodes), repeat=n + 1)
                for n in range(args.repeat) for variant in args.variants.split(",")]
-    result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name() if accelerator == "cuda"
+    result = {"command": "python " + " ".join(sys.argv), "device": speed_workers.gpu_name() if accelerator == "cuda"
               else "cpu", "gpus": torch.cuda.device_count() if accelerator == "cuda" else 0,
               "torch": torch.__version__, "nodes": args.nodes, "case": case, "drill": args.drill,
               "oom_step": args.oom_step,

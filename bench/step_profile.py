@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import speed_bench  # noqa: E402 (after the path above)
+import speed_cases  # noqa: E402 (after the path above)
+import speed_workers  # noqa: E402
 
 TOP = 40
 
@@ -150,7 +151,7 @@ def worker(spec: dict, out: Path) -> None:
     from zerofit import train as train_module
     from zerofit.configfile import validate
 
-    speed_bench.cap_gpu(spec["cap_gib"])
+    speed_workers.cap_gpu(spec["cap_gib"])
     original = train_module.train_step
     record = {"steps": [], "cprofile": {}, "torch_profile": {}, "torch_profile_table": {}}
     clock, counters = None, StepCounters()
@@ -206,7 +207,7 @@ def step_list(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="3.6b", choices=sorted(speed_bench.CASES))
+    parser.add_argument("--case", default="3.6b", choices=sorted(speed_cases.CASES))
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU accelerator")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--profile-step", type=int, default=5,
@@ -227,12 +228,12 @@ def main() -> None:
     import torch
 
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    case = dict(speed_bench.CASES[args.case])
+    case = dict(speed_cases.CASES[args.case])
     if args.smoke:
         case.update(model="tiny", seq_len=64, global_batch=4)
     work = Path(f"/tmp/zerofit-step-profile-{args.case}")
     work.mkdir(parents=True, exist_ok=True)
-    config = speed_bench.zerofit_config(case, work / "run", args.steps, accelerator)
+    config = speed_cases.zerofit_config(case, work / "run", args.steps, accelerator)
     spec = {"config": config, "cap_gib": case["cap_gib"] if accelerator == "cuda" else None,
             "cprofile_steps": step_list(str(args.profile_step) if args.cprofile_steps is None else args.cprofile_steps),
             "torch_profile_steps": step_list(str(args.profile_step + 1) if args.torch_profile_steps is None
@@ -245,7 +246,7 @@ def main() -> None:
     code = subprocess_run([sys.executable, __file__, "--worker", str(spec_path), str(work)])
     record = json.loads((work / "record.json").read_text()) if (work / "record.json").exists() else {"steps": []}
     plan = json.loads((work / "run" / "plan.json").read_text()) if (work / "run" / "plan.json").exists() else {}
-    result = {"command": "python " + " ".join(sys.argv), "device": speed_bench.gpu_name(), "case": case,
+    result = {"command": "python " + " ".join(sys.argv), "device": speed_workers.gpu_name(), "case": case,
               "exit_code": code, "wall_s": round(time.perf_counter() - started, 1),
               "chosen": plan.get("chosen"), "estimated_step_seconds": plan.get("estimated_step_seconds"),
               "estimated_terms": plan.get("step_terms"),

@@ -9,7 +9,7 @@ so that a slow phase or a hang names its place.
 
 GPU machine:  source .whl/prelude.sh || exit; python bench/zenflow_probe.py --case 3.6b
   --fields '{"train.micro_batch_size": 2, ...}'    laid over the shape ZenFlow needs
-                                                    (speed_bench.zenflow_shape: micro 4 x 4, no
+                                                    (speed_levers.zenflow_shape: micro 4 x 4, no
                                                     checkpointing, the reduce bucket); the
                                                     planner checks the fit
   --zenflow '{"update_interval": 1}'               laid over the lever's ZenFlow settings
@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_bench import CASES, LEVERS, cap_gpu, deepspeed_changes, merged, zenflow_shape, zerofit_config  # noqa: E402
+from speed_cases import CASES, zerofit_config  # noqa: E402 (after the path above)
+from speed_levers import LEVERS, zenflow_shape  # noqa: E402
+from speed_workers import cap_gpu, deepspeed_changes, merged  # noqa: E402
 
 STACK_EVERY_S = 45
 

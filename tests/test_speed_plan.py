@@ -204,17 +204,18 @@ def test_bench_deepspeed_changes_reach_the_engine_config_and_go_away():
 
     from zerofit.configfile import load
 
-    bench = bench_module("speed_bench")
+    bench = bench_module("speed_levers")
+    workers = bench_module("speed_workers")
     config = load()  # the demo: optimizer offloaded to the CPU
     before = dsconfig.build(config, world_size=1, on_gpu=True)
-    with bench.deepspeed_changes(bench.SUPER_OFFLOAD):
+    with workers.deepspeed_changes(bench.SUPER_OFFLOAD):
         changed = dsconfig.build(config, world_size=1, on_gpu=True)
     assert changed["zero_optimization"]["offload_optimizer"] == {**before["zero_optimization"]["offload_optimizer"],
                                                                  "super_offload": True}
     assert {k: v for k, v in changed.items() if k != "zero_optimization"} == \
         {k: v for k, v in before.items() if k != "zero_optimization"}
     assert dsconfig.build(config, world_size=1, on_gpu=True) == before
-    with bench.deepspeed_changes(None):
+    with workers.deepspeed_changes(None):
         assert dsconfig.build(config, world_size=1, on_gpu=True) == before
 
 
@@ -242,20 +243,20 @@ def test_the_bench_warm_up_holds_the_first_two_micro_batches_for_every_config():
     config alike; earlier runs' cases are derived again from their recorded step times."""
     from conftest import bench_module
 
-    bench = bench_module("speed_bench")
+    bench, record = bench_module("speed_bench"), bench_module("speed_record")
     # llama-3.6b @ 24 GiB as measured (speed-3.6b_1.5b-s12.json): zerofit 16 x 1, stock 8 x 2
     zerofit_steps, stock_steps = [9.149, 3.924, 2.954, 2.653, 2.769], [6.733, 3.763, 3.689, 3.875]
-    zerofit = bench.steady(zerofit_steps, 16384, grad_accum=1)
+    zerofit = record.steady(zerofit_steps, 16384, grad_accum=1)
     assert zerofit["warmup_steps"] == 2 and zerofit["measured_steps"] == 3
     assert zerofit["steady_step_seconds"] == round((2.954 + 2.653 + 2.769) / 3, 3)
-    stock = bench.steady(stock_steps, 16384, grad_accum=2)
+    stock = record.steady(stock_steps, 16384, grad_accum=2)
     assert stock["warmup_steps"] == 1 and stock["steady_step_seconds"] == round(sum(stock_steps[1:]) / 3, 3)
-    assert bench.warmup_steps(16) == 1
-    assert bench.steady([5.0, 4.0], 10, grad_accum=1)["tokens_per_s"] is None  # nothing after the warm-up
+    assert record.warmup_steps(16) == 1
+    assert record.steady([5.0, 4.0], 10, grad_accum=1)["tokens_per_s"] is None  # nothing after the warm-up
     # a case recorded under the old rule (the first step only): tokens/s, roofline, speedup derived again
     old = {"tokens_per_step": 16384, "global_batch": 16, "tokens_per_s": {"zerofit": 5328.0, "stock_tuned": 4339.4},
            "configs": {"zerofit": {"step_seconds": zerofit_steps, "micro_batch": 16, "bound_s": 0.9338,
-                                   "predicted_step_seconds": 2.7629, **bench.steady(zerofit_steps[1:], 16384, 16)},
+                                   "predicted_step_seconds": 2.7629, **record.steady(zerofit_steps[1:], 16384, 16)},
                        "stock_tuned": {"step_seconds": stock_steps, "micro_batch": 8, "bound_s": 1.5927,
                                        "predicted_step_seconds": 3.8705},
                        "stock_lf": {"status": "not run"}}}

@@ -28,7 +28,7 @@ CPU_FLOPS_PER_CORE = 30e9
 
 def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float]:
     """What one optimizer step has to do, device-independent: the quantities the cost model
-    and the roofline (bench/speed_bench.py) turn into seconds with a rate.
+    and the roofline (bench/speed_record.py) turn into seconds with a rate.
 
     - flops: 6 x params x tokens (Kaplan et al. arXiv:2001.08361; forward 2, backward 4;
       4 + 2 x trainable/params with a frozen base) plus attention 12 x layers x hidden x seq
