@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from zerofit.ranks import free_port
+from zerofit.tokenizing import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,3 +180,11 @@ def tokenizer():
     from zerofit.demo import build_tokenizer
 
     return build_tokenizer()
+
+
+def decode_learned(tokenizer, ids, labels):
+    return tokenizer.decode([t for t, l in zip(ids, labels) if l != IGNORE])
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
