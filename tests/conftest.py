@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from zerofit import checkpoint
 from zerofit.ranks import free_port
 from zerofit.tokenizing import IGNORE
 
@@ -188,3 +189,26 @@ def decode_learned(tokenizer, ids, labels):
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# Six steps, a checkpoint every two: saves 1, 2, 3 are steps 2, 4, 6.
+SHAPE = dict(eval={"every_steps": 0, "at_end": False})
+
+
+def config_for(base: Path, name: str, max_steps: int = 6, **checkpoint_settings) -> Path:
+    settings = {"every_steps": 2, "keep_last": 2, **checkpoint_settings}
+    return write_config(base / f"{name}.yaml", tiny_config(base / name, train={"max_steps": max_steps},
+                                                           checkpoint=settings, **SHAPE))
+
+
+def valid_steps(run: Path) -> list[int]:
+    return sorted(checkpoint.step_of(p) for p in checkpoint.published(run / "checkpoints")
+                  if checkpoint.verify(p, hashes=True) is None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted synchronous run every other run is compared with."""
+    base = tmp_path_factory.mktemp("reference")
+    run_zerofit(["train", "--config", str(config_for(base, "run"))])
+    return base / "run"
