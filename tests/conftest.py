@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerofit import checkpoint
+from zerofit import checkpoint, hardware
+from zerofit.configfile import validate
 from zerofit.ranks import free_port
 from zerofit.tokenizing import IGNORE
 
@@ -212,3 +213,24 @@ def reference(tmp_path_factory):
     base = tmp_path_factory.mktemp("reference")
     run_zerofit(["train", "--config", str(config_for(base, "run"))])
     return base / "run"
+
+
+TINY = 90_432  # preset tiny: embed 8192 + 2 x 36,992 per block + norm 64 + lm_head 8192
+
+
+def cuda_box(gpu="24GiB", host="128GiB", cores=16, disk=10**13):
+    """A GPU machine described by overrides, whatever this machine is."""
+    hw = hardware.probe(gpu_mem=gpu, host_mem=host)
+    return hardware.with_overrides(hw, cpu_cores=cores, disk_free_bytes=disk)
+
+
+def cpu_box(host="16GiB"):
+    return hardware.with_overrides(hardware.probe(host_mem=host, accelerator="cpu"), disk_free_bytes=10**13)
+
+
+def config(**sections):
+    raw = {"model": {"config": "llama-1.5b"}, "train": {"max_steps": 10, "seq_len": 1024},
+           "checkpoint": {"save_final": False}}
+    for key, values in sections.items():
+        raw.setdefault(key, {}).update(values)
+    return validate(raw)

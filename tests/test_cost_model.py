@@ -2,8 +2,7 @@
 `estimated_step_seconds` within 20% of measured for every case). The measured steps are the
 committed bench results, read by bench/cost_fit.py, which also refits the rates."""
 import pytest
-from conftest import bench_module
-from test_planner import cuda_box
+from conftest import bench_module, cuda_box
 
 from zerofit import hardware, modelspec, planner, steptime
 from zerofit.planner import Candidate, Shape

@@ -5,7 +5,7 @@ test_cost_model.py). Pure functions: the real planner, no engine."""
 from dataclasses import replace
 
 import pytest
-from test_planner import config, cpu_box, cuda_box
+from conftest import config, cpu_box, cuda_box
 
 from zerofit import choice, dsconfig, hardware, modelspec, planner, steptime, zerostates
 from zerofit.planner import Candidate, Shape
