@@ -32,7 +32,7 @@ def layer_activation_bytes_per_token(spec: ModelSpec, a: int, eager_seq_len: int
     - eager attention (eager_attention_forward) keeps q, k and v repeated to every query head
       (repeat_kv), its output, and per head s x s: softmax's fp32 output (softmax(dtype=float32)
       keeps it for its backward) and the 16-bit weights the value matmul keeps; dropout at p=0
-      keeps no mask. tests/test_planner.py counts what a real block saves, both kernels;
+      keeps no mask. tests/test_activations.py counts what a real block saves, both kernels;
     - the SwiGLU MLP keeps gate, up, silu(gate) and their product (4 x intermediate);
       a 2-matrix MLP keeps the fc1 output and the activation (2 x intermediate);
     - LoRA (peft): each adapter's lora_B keeps lora_A's output (rank wide), and with

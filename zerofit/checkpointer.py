@@ -381,7 +381,7 @@ def replay_cpu_adam_steps(ds_engine) -> int:
     cpu_adam.h, IncrementStep): multiplied by beta once per step in a run, but computed
     with std::pow when the step it is given is not the next one, as on the first step after
     a resume. The two round differently, so a resumed run's updates drift from the
-    uninterrupted run's (1.2e-7 after 6 steps on 4096 parameters; tests/test_checkpoint.py).
+    uninterrupted run's (1.2e-7 after 6 steps on 4096 parameters; tests/test_checkpointer.py).
     Calling the op's update with the step numbers 1..N and no tensors repeats those
     multiplications and nothing else (a zero-length update)."""
     import torch
