@@ -11,8 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
-
-
 CASES = {
     "1.5b": dict(model="llama-1.5b", cap_gib=8, seq_len=1024, global_batch=16, measured_steps=(5, 3, 3),
                  budgets_s=(110, 100, 140)),
@@ -40,22 +38,13 @@ CASES = {
     "0.5b-8": dict(model="llama-0.5b", cap_gib=8, seq_len=1024, global_batch=16, measured_steps=(10, 0, 0),
                    budgets_s=(90, 0, 0), configs=("zerofit",)),
 }
-
-
 # The smoke: the same path, smaller (each process's imports take ~15 s on 2 shared cores).
 SMOKE_CASE = dict(model="tiny", cap_gib=8, seq_len=32, global_batch=4, measured_steps=(2, 2, 2),
                   budgets_s=(60, 60, 60))
-
-
 DEFAULT_CASES = "1.5b,3.6b"
-
-
 CONFIGS = ("zerofit", "stock_tuned", "stock_lf")   # run order: the slowest last
-
-
 # zerofit's defaults (config.TrainConfig), given to every config.
 LR, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 2e-5, (0.9, 0.95), 1e-8, 0.0, 1.0
-
 
 # LLaMA-Factory examples/deepspeed/ds_z3_offload_config.json (hiyouga/LLaMA-Factory, read at
 # commit 1d6e8b21), less its comms_config (verbose off) and monitor_config (a DeepSpeedMonitor

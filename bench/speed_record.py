@@ -17,8 +17,6 @@ from zerofit.memory import read_jsonl
 # accumulation 1 (zerofit's 16 x 1 ran its second step 1.4x its later ones on llama-3.6b, 3x on
 # llama-0.5b), one step otherwise.
 WARMUP_MICRO_BATCHES = 2
-
-
 WARMUP_RULE = "the steps holding the first two micro batches excluded (two steps at accumulation 1, else one)"
 
 

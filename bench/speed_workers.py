@@ -31,6 +31,7 @@ def cap_gpu(cap_gib: float) -> bool:
     return True
 
 
+# The standalone CPU-Adam rate is timed on at most this many fp32 elements (worker_roofline).
 ADAM_RATE_ELEMENTS = 4_000_000_000
 
 

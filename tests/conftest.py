@@ -2,7 +2,7 @@
 (one per run, as users run it: DeepSpeed and torch.distributed keep global state)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -22,14 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench_module(name: str):
-    """bench/NAME.py as a module (the benches are scripts, not a package), loaded once under
-    its own name: registered before it runs, as its dataclasses look their module up, and
-    shared with the benches that import it (cost_fit imports speed_bench)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """bench/NAME.py as a module (the benches are scripts, not a package), imported by its name
+    as the benches import each other, with bench/ on the path as each script puts it: one copy,
+    shared with the benches that import it (cost_fit imports speed_bench, speed_bench imports
+    speed_record); whichever test file asks first."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.append(str(ROOT / "bench"))
+    return importlib.import_module(name)
 
 
 def tiny_config(run_dir: Path, data_path: str | Path = "demo", **sections) -> dict:
