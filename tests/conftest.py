@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerofit import checkpoint, hardware
+from zerofit import checkpoint, hardware, ranks
 from zerofit.configfile import validate
 from zerofit.ranks import free_port
 from zerofit.tokenizing import IGNORE
@@ -233,3 +233,63 @@ def config(**sections):
     for key, values in sections.items():
         raw.setdefault(key, {}).update(values)
     return validate(raw)
+
+
+WIDE = {"COLUMNS": "400"}  # rich wraps at 80 columns off a terminal; these tests read whole lines
+OOM_AT_5 = {"ZEROFIT_FAULT": "oom@step:5", **WIDE}
+
+
+def oom_config(base, **sections):
+    return write_config(base / "c.yaml", tiny_config(base / "run", train={"max_steps": 8},
+                                                     checkpoint={"every_steps": 3}, **sections))
+
+
+def node_command(port: int, rdzv_id: str, config, *args: str, max_restarts: int = 0) -> list[str]:
+    """One of two torchrun agents of one rank each (rendezvous c10d at 127.0.0.1:port): a node
+    of two on one machine, running `zerofit train --config CONFIG ARGS`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+            "--max-restarts", str(max_restarts), "-m", "zerofit", "train", "--config", str(config), *args]
+
+
+def run_two_nodes(tmp_path, config, fault: str, *args: str) -> tuple[list[str], list[int]]:
+    """`zerofit train` under two torchrun agents of one rank each (rendezvous c10d, --max-restarts 1):
+    two nodes on one machine. Their outputs and exit codes."""
+    port = ranks.free_port()
+    env = child_env({"ZEROFIT_FAULT": fault, **WIDE})
+    nodes = [subprocess.Popen(node_command(port, "two-nodes", config, *args, max_restarts=1),
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    finally:  # a hung run's workers live in sessions of their own (torchrun starts them so)
+        for node in nodes:
+            kill_tree(node.pid)
+    return outputs, [node.returncode for node in nodes]
+
+
+def kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        processes = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.Error:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
+def agent_store_env(monkeypatch, restart: int, max_restarts: int):
+    """What torchrun gives a worker, with a TCP store of this test's as the agent's."""
+    import torch.distributed as td
+
+    port = ranks.free_port()
+    server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(restart),
+                        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}.items():
+        monkeypatch.setenv(name, value)
+    return server
