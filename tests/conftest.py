@@ -293,3 +293,15 @@ def agent_store_env(monkeypatch, restart: int, max_restarts: int):
                         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}.items():
         monkeypatch.setenv(name, value)
     return server
+
+
+def train(base, env=None, **sections):
+    # one CPU thread on purpose (the test machine's cores are shared): not a finding on any machine
+    config = write_config(base / "c.yaml", tiny_config(base / "run", train={"max_steps": 12, "cpu_threads": 1},
+                                                         checkpoint={"every_steps": 3}, **sections))
+    return base / "run", config, run_zerofit(["train", "--config", str(config)], env=env)
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("clean"))

@@ -1,41 +1,22 @@
-"""`zerofit doctor` on real tiny runs (CPU, real DeepSpeed): the detectors find the memory
-drills (ZEROFIT_FAULT=residue/leak/spike, real allocations) and nothing on a clean run;
-the report renders; --repro writes a script that runs; --system checks the machine."""
+"""`zerofit doctor` (doctor, detectors, measured, report) on real tiny runs and on run directories' files."""
 import base64
-import errno
 import io
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
-from conftest import read_jsonl, run_zerofit, tiny_config, write_config
+from conftest import read_jsonl, run_zerofit, tiny_config, train, write_config
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit import hardware, nvme, syscheck
 from zerofit.config import ConfigError
 from zerofit.doctor import diagnose, doctor
 from zerofit.findings import end_of_step, gib
 from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
-
-
-def train(base, env=None, **sections):
-    # one CPU thread on purpose (the test machine's cores are shared): not a finding on any machine
-    config = write_config(base / "c.yaml", tiny_config(base / "run", train={"max_steps": 12, "cpu_threads": 1},
-                                                         checkpoint={"every_steps": 3}, **sections))
-    return base / "run", config, run_zerofit(["train", "--config", str(config)], env=env)
-
-
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("clean"))
 
 
 @pytest.fixture(scope="module")
@@ -274,137 +255,6 @@ def test_doctor_on_a_run_stopped_before_training_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"holds a run that stopped before training began .* `zerofit train "
                                           r"--config .*config.yaml` starts it again"):
         diagnose(tmp_path)
-
-
-def test_repro_script_runs_standalone(clean_run, tmp_path):
-    run, _, _ = clean_run
-    done = run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
-    assert "reproduction script" in done.stdout
-    script = (tmp_path / "repro.py").read_text()
-    assert "zerofit" not in script.split('"""', 2)[2]  # nothing but torch, transformers, deepspeed
-    assert '"stage": 3' in script and '"num_hidden_layers": 2' in script
-    assert "LORA = None" in script and "Unlike the run: the loss here is transformers'" in script
-    ran = subprocess.run([sys.executable, "repro.py", "--steps", "3", "--save-every", "2", "--out", "ckpt"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "step 3 loss" in ran.stdout and "saved step 2: host RSS" in ran.stdout
-    assert (tmp_path / "ckpt" / "step2").is_dir()
-    assert "is deprecated" not in ran.stderr  # torch's warning about DeepSpeed's collectives, once per step
-
-
-def test_repro_of_an_hf_trainer_run_runs(tmp_path):
-    """HF Trainer's DeepSpeed config (as MemoryGuardCallback records it): steps_per_print is
-    Infinity and there is no optimizer section (the Trainer passes its own AdamW). The script
-    is valid Python, builds that optimizer, and trains at the recorded sequence length."""
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
-                 "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": float("inf"),
-                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                       "stage3_param_persistence_threshold": 640},
-                 "zero_allow_untested_optimizer": True}
-    model_config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                               vocab_size=256).to_dict()
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "memory_run.json").write_text(json.dumps({
-        "source": "hf-trainer", "args": {"learning_rate": 1e-3, "gradient_checkpointing": False},
-        "ds_config": ds_config, "model_config": model_config, "seq_len": 24}))
-    done = run_zerofit(["doctor", "--repro", str(out), "--out", str(tmp_path / "repro.py")])
-    assert "reproduction script" in done.stdout
-    script = (tmp_path / "repro.py").read_text()
-    assert "SEQ_LEN = 24" in script and "CLIENT_OPTIMIZER_LR = 0.001" in script
-    ran = subprocess.run([sys.executable, "repro.py", "--steps", "2", "--save-every", "0"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "step 2 loss" in ran.stdout
-
-
-def test_repro_of_a_missing_run_says_so(tmp_path):
-    done = run_zerofit(["doctor", "--repro", str(tmp_path / "nope")], check=False)
-    assert done.returncode == 1 and "nope does not exist" in done.stderr
-
-
-def test_system_checks(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZEROFIT_CACHE_DIR", str(tmp_path / "cache"))  # the aio sweep's cache
-    disk = tmp_path / "disk"
-    checks = syscheck.check_system(nvme_path=str(disk), nvme_mib=16)
-    names = [c.name for c in checks]
-    assert names[:7] == ["GPU", "driver / CUDA", "host RAM", "CPU cores", "pinned-memory limit (ulimit -l)", "libaio",
-                         "DeepSpeed async_io"]
-    cores = checks[3]
-    assert cores.detail.startswith(f"{hardware.cpu_cores()} for this process of {os.cpu_count()} on the machine")
-    assert cores.status == ("warn" if hardware.cpu_cores() < 4 else "pass") and (cores.status == "pass" or cores.fix)
-    assert all(c.status in ("pass", "warn", "fail") for c in checks)
-    assert all(c.fix for c in checks if c.status == "fail")
-    by_end = {c.name.rsplit(" ", 1)[-1]: c for c in checks if c.name.startswith("NVMe path")}
-    assert "GB/s over 16 MiB" in by_end["write"].detail and "GB/s over 16 MiB" in by_end["read"].detail
-    if "tuning" in by_end:  # the aio sweep runs when nothing failed (async_io built)
-        assert "cached in" in by_end["tuning"].detail
-    assert not list(disk.iterdir())  # the test files are gone
-    (tmp_path / "a_file").write_text("")
-    unusable = syscheck.check_direct_io(tmp_path / "a_file" / "swap", 16)
-    assert unusable[0].status == "fail" and "writable directory" in unusable[0].fix
-    typo = syscheck.check_direct_io(tmp_path / "no" / "such" / "swap", 16)  # mkdir -p measured the disk of /
-    assert typo[0].status == "fail" and f"{tmp_path / 'no' / 'such'} does not exist (a typo?" in typo[0].detail
-    assert not (tmp_path / "no").exists()
-    assert f"free on {nvme.mount_point(disk)}" in by_end["write"].detail
-
-
-def test_a_direct_io_read_that_cannot_open_is_a_failed_check(tmp_path, monkeypatch):
-    """The write went through, the read's O_DIRECT open is refused: a failed check naming it
-    (the written file's descriptor was closed a second time, raising EBADF instead)."""
-    real_open = os.open
-
-    def refuse_reading(path, flags, *mode):
-        if not flags & (os.O_WRONLY | os.O_RDWR):
-            raise OSError(errno.EACCES, "Permission denied", str(path))
-        return real_open(path, flags, *mode)
-
-    monkeypatch.setattr(os, "open", refuse_reading)
-    checks = syscheck.check_direct_io(tmp_path / "swap", 8)
-    assert checks[0].status == "fail" and "direct I/O failed: Permission denied" in checks[0].detail
-    assert not list((tmp_path / "swap").iterdir())  # its test file removed
-
-
-@pytest.mark.skipif(nvme.ram_filesystem(Path("/dev/shm")) is None, reason="no tmpfs at /dev/shm here")
-def test_a_ram_backed_nvme_path_is_warned_of(tmp_path):
-    """tmpfs passes every speed check (it is RAM): said, since swap files there take the RAM
-    NVMe offload is meant to free."""
-    shm = Path("/dev/shm") / f"zerofit-test-{os.getpid()}"
-    try:
-        checks = syscheck.check_direct_io(shm, 16)
-        fs = [c for c in checks if c.name.endswith("filesystem")]
-        assert len(fs) == 1 and fs[0].status == "warn" and "tmpfs" in fs[0].detail
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    assert nvme.ram_filesystem(tmp_path) in (None, "tmpfs")  # whatever the test dir is on, no error
-    assert nvme.ram_filesystem(Path("/proc")) is None
-
-
-def test_memlock_limit_is_judged():
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    try:
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
-        check = syscheck.check_memlock()
-        if hardware.has_ipc_lock():  # root in most containers: mlock is not bound by the limit
-            assert check.status == "pass" and "64 KiB" in check.detail and "CAP_IPC_LOCK" in check.detail
-        else:
-            assert check.status == "warn" and "64 KiB" in check.detail and "ulimit -l unlimited" in check.fix
-        # the planner judges the same limit the same way (it noted a limit CAP_IPC_LOCK lifts)
-        assert (hardware.memlock_limit() is None) == hardware.has_ipc_lock()
-    finally:
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
-
-
-def test_system_cli_exit_code_follows_failures(tmp_path):
-    done = run_zerofit(["doctor", "--system", "--nvme-path", str(tmp_path), "--nvme-mib", "8"], check=False,
-                       env={"ZEROFIT_CACHE_DIR": str(tmp_path / "cache")})
-    statuses = [line.split("│")[2].strip() for line in done.stdout.splitlines() if line.count("│") == 5]
-    assert {"pass", "warn", "fail"} >= set(statuses) - {""} and "pass" in statuses
-    failed = "fail" in statuses
-    assert done.returncode == (1 if failed else 0), done.stdout
-    assert "NVMe path" in done.stdout and "async_io" in done.stdout
-    assert "real_accelerator" not in done.stdout + done.stderr  # DeepSpeed's detection line headed the table
 
 
 def test_the_summary_piped_keeps_its_lines_whole(clean_run):

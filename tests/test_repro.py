@@ -1,0 +1,56 @@
+"""`zerofit doctor --repro` (repro.py): reproduction scripts of a zerofit run and an HF Trainer run, run standalone."""
+import json
+import os
+import subprocess
+import sys
+
+from transformers import LlamaConfig
+from conftest import run_zerofit
+
+
+def test_repro_script_runs_standalone(clean_run, tmp_path):
+    run, _, _ = clean_run
+    done = run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
+    assert "reproduction script" in done.stdout
+    script = (tmp_path / "repro.py").read_text()
+    assert "zerofit" not in script.split('"""', 2)[2]  # nothing but torch, transformers, deepspeed
+    assert '"stage": 3' in script and '"num_hidden_layers": 2' in script
+    assert "LORA = None" in script and "Unlike the run: the loss here is transformers'" in script
+    ran = subprocess.run([sys.executable, "repro.py", "--steps", "3", "--save-every", "2", "--out", "ckpt"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "step 3 loss" in ran.stdout and "saved step 2: host RSS" in ran.stdout
+    assert (tmp_path / "ckpt" / "step2").is_dir()
+    assert "is deprecated" not in ran.stderr  # torch's warning about DeepSpeed's collectives, once per step
+
+
+def test_repro_of_an_hf_trainer_run_runs(tmp_path):
+    """HF Trainer's DeepSpeed config (as MemoryGuardCallback records it): steps_per_print is
+    Infinity and there is no optimizer section (the Trainer passes its own AdamW). The script
+    is valid Python, builds that optimizer, and trains at the recorded sequence length."""
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+                 "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": float("inf"),
+                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "stage3_param_persistence_threshold": 640},
+                 "zero_allow_untested_optimizer": True}
+    model_config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               vocab_size=256).to_dict()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "memory_run.json").write_text(json.dumps({
+        "source": "hf-trainer", "args": {"learning_rate": 1e-3, "gradient_checkpointing": False},
+        "ds_config": ds_config, "model_config": model_config, "seq_len": 24}))
+    done = run_zerofit(["doctor", "--repro", str(out), "--out", str(tmp_path / "repro.py")])
+    assert "reproduction script" in done.stdout
+    script = (tmp_path / "repro.py").read_text()
+    assert "SEQ_LEN = 24" in script and "CLIENT_OPTIMIZER_LR = 0.001" in script
+    ran = subprocess.run([sys.executable, "repro.py", "--steps", "2", "--save-every", "0"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "step 2 loss" in ran.stdout
+
+
+def test_repro_of_a_missing_run_says_so(tmp_path):
+    done = run_zerofit(["doctor", "--repro", str(tmp_path / "nope")], check=False)
+    assert done.returncode == 1 and "nope does not exist" in done.stderr
