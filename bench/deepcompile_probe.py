@@ -106,8 +106,9 @@ def worker(args) -> dict:
 
 def run_one(run: str, args, out: Path) -> dict:
     """One run in its own process (DeepCompile patches torch and DeepSpeed process-wide)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + RUNS.index(run))}
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + RUNS.index(run)),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if run == "dc_offload" and args.budget_gb:
         env["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = str(args.budget_gb)
     result_file = out / f"deepcompile_probe-{args.tag}-{run}.part.json"

@@ -39,7 +39,7 @@ def case(threads: int, load: str, params: int, steps: int) -> float:
         from zerofit.configfile import validate
 
         procenv.apply_cpu_threads(validate({"model": {"config": "tiny"},
-                                           "train": {"max_steps": 1, "cpu_threads": threads}}))
+                                            "train": {"max_steps": 1, "cpu_threads": threads}}))
     else:
         torch.set_num_threads(threads)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
