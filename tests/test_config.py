@@ -349,6 +349,23 @@ def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeyp
         models.hf_config(ModelConfig(path=str(tmp_path / "nowhere")))
 
 
+def test_download_hints_name_the_cli_huggingface_hub_ships():
+    """The hints said `hf download` in one message and `huggingface-cli download` in another;
+    huggingface_hub ships `hf` (and no longer `huggingface-cli`): every hint names that one."""
+    from importlib.metadata import distribution
+
+    from zerofit import models
+    from zerofit.config import ModelConfig
+
+    shipped = {e.name for e in distribution("huggingface_hub").entry_points if e.group == "console_scripts"}
+    assert "hf" in shipped and "huggingface-cli" not in shipped
+    with pytest.raises(ConfigError, match=r"`hf download REPO_ID --local-dir DIR`"):
+        models.hf_config(ModelConfig(path="/nowhere/model"))
+    root = Path(__file__).resolve().parents[1]
+    sources = [*(root / "zerofit").rglob("*.py"), root / "README.md"]
+    assert [str(p) for p in sources if "huggingface-cli" in p.read_text()] == []
+
+
 def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
     """The run directory (and the directories above it the start made) held only a lock file
     after `model.path` was found missing; one that was there before stays, without the lock file

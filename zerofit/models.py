@@ -324,5 +324,5 @@ def probe_chat_template(tokenizer, path: str) -> None:
 def _existing_dir(path: str, key: str) -> str:
     if not Path(path).is_dir():
         raise ConfigError(f"{key}={path!r} is not a directory{read_from(path)}; models load from local files only "
-                          f"(download once with `huggingface-cli download`, then point here)")
+                          f"(download once with `hf download REPO_ID --local-dir DIR`, then point here)")
     return path
