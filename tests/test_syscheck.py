@@ -92,3 +92,38 @@ def test_system_cli_exit_code_follows_failures(tmp_path):
     assert done.returncode == (1 if failed else 0), done.stdout
     assert "NVMe path" in done.stdout and "async_io" in done.stdout
     assert "real_accelerator" not in done.stdout + done.stderr  # DeepSpeed's detection line headed the table
+
+
+def _table_statuses(stdout: str) -> dict[str, str]:
+    """doctor --system's table: each check's first line holds its name and status."""
+    rows = [line.split("│") for line in stdout.splitlines() if line.count("│") == 5]
+    return {cells[1].strip(): cells[2].strip() for cells in rows if cells[2].strip()}
+
+
+@pytest.mark.e2e
+def test_missing_libaio_fails_only_when_nvme_is_asked_for(tmp_path, monkeypatch):
+    """Without libaio (the probe looks in an empty directory only) NVMe offload is unavailable:
+    a warn with the way to enable it, unless --nvme-path asks for NVMe: then a fail."""
+    empty = tmp_path / "no-libaio"
+    empty.mkdir()
+    monkeypatch.setenv(nvme.SEARCH_DIRS_VARIABLE, str(empty))
+    problem = nvme.libaio_problem()
+    assert problem and "libaio-dev" in problem
+    warned, failed = syscheck.check_libaio(problem, nvme_wanted=False), syscheck.check_libaio(problem, nvme_wanted=True)
+    assert warned.status == "warn" and "NVMe offload" in warned.detail and "unavailable" in warned.detail
+    assert "apt-get install libaio-dev" in warned.fix and "async_io op then builds" in warned.fix
+    assert failed.status == "fail" and "NVMe offload fails" in failed.detail
+    assert syscheck.check_async_io(problem, nvme_wanted=False).status == "warn"
+    assert syscheck.check_async_io(problem, nvme_wanted=True).status == "fail"
+    for name in ("libaio.h", "libaio.so"):  # what the probe looks for, there
+        (empty / name).write_text("")
+    assert nvme.libaio_problem() is None and syscheck.check_libaio(None, nvme_wanted=True).status == "pass"
+
+    env = {nvme.SEARCH_DIRS_VARIABLE: str(tmp_path / "nothing-here"), "ZEROFIT_CACHE_DIR": str(tmp_path / "cache")}
+    plain = run_zerofit(["doctor", "--system"], check=False, env=env)
+    statuses = _table_statuses(plain.stdout)
+    assert statuses["libaio"] == "warn" and statuses["DeepSpeed async_io"] == "warn", plain.stdout
+    assert plain.returncode == (1 if "fail" in statuses.values() else 0), plain.stdout
+    nvme_run = run_zerofit(["doctor", "--system", "--nvme-path", str(tmp_path / "swap"), "--nvme-mib", "8"],
+                           check=False, env=env)
+    assert _table_statuses(nvme_run.stdout)["libaio"] == "fail" and nvme_run.returncode == 1, nvme_run.stdout

@@ -20,6 +20,8 @@ from zerofit.memory import gib
 
 SWEEP_MIB, SWEEP_SECONDS = 64, 10.0  # the aio sweep: file size, time budget (a few seconds on a fast disk)
 GOOD_NVME_GBPS = 1.0  # below this, NVMe offload makes each step I/O-bound (ZeRO-Infinity, Rajbhandari et al. 2021)
+NVME_ENABLE_FIX = ("to enable NVMe offload: {fix}; DeepSpeed's async_io op then builds on the first NVMe run "
+                   "(`zerofit doctor --system --nvme-path DIR` builds it now and measures the disk)")
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,10 @@ class Check:
 
 def check_system(nvme_path: str | None = None, nvme_mib: int = 256) -> list[Check]:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _cuda() else "cpu")  # before any deepspeed import, as train
-    checks = [check_gpu(), check_driver(), check_host_ram(), check_cpu_cores(), check_memlock(), check_libaio(), check_async_io(),
-              check_op_build_locks()]
+    nvme_wanted = bool(nvme_path)  # NVMe offload asked for: without libaio it cannot run
+    libaio = nvme.libaio_problem()
+    checks = [check_gpu(), check_driver(), check_host_ram(), check_cpu_cores(), check_memlock(),
+              check_libaio(libaio, nvme_wanted), check_async_io(libaio, nvme_wanted), check_op_build_locks()]
     if nvme_path:
         checks += check_direct_io(Path(nvme_path), nvme_mib)
         if all(c.status != "fail" for c in checks):
@@ -111,25 +115,35 @@ def check_memlock() -> Check:
     return Check("pinned-memory limit (ulimit -l)", "pass", f"{gib(soft)}")
 
 
-def check_libaio() -> Check:
-    """libaio's header and library, which DeepSpeed's JIT build of async_io needs (nvme.libaio_problem)."""
-    problem = nvme.libaio_problem()
+def check_libaio(problem: str | None, nvme_wanted: bool) -> Check:
+    """libaio's header and library, which DeepSpeed's JIT build of async_io needs; `problem` is
+    nvme.libaio_problem()'s answer. Only NVMe offload needs them: a fail when NVMe is asked
+    for (--nvme-path), else a warn that says NVMe offload is unavailable and how to enable it."""
+    if not problem:
+        return Check("libaio", "pass", ctypes.util.find_library("aio") or "libaio.h and libaio.so found")
+    what, fix = _what_and_fix(problem)
+    if nvme_wanted:
+        return Check("libaio", "fail", what + ": NVMe offload fails", fix)
+    return Check("libaio", "warn", what + ": NVMe offload (zero.offload_optimizer / zero.offload_param: nvme) is "
+                 "unavailable; CPU offload does not need it", NVME_ENABLE_FIX.format(fix=fix))
+
+
+def check_async_io(libaio: str | None, nvme_wanted: bool) -> Check:
+    """Builds (or loads the cached build of) DeepSpeed's async_io op, as a run with NVMe
+    offload would: a first build takes about a minute. Without libaio (`libaio`: its problem)
+    nothing is built; a fail only when NVMe offload is asked for, as check_libaio."""
+    if libaio:
+        if nvme_wanted:
+            return Check("DeepSpeed async_io", "fail", *_what_and_fix(libaio))
+        return Check("DeepSpeed async_io", "warn", "not built: it needs libaio (above)", "")
+    changed = nvme.fix_arch_list() if _cuda() else None
+    with opbuild.ops_unblocked(("async_io",)):  # a first build is minutes of silence on a few cores: said
+        problem = nvme.async_io_problem(on_gpu=False)
     if problem:
         what, fix = _what_and_fix(problem)
-        return Check("libaio", "fail", what + ": NVMe offload fails", fix)
-    return Check("libaio", "pass", ctypes.util.find_library("aio") or "libaio.h and libaio.so found")
-
-
-def check_async_io() -> Check:
-    """Builds (or loads the cached build of) DeepSpeed's async_io op, as a run with NVMe
-    offload would: a first build takes about a minute."""
-    changed = nvme.fix_arch_list() if _cuda() else None
-    problem = nvme.libaio_problem()
-    if not problem:
-        with opbuild.ops_unblocked(("async_io",)):  # a first build is minutes of silence on a few cores: said
-            problem = nvme.async_io_problem(on_gpu=False)
-    if problem:
-        return Check("DeepSpeed async_io", "fail", *_what_and_fix(problem))
+        if nvme_wanted:
+            return Check("DeepSpeed async_io", "fail", what, fix)
+        return Check("DeepSpeed async_io", "warn", what + ": NVMe offload is unavailable", fix)
     note = f" (TORCH_CUDA_ARCH_LIST set to {changed} for the build: DeepSpeed parses only major.minor)" if changed else ""
     return Check("DeepSpeed async_io", "pass", f"built and loaded: NVMe offload available{note}")
 
