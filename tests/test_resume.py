@@ -84,6 +84,19 @@ def test_a_latest_that_is_a_directory_is_named_not_a_traceback(reference, tmp_pa
     assert valid_steps(run) == [4, 6]
 
 
+def test_every_start_makes_latest_name_the_newest_checkpoint(reference, tmp_path):
+    """A crash between a save's rename and its `latest` write left `latest` naming the checkpoint
+    before it, and it stayed so (repaired only when missing or skipped): DeepSpeed's own
+    zero_to_fp32.py then read the older checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    latest = run / "checkpoints" / "latest"
+    latest.write_text("step-000004")  # published 4 and 6; the write of `latest` for 6 never happened
+    done = run_zerofit(["train", "--config", str(config_for(tmp_path, "run", max_steps=6))])
+    assert "complete at step 6" in " ".join(done.stderr.split())
+    assert latest.read_text() == "step-000006" and valid_steps(run) == [4, 6]
+
+
 def test_resume_with_another_config_names_what_changed(tmp_path):
     """A resume under changed settings names each one, old -> new, in one list said first: what
     the checkpoint records against it, how the run saves, evaluates and logs against the run's

@@ -96,6 +96,16 @@ def say_new_run(root: Path, earlier: EarlierRun | None) -> None:
     say(f"new run in {root.parent.resolve()}: {why}{kept}")
 
 
+def name_latest_newest(root: Path, found: Path) -> None:
+    """`latest` names `found`, the newest checkpoint that verifies, on every start: a crash between a
+    save's rename and its `latest` write left it one step behind (DeepSpeed's zero_to_fp32.py reads
+    it), and one naming a checkpoint skipped here would point its tools at a damaged one."""
+    latest = root / checkpoint.LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    if named != found.name:
+        checkpoint.write_atomic(latest, found.name)
+
+
 def latest_problem(root: Path) -> str | None:
     """`latest` must be a file: it is replaced atomically by one at every save."""
     latest = root / checkpoint.LATEST
@@ -290,8 +300,7 @@ def _pick(root: Path, config: Config, world_size: int, on_gpu: bool, fresh: Loop
             f"restore a good copy"))
     if found is None:
         return ResumePoint(skipped=skipped)
-    if skipped or not (root / checkpoint.LATEST).is_file():
-        checkpoint.write_atomic(root / checkpoint.LATEST, found.name)  # DeepSpeed's tools read it
+    name_latest_newest(root, found)
     point = ResumePoint(str(found), str(found), False, skipped, step=checkpoint.step_of(found))
     manifest = checkpoint.read_manifest(found)
     changes = unloadable_changes(checkpoint.read_loop_state(found), fresh)
