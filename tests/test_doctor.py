@@ -84,6 +84,18 @@ def test_clean_run_has_no_findings(clean_run):
     assert "save_margin" in [c["name"] for c in plan_rows(diagnosis)[1]["components"]]
 
 
+def test_the_plan_chart_legend_leaves_the_bars_uncovered(clean_run):
+    """The legend of thin components sat inside the chart, over the planned bar: below it now."""
+    from zerofit.report import plan_figure
+
+    figure = plan_figure(diagnose(clean_run[0]))
+    renderer = figure.canvas.get_renderer()
+    legends = [(ax, ax.get_legend()) for ax in figure.axes if ax.get_legend()]
+    assert legends  # the host chart names its thin components there
+    for ax, legend in legends:
+        box, chart = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.y1 < chart.y0, (box, chart)
+
 def test_detectors_find_the_drills_on_a_real_run(drilled_run, clean_run):
     run, _, _ = drilled_run
     found = {f.kind: f for f in diagnose(run).findings}

@@ -188,6 +188,11 @@ def stacked(row: dict) -> list[dict]:
 
 def plan_png(diagnosis) -> str:
     """Per device: the plan's components stacked, next to the measured peak."""
+    return png(plan_figure(diagnosis))
+
+
+def plan_figure(diagnosis):
+    """plan_png's figure. Each legend sits below its chart: inside, it covered the planned bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,13 +216,14 @@ def plan_png(diagnosis) -> str:
         ax.bar(1, (row["measured_bytes"] or 0) / 2**30, width=0.6, color="#455a64")
         tallest = max(row["predicted_bytes"] or 0, row["measured_bytes"] or 0)
         draw_budget(ax, row.get("budget_bytes") or 0, tallest, "the planner's budget")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
         ax.set_xticks([0, 1], ["planned", "measured"])
         ax.set_title(row["device"])
         ax.set_ylabel("GiB")
-    figure.tight_layout()
-    return png(figure)
+    figure.tight_layout()  # before the legends: laid out with them, the charts shrank to a strip
+    for ax in axes[0]:
+        if ax.get_legend_handles_labels()[0]:  # below the chart (savefig's tight box takes it in)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
+    return figure
 
 
 # ---------------------------------------------------------------------------- HTML
