@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from conftest import run_zerofit, tiny_config, write_config
 from zerofit import opbuild
@@ -20,7 +25,9 @@ def _lock(root, op: str, age_s: float):
     return path
 
 
-def test_only_old_locks_nobody_holds_are_cleared(tmp_path):
+def test_only_locks_nobody_holds_are_cleared(tmp_path):
+    """On a local filesystem every process that could hold a lock is seen here: one nobody
+    holds open is stale however young (it waited 5 minutes for its age before)."""
     stale = _lock(tmp_path, "cpu_adam", HOUR)
     fresh = _lock(tmp_path / "py311_cpu", "deepspeed_shm_comm", 5)
     held = _lock(tmp_path, "async_io", HOUR)
@@ -28,13 +35,45 @@ def test_only_old_locks_nobody_holds_are_cleared(tmp_path):
     try:
         by_path = {lock.path: lock for lock in opbuild.build_locks(tmp_path)}
         assert set(by_path) == {stale, fresh, held}
-        assert [by_path[p].stale for p in (stale, fresh, held)] == [True, False, False]
+        assert [by_path[p].stale for p in (stale, fresh, held)] == [True, True, False]
         assert "build in progress" in by_path[held].describe()
         cleared = opbuild.clear_stale_build_locks(tmp_path)
     finally:
         os.close(fd)
-    assert [lock.path for lock in cleared] == [stale]
-    assert not stale.exists() and fresh.exists() and held.exists()
+    assert sorted(lock.path for lock in cleared) == sorted([stale, fresh])
+    assert not stale.exists() and not fresh.exists() and held.exists()
+
+
+@pytest.mark.e2e
+def test_a_lock_left_by_a_killed_build_is_stale_at_once(tmp_path):
+    """kill -9 during the op load: the lock torch's FileBaton made stays, and the next start
+    waited 5 minutes for its age. Its holder is gone, so it is stale at once."""
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from torch.utils.file_baton import FileBaton; "
+                               "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); time.sleep(600)",
+                               str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        time.sleep(opbuild.SCAN_SLACK_S + 0.1)
+        assert [(found.held_open, found.stale) for found in opbuild.build_locks(tmp_path)] == [(True, False)]
+        assert opbuild.clear_stale_build_locks(tmp_path) == [] and lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    cleared = opbuild.clear_stale_build_locks(tmp_path)
+    assert [found.path for found in cleared] == [lock] and not lock.exists()
+    assert "left by a build whose process is gone" in cleared[0].describe()
+
+
+def test_a_young_lock_on_a_shared_filesystem_waits_for_its_age():
+    """On NFS a build on another node holds its lock where /proc cannot see it: the age rule."""
+    mounts = "/dev/sda1 / ext4 rw 0 0\nserver:/home /home nfs4 rw 0 0\n/dev/sdb1 /home/me/local ext4 rw 0 0\n"
+    assert opbuild.filesystem_type(Path("/home/me/.cache/torch_extensions/cpu_adam/lock"), mounts) == "nfs4"
+    assert opbuild.filesystem_type(Path("/home/me/local/x/lock"), mounts) == "ext4"
+    assert opbuild.filesystem_type(Path("/tmp/lock"), mounts) == "ext4"
+    young = opbuild.BuildLock(Path("/home/me/lock"), age_s=5, held_open=False, holder_visible=False)
+    assert not young.stale and opbuild.BuildLock(Path("/x"), opbuild.STALE_AFTER_S + 1, False, False).stale
 
 
 def test_a_lock_left_while_waiting_is_cleared_too(tmp_path, monkeypatch):

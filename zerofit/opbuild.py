@@ -6,9 +6,11 @@ with O_CREAT|O_EXCL, keeps it open while ninja runs, and deletes it when done. A
 is killed (Ctrl-C in the first minute of a first run, an OOM kill, a job's time limit)
 leaves the file, and every later process that loads the op waits for it in
 `FileBaton.wait()`, forever and without a word (torch/utils/file_baton.py). zerofit clears
-such a lock before DeepSpeed starts: a lock no process on this machine holds open and that
-is older than any build, both before DeepSpeed starts and while it loads its ops (a build
-that dies while another process waits on it leaves the same trap).
+such a lock before DeepSpeed starts and while it loads its ops (a build that dies while
+another process waits on it leaves the same trap): a lock no process on this machine holds
+open is stale at once where every process that could hold it is seen here (a local
+filesystem, a lock of this user's); elsewhere (a network filesystem another node may build
+on, another user's lock) only once it is older than any build.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ from pathlib import Path
 # directory (its open file is invisible here); DeepSpeed's CPU ops build in 1-3 minutes.
 STALE_AFTER_S = 300
 SWEEP_EVERY_S = 10.0
+# A lock made this soon before the scan of open files may have been opened after it began
+SCAN_SLACK_S = 1.0
+# Filesystems other machines may write to (/proc/mounts' type): a holder there may be elsewhere
+SHARED_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+                      "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "fuse.juicefs", "fuse.gcsfuse", "9p", "afs",
+                      "ocfs2", "gfs2", "wekafs")
 
 
 @dataclass(frozen=True)
@@ -31,15 +39,20 @@ class BuildLock:
     path: Path
     age_s: float
     held_open: bool
+    holder_visible: bool = False  # any process that could hold it would be seen in this machine's /proc
 
     @property
     def stale(self) -> bool:
-        return not self.held_open and self.age_s > STALE_AFTER_S
+        if self.held_open:
+            return False
+        return self.age_s > (SCAN_SLACK_S if self.holder_visible else STALE_AFTER_S)
 
     def describe(self) -> str:
         minutes = self.age_s / 60
         if self.held_open:
             return f"{self.path}: a build in progress ({minutes:.0f} min old)"
+        if self.holder_visible:
+            return f"{self.path}: left by a build whose process is gone (no process holds it open)"
         return f"{self.path}: left by a build that stopped {minutes:.0f} min ago"
 
 
@@ -57,16 +70,42 @@ def build_locks(root: Path | None = None) -> list[BuildLock]:
     paths = sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
     if not paths:
         return []
+    scan_started = time.time()  # ages count from here: a lock made during the scan is never judged stale
     open_files = _files_open_on_this_machine()
-    now = time.time()
     locks = []
     for path in paths:
         try:
-            age_s = now - path.stat().st_mtime
+            status = path.stat()
         except FileNotFoundError:  # its build just finished
             continue
-        locks.append(BuildLock(path, age_s, str(path.resolve()) in open_files))
+        locks.append(BuildLock(path, scan_started - status.st_mtime, str(path.resolve()) in open_files,
+                               holder_visible(path, status.st_uid)))
     return locks
+
+
+def holder_visible(path: Path, owner_uid: int) -> bool:
+    """Whether a process holding `path` open would be among those /proc shows us: the lock is on
+    a filesystem no other machine writes to, and its maker was this user (or we are root)."""
+    if owner_uid != os.getuid() and os.getuid() != 0:
+        return False
+    try:
+        mounts = Path("/proc/mounts").read_text()
+    except OSError:
+        return False
+    return filesystem_type(path.resolve(), mounts) not in (None, *SHARED_FILESYSTEMS)
+
+
+def filesystem_type(path: Path, mounts: str) -> str | None:
+    """The type /proc/mounts gives the mount holding `path` (the longest mount point above it)."""
+    best, kind = -1, None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].replace("\\040", " "))
+        if (path == point or point in path.parents) and len(point.parts) > best:
+            best, kind = len(point.parts), fields[2]
+    return kind
 
 
 def clear_stale_build_locks(root: Path | None = None) -> list[BuildLock]:
