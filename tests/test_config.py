@@ -136,10 +136,13 @@ def test_example_yaml_documents_every_key_and_loads_back(tmp_path):
     for name, field in Config.model_fields.items():
         assert f"{name}:" in text
     assert "# Elements per optimizer-step sub group." in text
+    # the docs wrapped as comments of at most 88 columns (they ran to 400)
+    assert max(len(line) for line in text.splitlines() if line.lstrip().startswith("# ")) <= 88
     path = tmp_path / "example.yaml"
     path.write_text(text)
     config = load(path)
     assert config.train.max_steps == 300 and config.model.config == "demo"
+    assert config == validate({"model": {"config": "demo"}, "train": {"max_steps": 300}})  # the rest: defaults
     # the planner's keys are left to it: a config started from the example is planned
     assert "  #! offload_optimizer: \"cpu\"" in text and "  #! gradient_checkpointing: true" in text
     assert '  config: "demo"  # the example\'s; delete this line when you set model.path' in text
@@ -300,11 +303,32 @@ def test_ways_to_learn_that_contradict_are_refused(tmp_path, data, message):
         validate(tiny_config(tmp_path, data=data))
 
 
-def test_train_help_lists_config_keys(capsys):
+@pytest.mark.parametrize("columns", [60, 80, 100, 200])
+def test_train_help_is_short_and_names_every_key(capsys, monkeypatch, columns):
+    """train --help was a 22.7 KB dump of every key's whole doc on 400-character lines: its flags,
+    then every key on one line within the terminal's width (at most 100 columns), the planner's
+    marked, and where the whole docs are."""
+    from zerofit.choice import DECIDED
+    from zerofit.section import Section
+
+    monkeypatch.setenv("COLUMNS", str(columns))
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "zero.sub_group_size = 100000000" in out and "checkpoint.keep_last = 2" in out
+    assert max(len(line) for line in out.splitlines()) <= min(columns, 100) - 2
+    assert len(out.encode()) < 8 * 1024 and "--on-oom" in out and "`zerofit config --example`" in " ".join(out.split())
+    listed, section = {}, None
+    for line in out.split("\nconfig keys", 1)[1].splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            section = line[:-1]
+        elif section and line.startswith("  ") and not line.startswith("   "):
+            key = line.split()[0]
+            listed.setdefault(section, {})[key.rstrip("*")] = key.endswith("*")
+    for name, field in Config.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            assert listed[name] == {key: key in DECIDED.get(name, ()) for key in field.annotation.model_fields}
+        else:
+            assert f"\n{name}  " in out
 
 
 def test_changed_settings_names_each_difference():

@@ -7,14 +7,15 @@ first; 2 bad usage (argparse); 143 `train` stopped by SIGTERM (the step saved); 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
-from zerofit.config import DEFAULT_HEADROOM, Config, ConfigError
+from zerofit.config import DEFAULT_HEADROOM, ConfigError
 from zerofit.peerwatch import TerminatedOutsideTheLoop
 from zerofit.ranks import end_after_error
 from zerofit.memory import human_bytes
 from zerofit.planner import EXPORT_MAX_RAM_BYTES
-from zerofit.section import Section, expand_path
+from zerofit.section import expand_path
 from zerofit.verbs import cmd_chat, cmd_config, cmd_doctor, cmd_export, cmd_generate, cmd_lint, cmd_plan, cmd_train
 
 
@@ -62,23 +63,24 @@ def key_value(text: str) -> str:
 NVME_TEST_MIB = 256  # doctor --system's direct-I/O test size, unless --nvme-mib says
 
 
-def config_help() -> str:
-    """Every config key and its doc, for `zerofit train --help` (generated, never stale)."""
-    from zerofit.choice import DECIDED
+HELP_MAX_WIDTH = 100
+CONFIG_KEYS = "(train's config keys: configfile.keys_help)"  # train's epilog, made when help is asked for
 
-    lines = ["config keys (YAML sections, or --set section.key=value; [planner]: chosen by the planner when "
-             "unset, so the default shown is not what runs; the micro batch split only of a train.global_batch_size):"]
-    for name, field in Config.model_fields.items():
-        section = field.annotation
-        if not (isinstance(section, type) and issubclass(section, Section)):
-            lines.append(f"  {name}: {field.description}")
-            continue
-        for key, sub in section.model_fields.items():
-            doc = " ".join((sub.description or "").split())
-            planner = " [planner]" if key in DECIDED.get(name, ()) else ""
-            lines.append(f"  {name}.{key} = {sub.default!r}{planner}: {doc}" if sub.default is not None
-                         else f"  {name}.{key}{planner}: {doc}")
-    return "\n".join(lines)
+
+class TrainHelp(argparse.HelpFormatter):
+    """train's help at the terminal's width, at most HELP_MAX_WIDTH columns: its own flags, then
+    every config key on one line (the defaults and whole docs are `zerofit config --example`'s)."""
+
+    def __init__(self, prog: str, **kwargs):
+        kwargs.setdefault("width", min(shutil.get_terminal_size().columns, HELP_MAX_WIDTH) - 2)
+        super().__init__(prog, **kwargs)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text != CONFIG_KEYS:
+            return super()._fill_text(text, width, indent)
+        from zerofit.configfile import keys_help  # imports the planner's choices: only for help
+
+        return keys_help(width)
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     train = verbs.add_parser("train", help="plan, then train on DeepSpeed ZeRO (no arguments: the embedded demo)",
-                             epilog=config_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                             epilog=CONFIG_KEYS, formatter_class=TrainHelp)
     add_config_args(train)
     resume = train.add_mutually_exclusive_group()
     resume.add_argument("--resume", dest="resume", action="store_true", default=None,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
+import textwrap
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_origin
@@ -212,17 +214,85 @@ def example_yaml() -> str:
     excludes = {("model", "config"): "model.path", ("train", "max_steps"): "train.epochs"}
     for name, field in Config.model_fields.items():
         if field.annotation in (str, "str"):
-            out += [f"# {field.description}", f"{name}: {field.default}", ""]
+            out += [*comment(field.description, ""), f"{name}: {field.default}", ""]
             continue
         section: type[Section] = field.annotation
         out.append(f"{name}:")
         for key, sub in section.model_fields.items():
-            doc = " ".join((sub.description or "").split())
             value = example.get(name, {}).get(key, sub.default)
-            out.append(f"  # {doc}")
+            out += comment(sub.description, "  ")
             planners = "#! " if key in DECIDED.get(name, ()) else ""
             other = excludes.get((name, key))
             note = f"  # the example's; delete this line when you set {other}" if other else ""
             out.append(f"  {planners}{key}: {json.dumps(list(value) if isinstance(value, tuple) else value)}{note}")
         out.append("")
     return "\n".join(out)
+
+
+EXAMPLE_WIDTH = 88  # `config --example`'s comment lines, `# ` and indent included
+
+
+def comment(doc: str | None, indent: str) -> list[str]:
+    """A key's doc as YAML comment lines wrapped at EXAMPLE_WIDTH (a word longer than that
+    stays whole on its own line)."""
+    return [f"{indent}# {line}" for line in textwrap.wrap(" ".join((doc or "").split()),
+                                                           EXAMPLE_WIDTH - len(indent) - 2, break_long_words=False,
+                                                           break_on_hyphens=False)]
+
+
+# ---------------------------------------------------------------------------- keys_help
+# `zerofit train --help` lists every key with one short line: the first sentence of its doc,
+# cut where it would run past the line (the whole doc is `config --example`'s)
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.(?:\s|$)")
+KEY_COLUMN = 22  # where the summaries start (a longer key pushes its own along)
+SUMMARY_MAX = 48  # with KEY_COLUMN, 70 columns: the help of 101 keys stays under 8 KB
+
+
+def keys_help(width: int) -> str:
+    """Every config key by section, one line each no wider than `width`, `*` marking the keys
+    the planner chooses when unset; the defaults and whole docs are `config --example`'s."""
+    from zerofit.choice import DECIDED  # the planner reads this module: imported here
+
+    out = textwrap.wrap("config keys, in a YAML file or as --set SECTION.KEY=VALUE (*: the planner's to choose "
+                        "when unset). Defaults and whole explanations: `zerofit config --example`.", width) + [""]
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, Section)):
+            out.append(key_line(name, field.description, width))
+            continue
+        out.append(f"{name}:")
+        out += [key_line(f"  {key}{'*' * (key in DECIDED.get(name, ()))}", sub.description, width)
+                for key, sub in section.model_fields.items()]
+    return "\n".join(out)
+
+
+def key_line(label: str, doc: str | None, width: int) -> str:
+    label = label.ljust(KEY_COLUMN) if len(label) <= KEY_COLUMN - 2 else f"{label}  "
+    return label + summary(doc, min(width - len(label), SUMMARY_MAX))
+
+
+def summary(doc: str | None, room: int) -> str:
+    """The doc's first sentence in at most `room` characters: whole if it fits, else up to the
+    last clause break that fits (`;`, `:`, ` (`) when that keeps 2/3 of the room, else cut
+    after a word with `...`."""
+    first = SENTENCE_END.split(" ".join((doc or "").split()), 1)[0].rstrip(".")
+    if len(first) <= room:
+        return first
+    cuts = [at for at in clause_breaks(first) if 2 * room // 3 <= at <= room]
+    if cuts:
+        return first[:cuts[-1]]
+    return first[:max(room - 3, 1)].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
+def clause_breaks(text: str):
+    """Where `text` may be cut after a clause: `; `, `: ` or ` (` outside brackets and backquotes."""
+    depth, quoted = 0, False
+    for at, char in enumerate(text):
+        if char == "`":
+            quoted = not quoted
+        elif not quoted and char in "([{":
+            depth += 1
+        elif not quoted and char in ")]}":
+            depth -= 1
+        if depth == 0 and not quoted and text.startswith(("; ", ": ", " ("), at):
+            yield at
