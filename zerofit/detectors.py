@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from zerofit.findings import (SEVERITY_ORDER, WARMUP_STEPS, Finding, RunFacts, end_of_step, gib, host_in_use, label,
                               mib, peaks, save_steps, significant_bytes, steady_deltas, training)
-from zerofit.fixes import expandable_segments_setting, phase_advice, setting
+from zerofit.fixes import (expandable_segments_setting, host_budget_name, others_memory_advice, phase_advice,
+                           setting)
 
 
 def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
@@ -271,11 +272,20 @@ def near_budget(records: list[dict], facts: RunFacts, device: str, near: float =
     if fraction < near:
         return []
     cause, fix = phase_advice(record["phase"], device, facts)
-    return [Finding("near_budget", "error" if fraction >= 0.95 else "warning", device,
-                    f"{label(device)} peak {gib(peak)} is {fraction:.0%} of the {gib(budget)} budget "
-                    f"({record['phase']} of step {record['step']})", cause, fix, record["step"],
-                    {"peak_bytes": peak, "budget_bytes": budget, "fraction": round(fraction, 3),
-                     "phase": record["phase"]})]
+    title = (f"{label(device)} peak {gib(peak)} is {fraction:.0%} of the {gib(budget)} budget "
+             f"({record['phase']} of step {record['step']})")
+    evidence = {"peak_bytes": peak, "budget_bytes": budget, "fraction": round(fraction, 3), "phase": record["phase"]}
+    own = record.get("host_peak", record.get("host_rss", 0))
+    if device == "host" and peak > own:  # machine-wide use: this run's RSS and everyone else's apart
+        others = peak - own
+        title = (f"Host memory in use {gib(peak)} is {fraction:.0%} of the {gib(budget)} {host_budget_name(facts)} "
+                 f"({record['phase']} of step {record['step']}): this run's RSS {gib(own)}, other processes "
+                 f"{gib(others)}")
+        evidence.update(run_rss_bytes=own, other_processes_bytes=others)
+        if others > own:
+            cause, fix = others_memory_advice(own, others, budget, facts)
+    return [Finding("near_budget", "error" if fraction >= 0.95 else "warning", device, title, cause, fix,
+                    record["step"], evidence)]
 
 
 def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zerofit.findings import gib
+
 if TYPE_CHECKING:
     from zerofit.findings import RunFacts
 
@@ -83,3 +85,23 @@ def phase_advice(phase: str, device: str, facts: RunFacts) -> tuple[str, list[st
         fix.append("torch.cuda.empty_cache() before saving, so the save's buffers find room")
         return "the checkpoint save gathers parameters and builds state-dict copies", fix
     return "memory use reached the budget", ["see the timeline for the phase that peaks"]
+
+
+def others_memory_advice(run_rss: int, others: int, budget: int, facts: RunFacts) -> tuple[str, list[str]]:
+    """The cause and fixes when other processes, not the run, hold most of the machine's RAM
+    (the watchdog counts machine-wide use against the machine: what the OOM killer sees)."""
+    cause = (f"other processes use {gib(others)} of the {gib(budget)} {host_budget_name(facts)}; this run's own "
+             f"RSS peaked at {gib(run_rss)}, so the machine, not the run, is short of RAM")
+    fix = ["stop or move the other jobs on this machine (`ps aux --sort=-rss | head` names the largest), or run "
+           "where the RAM is free: the kernel's OOM killer may pick this run when the machine runs out",
+           f"give the run a budget of its own, {setting(facts, 'plan.host_mem: <what it may take>')}: the watchdog "
+           f"then counts this run's RSS instead of the whole machine's use"]
+    return cause, fix
+
+
+def host_budget_name(facts: RunFacts) -> str:
+    """What the host budget the watchdog measures against is: plan.host_mem, a cgroup's limit
+    or the machine's RAM."""
+    if not facts.host_budget_is_machine:
+        return "plan.host_mem budget"
+    return "cgroup memory limit" if facts.host_limit else "machine RAM"

@@ -81,7 +81,8 @@ def plan_vs_measured(plan: dict | None, per_rank: dict[int, list[dict]], checkpo
         # free space the plan holds for a save (planner.save_margin_bytes) is asked of the disk, never written
         predicted -= sum(c["predicted_bytes"] for c in components if c["name"] in NOT_WRITTEN)
         rows.append({"device": device, "predicted_bytes": predicted, "measured_bytes": measured.get(device, 0),
-                     "budget_bytes": entry.get("budget_bytes"), "error": relative_error(predicted, measured.get(device)),
+                     "budget_bytes": entry.get("budget_bytes"), "usable_bytes": entry.get("usable_bytes"),
+                     "error": relative_error(predicted, measured.get(device)),
                      "components": components, "phases": phases})
     return rows
 

@@ -257,6 +257,20 @@ def host_budget_kind(diagnosis) -> str:
     return diagnosis.facts.host_limit or "machine RAM"
 
 
+def host_budgets_note(diagnosis) -> str:
+    """The report's host budgets, each named: the one the watchdog and the findings measure
+    against, and the planner's (what it counted free when it planned, less plan.headroom)."""
+    s = diagnosis.summary
+    host = next((row for row in diagnosis.plan if row["device"] == "host" and row.get("budget_bytes")), None)
+    if not s["host_budget"] or not host:
+        return ""
+    counted = "machine-wide use" if diagnosis.facts.host_budget_is_machine else "this run's RSS"
+    usable = f" ({gib(host['usable_bytes'])} usable after plan.headroom)" if host.get("usable_bytes") else ""
+    return (f"host budgets: the watchdog and the findings count {counted} against the {host_budget_kind(diagnosis)}, "
+            f"{gib(s['host_budget'])}; the planner's budget is the {gib(host['budget_bytes'])} it counted free when it "
+            f"planned{usable}")
+
+
 def saves_phrase(summary: dict) -> str:
     """`4 saves`, `3 saves (1 failed, 1 unfinished: being written when the timeline ends)`."""
     extra = [f"{summary['saves_failed']} failed"] if summary["saves_failed"] else []
@@ -350,7 +364,7 @@ def plan_html(diagnosis) -> str:
                          "", ""])
     return f"<img alt='plan vs measured' src='data:image/png;base64,{plan_png(diagnosis)}'>" + table(
         ["device", "component", "planned", "measured", PLAN_ERROR, "planner's budget"], rows, {2, 3, 4, 5}) + \
-        "".join(f"<p class='note'>{esc(note)}</p>" for note in diagnosis.notes)
+        "".join(f"<p class='note'>{esc(note)}</p>" for note in [*diagnosis.notes, host_budgets_note(diagnosis)] if note)
 
 
 def postmortem_html(report: dict | None) -> str:
@@ -436,8 +450,9 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
             plan.add_row(row["device"], gib(row["predicted_bytes"] or 0), gib(row["measured_bytes"] or 0),
                          f"{row['error']:+.0%}" if row["error"] is not None else "-")
         console.print(plan)
-    for note in diagnosis.notes:  # also without a plan: the note that there is none
-        console.print(f"[dim]note: {escape(note)}[/]")
+    for note in [*diagnosis.notes, host_budgets_note(diagnosis)]:  # also without a plan: the note that there is none
+        if note:
+            console.print(f"[dim]note: {escape(note)}[/]")
     if diagnosis.postmortem:
         console.print("[bold red]out-of-memory post-mortem[/]")
         console.print(explanation(diagnosis.postmortem), markup=False)
