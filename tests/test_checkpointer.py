@@ -57,6 +57,14 @@ def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     run, _, done = trained_run(tmp_path, config)
     assert "snapshots (at most 50.0MiB: checkpoint.async_host_max_gib" in done.stderr.replace("\n", " ")
     assert valid_steps(run) == [2]
+    # the rate is the bytes over the writer's own time (a tiny checkpoint's read "0.00 GB/s")
+    written = next(r for r in read_jsonl(run / "memory.jsonl") if r.get("phase") == "checkpoint_written")
+    said = re.search(r"checkpoint step-000002: \S+ written in the background in ([0-9.]+) s \(([0-9.]+) (GB|MB|kB)/s\)",
+                     done.stderr.replace("\n", " "))
+    assert said, done.stderr[-2000:]
+    rate = float(said[2]) * {"GB": 1e9, "MB": 1e6, "kB": 1e3}[said[3]]
+    assert rate > 0 and abs(float(said[1]) - written["write_seconds"]) < 0.01
+    assert abs(rate - written["bytes"] / written["write_seconds"]) / rate < 0.05
     # run_dir is read from the working directory: a fresh start says where it trains, so that a resume
     # started from another directory is not mistaken for one
     assert f"new run in {run.resolve()}: no checkpoint there to resume from" in done.stderr.replace("\n", "")

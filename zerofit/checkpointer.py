@@ -234,28 +234,29 @@ class Checkpointer:
             return
         waited = time.perf_counter()
         self.io.wait()
-        outcomes = self._gather((self.io.error, self.io.written))
+        outcomes = self._gather((self.io.error, self.io.written, self.io.write_seconds))
         self._pending = None
-        errors = [f"rank {rank}: {error}" for rank, (error, _) in enumerate(outcomes) if error]
+        errors = [f"rank {rank}: {error}" for rank, (error, _, _) in enumerate(outcomes) if error]
         if errors:
             self._failed(step or pending["state"].step, pending["name"], pending["tmp"], "; ".join(errors))
             return
         if self.dist.is_main:
-            written = {name: entry for _, files in outcomes for name, entry in files.items()}
+            written = {name: entry for _, files, _ in outcomes for name, entry in files.items()}
+            write_seconds = max(seconds for _, _, seconds in outcomes)  # the ranks write side by side
             milestone = checkpoint.is_milestone(pending["state"].step, self.settings.keep_every)
             final = checkpoint.publish(pending["tmp"], pending["state"], written, self.zero_stage, milestone)
             faults.kill_if_armed("latest")
             removed = checkpoint.apply_retention(self.root, self.settings.keep_last, self.settings.keep_every)
-            self._report(final, pending, written, removed, step, time.perf_counter() - waited)
+            self._report(final, pending, written, removed, step, time.perf_counter() - waited, write_seconds)
 
     def _report(self, final: Path, pending: dict, written: dict, removed: list[str], step: int | None,
-                drain_seconds: float) -> None:
+                drain_seconds: float, write_seconds: float) -> None:
         total = sum(e["bytes"] for e in written.values())
         seconds = time.perf_counter() - pending["started"]
         extra = f", removed {', '.join(removed)}" if removed else ""
-        if pending["mode"] == "async":
-            say(f"checkpoint {final.name}: {memory.human_bytes(total)} written in the background in {seconds:.1f} s "
-                f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s){extra}")
+        if pending["mode"] == "async":  # the rate over the writer's time, not until the loop next looked
+            say(f"checkpoint {final.name}: {memory.human_bytes(total)} written in the background in "
+                f"{write_seconds:.2f} s ({write_rate(total, write_seconds)}){extra}")
             self.timeline.mark(step or pending["state"].step, "checkpoint_written", checkpoint=final.name,
                                bytes=total, snapshot_seconds=round(self.io.snapshot_seconds, 3),
                                write_seconds=round(self.io.write_seconds, 3),
@@ -371,6 +372,16 @@ class Checkpointer:
         value = torch.tensor([int(flag)], device=self.ds_engine.device)
         torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN if every else torch_dist.ReduceOp.MAX)
         return bool(value.item())
+
+
+def write_rate(nbytes: int, seconds: float) -> str:
+    """Bytes a second as a person reads it: GB/s for a large model's checkpoint, MB/s or kB/s for a
+    small one (a tiny model's save read "0.00 GB/s")."""
+    rate = nbytes / max(seconds, 1e-9)
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6)):
+        if rate >= scale:
+            return f"{rate / scale:.2f} {unit}"
+    return f"{rate / 1e3:.1f} kB/s"
 
 
 def replay_cpu_adam_steps(ds_engine) -> int:
