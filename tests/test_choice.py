@@ -116,6 +116,29 @@ def test_a_disk_the_plan_passes_takes_every_save(tmp_path):
     assert checkpoint.free_space_problem(tmp_path, one, free_bytes=bare - older) is not None
 
 
+def test_a_resume_counts_the_checkpoints_retention_deletes(reference):
+    """A run killed on a small disk could not resume there: the plan asked room for keep_last + 1
+    new checkpoints while the two already there would be rotated out ("disk: 95.6MiB of 88.3MiB
+    usable" on a 120 MiB disk the run had completed on). Planned as a resume of a real run dir
+    (step-000004 and step-000006, keep_last 2) on a disk one checkpoint short of that demand."""
+    from zerofit import checkpoint, planview
+
+    more = ["train.max_steps=12"]
+    config_file = str(reference / "config.yaml")
+    one = checkpoint.on_disk_bytes(reference / "checkpoints" / "step-000006")
+    disk = planview.plan(config_path=config_file, overrides=more, disk_free="1TB")[0].plan.devices["disk"]
+    share = disk.usable_bytes / disk.budget_bytes
+    short = int(disk.total_bytes / share) - one  # room for all but one of the new checkpoints
+    decision, _, hw = planview.plan(config_path=config_file, overrides=more, disk_free=f"{short}B")
+    assert decision.plan.devices["disk"].fits, decision.plan.devices["disk"]
+    credit = hw.disk_free_bytes - short
+    assert abs(credit - 2 * one) <= one // 10  # both existing ones go as the three new ones are written
+    assert any(note.startswith("disk:") and "retention deletes" in note for note in decision.plan.notes)
+    fresh = planview.plan_config(decision.config, 1, hw=hardware.with_overrides(hw, disk_free_bytes=short),
+                                 resuming=False)[0]  # --no-resume sets them aside: they stay on the disk
+    assert not fresh.plan.devices["disk"].fits
+
+
 def test_a_run_without_periodic_saves_keeps_one_checkpoint_on_disk():
     once = validate({"model": {"config": "tiny"}, "train": {"epochs": 1}, "checkpoint": {"every_steps": 0}})
     assert choice.checkpoints_on_disk(once) == 1

@@ -372,6 +372,36 @@ def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str
     return removed
 
 
+def rotated_out_credit(root: Path, keep_last: int, keep_every: int, saves_at_once: int) -> int:
+    """Bytes of the checkpoints already under `root` that retention deletes while the run's next
+    `saves_at_once` saves are written: the disk they need beyond what is free now is that many
+    checkpoints less this credit. A resume on the disk a run was killed on was refused for room for
+    keep_last + 1 new checkpoints while the ones there would be rotated out. Save j (from 1) finds
+    the existing ones at index keep_last - (j - 1) and beyond (newest first) deleted by the saves
+    before it, milestones kept; the new ones are sized as the newest existing one."""
+    existing = published(root)
+    if not existing or saves_at_once < 1:
+        return 0
+    sizes = [on_disk_bytes(path) for path in existing]
+    stays = [is_milestone(step_of(path), keep_every) or bool((read_manifest(path) or {}).get("milestone"))
+             for path in existing]
+    new = sizes[0]
+    need = 0
+    for j in range(1, saves_at_once + 1):  # no retention runs before the first save
+        deleted = 0 if j == 1 else sum(size for i, (size, kept) in enumerate(zip(sizes, stays))
+                                       if i >= keep_last - (j - 1) and not kept)
+        need = max(need, j * new - deleted)
+    return saves_at_once * new - need
+
+
+def on_disk_bytes(directory: Path) -> int:
+    """A checkpoint's bytes: its manifest's total, else the sizes of its files."""
+    total = (read_manifest(directory) or {}).get("total_bytes")
+    if total:
+        return int(total)
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
 # ------------------------------------------------------------------- disk space
 def checkpoint_bytes(n_params: int, zero_stage: int) -> int:
     """Predicted bytes of one ZeRO checkpoint (all ranks) of a model with n_params trainable

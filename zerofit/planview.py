@@ -15,7 +15,7 @@ from rich.table import Table
 
 from zerofit import choice, dsconfig, hardware, loadpeak, modelspec, nvme
 from zerofit.choice import Decision
-from zerofit.checkpoint import write_atomic
+from zerofit.checkpoint import rotated_out_credit, write_atomic
 from zerofit.config import Config, ConfigError
 from zerofit.loadpeak import LOADING
 from zerofit.hardware import Hardware, ranks_on_this_node
@@ -43,14 +43,18 @@ def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | N
 
 
 def plan_config(config: Config, world_size: int = 1, hw: Hardware | None = None, spec: ModelSpec | None = None,
-                dataset_bytes: int = 0,
-                data_load: dict[str, int] | None = None) -> tuple[Decision, ModelSpec, Hardware]:
+                dataset_bytes: int = 0, data_load: dict[str, int] | None = None,
+                resuming: bool = True) -> tuple[Decision, ModelSpec, Hardware]:
     """Plan `config` for `world_size` ranks on `hw` (probed when not given); `data_load`: the host
-    peak of loading its data (loadpeak), None when there are no files to load."""
+    peak of loading its data (loadpeak), None when there are no files to load. `resuming`: the
+    run's checkpoints already on disk are rotated out as it saves (not set aside, --no-resume)."""
     spec = spec or modelspec.from_config(config)
     hw = hw or probe_for(config)
+    hw, rotated = with_rotated_out(config, hw) if resuming else (hw, None)
     config, notes, problems = nvme.resolve_aio(config, spec, world_size)
     decision = choice.decide(config, spec, hw, world_size, data_bytes(config, dataset_bytes), data_load)
+    if rotated:
+        decision.plan.notes.append(rotated)
     if nvme.uses_nvme(decision.config):
         decision.plan.notes.extend(notes)
     if decision.config.zero.offload_optimizer == "nvme":  # the problems are the optimizer's transfers
@@ -287,8 +291,8 @@ def data_load_of(config: Config, tokenizer=None, run_dir: Path | None = None,
     return loadpeak.load_peak(shape) if shape else None
 
 
-def plan_run(config: Config, dist, dataset_bytes: int = 0,
-             data_loaded: dict[str, Device] | None = None) -> tuple[Config, Decision]:
+def plan_run(config: Config, dist, dataset_bytes: int = 0, data_loaded: dict[str, Device] | None = None,
+             resuming: bool = True) -> tuple[Config, Decision]:
     """Plan on rank 0, share the decision with every rank (plan.json's content in
     `decision.record`, written with the run's other files once a resume is known to be
     possible), refuse when nothing fits (plan.enabled) or just record the prediction
@@ -301,7 +305,8 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0,
         hw = probe_for(config, accelerator="cuda" if dist.on_gpu else "cpu")
         if beyond := hardware.host_mem_beyond_reach(hw):
             warn(beyond)
-        decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes)
+        decision, spec, hw = plan_config(config, dist.world_size, hw=hw, dataset_bytes=dataset_bytes,
+                                         resuming=resuming)
         decision.plan.data_load_peak = data_loaded or {}
         decision.record = plan_json(decision, spec, hw)
         box = [decision, nvme.preflight(decision.config, decision.plan, dist.on_gpu, decision.nvme_problems)]
@@ -316,6 +321,18 @@ def plan_run(config: Config, dist, dataset_bytes: int = 0,
             write_plan(config.run_dir, decision.record)
         raise choice.refuse(decision)
     return decision.config, decision
+
+
+def with_rotated_out(config: Config, hw: Hardware) -> tuple[Hardware, str | None]:
+    """`hw` with the run's own checkpoints that retention deletes while it saves counted as free
+    disk (checkpoint.rotated_out_credit), and the note that says so; `hw` as it is without any."""
+    root, ckpt = Path(config.run_dir) / "checkpoints", config.checkpoint
+    credit = rotated_out_credit(root, ckpt.keep_last, ckpt.keep_every, choice.checkpoints_on_disk(config))
+    if not credit:
+        return hw, None
+    return (hardware.with_overrides(hw, disk_free_bytes=hw.disk_free_bytes + credit),
+            f"disk: {human_bytes(hw.disk_free_bytes)} free and {human_bytes(credit)} of the checkpoints in {root} "
+            f"that retention deletes as this run saves (checkpoint.keep_last={ckpt.keep_last})")
 
 
 # ----------------------------------------------------------- the verb as a function

@@ -86,7 +86,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     data_load_host_peak = memory.proc_status()["VmHWM"]
     memory.reset_host_peak()
     config, decision = planview.plan_run(config, dist, dataset_bytes=held_bytes(train_set, eval_set),
-                                         data_loaded=data_loaded)
+                                         data_loaded=data_loaded, resuming=resume is not False)
     session.attach(config=config)  # an OOM's safer settings start from what runs, the planner's choices in it
     total_steps = total_optimizer_steps(config, len(train_set), dist.world_size)
     # rank 0 alone writes loop_state.json and compares on resume: the other ranks need not hash the data
