@@ -219,3 +219,65 @@ def test_a_config_json_transformers_cannot_read_is_named(tmp_path):
         (tmp_path / "config.json").write_text(text)
         with pytest.raises(ConfigError, match=f"config.json is not a model config transformers can read .*{reason}"):
             load(tmp_path)
+
+
+CUSTOM_CODE = '''import pathlib
+pathlib.Path(r"{marker}").write_text("the model's code ran")
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "zerofit_custom"
+
+
+class CustomModel(LlamaForCausalLM):
+    config_class = CustomConfig
+'''
+
+
+def custom_code_model(model_dir, directory, marker: str):
+    """The tiny model as a model with its own code (auto_map): importing it writes `marker`."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="zerofit_custom", architectures=["CustomModel"],
+                  auto_map={"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"})
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "custom.py").write_text(CUSTOM_CODE.format(marker=marker))
+    return directory
+
+
+@pytest.mark.e2e
+def test_a_models_own_code_runs_only_with_the_flag(model_dir, tmp_path):
+    """An adapter directory's adapter_config.json said trust_remote_code: true and its base's
+    code ran. Only --trust-remote-code runs it; without it generate names the flag."""
+    import json
+
+    from conftest import run_zerofit
+
+    marker = tmp_path / "pwned"
+    custom = custom_code_model(model_dir, tmp_path / "custom", str(marker))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+        "base_model_name_or_path": str(custom), "trust_remote_code": True}))
+    for directory in (custom, adapter):
+        done = run_zerofit(["generate", str(directory), "--prompt", "hi", "--max-new-tokens", "2"], check=False,
+                           input_text="y\n")
+        assert done.returncode == 1 and "pass --trust-remote-code" in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and not marker.exists()
+    done = run_zerofit(["generate", str(custom), "--prompt", "hi", "--max-new-tokens", "2", "--trust-remote-code"])
+    assert marker.read_text() == "the model's code ran" and "new token" in done.stderr
+
+
+def test_a_run_directory_says_export_it_first(tmp_path):
+    run = tmp_path / "my run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("run_dir: x\n")
+    with pytest.raises(ConfigError) as refused:
+        load(run)
+    assert "is a training run directory, not a model: export it first" in str(refused.value)
+    assert f"`zerofit export '{run}' --out '{tmp_path / 'my run-model'}'`" in str(refused.value)

@@ -45,7 +45,7 @@ class BaseRecipe:
     dtype: str                        # training precision: bf16 | fp16 | fp32
     init_device: str                  # cpu | cuda: whose RNG drew a random-init base
     zero_init: bool                   # built under deepspeed.zero.Init (zero.stage 3)
-    trust_remote_code: bool
+    trust_remote_code: bool           # the run's model.trust_remote_code, recorded only: never read to load
     world_size: int
     fingerprint: list[str] | None
     scheme: int | None
@@ -202,6 +202,27 @@ def check(recipe: BaseRecipe, computed: list[str], base: str) -> bool:
     return True
 
 
+# ------------------------------------------------------------ a model's own code
+def is_remote_code_refusal(error: BaseException) -> bool:
+    """transformers refusing to run a model's own code (auto_map) without trust_remote_code=True."""
+    return isinstance(error, ValueError) and "trust_remote_code=True" in str(error)
+
+
+@contextlib.contextmanager
+def remote_code_asked(source):
+    """transformers' refusal of a model's own code, said as the flag that allows it. zerofit
+    never takes trust_remote_code from a model's, adapter's or checkpoint's files (a downloaded
+    adapter would run its Python): only from the person running the command."""
+    try:
+        yield
+    except ValueError as e:
+        if not is_remote_code_refusal(e):
+            raise
+        raise ConfigError(f"{source}: the model comes with its own Python code (auto_map in its config), which "
+                          f"zerofit runs only when you pass --trust-remote-code; read that code first, then "
+                          f"pass the flag if you trust it") from None
+
+
 # -------------------------------------------------------------------- skeletons
 @dataclass(frozen=True)
 class BaseParam:
@@ -316,9 +337,11 @@ class AdapterBase:
     adapter_config: dict
 
 
-def adapter_base(adapter_dir: Path) -> AdapterBase:
+def adapter_base(adapter_dir: Path, trust_remote_code: bool = False) -> AdapterBase:
     """What `zerofit export --adapter-only` recorded (ADAPTER_BASE_FILE), or for another
-    peft directory its adapter_config.json's base_model_name_or_path (a local directory)."""
+    peft directory its adapter_config.json's base_model_name_or_path (a local directory).
+    The base's own code runs only with `trust_remote_code` (the person's flag), whatever the
+    adapter's files say."""
     from transformers import CONFIG_MAPPING
 
     adapter_dir = Path(adapter_dir)
@@ -344,22 +367,23 @@ def adapter_base(adapter_dir: Path) -> AdapterBase:
         raise ConfigError(f"{adapter_dir} runs on the base model {path}, which is not a local model directory; "
                           f"put the base there or set base_model_name_or_path in its adapter_config.json")
     if hf_config is None:
-        hf_config = hf_config_of(path, adapter_config.get("trust_remote_code", False))
+        hf_config = hf_config_of(path, trust_remote_code)
     return AdapterBase(recipe, hf_config, path, adapter_config)
 
 
 def verify_files(recipe: BaseRecipe, hf_config, adapter_config: dict, base_dir: Path,
-                 block_elements: int = 1 << 22) -> bool:
+                 block_elements: int = 1 << 22, trust_remote_code: bool = False) -> bool:
     """Check a base directory's weights against the recipe's fingerprint (streamed)."""
     from zerofit import zerofiles
 
-    frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, recipe.trust_remote_code))
+    frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, trust_remote_code))
     computed = files_fingerprint(frozen, zerofiles.safetensors_tensors(base_dir), recipe.world_size, block_elements)
     return check(recipe, computed, f"the base at {base_dir}")
 
 
-def verify_values(recipe: BaseRecipe, hf_config, adapter_config: dict, values: dict) -> bool:
+def verify_values(recipe: BaseRecipe, hf_config, adapter_config: dict, values: dict,
+                  trust_remote_code: bool = False) -> bool:
     """Check a rebuilt base (name -> tensor in the training dtype) against the recipe."""
-    frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, recipe.trust_remote_code))
+    frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, trust_remote_code))
     digests = {p.name: param_digests(values[p.name], recipe.world_size) for p in frozen if p.name in values}
     return check(recipe, fingerprints(frozen, digests, recipe.world_size), f"the rebuilt {recipe.describe()} base")

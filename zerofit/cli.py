@@ -125,6 +125,13 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
                         help="GPU budget, e.g. 12GiB: layers beyond it run from CPU RAM (default: the whole GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                         help="compute dtype (auto: the saved dtype on a GPU, fp32 on a CPU)")
+    add_trust_remote_code(parser)
+
+
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model's own Python code (auto_map in its config.json); read it first. Never "
+                             "taken from a model's, adapter's or run's files")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check the checkpoint's file hashes (xxh3 of every byte, as a resume does), not only "
                              "sizes, before reading: a damaged checkpoint is skipped for the newest good one "
                              "(default; --no-hashes: sizes only, faster)")
+    add_trust_remote_code(export)
     export.set_defaults(run=cmd_export)
 
     generate = verbs.add_parser("generate", help="complete a prompt with a model directory, within a GPU budget")

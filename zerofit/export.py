@@ -63,11 +63,21 @@ class ExportResult:
 def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: str | int | None = None,
            shard_size: str | int | None = None, verify: bool = False, overwrite: bool = False,
            model_dir: str | Path | None = None, hashes: bool = True, progress: bool = True,
-           adapter_only: bool = False, base: str | Path | None = None) -> ExportResult:
+           adapter_only: bool = False, base: str | Path | None = None,
+           trust_remote_code: bool = False) -> ExportResult:
     """Export the checkpoint at `source` (a run directory: its newest complete checkpoint;
     or one checkpoint directory) into the model directory `out`. A LoRA checkpoint's adapters
     are merged into its base (merge.py; `base` overrides where the base's files are), or
-    with `adapter_only` written as a peft adapter directory."""
+    with `adapter_only` written as a peft adapter directory. The model's own code (auto_map)
+    runs only with `trust_remote_code`, the person's --trust-remote-code: never because the
+    run's files recorded it."""
+    with basemodel.remote_code_asked(source):
+        return _export(source, out, dtype, max_ram, shard_size, verify, overwrite, model_dir, hashes, progress,
+                       adapter_only, base, trust_remote_code)
+
+
+def _export(source, out, dtype: str, max_ram, shard_size, verify: bool, overwrite: bool, model_dir, hashes: bool,
+            progress: bool, adapter_only: bool, base, trust_remote_code: bool) -> ExportResult:
     started = time.perf_counter()
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -88,9 +98,9 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
         raise ExportError(f"--adapter-only and --base are for LoRA runs; {checkpoint_dir} is a full fine-tuning "
                           f"checkpoint (drop them)")
     if adapter_only:
-        return export_adapter(zero, config_dir, out, dtype, base, verify, started, max_ram_bytes)
+        return export_adapter(zero, config_dir, out, dtype, base, verify, started, max_ram_bytes, trust_remote_code)
     merging = merge.plan(zero, checkpoint_dir, config_dir, model_config, DTYPES[dtype],
-                         Path(base) if base else None) if lora else None
+                         Path(base) if base else None, trust_remote_code) if lora else None
     tensors = merging.tensors if merging else output_tensors(zero, DTYPES[dtype], ties_embeddings(model_config))
     if not merging:  # (a merge plans against the base's own names)
         check_against_config(tensors, model_config, config_dir, checkpoint_dir)
@@ -110,7 +120,8 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
             merging.check_replayed_base()
         write_model_files(staging, config_dir, merging.model_config if merging else model_config, dtype)
         export_peak = peak_rss_bytes()  # what --max-ram bounds; --verify loads the model whole on top
-        verified = check_before_publishing(staging, checkpoint_dir, config_dir, base, merging) if verify else None
+        verified = check_before_publishing(staging, checkpoint_dir, config_dir, base, merging,
+                                           trust_remote_code) if verify else None
         publish(staging, out)
     except OSError as e:  # a full disk, a directory that takes no files (/proc): the reason, not a traceback
         shutil.rmtree(staging, ignore_errors=True)
@@ -137,16 +148,17 @@ def export(source: str | Path, out: str | Path, dtype: str = "bf16", max_ram: st
     return result
 
 
-def check_before_publishing(staging: Path, checkpoint_dir: Path, config_dir: Path, base, merging):
+def check_before_publishing(staging: Path, checkpoint_dir: Path, config_dir: Path, base, merging,
+                            trust_remote_code: bool = False):
     """--verify on the staged model: one that does not reproduce the checkpoint is never published."""
     from zerofit import exportcheck
 
-    return exportcheck.verify_lora_export(staging, checkpoint_dir, config_dir, base) if merging else \
-        exportcheck.verify_export(staging, checkpoint_dir)
+    return exportcheck.verify_lora_export(staging, checkpoint_dir, config_dir, base, trust_remote_code) if merging \
+        else exportcheck.verify_export(staging, checkpoint_dir, trust_remote_code)
 
 
 def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, dtype: str, base, verify: bool,
-                   started: float, max_ram_bytes: int) -> ExportResult:
+                   started: float, max_ram_bytes: int, trust_remote_code: bool = False) -> ExportResult:
     """--adapter-only: a peft adapter directory (merge.write_adapter_dir), published atomically."""
     checkpoint_dir = zero.directory
     baseline = host_rss_bytes()
@@ -154,7 +166,8 @@ def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, 
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        record = merge.write_adapter_dir(checkpoint_dir, config_dir, staging, dtype, Path(base) if base else None)
+        record = merge.write_adapter_dir(checkpoint_dir, config_dir, staging, dtype, Path(base) if base else None,
+                                         trust_remote_code)
         mode = (staging / "adapter_config.json").stat().st_mode & 0o777  # safetensors writes its file 0600
         for path in staging.iterdir():
             path.chmod(mode)
@@ -163,7 +176,7 @@ def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, 
         if verify:  # on the staged directory: an adapter that fails it is never published
             from zerofit import exportcheck
 
-            verified = exportcheck.verify_adapter_export(staging, checkpoint_dir, config_dir)
+            verified = exportcheck.verify_adapter_export(staging, checkpoint_dir, config_dir, trust_remote_code)
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -18,8 +18,6 @@ part of the capped export itself.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 from zerofit import universalfiles, zerofiles
@@ -40,16 +38,15 @@ def reference_state_dict(checkpoint_dir: Path) -> tuple[dict, str]:
     """The independent reference's weights, and what they were built from as the verdict
     names it: DeepSpeed's reconstruction (its progress output silenced), or for a checkpoint
     DeepSpeed's zero_to_fp32 cannot read (NVMe swap files) the files through torch.load."""
-    from zerofit.ranks import select_accelerator
+    from zerofit.ranks import deepspeed_quietly
 
-    select_accelerator()  # DeepSpeed picks its accelerator at import time
     if universalfiles.is_universal(checkpoint_dir):
         return universal_state_dict(checkpoint_dir), "DeepSpeed's reconstruction"
     if (checkpoint_dir / zerofiles.NVME_COPIES).is_dir():
         return nvme_state_dict(checkpoint_dir), "the optim and NVMe swap files read through torch.load"
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with deepspeed_quietly():  # its accelerator chosen before the import; its progress not shown
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
     return weights, "DeepSpeed's reconstruction"
 
@@ -111,12 +108,13 @@ def with_model_states(weights: dict, states: list[dict]) -> dict:
     return weights
 
 
-def prompt_ids(model_dir: Path, vocab_size: int):
+def prompt_ids(model_dir: Path, vocab_size: int, trust_remote_code: bool = False):
     import torch
     from transformers import AutoTokenizer
 
     try:
-        ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)(PROMPT, return_tensors="pt").input_ids
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     except (OSError, ValueError):
         ids = None
     if ids is None or ids.numel() < 4 or int(ids.max()) >= vocab_size:
@@ -124,12 +122,13 @@ def prompt_ids(model_dir: Path, vocab_size: int):
     return ids
 
 
-def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
+def verify_export(out_dir: Path, checkpoint_dir: Path, trust_remote_code: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    exported, load_problems, stored_dtype = load_export(out_dir)
-    reference = AutoModelForCausalLM.from_config(exported.config, dtype=torch.float32)
+    exported, load_problems, stored_dtype = load_export(out_dir, trust_remote_code)
+    reference = AutoModelForCausalLM.from_config(exported.config, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
     weights, source = reference_state_dict(checkpoint_dir)
     missing, unexpected = reference.load_state_dict(weights, strict=False)
     tied = {name for name, _ in reference.named_parameters(remove_duplicate=False)} - \
@@ -138,46 +137,50 @@ def verify_export(out_dir: Path, checkpoint_dir: Path) -> dict:
         raise VerifyError(f"{source} does not fit the config: missing {sorted(set(missing) - tied)}, "
                           f"unexpected {sorted(unexpected)}")
     return compare(exported, reference, rounded_copy(reference, stored_dtype), stored_dtype,
-                   prompt_ids(out_dir, exported.config.vocab_size), load_problems, source)
+                   prompt_ids(out_dir, exported.config.vocab_size, trust_remote_code), load_problems, source)
 
 
-def verify_lora_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path, base_dir=None) -> dict:
+def verify_lora_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path, base_dir=None,
+                       trust_remote_code: bool = False) -> dict:
     """A merged LoRA export against what trained: peft's unmerged forward of the same base and
     the checkpoint's fp32 adapters (its merged weights, rounded as the export stores them, for
     the same-rounding comparison)."""
-    exported, load_problems, stored_dtype = load_export(out_dir)
-    ids = prompt_ids(out_dir, exported.config.vocab_size)
-    trained = peft_unmerged(checkpoint_dir, config_dir, base_dir)
+    exported, load_problems, stored_dtype = load_export(out_dir, trust_remote_code)
+    ids = prompt_ids(out_dir, exported.config.vocab_size, trust_remote_code)
+    trained = peft_unmerged(checkpoint_dir, config_dir, base_dir, trust_remote_code=trust_remote_code)
     merged = merged_reference(trained, ids)
     return compare(exported, trained, rounded_copy(merged, stored_dtype), stored_dtype, ids, load_problems,
                    "peft's unmerged base + adapter")
 
 
-def verify_adapter_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path) -> dict:
+def verify_adapter_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path,
+                          trust_remote_code: bool = False) -> dict:
     """An adapter directory as chat runs it (base checked, PeftModel on top, unmerged) against
     peft's merge of the directory's own adapters (same weights) and of the checkpoint's fp32
     ones (tied embeddings untied first: `untie`)."""
     from zerofit.basemodel import adapter_base
     from zerofit.infer import load_adapter
 
-    loaded = load_adapter(out_dir, dtype="fp32")
+    loaded = load_adapter(out_dir, dtype="fp32", trust_remote_code=trust_remote_code)
     stored_dtype = next(iter(load_export_tensors(out_dir).values())).dtype
-    base_dir = adapter_base(out_dir).path
-    same = peft_merged(checkpoint_dir, config_dir, base_dir, adapter_dir=out_dir)
-    reference = peft_merged(checkpoint_dir, config_dir, base_dir)
-    return compare(loaded.model, reference, same, stored_dtype, prompt_ids(out_dir, loaded.model.config.vocab_size),
+    base_dir = adapter_base(out_dir, trust_remote_code).path
+    same = peft_merged(checkpoint_dir, config_dir, base_dir, adapter_dir=out_dir, trust_remote_code=trust_remote_code)
+    reference = peft_merged(checkpoint_dir, config_dir, base_dir, trust_remote_code=trust_remote_code)
+    ids = prompt_ids(out_dir, loaded.model.config.vocab_size, trust_remote_code)
+    return compare(loaded.model, reference, same, stored_dtype, ids,
                    {}, "peft's merge_and_unload (tied embeddings untied)")
 
 
 # ----------------------------------------------------------------- references
-def load_export(out_dir: Path):
+def load_export(out_dir: Path, trust_remote_code: bool = False):
     """(the export loaded in fp32, from_pretrained's load problems, the dtype it was saved in)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(out_dir, local_files_only=True)
+    config = AutoConfig.from_pretrained(out_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     exported, info = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True, dtype=torch.float32,
-                                                          output_loading_info=True)
+                                                          output_loading_info=True,
+                                                          trust_remote_code=trust_remote_code)
     load_problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
                                                                     "mismatched_keys") and v}
     stored_dtype = getattr(config, "dtype", None) or torch.float32
@@ -191,9 +194,10 @@ def load_export_tensors(out_dir: Path) -> dict:
     return {k: v for path in sorted(Path(out_dir).glob("*.safetensors")) for k, v in load_file(path).items()}
 
 
-def peft_merged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None):
+def peft_merged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None,
+                trust_remote_code: bool = False):
     """peft's merge_and_unload in fp32 of `peft_unmerged`, tied embeddings untied first."""
-    return merge_untied(peft_unmerged(checkpoint_dir, config_dir, base_dir, adapter_dir))
+    return merge_untied(peft_unmerged(checkpoint_dir, config_dir, base_dir, adapter_dir, trust_remote_code))
 
 
 def merged_reference(trained, ids):
@@ -241,7 +245,8 @@ def merge_untied(peft_model):
     return peft_model.merge_and_unload().eval()
 
 
-def peft_unmerged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None):
+def peft_unmerged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter_dir: Path | None = None,
+                  trust_remote_code: bool = False):
     """PeftModel in fp32, unmerged (the forward training ran): the run's base (its files, or
     the replayed random init) with the checkpoint's fp32 adapters (or those of `adapter_dir`)."""
     import tempfile
@@ -255,11 +260,12 @@ def peft_unmerged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter
     recipe = basemodel.read_recipe(checkpoint_dir)
     path = base_dir or recipe.path
     if path:
-        base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code)
     else:
-        hf_config = basemodel.hf_config_of(config_dir, recipe.trust_remote_code)
+        hf_config = basemodel.hf_config_of(config_dir, trust_remote_code)
         base = reinit.build_model(hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device,
-                                  recipe.trust_remote_code)[0].float()
+                                  trust_remote_code)[0].float()
     with tempfile.TemporaryDirectory() as scratch:
         if adapter_dir is None:
             adapter_dir = adapters.write_peft_dir(checkpoint_dir, Path(scratch) / "adapter", "fp32")

@@ -84,31 +84,58 @@ class Generation:
 
 # --------------------------------------------------------------------------- loading
 def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "auto",
-         context_tokens: int = DEFAULT_CONTEXT) -> Loaded:
-    """A model directory, or a peft adapter directory (load_adapter)."""
-    from transformers import AutoConfig
+         context_tokens: int = DEFAULT_CONTEXT, trust_remote_code: bool = False) -> Loaded:
+    """A model directory, or a peft adapter directory (load_adapter). A model's own Python code
+    (auto_map) runs only with `trust_remote_code`, the person's --trust-remote-code: never
+    because a file of the model, adapter or run says so."""
+    from zerofit.basemodel import remote_code_asked
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir} is not a directory; give a model directory (`zerofit export` writes one) "
                           f"or an adapter directory (`zerofit export --adapter-only`)")
-    if (model_dir / ADAPTER_CONFIG_FILE).is_file():
-        return load_adapter(model_dir, gpu_mem, dtype, context_tokens)
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"{model_dir} holds no config.json; give a model directory (`zerofit export` writes one) "
-                          f"or an adapter directory (`zerofit export --adapter-only`)")
+    with remote_code_asked(model_dir):
+        if (model_dir / ADAPTER_CONFIG_FILE).is_file():
+            return load_adapter(model_dir, gpu_mem, dtype, context_tokens, trust_remote_code)
+        check_model_dir(model_dir)
+        return load_model(model_dir, gpu_mem, dtype, context_tokens, trust_remote_code)
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Refuse a directory without config.json; a training run's directory names the export that makes one."""
+    if (model_dir / "config.json").is_file():
+        return
+    if (model_dir / "checkpoints").is_dir() or (model_dir / "config.yaml").is_file():
+        import shlex
+
+        run = shlex.quote(str(model_dir))
+        out = shlex.quote(str(model_dir.parent / f"{model_dir.name}-model"))
+        raise ConfigError(f"{model_dir} is a training run directory, not a model: export it first "
+                          f"(`zerofit export {run} --out {out}`), then run that directory")
+    raise ConfigError(f"{model_dir} holds no config.json; give a model directory (`zerofit export` writes one) "
+                      f"or an adapter directory (`zerofit export --adapter-only`)")
+
+
+def load_model(model_dir: Path, gpu_mem, dtype: str, context_tokens: int, trust_remote_code: bool) -> Loaded:
+    from transformers import AutoConfig
+
+    from zerofit.basemodel import is_remote_code_refusal
+
     try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except (ValueError, OSError) as e:  # no model_type, an architecture this transformers lacks, bad JSON
+        if is_remote_code_refusal(e):
+            raise
         raise ConfigError(f"{model_dir / 'config.json'} is not a model config transformers can read "
                           f"({str(e).splitlines()[0]}); give a model directory (`zerofit export` writes one)") from None
-    tokenizer = load_tokenizer(model_dir)
-    model, device, torch_dtype, placement = place(config, gpu_mem, dtype, context_tokens, model_dir=model_dir)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    model, device, torch_dtype, placement = place(config, gpu_mem, dtype, context_tokens, model_dir=model_dir,
+                                                  trust_remote_code=trust_remote_code)
     return Loaded(model.eval(), tokenizer, device, str(torch_dtype), placement)
 
 
 def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str = "auto",
-                 context_tokens: int = DEFAULT_CONTEXT) -> Loaded:
+                 context_tokens: int = DEFAULT_CONTEXT, trust_remote_code: bool = False) -> Loaded:
     """The base an adapter directory names (basemodel.adapter_base), checked against the
     fingerprint its LoRA run recorded, placed like a model directory, with peft's
     PeftModel.from_pretrained on top. A random-init base is rebuilt (reinit.py)."""
@@ -116,23 +143,25 @@ def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str
 
     from zerofit import basemodel
 
-    base = basemodel.adapter_base(adapter_dir)
+    base = basemodel.adapter_base(adapter_dir, trust_remote_code)
     has_tokenizer = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer = load_tokenizer(adapter_dir if has_tokenizer or base.path is None else base.path)
+    tokenizer = load_tokenizer(adapter_dir if has_tokenizer or base.path is None else base.path, trust_remote_code)
     if base.path is not None:
         if base.recipe is not None:
-            basemodel.verify_files(base.recipe, base.hf_config, base.adapter_config, base.path)
+            basemodel.verify_files(base.recipe, base.hf_config, base.adapter_config, base.path,
+                                   trust_remote_code=trust_remote_code)
         model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens,
-                                                      model_dir=base.path)
+                                                      model_dir=base.path, trust_remote_code=trust_remote_code)
     else:
         from zerofit import reinit
 
         recipe = base.recipe
         built, values = reinit.build_model(base.hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device,
-                                           recipe.trust_remote_code)
-        basemodel.verify_values(recipe, base.hf_config, base.adapter_config, values)
+                                           trust_remote_code)
+        basemodel.verify_values(recipe, base.hf_config, base.adapter_config, values, trust_remote_code)
         del values
-        model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens, model=built)
+        model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens, model=built,
+                                                      trust_remote_code=trust_remote_code)
     with basemodel.quiet_peft():
         model = PeftModel.from_pretrained(model, adapter_dir, autocast_adapter_dtype=False)
     if (adapter_dir / "generation_config.json").is_file():  # the run's: its template's turn end among the ends
@@ -144,17 +173,22 @@ def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str
     return Loaded(model.eval(), tokenizer, device, str(torch_dtype), placement)
 
 
-def load_tokenizer(directory: Path):
+def load_tokenizer(directory: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    from zerofit.basemodel import is_remote_code_refusal
+
     try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
+        if is_remote_code_refusal(e):
+            raise
         raise ConfigError(f"{directory} has no usable tokenizer ({e}); copy the tokenizer files next to "
                           f"config.json") from None
 
 
-def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | None = None, model=None):
+def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | None = None, model=None,
+          trust_remote_code: bool = False):
     """(model, input device, dtype, placement) for the weights in `model_dir` or the model
     already in memory: on the CPU without a GPU, else filling `gpu_mem` and offloading the rest."""
     import torch
@@ -164,20 +198,22 @@ def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | No
         warn("no GPU visible: --gpu-mem ignored, running on the CPU")
     torch_dtype = resolve_dtype(dtype, config, on_gpu)
     if not on_gpu:
-        model = model.to(torch_dtype) if model is not None else read_weights(model_dir, dtype=torch_dtype)
+        model = model.to(torch_dtype) if model is not None else \
+            read_weights(model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code)
         return model, "cpu", torch_dtype, {"cpu_bytes": model_bytes(model)}
     total = torch.cuda.get_device_properties(0).total_memory
     budget = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else total
     if budget > total:
         raise ConfigError(f"--gpu-mem {human_bytes(budget)} is more than the GPU's {human_bytes(total)}")
     torch.cuda.set_per_process_memory_fraction(budget / total)  # the budget is the allocator's cap
-    device_map, placement = plan_placement(config, torch_dtype, budget, context_tokens)
+    device_map, placement = plan_placement(config, torch_dtype, budget, context_tokens,
+                                           trust_remote_code=trust_remote_code)
     if model is not None:
         from accelerate import dispatch_model
 
         model = dispatch_model(model.to(torch_dtype), device_map=device_map)
     else:
-        model = read_weights(model_dir, dtype=torch_dtype, device_map=device_map)
+        model = read_weights(model_dir, dtype=torch_dtype, device_map=device_map, trust_remote_code=trust_remote_code)
     return model, "cuda:0", torch_dtype, placement
 
 
@@ -210,7 +246,7 @@ def resolve_dtype(dtype: str, config, on_gpu: bool):
 
 
 def plan_placement(config, torch_dtype, budget: int, context_tokens: int = DEFAULT_CONTEXT,
-                   host_bytes: int | None = None) -> tuple[dict, dict]:
+                   host_bytes: int | None = None, trust_remote_code: bool = False) -> tuple[dict, dict]:
     """accelerate's device map of the model's layers for `budget` bytes of GPU 0, on a
     skeleton with no weights (meta tensors): (device_map, placement summary)."""
     from accelerate import infer_auto_device_map, init_empty_weights
@@ -218,7 +254,7 @@ def plan_placement(config, torch_dtype, budget: int, context_tokens: int = DEFAU
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     no_split = list(getattr(skeleton, "_no_split_modules", None) or [])
     sizes = compute_module_sizes(skeleton, dtype=torch_dtype)
     # The room an offloaded layer needs while it runs on the GPU is kept free by
@@ -281,13 +317,13 @@ def run(loaded: Loaded, input_ids, sampling: Sampling, streamer=None) -> tuple[o
 
 
 def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampling(),
-             gpu_mem: str | int | None = None, dtype: str = "auto") -> Generation:
+             gpu_mem: str | int | None = None, dtype: str = "auto", trust_remote_code: bool = False) -> Generation:
     """Complete `prompt` (as raw text: no chat template; BOS first, as training began every example)."""
     import torch
 
     from zerofit.tokenizing import text_ids
 
-    loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
+    loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype, trust_remote_code=trust_remote_code)
     ids = text_ids(loaded.tokenizer, prompt)
     if ids == text_ids(loaded.tokenizer, ""):  # nothing but the BOS (the check saw the BOS as text)
         raise ConfigError("--prompt is empty after tokenization; give some text")
@@ -329,12 +365,13 @@ def chat_input_ids(tokenizer, history: list[dict], limit: int):
 
 
 def chat(model: str | Path | Loaded, sampling: Sampling = Sampling(), gpu_mem: str | int | None = None,
-         dtype: str = "auto", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> list[dict]:
+         dtype: str = "auto", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
+         trust_remote_code: bool = False) -> list[dict]:
     """Read a line, stream the answer, keep the history; /exit or end of input quits,
     /reset forgets the conversation. Returns the history."""
     from transformers import TextIteratorStreamer
 
-    loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype)
+    loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype, trust_remote_code=trust_remote_code)
     limit = max(16, getattr(loaded.model.config, "max_position_embeddings", 4096) - sampling.max_new_tokens)
     interactive = stdin.isatty()
     say(f"chat: {describe(loaded)}; /exit or Ctrl-D quits, /reset clears the history")

@@ -188,15 +188,16 @@ class MergePlan:
 
 
 def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path, model_config: dict,
-         dtype: torch.dtype, base_dir: Path | None = None) -> MergePlan:
+         dtype: torch.dtype, base_dir: Path | None = None, trust_remote_code: bool = False) -> MergePlan:
     """The merged model's tensors, in write order, for a LoRA checkpoint; `base_dir`
-    overrides the recorded model.path."""
+    overrides the recorded model.path. The model's own code runs only with `trust_remote_code`
+    (the person's --trust-remote-code), never because the run recorded it."""
     recipe = basemodel.read_recipe(checkpoint_dir)
     adapter_config = adapters.adapter_config(checkpoint_dir)
-    hf_config = basemodel.hf_config_of(config_dir, recipe.trust_remote_code)
+    hf_config = basemodel.hf_config_of(config_dir, trust_remote_code)
     frozen = basemodel.frozen_params(basemodel.peft_skeleton(hf_config, adapter_config, recipe.torch_dtype,
-                                                             recipe.trust_remote_code))
-    skeleton = basemodel.meta_model(hf_config, recipe.torch_dtype, recipe.trust_remote_code)
+                                                             trust_remote_code))
+    skeleton = basemodel.meta_model(hf_config, recipe.torch_dtype, trust_remote_code)
     aliases = basemodel.tied_aliases(skeleton)
     kinds = {name: type(module).__name__ for name, module in skeleton.named_modules()}
     deltas, replacements = deltas_and_replacements(zero, adapter_config, kinds)
@@ -210,7 +211,7 @@ def plan(zero: zerofiles.ZeroCheckpoint, checkpoint_dir: Path, config_dir: Path,
         names = sorted(sources, key=lambda n: (rank.get(n, len(rank)), n))  # model order
         description = f"the base at {base_path}"
     else:
-        replay = replayed_base(hf_config, recipe, frozen, skeleton, replacements)
+        replay = replayed_base(hf_config, recipe, frozen, skeleton, replacements, trust_remote_code)
         sources = replay.sources
         names = [n for n in replay.walk.order if n in sources]  # the order the walk finishes them
         description = f"the {recipe.describe()} base"
@@ -277,7 +278,7 @@ def output_tensors(names: list[str], sources: dict, replacements: dict, deltas: 
 
 
 def replayed_base(hf_config, recipe: basemodel.BaseRecipe, frozen: list[basemodel.BaseParam], skeleton,
-                  replacements: dict) -> "ReplayedBase":
+                  replacements: dict, trust_remote_code: bool = False) -> "ReplayedBase":
     if not recipe.zero_init:
         raise ConfigError("this run's random-init base was built without ZeRO-3 (zero.stage < 3); zerofit "
                           "export rebuilds only ZeRO-3 builds; use --adapter-only")
@@ -287,7 +288,7 @@ def replayed_base(hf_config, recipe: basemodel.BaseRecipe, frozen: list[basemode
     buffers = [n for n in skeleton.state_dict() if n not in params and n not in replacements]
     if buffers:  # persistent buffers come from the checkpoint (DeepSpeed saves them whole)
         raise ConfigError(f"the checkpoint lacks the model's buffers {buffers[:3]}; cannot rebuild the base")
-    walk = InitReplay(hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device, recipe.trust_remote_code)
+    walk = InitReplay(hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device, trust_remote_code)
     kept = {name for name, _ in skeleton.named_parameters()}  # tied aliases drawn, then dropped by the tie
     return ReplayedBase(walk, {p.name for p in frozen}, recipe.world_size,
                         {name: tuple(p.shape) for name, p in walk.model.named_parameters() if name in kept})
@@ -360,7 +361,7 @@ class ReplayedTensor:
 
 # ------------------------------------------------------------- --adapter-only
 def write_adapter_dir(checkpoint_dir: Path, config_dir: Path, directory: Path, dtype: str,
-                      base_dir: Path | None = None) -> dict:
+                      base_dir: Path | None = None, trust_remote_code: bool = False) -> dict:
     """A peft adapter directory (adapters.write_peft_dir) that zerofit chat can run alone: its
     adapter_config.json names the base directory, basemodel.ADAPTER_BASE_FILE holds the recipe and
     fingerprint (and the HF config a random-init base is rebuilt from), and the tokenizer
@@ -375,8 +376,8 @@ def write_adapter_dir(checkpoint_dir: Path, config_dir: Path, directory: Path, d
     config_file.write_text(json.dumps(adapter_config, indent=2))
     record = {"recipe": asdict(recipe), "config": json.loads((config_dir / "config.json").read_text())}
     if recipe.path and (Path(recipe.path) / "config.json").is_file():  # the base it will name: the trained one?
-        basemodel.verify_files(recipe, basemodel.hf_config_of(config_dir, recipe.trust_remote_code), adapter_config,
-                               Path(recipe.path))
+        basemodel.verify_files(recipe, basemodel.hf_config_of(config_dir, trust_remote_code), adapter_config,
+                               Path(recipe.path), trust_remote_code=trust_remote_code)
     elif recipe.path:
         warn(f"the base {recipe.path} is not there to check: chat and generate need it there, or the adapter's "
              f"base_model_name_or_path pointed at it")

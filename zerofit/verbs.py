@@ -56,7 +56,8 @@ def cmd_train(args) -> int:
         from zerofit.resume import resume_command
 
         raise ConfigError(elastic.peer_gone_message(e, resume_command(config), config.run_dir)) from None
-    code = 143 if result.stopped_by_signal else 0  # 128 + SIGTERM, as a shell reports it
+    # 128 + SIGINT or SIGTERM, as a shell reports it
+    code = (130 if result.interrupted else 143) if result.stopped_by_signal else 0
     ranks.finish_distributed(code)  # every rank finished (an error raised past this)
     return code
 
@@ -217,7 +218,7 @@ def cmd_export(args) -> int:
 
     export(args.source, args.out, dtype=args.dtype, max_ram=args.max_ram, shard_size=args.shard_size,
            verify=args.verify, overwrite=args.overwrite, model_dir=args.model_dir, hashes=args.hashes,
-           adapter_only=args.adapter_only, base=args.base)
+           adapter_only=args.adapter_only, base=args.base, trust_remote_code=args.trust_remote_code)
     return 0
 
 
@@ -232,7 +233,7 @@ def cmd_generate(args) -> int:
     from zerofit.infer import describe, generate, load
     from zerofit.progress import counted, say
 
-    loaded = load(args.model_dir, args.gpu_mem, args.dtype)
+    loaded = load(args.model_dir, args.gpu_mem, args.dtype, trust_remote_code=args.trust_remote_code)
     result = generate(loaded, args.prompt, sampling_from(args))
     print(result.text)
     say(f"{counted(result.new_tokens, 'new token')} in {result.seconds:.2f} s: {result.tokens_per_s:.1f} tokens/s "
@@ -247,7 +248,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from zerofit.infer import chat
 
-    chat(args.model_dir, sampling_from(args), args.gpu_mem, args.dtype)
+    chat(args.model_dir, sampling_from(args), args.gpu_mem, args.dtype, trust_remote_code=args.trust_remote_code)
     return 0
 
 
