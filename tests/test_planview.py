@@ -1,5 +1,6 @@
 """`zerofit plan` (planview.py and its CLI): plan.json, the plan line, the LoRA advice, --explain, flags."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,45 @@ def test_plan_takes_another_machines_nvme_free_space(tmp_path, capsys):
     assert planned["2TB"]["nvme"]["swap_bytes"] > 10**9  # the 1 GB did not hold the swap files
     assert main(["plan", "--model", "llama-1.5b", "--nvme-free", "1TB"]) == 1
     assert "--nvme-free is the free space at zero.nvme_path: give --nvme-path" in capsys.readouterr().err
+
+
+# the same machine wherever the test runs: nothing of this one is measured into the plans; the
+# checkpoint schedule as it was when the totals were taken (a save at the end only)
+ANOTHER_MACHINE = ["--gpu-mem", "24GiB", "--host-mem", "64GiB", "--cpu-cores", "16", "--disk-free", "2TB",
+                   "--accelerator", "cuda", "--json", "--set", "checkpoint.every_steps=0"]
+SEVEN_B = str(Path(__file__).parent / "data" / "qwen2.5-7b" / "config.json")  # Qwen2.5-7B's config.json
+KEPT_PLANS = {
+    "llama-8b": ["--model", "llama-8b"],
+    "qwen2-0.5b": ["--model", "qwen2-0.5b"],
+    "qwen2.5-7b config.json": ["--model", SEVEN_B],
+    "qwen2.5-7b config.json, LoRA": ["--model", SEVEN_B, "--set", "lora.enabled=true"],
+    "llama-1.5b on NVMe": ["--model", "llama-1.5b", "--offload-optimizer", "nvme", "--offload-param", "cpu",
+                           "--nvme-path", "NVME", "--nvme-free", "2TB", "--gpu-mem", "8GiB"],
+}
+PEAKS = ("devices", "save_peak", "start_peak", "first_step_after_save_peak", "export_peak")
+
+
+def plan_totals(out: dict) -> dict:
+    """What a plan predicts, in bytes: each peak's components and totals, the checkpoint, the
+    model's counts, and the LoRA advice's figures (its step time left out: that is the step model's)."""
+    import re
+
+    kept = {peak: {device: {"total_bytes": v["total_bytes"], "components": v["components"]}
+                   for device, v in out[peak].items()} for peak in PEAKS}
+    lora = [re.sub(r"; ~[\d.]+ s a step$", "", a) for a in out["advice"] if a.startswith("lora.enabled=true")]
+    return {**kept, "fits": out["fits"], "params": out["params"], "trainable_params": out["trainable_params"],
+            "checkpoint_bytes": out["checkpoint_bytes"], "chosen": out["chosen"], "model": out["model"],
+            "lora_advice": lora}
+
+
+def test_plans_keep_the_byte_totals_they_had(tmp_path, capsys):
+    """Planning was made faster (issue 53: the meta model built once, hook orders cached, imports
+    deferred): the same plans give the same bytes as before that work (tests/data/plan_totals.json,
+    captured from `zerofit plan --json` before it)."""
+    from zerofit.cli import main
+
+    kept = json.loads((Path(__file__).parent / "data" / "plan_totals.json").read_text())
+    for name, flags in KEPT_PLANS.items():
+        flags = [str(tmp_path) if flag == "NVME" else flag for flag in flags]
+        main(["plan", *flags, *ANOTHER_MACHINE[2 * ("--gpu-mem" in flags):]])
+        assert plan_totals(json.loads(capsys.readouterr().out)) == kept[name], name
