@@ -82,10 +82,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class LinkedFileError(ConfigError):
+    """A file zerofit writes in a run directory is a symbolic link (planted to make it write elsewhere)."""
+
+
+def open_unlinked(path: Path, append: bool = False):
+    """`path` opened for writing text (truncated, or for appending) where it is a file of its own:
+    a symbolic link in its place is refused (O_NOFOLLOW), never written through to its target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise LinkedFileError(f"{path} is a symbolic link (to {os.readlink(path)}); zerofit writes its run files "
+                                  f"only as files of their own, never through a link: remove the link") from None
+        raise
+    return os.fdopen(fd, "a" if append else "w", buffering=1)
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over: readers see the old or the new content, never half."""
+    """Write, fsync, rename over: readers see the old or the new content, never half. The
+    temporary is made anew (a symbolic link planted in its place is removed, never written
+    through) and the rename replaces a link at `path` itself, not what it points at."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "w") as f:
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -313,7 +313,7 @@ def doctor(run_dir: str | Path, html: str | Path | None = None, console=None, ha
         written = str(out)
     else:
         try:
-            out.write_text(page)
+            checkpoint.write_atomic(out, page)  # a link planted at report.html is replaced, never written through
             written = str(out)
         except OSError as e:  # someone else's run on a shared disk, a read-only mount: the summary still helps
             written = f"not written ({out}: {e.strerror or e}); --out FILE writes it elsewhere"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from zerofit import watchdog
+from zerofit import checkpoint, watchdog
 from zerofit.doctor import HF_RUN_FILE
 from zerofit.engine import release_gathered
 from zerofit.findings import RunFacts, significant_bytes
@@ -73,7 +73,7 @@ class MemoryGuardCallback(TrainerCallback):
                                 self.gpu_mem, self.host_mem, self.world_size)
         if state.is_world_process_zero:
             description = {**run_description(args, model), "seq_len": longest_row(train_dataloader)}
-            (out / HF_RUN_FILE).write_text(json.dumps(description, indent=1, default=str))
+            checkpoint.write_atomic(out / HF_RUN_FILE, json.dumps(description, indent=1, default=str))
 
     # ------------------------------------------------------------------ phases
     def on_substep_end(self, args, state, control, **kwargs):

@@ -155,11 +155,13 @@ class Timeline:
 
     def __init__(self, run_dir: Path, rank: int, on_gpu: bool, nvme_path: str | None = None,
                  predictions: dict[str, dict] | None = None):
+        from zerofit.checkpoint import open_unlinked  # checkpoint imports config, which imports this module
+
         self.path = timeline_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.on_gpu, self.nvme_path = rank, on_gpu, nvme_path
         self.predictions = predictions or {}
-        self._file = self.path.open("a", buffering=1)
+        self._file = open_unlinked(self.path, append=True)  # a link planted there is refused
         self._pending: dict[str, dict] = {}
         self._after_save = False
         self._unwritable = False

@@ -27,7 +27,7 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from zerofit import aiotune, faults, hardware, zerofiles, zerostates
+from zerofit import aiotune, checkpoint, faults, hardware, zerofiles, zerostates
 from zerofit.config import Config, ConfigError
 from zerofit.memory import human_bytes
 from zerofit.progress import warn
@@ -403,7 +403,7 @@ def record_sub_groups(optimizer, rank_dir: Path) -> None:
     groups = [{"numel": int(optimizer.fp16_partitioned_groups_flat_numel[i]),
                "file": f"{flat.ds_id}.tensor.swp" if optimizer._swappable_optimizer_subgroup(i) else None}
               for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat)]
-    (rank_dir / zerofiles.SUB_GROUPS_FILE).write_text(json.dumps({"sub_groups": groups}, indent=1))
+    checkpoint.write_atomic(rank_dir / zerofiles.SUB_GROUPS_FILE, json.dumps({"sub_groups": groups}, indent=1))
 
 
 def pipelined(swapper) -> bool:

@@ -311,7 +311,7 @@ def conclude(event: OomEvent, session: Session) -> dict:
     safer, changes = would_fit(config, event, facts)
     directory = directory_for(run_dir, event.rank)
     if safer is not None:
-        (directory / "retry-config.yaml").write_text(dump_yaml(safer))
+        checkpoint.write_atomic(directory / "retry-config.yaml", dump_yaml(safer))
     report = {
         "event": asdict(event), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(run_dir),
         "emergency_checkpoint": emergency, "emergency_note": emergency_note,
@@ -324,8 +324,8 @@ def conclude(event: OomEvent, session: Session) -> dict:
     newest = checkpoint.published(run_dir / "checkpoints")  # what a retry resumes from
     report["resume_from"] = str(newest[0]) if newest else None
     keep_earlier_report(directory)
-    (directory / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (directory / "report.md").write_text(render_markdown(report))
+    checkpoint.write_atomic(directory / "report.json", json.dumps(report, indent=1, default=str))
+    checkpoint.write_atomic(directory / "report.md", render_markdown(report))
     return report
 
 

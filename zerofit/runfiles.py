@@ -120,7 +120,7 @@ def write_generation_config(run_dir: Path, config: Config, tokenizer, hf_config,
     text = json.dumps({**model_generation_fields(config, hf_config), "eos_token_id": sorted(ends) + [end]},
                       indent=2) + "\n"
     if not (path.is_file() and path.read_text() == text):  # said once, not at each resume
-        path.write_text(text)
+        checkpoint.write_atomic(path, text)
         say(f"model/generation_config.json: generation also stops at {tokenizer.convert_ids_to_tokens(end)} "
             f"(id {end}), which ends the template's assistant turn (not EOS), as the rows learn it")
 

@@ -29,8 +29,13 @@ _held: dict[Path, int] = {}  # lock file -> the open descriptor holding it (kept
 _found: dict[Path, Found] = {}  # lock file -> what it was before this process took it, until the start keeps it
 
 
+NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC  # a .zerofit.lock link is refused, never written through
+
+
 def _lock_path(run_dir: Path) -> Path:
-    return (Path(run_dir) / LOCK_FILE).resolve()
+    """The lock file's path, its directory resolved (the same lock however run_dir is named); the
+    file itself is never resolved: a link there is refused (_open_or_make)."""
+    return Path(run_dir).resolve() / LOCK_FILE
 
 
 def hold(run_dir: Path) -> None:
@@ -54,16 +59,23 @@ def hold(run_dir: Path) -> None:
 
 
 def _open_or_make(path: Path) -> tuple[int, bool]:
-    """The lock file opened for writing, and whether this call made it (give_back removes it then)."""
+    """The lock file opened for writing, and whether this call made it (give_back removes it then).
+    A symbolic link in its place is refused: truncating and writing the pid through it would
+    clobber whatever file it points at."""
     while True:
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NO_FOLLOW, 0o644), True
         except FileExistsError:
             pass
         try:
-            return os.open(path, os.O_RDWR), False
+            return os.open(path, os.O_RDWR | NO_FOLLOW), False
         except FileNotFoundError:  # a refused start removed the one it had made in between: make it
             continue
+        except OSError:
+            if not path.is_symlink():
+                raise
+            raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}), not zerofit's lock file: "
+                              f"taking the lock would overwrite what it points at; remove the link") from None
 
 
 def _read_found(fd: int) -> Found:
@@ -100,7 +112,7 @@ def holder(run_dir: Path) -> int | None:
     """The pid of the zerofit train that holds run_dir's lock now (the run is still going), else None."""
     path = Path(run_dir) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | NO_FOLLOW)
     except OSError:
         return None
     try:

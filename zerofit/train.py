@@ -390,8 +390,8 @@ class MetricsLog:
         # a line torn by a crash (or a full disk) is dropped with the steps after the checkpoint
         kept = [record for record in memory.read_jsonl(self.path) if record.get("step", 0) <= keep_upto] \
             if keep_upto else []
-        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
-        self._file = self.path.open("a", buffering=1)
+        checkpoint.write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
+        self._file = checkpoint.open_unlinked(self.path, append=True)  # a link planted there is refused
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
