@@ -90,6 +90,12 @@ def run_zerofit(args: list[str], nproc: int = 1, env: dict | None = None, timeou
     return done
 
 
+def deepspeed_lines(done: subprocess.CompletedProcess) -> list[str]:
+    """DeepSpeed's own log and op-builder lines ("[WARNING] ...", "[INFO] ...") in a finished
+    process's stdout and stderr: the read-only verbs show only zerofit's."""
+    return [line for line in (done.stdout + done.stderr).splitlines() if "[WARNING]" in line or "[INFO]" in line]
+
+
 def trained_run(base: Path, config: dict) -> tuple[Path, Path, subprocess.CompletedProcess]:
     """Write `config` under `base` and train it: (run dir, config file, the finished process)."""
     config_file = write_config(base / "c.yaml", config)

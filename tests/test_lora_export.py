@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import exported_tensors, peak_rss_of, run_zerofit, tiny_config, trained_run
+from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit, tiny_config, trained_run
 from zerofit import adapters, basemodel, reinit
 from zerofit.cli import main
 from zerofit.config import ConfigError
@@ -213,6 +213,7 @@ def test_adapter_dir_on_a_random_init_base_chats(random_run, tmp_path):
     out = tmp_path / "adapter"
     done = run_zerofit(["export", str(random_run), "--out", str(out), "--adapter-only", "--verify"])
     assert "rebuilt by zerofit chat" in done.stderr and ": ok" in done.stderr
+    assert deepspeed_lines(done) == []  # DeepSpeed's "Setting accelerator to CPU" came with the adapters
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     chat = run_zerofit(["chat", str(out), "--max-new-tokens", "4", "--min-new-tokens", "4"],
                        input_text="hello\nand now?\n")

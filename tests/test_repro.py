@@ -5,13 +5,13 @@ import subprocess
 import sys
 
 from transformers import LlamaConfig
-from conftest import run_zerofit
+from conftest import deepspeed_lines, run_zerofit
 
 
 def test_repro_script_runs_standalone(clean_run, tmp_path):
     run, _, _ = clean_run
     done = run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
-    assert "reproduction script" in done.stdout
+    assert "reproduction script" in done.stdout and deepspeed_lines(done) == []
     script = (tmp_path / "repro.py").read_text()
     assert "zerofit" not in script.split('"""', 2)[2]  # nothing but torch, transformers, deepspeed
     assert '"stage": 3' in script and '"num_hidden_layers": 2' in script
@@ -43,6 +43,7 @@ def test_repro_of_an_hf_trainer_run_runs(tmp_path):
         "ds_config": ds_config, "model_config": model_config, "seq_len": 24}))
     done = run_zerofit(["doctor", "--repro", str(out), "--out", str(tmp_path / "repro.py")])
     assert "reproduction script" in done.stdout
+    assert deepspeed_lines(done) == []  # "[WARNING] ... Setting accelerator to CPU" came with it
     script = (tmp_path / "repro.py").read_text()
     assert "SEQ_LEN = 24" in script and "CLIENT_OPTIMIZER_LR = 0.001" in script
     ran = subprocess.run([sys.executable, "repro.py", "--steps", "2", "--save-every", "0"], cwd=tmp_path,

@@ -85,14 +85,12 @@ def read_adapter(checkpoint: Path, bias: str = "none") -> dict:
 
     The values are DeepSpeed's fp32 master weights, reassembled from every rank's optimizer
     partitions by its own zero_to_fp32 (trainable parameters only, so a few MB for LoRA)."""
-    import contextlib
-    import io
-
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zerofit.ranks import deepspeed_quietly
 
     checkpoint = Path(checkpoint)
-    quiet = io.StringIO()  # zero_to_fp32 prints progress on stdout and tqdm bars on stderr
-    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+    with deepspeed_quietly():  # zero_to_fp32 prints progress on stdout and tqdm bars on stderr
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name,
                                                          exclude_frozen_parameters=True, lazy_mode=True)
     tensors = {peft_key(name): lazy.contiguous().detach() for name, lazy in state.items() if is_adapter(name, bias)}

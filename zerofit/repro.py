@@ -206,7 +206,8 @@ def observed(run_dir: Path) -> str:
 
 
 def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import deepspeed
+    from importlib.metadata import version  # deepspeed's, without importing it: its import talks
+
     import torch
     import transformers
 
@@ -217,7 +218,7 @@ def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
     world_size = start.get("world_size", 1)
     text = TEMPLATE.format(
         date=time.strftime("%Y-%m-%d"), run_dir=run_dir, source=inputs["source"], name=out.name,
-        world_size=world_size, versions=f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
+        world_size=world_size, versions=f"torch {torch.__version__}, deepspeed {version('deepspeed')}, "
                                         f"transformers {transformers.__version__}",
         observed=observed(run_dir), model_config=pretty(inputs["model_config"]), ds_config=pretty(inputs["ds_config"]),
         seq_len=inputs["seq_len"], gradient_checkpointing=inputs["gradient_checkpointing"],
