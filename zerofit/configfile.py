@@ -254,7 +254,8 @@ def keys_help(width: int) -> str:
     from zerofit.choice import DECIDED  # the planner reads this module: imported here
 
     out = textwrap.wrap("config keys, in a YAML file or as --set SECTION.KEY=VALUE (*: the planner's to choose "
-                        "when unset). Defaults and whole explanations: `zerofit config --example`.", width) + [""]
+                        "when unset). Defaults and whole explanations: `zerofit config --example`, "
+                        "docs/config-reference.md.", width) + [""]
     for name, field in Config.model_fields.items():
         section = field.annotation
         if not (isinstance(section, type) and issubclass(section, Section)):
