@@ -1,4 +1,5 @@
-"""The loop's side of checkpoints (checkpointer.py): CPU Adam's step replay, async snapshots, SIGTERM, Ctrl-C."""
+"""The loop's side of checkpoints (checkpointer.py): CPU Adam's step replay, async snapshots, the save
+schedule, SIGTERM, Ctrl-C."""
 import os
 import re
 import signal
@@ -68,6 +69,20 @@ def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     # run_dir is read from the working directory: a fresh start says where it trains, so that a resume
     # started from another directory is not mistaken for one
     assert f"new run in {run.resolve()}: no checkpoint there to resume from" in done.stderr.replace("\n", "")
+
+
+def test_a_run_saves_on_a_schedule_by_default_and_by_the_clock(tmp_path):
+    """checkpoint.every_steps was 0 by default: nothing was saved before the end, and a run
+    stopped at step 52 kept nothing. Now every 500 steps (HF Trainer's save_steps) or every 30
+    minutes, whichever comes first; the clock's schedule here at 0.3 s with no step schedule."""
+    from zerofit.config import CheckpointConfig
+
+    assert (CheckpointConfig().every_steps, CheckpointConfig().every_minutes) == (500, 30.0)
+    config = tiny_config(tmp_path / "run", train={"max_steps": 40}, **SHAPE,
+                         checkpoint={"every_steps": 0, "every_minutes": 0.005, "save_final": False, "keep_last": 40})
+    run, _, done = trained_run(tmp_path, config)
+    saved = [r for r in read_jsonl(run / "memory.jsonl") if r.get("phase") == "save"]
+    assert len(saved) >= 2 and valid_steps(run) == [r["step"] for r in saved], done.stderr[-2000:]
 
 
 def sigterm_once_there(args: list[str], path: Path, env: dict, nproc: int = 1) -> tuple[int, str, str]:
@@ -149,27 +164,55 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     assert valid_steps(tmp_path / "run")[-1] == stopped_at  # saved where both stopped
 
 
-def test_ctrl_c_names_the_checkpoint_to_go_on_from(tmp_path):
-    """Ctrl-C said only "zerofit: interrupted": the steps since the newest checkpoint are lost,
-    and which one that is, and the command that continues from it, were left to find."""
-    config = config_for(tmp_path, "run", max_steps=400)
+def test_a_first_ctrl_c_finishes_the_step_saves_it_and_resumes_from_there(tmp_path):
+    """Ctrl-C lost every step since the last save (a long run interrupted at step 52 kept
+    nothing): now the first one finishes the step, saves it and exits 130, as SIGTERM does,
+    and a resume goes on from that step."""
+    config = config_for(tmp_path, "run", max_steps=400, every_steps=5)
     process = subprocess.Popen(zerofit_command(["train", "--config", str(config)]), cwd=ROOT, env=child_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(tmp_path / "run" / "checkpoints" / "step-000002", process)
+    wait_for(tmp_path / "run" / "checkpoints" / "step-000005", process)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=300)
     said = " ".join(stderr.split())
     assert process.returncode == 130, stderr[-2000:]
-    assert "zerofit: interrupted; the newest checkpoint is step-0000" in said
     run = tmp_path / "run"
-    end = read_jsonl(run / "memory.jsonl")[-1]
-    newest = checkpoint.find_latest_valid(run / "checkpoints")[0]
-    unsaved = end["step"] - checkpoint.step_of(newest)
-    assert end["phase"] == "end" and diagnose(run).ending == (
-        f"interrupted (Ctrl-C) at step {end['step']}; newest intact checkpoint {newest.name}"
-        + {0: "", 1: f" (step {end['step']} in no intact checkpoint)"}.get(unsaved, f" (steps {end['step'] - unsaved + 1}-"
-                                                                     f"{end['step']} in no intact checkpoint)"))
+    stopped_at = read_jsonl(run / "metrics.jsonl")[-1]["step"]
+    assert 5 <= stopped_at < 400
+    assert f"Ctrl-C: finishing step {stopped_at} and saving; press again to abort" in said
+    assert valid_steps(run)[-1] == stopped_at and not list((run / "checkpoints").glob(".tmp-*"))
+    assert (f"stopped by Ctrl-C at step {stopped_at}, the newest checkpoint is {checkpoint.step_name(stopped_at)}; "
+            f"`zerofit train --config {run / 'config.yaml'} --resume` continues from it") in said
+    assert diagnose(run).ending == f"stopped by Ctrl-C at step {stopped_at}; newest intact checkpoint " \
+                                   f"{checkpoint.step_name(stopped_at)}"
+    resumed = run_zerofit(["train", "--config", str(run / "config.yaml"), "--resume",
+                           "--set", f"train.max_steps={stopped_at + 2}"])
+    assert f"resumed from {run / 'checkpoints' / checkpoint.step_name(stopped_at)} at step {stopped_at}" \
+        in " ".join(resumed.stderr.split())
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, stopped_at + 3))
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_names_the_checkpoint_to_go_on_from(tmp_path):
+    """A step that does not end (stall@step:3): the first Ctrl-C waits for it, the second aborts
+    there, naming the newest checkpoint and the command that continues from it."""
+    config = config_for(tmp_path, "run", max_steps=400)
+    process = subprocess.Popen(zerofit_command(["train", "--config", str(config)]), cwd=ROOT,
+                               env=child_env({faults.VARIABLE: "stall@step:3"}), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "run" / "checkpoints" / "step-000002", process)
+    time.sleep(3)  # into step 3, which stalls
+    process.send_signal(signal.SIGINT)
+    time.sleep(1)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    said = " ".join(stderr.split())
+    assert process.returncode == 130, stderr[-2000:]
+    assert "Ctrl-C: finishing step 3 and saving; press again to abort" in said
+    assert "zerofit: interrupted; the newest checkpoint is step-000002" in said
     assert f"`zerofit train --config {tmp_path / 'run' / 'config.yaml'} --resume` continues from it" in said
+    run = tmp_path / "run"
+    assert valid_steps(run) == [2]
+    assert diagnose(run).ending == "interrupted (Ctrl-C) at step 2; newest intact checkpoint step-000002"
 
 
 def test_ctrl_c_under_torchrun_says_it_once(tmp_path):
@@ -182,6 +225,10 @@ def test_ctrl_c_under_torchrun_says_it_once(tmp_path):
     wait_for(tmp_path / "run" / "checkpoints" / "step-000002", process)
     os.killpg(process.pid, signal.SIGINT)  # as a terminal sends it: torchrun and both ranks
     _, stderr = process.communicate(timeout=300)
-    said = [line for line in stderr.splitlines() if "zerofit: interrupted" in line]
+    # torchrun passes its Ctrl-C on to the ranks, which got the terminal's: one Ctrl-C, not an abort
+    said = [line for line in stderr.splitlines() if "stopped by Ctrl-C at step" in line]
     assert process.returncode != 0, stderr[-2000:]
     assert len(said) == 1 and "the newest checkpoint is step-0000" in said[0], stderr[-3000:]
+    assert stderr.count("press again to abort") == 1 and "zerofit: interrupted" not in stderr, stderr[-3000:]
+    stopped_at = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
+    assert valid_steps(tmp_path / "run")[-1] == stopped_at  # saved where both stopped

@@ -140,11 +140,18 @@ def test_a_resume_counts_the_checkpoints_retention_deletes(reference):
 
 
 def test_a_run_without_periodic_saves_keeps_one_checkpoint_on_disk():
-    once = validate({"model": {"config": "tiny"}, "train": {"epochs": 1}, "checkpoint": {"every_steps": 0}})
+    once = validate({"model": {"config": "tiny"}, "train": {"epochs": 1},
+                     "checkpoint": {"every_steps": 0, "every_minutes": 0}})
     assert choice.checkpoints_on_disk(once) == 1
     never = validate({"model": {"config": "tiny"}, "train": {"epochs": 1},
-                      "checkpoint": {"every_steps": 0, "save_final": False}})
+                      "checkpoint": {"every_steps": 0, "every_minutes": 0, "save_final": False}})
     assert choice.checkpoints_on_disk(never) == 0
+    # the clock may save at any step: keep_last + 1 on disk, at most one a step
+    by_the_clock = validate({"model": {"config": "tiny"}, "train": {"epochs": 1}, "checkpoint": {"every_steps": 0}})
+    assert choice.checkpoints_on_disk(by_the_clock) == 3
+    short = validate({"model": {"config": "tiny"}, "train": {"max_steps": 2},
+                      "checkpoint": {"every_steps": 0, "save_final": False}})
+    assert choice.checkpoints_on_disk(short) == 2
 
 
 def test_cpu_machine_plans_against_host_ram():

@@ -193,6 +193,7 @@ def test_dataset_info_entries_become_format_and_columns(tmp_path, monkeypatch, c
     ("lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: '{\"min_lr_rate\": 0.1}'\n",
      {"train.lr_schedule": "cosine", "train.min_lr_ratio": 0.1}),  # JSON text, as HF takes it
     ("save_strategy: epoch\n", {"checkpoint.every_steps": 0}),
+    ("save_strategy: 'no'\n", {"checkpoint.every_steps": 0, "checkpoint.every_minutes": 0}),
     ("tokenized_path: cache/alpaca\npreprocessing_num_workers: '4'\n",
      {"data.cache_dir": "cache/alpaca", "data.num_workers": 4}),
 ])

@@ -171,7 +171,8 @@ def test_plan_takes_another_machines_nvme_free_space(tmp_path, capsys):
 # the same machine wherever the test runs: nothing of this one is measured into the plans; the
 # checkpoint schedule as it was when the totals were taken (a save at the end only)
 ANOTHER_MACHINE = ["--gpu-mem", "24GiB", "--host-mem", "64GiB", "--cpu-cores", "16", "--disk-free", "2TB",
-                   "--accelerator", "cuda", "--json", "--set", "checkpoint.every_steps=0"]
+                   "--accelerator", "cuda", "--json", "--set", "checkpoint.every_steps=0",
+                   "--set", "checkpoint.every_minutes=0"]
 SEVEN_B = str(Path(__file__).parent / "data" / "qwen2.5-7b" / "config.json")  # Qwen2.5-7B's config.json
 KEPT_PLANS = {
     "llama-8b": ["--model", "llama-8b"],

@@ -1,15 +1,17 @@
 """The loop's side of checkpoints: load what start-up chose (zerofit/resume.py), save (sync or
-async), publish, retention, failures per `checkpoint.on_error`, post-save hygiene, SIGTERM.
+async), publish, retention, failures per `checkpoint.on_error`, post-save hygiene, the save
+schedule (steps or minutes), SIGTERM and Ctrl-C.
 
 The loop calls one method per once-in-a-while block: `poll` every step (publishes an
-async save whose writers all finished), `save` at checkpoint steps, `stop_requested`
-(SIGTERM), `close` at the end (drains the save in flight). Every rank calls every
+async save whose writers all finished), `due` and `save` at checkpoint steps, `stop_requested`
+(SIGTERM, a first Ctrl-C), `close` at the end (drains the save in flight). Every rank calls every
 method at the same step; the collectives here are small (a flag or a few file records).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import shutil
 import signal
 import threading
@@ -25,6 +27,7 @@ from zerofit.resume import (ResumePoint, batch_shape, checkpoints_root, damaged_
                             global_batch_change, keep_batch_advice, resume_command)
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
+FORWARDED_WITHIN_S = 1.0  # a Ctrl-C torchrun passes on reaches a rank this soon after the terminal's
 MODEL_16BIT_FILE = "pytorch_model.bin"  # zero.gather_16bit_weights_on_save, in each checkpoint: save_16bit_model's name
 
 
@@ -48,18 +51,20 @@ class Checkpointer:
                                            self.settings.zip_crc32)
         self._pending: dict | None = None
         self.saved_step: int | None = None  # the newest save's step: published or in flight, not failed
-        self._terminated = False
-        self._previous_handler = None
+        self.step_in_progress = 0  # the step the loop is in (the one a stop saves): set by the loop
+        self._last_save_at = time.monotonic()  # checkpoint.every_minutes counts from here
+        self._terminated = self._interrupted = False
+        self._interrupted_at = 0.0
+        self._previous_handlers: dict = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
+                                       signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint)}
         if self.settings.async_save:
             self._reserve_host_buffer()
 
     # ------------------------------------------------------------------ resume
     def load(self, point: ResumePoint, fresh: LoopState) -> LoopState:
         """Load the chosen checkpoint on every rank; `fresh` when there is none."""
-        import torch
-
         if point.directory is None:
             return fresh
         directory, load_dir = Path(point.directory), Path(point.load_dir)
@@ -87,7 +92,7 @@ class Checkpointer:
         state = checkpoint.read_loop_state(directory)
         rng_file = directory / f"rng_state_rank{self.dist.rank % state.world_size}.pt"
         if rng_file.is_file():
-            checkpoint.set_rng_state(torch.load(rng_file, weights_only=False))
+            checkpoint.set_rng_state(checkpoint.load_torch_file(rng_file))
         state.extra.pop("emergency", None)  # the note an OOM's emergency save carries stays with it
         change = global_batch_change(state, fresh)
         if change and self.dist.is_main:
@@ -134,6 +139,7 @@ class Checkpointer:
         Async: the training stalls only for the snapshot; `poll` publishes it later."""
         self._finish_in_flight()  # at most one save in flight: this one waits for the last
         self.saved_step = state.step
+        self._last_save_at = time.monotonic()
         faults.tick("save")
         name = checkpoint.step_name(state.step)
         problem = self._agree(self._space_problem() if self.dist.is_main else None)
@@ -214,18 +220,42 @@ class Checkpointer:
         self._finish_in_flight(step)
 
     def close(self, step: int) -> None:
-        """Drain, and give SIGTERM back to its earlier handler (normal end and SIGTERM)."""
+        """Drain, and give SIGTERM and SIGINT back to their earlier handlers (normal end and signals)."""
         self.drain(step)
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
 
-    def stop_requested(self) -> bool:
-        """True on every rank once any rank got SIGTERM (checked at step boundaries, so a
-        save is never cut short by it)."""
-        return self._all(self._terminated, every=False)
+    def due(self, step: int, last: bool) -> bool:
+        """Whether this step saves: every checkpoint.every_steps, at the end (save_final), or once
+        checkpoint.every_minutes have passed since the last save (any rank's clock: all agree)."""
+        if checkpoint_step(self.settings.every_steps, step) or (last and self.settings.save_final):
+            return True
+        if not self.settings.every_minutes:
+            return False
+        return self._any(time.monotonic() - self._last_save_at >= self.settings.every_minutes * 60)[0]
+
+    def stop_requested(self) -> str | None:
+        """`ctrl-c` or `sigterm` on every rank once any rank got a first Ctrl-C or SIGTERM (checked at
+        step boundaries, so a save is never cut short by it); None while neither came."""
+        interrupted, terminated = self._any(self._interrupted, self._terminated)
+        return "ctrl-c" if interrupted else "sigterm" if terminated else None
 
     def _on_sigterm(self, signum, frame) -> None:
         self._terminated = True
+
+    def _on_sigint(self, signum, frame) -> None:
+        """A first Ctrl-C finishes the step and saves it (as SIGTERM does); a second aborts at once.
+        Under torchrun a terminal's Ctrl-C comes twice, at once: to every rank and passed on by the
+        agent (its shutdown signals the workers with the signal it got); that is one Ctrl-C."""
+        now = time.monotonic()
+        if self._interrupted:
+            if os.environ.get("TORCHELASTIC_RUN_ID") and now - self._interrupted_at < FORWARDED_WITHIN_S:
+                return
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self._interrupted, self._interrupted_at = True, now
+        if self.dist.is_main:  # a terminal's Ctrl-C reaches every rank: one says it
+            say(f"Ctrl-C: finishing step {self.step_in_progress} and saving; press again to abort")
 
     # ---------------------------------------------------------------- publish
     def _finish_in_flight(self, step: int | None = None) -> None:
@@ -362,6 +392,17 @@ class Checkpointer:
         torch_dist.all_gather_object(out, value)
         return out
 
+    def _any(self, *flags: bool) -> list[bool]:
+        """Each flag: whether it holds on any rank (one small collective for all of them)."""
+        if self.dist.world_size == 1:
+            return list(flags)
+        import torch
+        import torch.distributed as torch_dist
+
+        values = torch.tensor([int(flag) for flag in flags], device=self.ds_engine.device)
+        torch_dist.all_reduce(values, op=torch_dist.ReduceOp.MAX)
+        return [bool(value) for value in values.tolist()]
+
     def _all(self, flag: bool, every: bool = True) -> bool:
         """every=True: flag holds on all ranks; False: on any rank."""
         if self.dist.world_size == 1:
@@ -372,6 +413,10 @@ class Checkpointer:
         value = torch.tensor([int(flag)], device=self.ds_engine.device)
         torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN if every else torch_dist.ReduceOp.MAX)
         return bool(value.item())
+
+
+def checkpoint_step(interval: int, step: int) -> bool:
+    return interval > 0 and step % interval == 0
 
 
 def write_rate(nbytes: int, seconds: float) -> str:

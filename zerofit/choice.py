@@ -73,14 +73,16 @@ def async_snapshot_max(config: Config) -> int | None:
 
 def checkpoints_on_disk(config: Config) -> int:
     """Most checkpoints on disk at once: keep_last plus the one being written, or fewer
-    when the run saves fewer times (a run with an epoch count may save keep_last + 1)."""
+    when the run saves fewer times (a run with an epoch count may save keep_last + 1; the
+    clock's schedule, checkpoint.every_minutes, may save at any step)."""
     ckpt, steps = config.checkpoint, config.train.max_steps
-    if not ckpt.every_steps:  # the final save, if any, whatever the run's length
-        return min(ckpt.keep_last + 1, int(ckpt.save_final))
-    if steps is None:
-        return ckpt.keep_last + 1
-    saves = steps // ckpt.every_steps + int(ckpt.save_final)
-    return min(ckpt.keep_last + 1, saves)
+    if ckpt.every_minutes:
+        saves = steps  # at most one a step
+    elif ckpt.every_steps:
+        saves = None if steps is None else steps // ckpt.every_steps + int(ckpt.save_final)
+    else:  # the final save, if any, whatever the run's length
+        saves = int(ckpt.save_final)
+    return ckpt.keep_last + 1 if saves is None else min(ckpt.keep_last + 1, saves)
 
 
 def candidate_of(config: Config, spec: ModelSpec, world_size: int) -> Candidate:

@@ -275,8 +275,13 @@ class ZeroConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Save every N optimizer steps; 0 saves only at the end."""
+    every_steps: int = Field(500, ge=0)
+    """Save every N optimizer steps (500, HF Trainer's save_steps), or sooner when every_minutes
+    comes first; 0: no step schedule."""
+    every_minutes: float = Field(30.0, ge=0.0)
+    """Also save once this many minutes have passed since the last save (or the start), whichever of
+    the two schedules comes first: a run of slow steps loses at most this much; 0: no time schedule.
+    With both 0 a run saves only at the end (save_final) and on SIGTERM or Ctrl-C."""
     keep_last: int = Field(2, ge=1)
     """Keep the newest K checkpoints (the newest valid one is kept in any case)."""
     keep_every: int = Field(0, ge=0)
@@ -445,7 +450,8 @@ class Config(Section):
 
 
 # What an older zerofit did for a key it did not have yet, where the key's default now differs
-BEFORE_THE_KEY = {"data.truncation": "head", "data.train_on_prompt": False, "data.mask_history": False}
+BEFORE_THE_KEY = {"data.truncation": "head", "data.train_on_prompt": False, "data.mask_history": False,
+                  "checkpoint.every_minutes": 0.0}
 
 
 def changed_settings(before: dict, after: dict, prefix: str = "") -> list[str]:

@@ -115,7 +115,8 @@ def killed_after(findings: list[Finding]) -> int | None:
     return min((f.step for f in findings if f.kind == "killed" and f.severity == "error"), default=None)
 
 
-ENDINGS = {"completed": "completed", "sigterm": "stopped by SIGTERM", "interrupted": "interrupted (Ctrl-C)",
+ENDINGS = {"completed": "completed", "sigterm": "stopped by SIGTERM", "ctrl-c": "stopped by Ctrl-C",
+           "interrupted": "interrupted (Ctrl-C)",
            "memory stop": "stopped by the memory watchdog (memory.watchdog_action: stop)"}
 
 

@@ -379,8 +379,9 @@ def _logging_and_saving(lf: dict, out: Translation) -> None:
     if "logging_steps" in lf:
         out.set("log.every_steps", int(lf["logging_steps"]), "logging_steps")
     save = lf.get("save_strategy", "steps")
-    if save == "no":
+    if save == "no":  # nor zerofit's clock schedule: a checkpoint at the end only (save_final)
         out.set("checkpoint.every_steps", 0, "save_strategy: no")
+        out.set("checkpoint.every_minutes", 0, "save_strategy: no")
     elif save == "steps":
         out.set("checkpoint.every_steps", int(lf.get("save_steps", 500)), _source(lf, "save_steps", "HF's default"))
     else:

@@ -32,6 +32,7 @@ class RunResult:
     eval_loss: float | None
     resumed_from: str | None
     stopped_by_signal: bool = False
+    interrupted: bool = False  # the signal was a first Ctrl-C (exit 130), not SIGTERM (143)
 
 
 def train(config: Config, resume: bool | None = None) -> RunResult:
@@ -138,8 +139,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
                        settings=postmortem.memory_settings(config), data_load_host_peak=data_load_host_peak)
     metrics = MetricsLog(run_dir, dist.is_main, config.log.tensorboard, keep_upto=state.step)
     progress = StepProgress(total_steps, state.step, dist.is_main, config.log.progress)
-    train_loss = eval_loss = stop_reason = None
-    signalled = False
+    train_loss = eval_loss = stop_reason = signalled = None
     session.attach(engine=ds_engine, saver=saver, state=state, timeline=timeline, progress=progress)
 
     # metrics closed however the loop ends: an error's exit skips the interpreter's teardown (end_after_error)
@@ -147,6 +147,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             peerwatch.leave_at_once_when_a_peer_is_gone(config.elastic.lost_node_after_s):  # no step can finish
         while state.step < total_steps:
             started, lr = time.perf_counter(), ds_engine.get_lr()[0]  # the LR this step applies
+            saver.step_in_progress = state.step + 1  # what a Ctrl-C says it finishes and saves
             position = batches.position
             train_loss = train_step(ds_engine, batches, config.train.grad_accum_steps, timeline, dist, state.step + 1,
                                     config.train.chunked_loss, config.train.heap_step_temporaries)
@@ -177,13 +178,13 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
             if record.get("eval_loss") is not None:  # every eval in the log, not only one a progress line shows
                 progress.note(state.step, f"eval loss {record['eval_loss']:.4f}")
             saver.poll(state.step)  # an async save whose writers all finished gets published
-            if every(config.checkpoint.every_steps, state.step) or (last and config.checkpoint.save_final):
+            if saver.due(state.step, last):  # checkpoint.every_steps or every_minutes, or the end
                 saver.save(state)
             faults.hold_memory_if_armed(state.step, ds_engine.device)
 
             stop_reason = watch_memory(dog, step_records, saver, config, state, dist, timeline)
-            signalled = saver.stop_requested()  # SIGTERM (every rank agrees): save this step, then stop
-            if signalled and config.checkpoint.save_on_sigterm:
+            signalled = saver.stop_requested()  # SIGTERM or a first Ctrl-C (every rank agrees): save, then stop
+            if signalled == "ctrl-c" or (signalled and config.checkpoint.save_on_sigterm):
                 saver.drain(state.step)  # a save of this step in flight that then fails is made again
                 if saver.saved_step != state.step:
                     saver.save(state)
@@ -193,17 +194,19 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     saver.close(state.step)  # drains the save in flight
     nvme.remove_rank_swap(config, dist.rank)
     progress.close()
-    timeline.end(state.step, "memory stop" if stop_reason else "sigterm" if signalled else "completed")
+    timeline.end(state.step, "memory stop" if stop_reason else signalled or "completed")
     timeline.close()
     if stop_reason:
         raise watchdog.MemoryStop(stop_reason)
     if dist.is_main and signalled:
-        say(f"stopped by SIGTERM at step {state.step}, {where_to_go_on(config)}")
+        say(f"stopped by {'Ctrl-C' if signalled == 'ctrl-c' else 'SIGTERM'} at step {state.step}, "
+            f"{where_to_go_on(config)}")
     elif dist.is_main and train_loss is not None:  # a finished run started again said it was complete
         say(f"done: step {state.step}, {memory.human_count(state.tokens_seen)} tokens trained (padding left out), "
             f"train loss {fmt(train_loss)}, eval loss {fmt(eval_loss)} -> {run_dir}")
     resumed_from = Path(resume_point.directory).name if resume_point.directory else None
-    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, signalled)
+    return RunResult(run_dir, state.step, train_loss, eval_loss, resumed_from, signalled is not None,
+                     signalled == "ctrl-c")
 
 
 class NonFiniteLoss(ConfigError):
