@@ -523,6 +523,46 @@ def test_rows_past_a_pretrained_models_positions_are_warned_of(tmp_path):
     assert models.positions_beyond_trained(pretrained, 4096, scaled) is None
 
 
+def test_a_seq_len_past_a_learned_position_table_is_refused():
+    """GPT-2's positions are a table of n_positions rows: a longer row fails in the first forward,
+    minutes in. RoPE models compute any position (past the trained ones a warning, above)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from zerofit import models
+
+    with pytest.raises(ConfigError, match="train.seq_len 2,048 is past the 1,024 positions of gpt2's learned "
+                                          "position table .* Lower train.seq_len to 1024"):
+        models.check_position_table(2048, GPT2Config(n_positions=1024))
+    models.check_position_table(1024, GPT2Config(n_positions=1024))
+    models.check_position_table(100_000, LlamaConfig(max_position_embeddings=1024))
+
+
+@pytest.mark.e2e
+def test_a_seq_len_the_host_cannot_build_rows_of_is_refused_before_any_row_is_read(tmp_path):
+    """--set train.seq_len=1000000000 was OOM-killed by the kernel while tokenizing (exit 137,
+    20 GB, no message): every layout pads a row out to seq_len. Refused before the data is read,
+    with the numbers and the fix; here 50M tokens against plan.host_mem=2GiB (what this host's RAM
+    does to 1e9), so that the run before the fix was a 2.4 GB one, not a machine's worth."""
+    import resource
+
+    from transformers import LlamaConfig
+
+    from zerofit import train
+
+    config_file = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    done = run_zerofit(["train", "--config", str(config_file), "--set", "train.seq_len=50000000",
+                        "--set", "plan.host_mem=2GiB"], check=False)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 1 and "Traceback" not in said, said[-2000:]
+    assert "train.seq_len 50,000,000 needs ~2.2 GiB of host RAM before training starts" in said, said[-2000:]
+    assert "plan.host_mem=2GiB holds 2.0 GiB. Lower train.seq_len: the model's context is" in said
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 * 2**20  # KiB: no row of 50M tokens built
+    assert not (tmp_path / "run").exists()  # nothing read, nothing made
+    absurd = load(str(config_file), ["train.seq_len=100000000000"])  # 4.4 TiB: past any host's RAM
+    with pytest.raises(ConfigError, match=r"train.seq_len 100,000,000,000 needs ~[\d.]+ GiB of host RAM .* this host"):
+        train.check_seq_len(absurd, LlamaConfig())
+
+
 def test_a_model_directory_that_cannot_load_is_named_before_anything_is_touched(tmp_path, tokenizer):
     """model.path problems were tracebacks from inside the build (after a --no-resume had moved
     the checkpoints aside), or a tokenizer error about sentencepiece: each is named, with its fix."""

@@ -54,6 +54,19 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def preset_params(name: str) -> int:
+    """A preset's parameter count from its shape (Llama blocks; Qwen2's with q/k/v biases), so
+    that `zerofit plan --presets` builds no model (tests/test_zerostates.py checks every preset
+    against the count of its built model)."""
+    fields = PRESETS[name]
+    hidden, layers, vocab = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
+    head_dim = hidden // fields["num_attention_heads"]
+    q_dim, kv_dim = fields["num_attention_heads"] * head_dim, fields["num_key_value_heads"] * head_dim
+    attention = hidden * (2 * q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) * (fields["model_type"] == "qwen2")
+    block = attention + 3 * hidden * fields["intermediate_size"] + 2 * hidden  # gate, up, down; two norms
+    return vocab * hidden * (1 + (not fields["tie_word_embeddings"])) + layers * block + hidden  # + the final norm
+
+
 def hf_config(model: ModelConfig):
     """The transformers PretrainedConfig a model section describes (no weights touched)."""
     if model.path:
@@ -131,6 +144,23 @@ def positions_beyond_trained(model: ModelConfig, seq_len: int, hf_config) -> str
     return (f"train.seq_len {seq_len} is above the model's max_position_embeddings {limit}: positions past {limit} "
             f"are ones the model never trained on; lower train.seq_len to {limit}, or give the model's config.json "
             f"a rope_scaling for the longer context")
+
+
+# Architectures with a learned table of absolute positions (max_position_embeddings rows, n_positions for
+# GPT-2): a position past it has no row, and the first forward fails with an index error. RoPE and ALiBi
+# models compute positions for any length (positions_beyond_trained warns of those never trained on).
+LEARNED_POSITIONS = ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt")
+
+
+def check_position_table(seq_len: int, hf_config) -> None:
+    """Refuse rows longer than a learned position table, before any row is read."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if getattr(hf_config, "model_type", None) not in LEARNED_POSITIONS or not isinstance(limit, int) \
+            or seq_len <= limit:
+        return
+    raise ConfigError(f"train.seq_len {seq_len:,} is past the {limit:,} positions of {hf_config.model_type}'s "
+                      f"learned position table (max_position_embeddings): its rows hold no position beyond it. "
+                      f"Lower train.seq_len to {limit} or less")
 
 
 def check_neat_packing(data: DataConfig, hf_config) -> None:

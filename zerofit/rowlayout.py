@@ -11,6 +11,28 @@ import numpy as np
 from zerofit.dataconfig import DataConfig
 from zerofit.tokenizing import IGNORE
 
+ROW_BYTES_PER_TOKEN = 16    # int64 ids and labels of a row (pack, pad); neat packing's positions 8 more
+BUILD_BYTES_PER_TOKEN = 16  # while a row is built: its padding as two lists of 8-byte pointers (tail_padding)
+ROWS_AT_LEAST = 2           # the training set's and the eval set's: each has a row, its last padded out
+
+
+def rows_host_problem(seq_len: int, neat_packing: bool, host_bytes: int, where: str,
+                      context: int | None = None) -> str | None:
+    """Why the host cannot build the first rows of seq_len tokens, or None. Every layout makes at
+    least ROWS_AT_LEAST rows of seq_len tokens however short the data (tail_padding, pad), so an
+    absurd seq_len (1e9) was OOM-killed while tokenizing, with no message, minutes in. `context`:
+    the model's max_position_embeddings, the usual length to ask for instead."""
+    per_token = ROW_BYTES_PER_TOKEN + 8 * neat_packing
+    needed = seq_len * per_token * ROWS_AT_LEAST + seq_len * BUILD_BYTES_PER_TOKEN
+    if needed <= host_bytes:
+        return None
+    instead = f"the model's context is {context:,} tokens (max_position_embeddings)" if context else \
+        "the longest example's tokens are enough"
+    return (f"train.seq_len {seq_len:,} needs ~{needed / 2**30:.1f} GiB of host RAM before training starts: "
+            f"{ROWS_AT_LEAST} rows (the training and eval sets' last, padded to seq_len) at {per_token} bytes a "
+            f"token, and {BUILD_BYTES_PER_TOKEN} a token more while one is built; {where} holds "
+            f"{host_bytes / 2**30:.1f} GiB. Lower train.seq_len: {instead}")
+
 
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate examples into seq_len rows; the tail that does not fill a row is dropped."""

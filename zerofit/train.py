@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit import (basemodel, chatlayout, checkpoint, checkpointer, data, datareport, dsconfig, elastic, engine,
-                     faults, hostalloc, lastword, lora, loraresume, loss, memory, models, nvme, oomreport, peerwatch, planview,
-                     postmortem, procenv, ranks, runfiles, runlock, watchdog)
+from zerofit import (basemodel, cgroup, chatlayout, checkpoint, checkpointer, data, datareport, dsconfig, elastic,
+                     engine, faults, hostalloc, lastword, lora, loraresume, loss, memory, models, nvme, oomreport,
+                     peerwatch, planview, postmortem, procenv, ranks, rowlayout, runfiles, runlock, watchdog)
 from zerofit.config import Config, ConfigError
 from zerofit.progress import CountProgress, Shown, StepProgress, say, warn
 from zerofit.resume import (changed_on_resume, choose_resume, refuse_resume_without_checkpoint, resume_command,
@@ -70,6 +70,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     tokenizer = models.load_tokenizer(config.model)
     models.check_attention(config.model, hf_config)
     models.check_neat_packing(config.data, hf_config)
+    check_seq_len(config, hf_config)  # an absurd one was OOM-killed while tokenizing
     if (beyond := models.positions_beyond_trained(config.model, config.train.seq_len, hf_config)) and dist.is_main:
         warn(beyond)
     lora.check_base_files(config)
@@ -338,6 +339,23 @@ def evaluate(ds_engine, eval_set: data.Sequences, config: Config, dist: ranks.Di
 
 
 # -------------------------------------------------------------------------- set-up
+def check_seq_len(config: Config, hf_config) -> None:
+    """Refuse a train.seq_len no row can be made of, before any row is read: past a learned
+    position table, or more than the host's RAM (plan.host_mem, else the machine's or its
+    cgroup's) can build the first rows of (rowlayout.rows_host_problem)."""
+    models.check_position_table(config.train.seq_len, hf_config)
+    budget = memory.parse_bytes(config.plan.host_mem, "plan.host_mem")
+    where = f"plan.host_mem={config.plan.host_mem}"
+    if budget is None:
+        host = cgroup.host_memory()
+        budget, where = host.total, f"this host ({host.limit})" if host.limit else "this host's RAM"
+    neat = config.data.packing and config.data.neat_packing
+    context = getattr(hf_config, "max_position_embeddings", None)
+    if problem := rowlayout.rows_host_problem(config.train.seq_len, neat, budget, where,
+                                              context if isinstance(context, int) else None):
+        raise ConfigError(problem)
+
+
 def seed_everything(seed: int) -> None:
     import torch
 
