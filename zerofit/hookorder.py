@@ -17,6 +17,7 @@ coordinator on the CPU (tests/test_gathered_replay.py).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -84,10 +85,24 @@ def _run(config, adapter_json: str | None) -> list[Event]:
 
     # a real model on the CPU whatever the caller's default device, without a live ZeRO-3
     # engine's partitioned init (an OOM retry re-plans in the training process), and the run's
-    # own random state untouched
-    with torch.device("cpu"), zero3_init_parked(), torch.random.fork_rng(devices=[]):
+    # own random state untouched; on one thread: ops this small ran several times slower on
+    # two, and many times slower where the cores are busy (intra-op threads waiting on each other)
+    with torch.device("cpu"), zero3_init_parked(), torch.random.fork_rng(devices=[]), one_thread():
         torch.manual_seed(0)
         return _hooked_step(AutoModelForCausalLM.from_config(config), adapter_json, config.vocab_size)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads set to one for the block, as they were after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _hooked_step(model, adapter_json: str | None, vocab_size: int) -> list[Event]:
@@ -119,29 +134,48 @@ def _hook(module, name: str, events: list[Event]) -> None:
     """DeepSpeed's forward pre-hook and its pre-backward wrapping of every output tensor."""
     import torch
 
-    pending = [0]  # applied_pre_backward_ref_cnt
-
-    class PreBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, tensor):
-            pending[0] += 1
-            return tensor.detach()
-
-        @staticmethod
-        def backward(ctx, *grads):
-            if pending[0] > 0:
-                events.append(("backward", name))
-                pending[0] -= 1
-            return grads
+    hooked = _Hooked(name, events)
+    pre_backward = _pre_backward_function()
 
     def before(mod, args):
         events.append(("recompute" if torch._C._current_graph_task_id() != -1 else "forward", name))
 
     def after(mod, args, output):
-        return _apply_to_tensors(PreBackward.apply, output)
+        return _apply_to_tensors(lambda tensor: pre_backward.apply(tensor, hooked), output)
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)
+
+
+class _Hooked:
+    """One module's name and its pending pre-backward count (applied_pre_backward_ref_cnt)."""
+
+    def __init__(self, name: str, events: list[Event]):
+        self.name, self.events, self.pending = name, events, 0
+
+
+@functools.cache
+def _pre_backward_function():
+    """DeepSpeed's PreBackwardFunctionForModule, one class for every module (a class per module
+    cost a second of a 7B plan)."""
+    import torch
+
+    class PreBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor, hooked):
+            ctx.hooked = hooked
+            hooked.pending += 1
+            return tensor.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            hooked = ctx.hooked
+            if hooked.pending > 0:
+                hooked.events.append(("backward", hooked.name))
+                hooked.pending -= 1
+            return grad, None
+
+    return PreBackward
 
 
 def _apply_to_tensors(function, value):
