@@ -62,6 +62,15 @@ def test_presets_sizes():
     assert spec.layer_params == 60_821_504
 
 
+def test_every_presets_count_from_its_shape_is_its_built_models():
+    """`zerofit plan --presets` counts parameters from the shapes (models.preset_params), with no
+    model built: each count is the built model's."""
+    from zerofit.models import PRESETS, config_from_name, preset_params
+
+    for name in PRESETS:
+        assert preset_params(name) == modelspec.from_hf_config(config_from_name(name)).total_params, name
+
+
 # ------------------------------------------------------------ by hand: tiny model
 def test_tiny_model_states_by_hand():
     """ZeRO-3, 1 rank, nothing offloaded, bf16: 2 + 2 + 4 + 8 bytes per parameter on the

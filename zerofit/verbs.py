@@ -76,18 +76,16 @@ def plan_overrides(args) -> list[str]:
 
 
 def cmd_plan(args) -> int:
-    from zerofit.planview import plan, plan_json, render
-
-    if args.presets:
-        from zerofit import modelspec
-        from zerofit.models import PRESETS
+    if args.presets:  # counted from the shapes: no torch, no model built
+        from zerofit.models import PRESETS, preset_params
 
         for name, fields in PRESETS.items():
-            spec = modelspec.from_name(name)
-            print(f"{name:14} {spec.total_params:>14,} parameters  {fields.get('model_type')}, "
+            print(f"{name:14} {preset_params(name):>14,} parameters  {fields.get('model_type')}, "
                   f"{fields.get('num_hidden_layers')} layers, hidden {fields.get('hidden_size')}, "
                   f"vocabulary {fields.get('vocab_size')}")
         return 0
+    from zerofit.planview import plan, plan_json, render
+
     # a config for HF Trainer is planned as HF Trainer runs: its own loss, with vocab-sized fp32 logits
     hf_side = ["train.chunked_loss=false"] if args.ds_config else []
     decision, spec, hw = plan(args.model, args.config, plan_overrides(args) + hf_side, args.world_size,
