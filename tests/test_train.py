@@ -387,6 +387,20 @@ def test_demo_learns(tmp_path):
     assert (tmp_path / "demo" / "checkpoints" / "step-000060" / "MANIFEST.json").is_file()
 
 
+@pytest.mark.e2e
+def test_a_random_init_config_json_trains_on_synthetic_data_without_a_tokenizer(tmp_path):
+    """data.path synthetic draws token ids from the model's vocabulary: a config.json with no
+    tokenizer beside it trains (it was refused: "comes without a tokenizer")."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                vocab_size=96).save_pretrained(tmp_path / "arch")
+    config = tiny_config(tmp_path / "run", data_path="synthetic", model={"config": str(tmp_path / "arch" / "config.json")},
+                         data={"synthetic_samples": 64}, train={"max_steps": 2}, checkpoint={"every_steps": 2})
+    trained_run(tmp_path, config)
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
 def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     """The `deepspeed` launcher passes --local_rank=N before the verb; zerofit accepts it."""
     import shutil

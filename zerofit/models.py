@@ -253,8 +253,9 @@ def generation_eos(model: ModelConfig) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
 
 
-def load_tokenizer(model: ModelConfig):
-    """The model's tokenizer; the demo's character tokenizer for presets without one."""
+def load_tokenizer(model: ModelConfig, synthetic_data: bool = False):
+    """The model's tokenizer; the demo's character tokenizer for presets without one, and for
+    any model trained on `synthetic_data` (random ids from the model's vocabulary: no text)."""
     from transformers import AutoTokenizer
 
     source = model.tokenizer or model.path
@@ -266,7 +267,7 @@ def load_tokenizer(model: ModelConfig):
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load a tokenizer from {source}: {e}; point model.tokenizer "
                               f"at a directory with tokenizer.json or tokenizer_config.json") from None
-    elif model.config in PRESETS:
+    elif model.config in PRESETS or synthetic_data:
         from zerofit.demo import build_tokenizer
 
         tokenizer = build_tokenizer()

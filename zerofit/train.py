@@ -67,7 +67,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     seed_everything(config.train.seed)
     hf_config = models.hf_config(config.model)  # what model.path or model.config names, before its tokenizer
     models.check_weights(config.model)
-    tokenizer = models.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model, synthetic_data=config.data.path == "synthetic")
     models.check_attention(config.model, hf_config)
     models.check_neat_packing(config.data, hf_config)
     check_seq_len(config, hf_config)  # an absurd one was OOM-killed while tokenizing
