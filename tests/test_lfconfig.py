@@ -307,6 +307,18 @@ def test_a_misspelt_key_is_refused_with_the_one_meant_and_their_unread_keys_are_
     assert "enable_liger_kernel" not in err
 
 
+def test_the_trainer_keys_read_from_transformers_source_are_its_dataclass_fields():
+    """The translation reads Seq2SeqTrainingArguments' fields from transformers' source, not by
+    importing it (torch and accelerate with it: seconds): the same fields as the class has."""
+    import dataclasses
+
+    from transformers import Seq2SeqTrainingArguments
+
+    from zerofit import lfkeys
+
+    assert lfkeys.trainer_fields() == {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+
+
 def test_a_llamafactory_config_given_to_train_points_to_the_translation(tmp_path):
     (tmp_path / "lf.yaml").write_text(LLAMA3_FULL_SFT)
     with pytest.raises(ConfigError) as refused:

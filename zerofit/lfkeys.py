@@ -70,7 +70,32 @@ TRANSFORMERS_4_ONLY = frozenset("""
 @lru_cache(maxsize=1)
 def theirs() -> frozenset[str]:
     """Every key LLaMA-Factory's parser reads, over the releases named above."""
-    from transformers import Seq2SeqTrainingArguments
+    return LLAMAFACTORY | TRANSFORMERS_4_ONLY | trainer_fields()
 
-    hf = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
-    return LLAMAFACTORY | TRANSFORMERS_4_ONLY | hf
+
+# (file in the transformers package, class): where Seq2SeqTrainingArguments' fields are declared
+TRAINER_CLASSES = (("training_args.py", "TrainingArguments"), ("training_args_seq2seq.py", "Seq2SeqTrainingArguments"))
+
+
+def trainer_fields() -> frozenset[str]:
+    """The installed transformers' Seq2SeqTrainingArguments fields, read from its source: importing
+    the class imports torch and accelerate (several seconds of `config --from-llamafactory`). The
+    import is the fallback where the source is not laid out so."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    package = importlib.util.find_spec("transformers")  # finds it without importing it
+    fields: set[str] = set()
+    try:
+        root = Path(package.origin).parent
+        for file, name in TRAINER_CLASSES:
+            body = next(node.body for node in ast.parse((root / file).read_text(encoding="utf-8")).body
+                        if isinstance(node, ast.ClassDef) and node.name == name)
+            fields |= {node.target.id for node in body if isinstance(node, ast.AnnAssign)
+                       and isinstance(node.target, ast.Name) and "ClassVar" not in ast.unparse(node.annotation)}
+    except (AttributeError, OSError, SyntaxError, StopIteration):
+        from transformers import Seq2SeqTrainingArguments
+
+        return frozenset(f.name for f in dataclasses.fields(Seq2SeqTrainingArguments))
+    return frozenset(fields)
