@@ -92,7 +92,7 @@ def open_unlinked(path: Path, append: bool = False):
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
     try:
         fd = os.open(path, flags, 0o644)
-    except OSError as e:
+    except OSError:
         if os.path.islink(path):
             raise LinkedFileError(f"{path} is a symbolic link (to {os.readlink(path)}); zerofit writes its run files "
                                   f"only as files of their own, never through a link: remove the link") from None
@@ -467,6 +467,57 @@ def rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+class UnsafeFileError(CheckpointError):
+    """A checkpoint file pickles something beyond tensors, plain containers and the few classes
+    DeepSpeed's own files hold: loading it could run code."""
+
+
+def safe_globals() -> list:
+    """What zerofit's and DeepSpeed's checkpoint files pickle beyond tensors and plain containers
+    (torch.serialization.get_unsafe_globals_in_checkpoint of ZeRO-3 checkpoints): numpy's RNG
+    state (an array) in rng_state_rank*.pt; DeepSpeed's ZeRO stage enum and loss scalers in its
+    optim_states files. Each is rebuilt from data alone; nothing else is loaded."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    numpy_core = getattr(np, "_core", None) or np.core
+    return [numpy_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+            ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def load_torch_file(path, map_location="cpu"):
+    """torch.load with weights_only=True and exactly safe_globals() allowed: a checkpoint that
+    carries any other pickled object (code that would run on load) is refused, naming it."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        said = next((line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                    str(e).splitlines()[0])
+        raise UnsafeFileError(f"{path} holds a pickled object zerofit does not load ({said.strip()[:200]}): loading "
+                              f"it could run code, and zerofit's and DeepSpeed's own checkpoint files hold none; use a "
+                              f"checkpoint you or zerofit wrote") from None
+
+
+def refuse_unsafe(paths) -> None:
+    """Before a loader that is not zerofit's reads them (DeepSpeed's zero_to_fp32 loads with
+    weights_only=False): refuse any file that pickles more than safe_globals(), found by reading
+    its pickle's opcodes (nothing is executed)."""
+    import torch
+
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals()}
+    for path in paths:
+        extra = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) - allowed)
+        if extra:
+            raise UnsafeFileError(f"{path} holds pickled objects zerofit does not load ({', '.join(extra[:3])}): "
+                                  f"loading it could run code, and zerofit's and DeepSpeed's own checkpoint files "
+                                  f"hold none; use a checkpoint you or zerofit wrote")
 
 
 def set_rng_state(state: dict) -> None:

@@ -270,9 +270,11 @@ class ZerofitCheckpointEngine(CheckpointEngine):
         self._queued.append(_File(Path(path), skeleton, sources))
 
     def load(self, path: str, map_location=None):
-        import torch
+        """DeepSpeed's reads of a checkpoint: tensors, plain containers and its few classes only
+        (checkpoint.load_torch_file): a file carrying other pickled objects is refused, not run."""
+        from zerofit.checkpoint import load_torch_file
 
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return load_torch_file(path, map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Async: called by DeepSpeed before the next optimizer step changes the state:

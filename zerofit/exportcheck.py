@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zerofit import universalfiles, zerofiles
+from zerofit.checkpoint import load_torch_file, refuse_unsafe
 from zerofit.config import ConfigError
 from zerofit.progress import say, warn
 
@@ -45,6 +46,7 @@ def reference_state_dict(checkpoint_dir: Path) -> tuple[dict, str]:
     if (checkpoint_dir / zerofiles.NVME_COPIES).is_dir():
         return nvme_state_dict(checkpoint_dir), "the optim and NVMe swap files read through torch.load"
     with deepspeed_quietly():  # its accelerator chosen before the import; its progress not shown
+        refuse_unsafe(sorted(checkpoint_dir.glob("*.pt")))  # zero_to_fp32 loads with weights_only=False
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name)
@@ -55,13 +57,10 @@ def universal_state_dict(directory: Path) -> dict:
     """What DeepSpeed's universal load reads (load_hp_checkpoint_state in
     runtime/zero/stage3.py): each zero/<name>/fp32.pt through torch.load, a tensor or
     {"param": tensor}, shaped by param_shapes; with the model states' (with_model_states)."""
-    import torch
-
-    states = [torch.load(path, map_location="cpu", weights_only=False) for path in zerofiles.model_files(directory)]
+    states = [load_torch_file(path) for path in zerofiles.model_files(directory)]
     weights = {}
     for name, shape in ((n, s) for group in states[0]["param_shapes"] for n, s in group.items()):
-        loaded = torch.load(directory / universalfiles.ZERO_DIR / name / universalfiles.FP32_FILE, map_location="cpu",
-                            weights_only=False)
+        loaded = load_torch_file(directory / universalfiles.ZERO_DIR / name / universalfiles.FP32_FILE)
         weights[name] = (loaded[universalfiles.PARAM] if isinstance(loaded, dict) else loaded).view(shape)
     return with_model_states(weights, states)
 
@@ -76,10 +75,10 @@ def nvme_state_dict(directory: Path) -> dict:
     import torch
 
     model_paths, optim_paths, _ = zerofiles.rank_files(directory)
-    states = [torch.load(path, map_location="cpu", weights_only=False) for path in model_paths]
+    states = [load_torch_file(path) for path in model_paths]
     flats = []
     for rank, path in enumerate(optim_paths):
-        groups = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"]
+        groups = load_torch_file(path)["optimizer_state_dict"]["fp32_flat_groups"]
         swapped = zerofiles.swapped_sub_groups(directory, rank)
         flats.append(torch.cat([torch.from_file(str(swapped[i][0]), size=swapped[i][1], dtype=torch.float32)
                                 if i in swapped else group.float() for i, group in enumerate(groups)]))

@@ -35,10 +35,10 @@ def check_adapter_shapes(model, checkpoint: Path) -> None:
     """Before DeepSpeed loads a checkpoint: its trainable parameters (param_shapes of the
     model_states file, written by engine._save_checkpoint) must be this model's, else the
     load dies deep inside ZeRO with a bare size mismatch."""
-    import torch
+    from zerofit.checkpoint import load_torch_file
 
     states_file = sorted(Path(checkpoint).glob("*model_states.pt"))[0]
-    states = torch.load(states_file, map_location="cpu", weights_only=False)
+    states = load_torch_file(states_file)
     saved = {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
     live = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters() if p.requires_grad}
     if saved == live:
