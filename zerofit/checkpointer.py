@@ -65,6 +65,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ resume
     def load(self, point: ResumePoint, fresh: LoopState) -> LoopState:
         """Load the chosen checkpoint on every rank; `fresh` when there is none."""
+        self.step_in_progress = (point.step if point.directory is not None else fresh.step) + 1  # a Ctrl-C's step
         if point.directory is None:
             return fresh
         directory, load_dir = Path(point.directory), Path(point.load_dir)
