@@ -318,3 +318,28 @@ def test_the_h200s_hf_trainer_timelines_with_and_without_the_release():
     assert spike.step == 3 and spike.evidence["spikes"] == 3 and not spike.evidence["released_gathered"]
     assert spike.evidence["peak_bytes"] - spike.evidence["typical_bytes"] == 491_782_144
     assert diagnose(runs / "released").findings == []
+
+
+def test_a_step_time_far_from_the_plan_names_the_busy_machine():
+    """measured.step_time's figures: the issue's shared 2-core machine (3.9 s against 0.21 s,
+    load 9) blames the other processes and suggests one thread; an idle machine blames the model;
+    within 2x nothing is said."""
+    from zerofit.detectors import step_time_gap
+    from zerofit.measured import step_time
+
+    metrics = [{"step": s, "step_seconds": 3.9} for s in range(1, 13)]
+    records = [{"step": 0, "phase": "start", "cpu_cores": 2, "cpu_threads": 2}]
+    records += [{"step": s, "phase": "backward", "time": 100.0 + 3.9 * s, "cpu_s": 10.0 + 0.9 * 3.9 * s, "load_avg": 9.1}
+                for s in range(1, 13)]
+    busy = step_time({"estimated_step_seconds": 0.21, "accelerator": "cpu"}, metrics, records)
+    assert busy["measured_s"] == 3.9 and busy["steps"] == 10 and busy["cores_used"] == 0.9 and busy["load_avg"] == 9.1
+    [gap] = step_time_gap(busy)
+    assert gap.kind == "step_time" and gap.severity == "warning" and "18.6x the 0.21 s" in gap.title
+    assert "load average 9.1 on 2 core(s)" in gap.cause and "0.90 cores' worth of CPU for its 2 thread(s)" in gap.cause
+    assert any("train.cpu_threads: 1" in fix for fix in gap.fix)
+    idle = [{**r, "load_avg": 0.3, "cpu_s": 10.0 + 1.9 * 3.9 * r["step"]} if r["phase"] != "start" else r for r in records]
+    [model] = step_time_gap(step_time({"estimated_step_seconds": 0.21, "accelerator": "cpu"}, metrics, idle))
+    assert model.severity == "info" and "steptime.py" in model.cause and "not busy" in model.cause
+    close = step_time({"estimated_step_seconds": 2.5}, metrics, records[:1])
+    assert step_time_gap(close) == [] and "load_avg" not in close  # an older timeline: no CPU readings
+    assert step_time(None, metrics, records) is None and step_time({"estimated_step_seconds": 1}, [], records) is None

@@ -415,3 +415,33 @@ def facts_with(facts: RunFacts, settings: dict) -> RunFacts:
     config = {**facts.config, "model": {**facts.config.get("model", {}),
                                         "gradient_checkpointing": settings.get("model.gradient_checkpointing")}}
     return replace(facts, ds_config=ds, config=config)
+
+
+def step_time_gap(step: dict | None, far: float = 2.0) -> list[Finding]:
+    """Measured step time far from plan.json's (`step`: measured.step_time), with the likely
+    cause: a busy machine (load average above the cores, or the run got fewer cores than its
+    threads), else the step-time model (steptime.py) missing this model or host."""
+    if not step or 1 / far < step["ratio"] < far:
+        return []
+    title = (f"Steps take {step['measured_s']:.2f} s (median of {step['steps']} steady steps), "
+             f"{step['ratio']:.1f}x the {step['predicted_s']:.2f} s plan.json predicted")
+    cores, threads = step.get("cpu_cores") or 0, step.get("cpu_threads") or 0
+    load, used = step.get("load_avg"), step.get("cores_used")
+    evidence = {k: step.get(k) for k in ("predicted_s", "measured_s", "ratio", "load_avg", "cores_used", "cpu_cores")}
+    starved = used is not None and threads and used < 0.75 * threads
+    if step["ratio"] > 1 and cores and load is not None and (load > cores or starved):
+        got = f"; the run's process got {used:.2f} cores' worth of CPU for its {threads} thread(s)" if used else ""
+        cause = (f"other processes were using the CPU: load average {load:.1f} on {cores} core(s) while it ran{got}. "
+                 f"The prediction is for cores the run has to itself")
+        fix = ["run when the machine is idle (`uptime`, `top` show the load and who makes it), or give the run "
+               "cores of its own (taskset, docker --cpus, Slurm --cpus-per-task)"]
+        if threads > 1:  # each parallel region waits for its slowest thread, and a busy machine stalls some
+            fix.append("on a machine others keep busy, train.cpu_threads: 1 (threads that wait for each other "
+                       "lose most when the cores are shared)")
+        return [Finding("step_time", "warning", "cpu" if not step["on_gpu"] else "gpu", title, cause, fix,
+                        None, evidence)]
+    busy = f" (load average {load:.1f} on {cores} core(s): the machine was not busy)" if load is not None else ""
+    cause = ("the step-time model (zerofit/steptime.py) misses this model, shape or machine" + busy)
+    fix = ["nothing to change in the run: plan.json's step time only ranks the configurations the planner "
+           "compares; tokens/s in metrics.jsonl is what this machine does"]
+    return [Finding("step_time", "info", "cpu" if not step["on_gpu"] else "gpu", title, cause, fix, None, evidence)]

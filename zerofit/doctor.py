@@ -16,11 +16,12 @@ import yaml
 
 from zerofit import checkpoint, runlock
 from zerofit.config import ConfigError
-from zerofit.detectors import detect
+from zerofit.detectors import detect, step_time_gap
 from zerofit.findings import Finding, RunFacts, facts_from
-from zerofit.measured import checkpoints_at_once, phase_peaks, plan_vs_measured, rank_peaks, summarize
+from zerofit.measured import checkpoints_at_once, phase_peaks, plan_vs_measured, rank_peaks, step_time, summarize
 from zerofit.rankfindings import across_ranks, killed_outright, rank_imbalance
-from zerofit.memory import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
+from zerofit.memory import (EVENT_PHASES, effective_records, human_bytes, read_jsonl, read_timeline, timeline_path,
+                            timeline_ranks)
 from zerofit.oomreport import rank_files
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
@@ -43,6 +44,7 @@ class Diagnosis:
     other_ranks: dict[int, list[dict]] = field(default_factory=dict)  # ranks > 0: their effective timelines
     running_pid: int | None = None  # the zerofit train still holding the run's lock
     ending: str = ""              # how the run ended and what it left to go on from (how_it_ended)
+    step_time: dict | None = None  # predicted vs measured step seconds (measured.step_time)
 
     @property
     def running_note(self) -> str:
@@ -80,6 +82,8 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
     newest, damaged = checkpoint.find_latest_valid(checkpoints_of(run_dir), hashes=by_hash)
     findings += rank_imbalance(ranks, facts) + killed_ranks(run_dir, per_rank)
     findings += checkpoint_findings(run_dir, newest, damaged, running_pid is not None) + unusable_checkpoints(run_dir)
+    steps = step_time(plan, read_jsonl(run_dir / "metrics.jsonl"), records)
+    findings += step_time_gap(steps)
     every_rank = [record for timeline in per_rank.values() for record in timeline]
     checkpoint_bytes = newest_checkpoint_bytes(run_dir)
     notes = ([] if plan else [plan_missing_note(run_dir / "plan.json")]) + \
@@ -101,7 +105,7 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
                      summarize(records, facts, every_rank), report,
                      checkpoint_bytes, notes, ranks, {rank: t for rank, t in per_rank.items() if rank},
                      running_pid, "" if running_pid is not None or source != "zerofit" else
-                     how_it_ended(records, newest, killed_after(findings)))
+                     how_it_ended(records, newest, killed_after(findings)), steps)
 
 
 def checkpoints_of(run_dir: Path) -> Path:

@@ -4,7 +4,9 @@ outcomes, and plan vs measured, one row per device with its components and phase
 """
 from __future__ import annotations
 
-from zerofit.findings import RunFacts
+import statistics
+
+from zerofit.findings import WARMUP_STEPS, RunFacts
 from zerofit.loadpeak import LOADING
 from zerofit.memory import EVENT_PHASES
 
@@ -183,3 +185,32 @@ def save_outcomes(records: list[dict]) -> dict:
                 published += 1
             failed_since_save.clear()
     return {"saves": published, "saves_failed": failed, "saves_unfinished": len(in_flight)}
+
+
+def step_time(plan: dict | None, metrics: list[dict], records: list[dict]) -> dict | None:
+    """Predicted (plan.json's estimated_step_seconds) against measured step seconds: the median
+    of the steady steps in metrics.jsonl (the first WARMUP_STEPS left out: they build caches
+    and optimizer states), with what the timeline says of the machine while they ran (the
+    cores the run got, the load average; steady_cpu). None without a plan or a steady step."""
+    predicted = (plan or {}).get("estimated_step_seconds")
+    seconds = [m["step_seconds"] for m in metrics if m.get("step_seconds") and m.get("step", 0) > WARMUP_STEPS]
+    if not predicted or not seconds:
+        return None
+    start = next((r for r in reversed(records) if r.get("phase") == "start"), {})
+    measured = statistics.median(seconds)
+    return {"predicted_s": predicted, "measured_s": measured, "ratio": measured / predicted, "steps": len(seconds),
+            "on_gpu": bool((plan or {}).get("accelerator", "cpu") != "cpu"), "cpu_cores": start.get("cpu_cores"),
+            "cpu_threads": start.get("cpu_threads"), **steady_cpu(records)}
+
+
+def steady_cpu(records: list[dict]) -> dict:
+    """The cores the run's process got (CPU seconds over wall seconds, step to step) and the
+    machine's load average, medians over the steady steps; {} for a timeline without them."""
+    ends = {r["step"]: r for r in records if r.get("phase") not in EVENT_PHASES and "cpu_s" in r and "time" in r}
+    steps = [s for s in sorted(ends) if s > WARMUP_STEPS and s - 1 in ends]
+    used = [(ends[s]["cpu_s"] - ends[s - 1]["cpu_s"]) / (ends[s]["time"] - ends[s - 1]["time"])
+            for s in steps if ends[s]["time"] > ends[s - 1]["time"]]
+    if not used:
+        return {}
+    return {"cores_used": round(statistics.median(used), 2),
+            "load_avg": round(statistics.median(ends[s]["load_avg"] for s in steps), 2)}

@@ -19,6 +19,9 @@ What one record holds (bytes unless named otherwise):
                         `tensor.pin_memory()` and DeepSpeed's default pinning land) plus
                         VmLck (mlock'ed: DeepSpeed's native pin backend, AIO buffers)
   nvme_swap             bytes of DeepSpeed swap files under zero.nvme_path, once per step
+  cpu_s, load_avg       this process's CPU seconds so far (user + system, all its threads) and
+                        the machine's 1-minute load average, once per step: with `time`, the
+                        cores the run got and how busy the machine was (older runs lack them)
 
 All GPU figures come from one torch.cuda.memory_stats() call (memory_allocated and its
 siblings each call it too), so recording needs no device synchronisation; the bench
@@ -188,8 +191,10 @@ class Timeline:
         available) are taken once here and go into each of its records."""
         if not self._pending:
             return []
+        cpu = os.times()
         per_step = {"host_avail": cgroup.host_memory().available,
-                    "pinned": pinned_bytes(proc_status()["VmLck"]), "nvme_swap": nvme_swap_bytes(self.nvme_path)}
+                    "pinned": pinned_bytes(proc_status()["VmLck"]), "nvme_swap": nvme_swap_bytes(self.nvme_path),
+                    "cpu_s": round(cpu.user + cpu.system, 3), "load_avg": round(os.getloadavg()[0], 2)}
         flags = {"after_save": True} if self._after_save and not set(self._pending) & set(EVENT_PHASES) else {}
         now = round(time.time(), 3)
         records = [{"step": step, "phase": phase, "time": now, **reading, **per_step, **flags,

@@ -242,8 +242,9 @@ def plan_line(decision: Decision) -> str:
     chosen += ["bucket and window sizes"] * any(key.endswith(tuning) for key in decision.chosen_fields)
     source = f"the planner chose {', '.join(chosen)}" if chosen else "all set in the config" \
         if decision.config.plan.enabled else "plan.enabled false: as configured"
-    return (f"plan: {choice.describe(plan)} ({source}); predicted peak {peaks}; ~{plan.step_seconds:.2f} s a step "
-            f"(plan.json; `zerofit doctor` compares)")
+    idle = " on idle cores" if plan.accelerator == "cpu" else ""  # other processes' load slows a CPU step most
+    return (f"plan: {choice.describe(plan)} ({source}); predicted peak {peaks}; ~{plan.step_seconds:.2f} s a step"
+            f"{idle} (plan.json; `zerofit doctor` compares)")
 
 
 def buckets(cand) -> str:

@@ -271,6 +271,19 @@ def host_budgets_note(diagnosis) -> str:
             f"planned{usable}")
 
 
+def step_time_line(diagnosis) -> str:
+    """Predicted against measured step time, with how busy the machine was ("" without both)."""
+    step = diagnosis.step_time
+    if not step:
+        return ""
+    machine = ""
+    if step.get("load_avg") is not None:
+        machine = f"; load average {step['load_avg']:.1f} on {step['cpu_cores']} core(s)"
+        machine += f", the run got {step['cores_used']:.2f} cores' worth of CPU" if step.get("cores_used") else ""
+    return (f"step time: predicted {step['predicted_s']:.2f} s (plan.json), measured {step['measured_s']:.2f} s "
+            f"(median of {step['steps']} steady steps, metrics.jsonl): {step['ratio']:.1f}x{machine}")
+
+
 def saves_phrase(summary: dict) -> str:
     """`4 saves`, `3 saves (1 failed, 1 unfinished: being written when the timeline ends)`."""
     extra = [f"{summary['saves_failed']} failed"] if summary["saves_failed"] else []
@@ -392,6 +405,7 @@ def render_html(diagnosis) -> str:
 {f"<p class=sub>{esc(diagnosis.running_note)}</p>" if diagnosis.running_note else ""}
 {f"<p class=sub>ended: {esc(diagnosis.ending)}</p>" if diagnosis.ending else ""}
 {cards(diagnosis)}
+{f"<p>{esc(step_time_line(diagnosis))}</p>" if diagnosis.step_time else ""}
 <h2>Findings</h2>{findings_html(diagnosis.findings)}
 <h2>Memory timeline</h2>
 <img alt='memory timeline' src='data:image/png;base64,{timeline_png(diagnosis)}'>
@@ -426,6 +440,8 @@ def print_summary(diagnosis, html_path: str, console=None) -> None:
         planned = f"planned {gib(loading['predicted_bytes'])}" if loading else "not in plan.json"
         console.print(f"before training: loading the data peaked at {gib(s['data_load_host_peak'])} host ({planned}; "
                       f"each example's token lists while tokenizing, before they are packed)")
+    if step_time_line(diagnosis):
+        console.print(escape(step_time_line(diagnosis)))
     if diagnosis.running_note:
         console.print(f"[yellow]{escape(diagnosis.running_note)}[/]")
     if diagnosis.ending:

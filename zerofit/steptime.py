@@ -22,8 +22,16 @@ from zerofit.zerotrace import zero3_trace
 if TYPE_CHECKING:
     from zerofit.planner import Candidate, Shape
 
-# CPU accelerator (tests, CPU-only machines): a rough fp32/bf16 matmul rate per core.
-CPU_FLOPS_PER_CORE = 30e9
+# CPU accelerator (tests, the demo, CPU-only machines): the forward and backward run on the
+# host's cores in the Python thread that also runs ZeRO-3's hooks, so nothing overlaps: a step
+# is step_work's FLOPs at this rate plus the hooks at their per-visit cost (the GPU host's
+# fitted rates fit here too) plus the optimizer. The rate is the one that fits steps measured
+# on a 2-core AMD EPYC (CPU seconds per steady step, so other processes' load drops out):
+# tiny (2 x 64) at 4 x 64, demo (4 x 128) at 16 x 128 and 8 x 512, mini (vocab 4096) at 8 x 256
+# ran 0.047, 0.133, 0.350 and 0.139 s; the model gives 0.74x, 1.18x, 0.93x, 1.23x of those. The
+# demo on both cores ran 0.16 s, as on one: threads add nothing measurable at these sizes, so
+# the rate is one process's, whatever its cores (a larger model's matmuls would scale; unmeasured).
+CPU_FLOPS_PER_S = 1.3e11
 
 
 def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float]:
@@ -91,7 +99,8 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     `work`: step_work's result when the caller has it, as bench/cost_fit.py does for the
     thousands of rates it tries).
 
-    - compute: the step's FLOPs at the calibrated matmul rate x utilisation;
+    - compute: the step's FLOPs at the calibrated matmul rate x utilisation; on the CPU
+      accelerator cpu_compute, at CPU_FLOPS_PER_S, which nothing overlaps;
     - pcie_params / pcie_grads: parameter and 16-bit gradient bytes over pinned PCIe;
     - grad_boundary: the boundary's fp32 gradients into the host optimizer's buffer;
     - param_copy_back: the updated 16-bit parameters to the GPU at the rate measured for
@@ -115,8 +124,10 @@ def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate
     n_rank = -(-N // W) if cand.stage == 3 else N
     cores = max(1, hw.cpu_cores // ranks_on_this_node(hw, W))
     work = step_work(spec, shape, cand) if work is None else work
-    rate = hw_rates.BF16_MATMUL_FLOPS * rates.model_flops_utilisation if hw.on_gpu else CPU_FLOPS_PER_CORE * cores
-    terms = {"compute": work["flops"] / rate}
+    if hw.on_gpu:
+        terms = {"compute": work["flops"] / (hw_rates.BF16_MATMUL_FLOPS * rates.model_flops_utilisation)}
+    else:  # a lane of its own: the hooks run in the same thread, after it (step_seconds adds it)
+        terms = {"cpu_compute": work["flops"] / CPU_FLOPS_PER_S}
     offloaded, on_device = work["adam_host_params"], work["adam_device_params"]
     if hw.on_gpu:
         if work["pcie_param_bytes"]:
@@ -164,7 +175,8 @@ def step_seconds(terms: dict[str, float]) -> float:
     parameters they fetch (DeepSpeed prefetches on its own stream); the 16-bit gradients
     leaving for the host on the reduction stream. So they take max(compute, pcie_params +
     zero3_hooks, pcie_grads); the rest (the boundary's fp32 gradients, the CPU optimizer step,
-    the copy back, NVMe, collectives) adds up. Why the gradients are a lane of their own: the
+    the copy back, NVMe, collectives) adds up, as does the CPU accelerator's cpu_compute (its
+    hooks run in the computing thread). Why the gradients are a lane of their own: the
     3.6B steps of 64 and 88 micro batches ran 1.10 s per micro batch where compute and the
     gradient round trip in a row would take 1.6 (bench/results/nvme.json, nvme-3.6b-a64.json;
     bench/cost_fit.py compares the alternatives)."""
