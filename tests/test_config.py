@@ -685,3 +685,97 @@ def test_hf_schedule_names_read_as_zerofits():
     assert load(None, ["train.lr_schedule=constant_with_warmup"]).train.lr_schedule == "constant"
     with pytest.raises(ConfigError, match="lr_schedule"):
         load(None, ["train.lr_schedule=polynomial"])
+
+
+# ------------------------------------------------- refusals before anything heavy (issue 53)
+REFUSE_AND_SAY_WHAT_WAS_IMPORTED = """
+import json, sys
+from zerofit.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "imported": [m for m in ("torch", "transformers", "deepspeed") if m in sys.modules]}))
+"""
+
+
+def refused_in_a_process(tmp_path: Path, args: list[str]) -> tuple[dict, str]:
+    """`zerofit ARGS` in a process of its own: its exit code, the heavy modules it had imported
+    when it returned, and its stderr."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    done = subprocess.run([sys.executable, "-c", REFUSE_AND_SAY_WHAT_WAS_IMPORTED, *args], cwd=tmp_path,
+                          env={**child_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+@pytest.mark.e2e
+def test_every_file_a_run_config_names_is_checked_before_anything_heavy(tmp_path):
+    """A misspelt data.path was said 226 s after the start (after the process group, the op build
+    and the model): each path the config names is looked at first, before torch is imported, and
+    every one that is not there is said, one a line."""
+    config = tiny_config(tmp_path / "run", data_path=tmp_path / "trian.jsonl")
+    config["data"]["eval_path"] = str(tmp_path / "eval.jsonl")
+    config["model"].update(tokenizer=str(tmp_path / "tok"), chat_template=str(tmp_path / "t.jinja"))
+    config["zero"] = {"nvme_path": str(tmp_path / "no" / "nvme")}
+    said, err = refused_in_a_process(tmp_path, ["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
+    assert said == {"code": 1, "imported": []}, err
+    lines = err.splitlines()
+    assert lines[0] == "zerofit: error: 5 files or directories the config names are not usable:"
+    assert lines[1].startswith(f"  model.tokenizer={str(tmp_path / 'tok')!r} is not a directory")
+    assert lines[2].startswith(f"  model.chat_template={str(tmp_path / 't.jinja')!r} is neither a file")
+    assert lines[3].startswith(f"  data file {tmp_path / 'trian.jsonl'} does not exist")
+    assert lines[4].startswith(f"  data file {tmp_path / 'eval.jsonl'} does not exist; set data.eval_path")
+    assert lines[5].startswith(f"  zero.nvme_path={tmp_path / 'no' / 'nvme'} is not usable: {tmp_path / 'no'} does "
+                               f"not exist (a typo?")
+    assert not (tmp_path / "run").exists()
+    # one problem alone is the error; a model.path, and a --resume with nothing to resume from
+    config = tiny_config(tmp_path / "run")
+    config["model"] = {"path": str(tmp_path / "model")}
+    said, err = refused_in_a_process(tmp_path, ["train", "--config", str(write_config(tmp_path / "c.yaml", config))])
+    assert said == {"code": 1, "imported": []}
+    assert err.startswith(f"zerofit: error: model.path={str(tmp_path / 'model')!r} is not a directory")
+    said, err = refused_in_a_process(tmp_path, ["train", "--set", f"run_dir={tmp_path / 'fresh'}", "--resume"])
+    assert said == {"code": 1, "imported": []}
+    assert err == f"zerofit: error: --resume: no checkpoint under {tmp_path / 'fresh' / 'checkpoints'}; run " \
+                  f"without --resume to start fresh\n"
+
+
+@pytest.mark.e2e
+def test_plan_refuses_a_config_or_model_that_is_not_there_before_importing_torch(tmp_path):
+    config = tiny_config(tmp_path / "run")
+    config["model"] = {"path": str(tmp_path / "model")}
+    said, err = refused_in_a_process(tmp_path, ["plan", "--config", str(write_config(tmp_path / "c.yaml", config))])
+    assert said == {"code": 1, "imported": []}
+    assert err.startswith(f"zerofit: error: model.path={str(tmp_path / 'model')!r} is not a directory")
+    said, err = refused_in_a_process(tmp_path, ["plan", "--model", str(tmp_path / "llama.json")])
+    assert said == {"code": 1, "imported": []}
+    assert err.startswith(f"zerofit: error: model.config={str(tmp_path / 'llama.json')!r} is neither a preset")
+
+
+def test_a_models_config_json_given_as_the_run_config_says_use_model(tmp_path, capsys):
+    """`zerofit plan --config qwen2.5-7b/config.json` printed ~20 "unknown key" errors on one line."""
+    seven_b = Path(__file__).parent / "data" / "qwen2.5-7b" / "config.json"
+    for verb in ("plan", "train"):
+        assert cli.main([verb, "--config", str(seven_b)]) == 1
+        err = capsys.readouterr().err
+        assert err == (f"zerofit: error: {seven_b} is a model's config.json (architectures, hidden_size, model_type, "
+                       f"num_hidden_layers, vocab_size at the top level), not a zerofit run config: use --model "
+                       f"{seven_b} (`zerofit plan --model FILE`), or model.config: {seven_b} in a run config "
+                       f"(model.path: its directory, for its weights)\n")
+
+
+def test_several_unknown_keys_are_said_one_a_line_with_the_valid_keys_once(tmp_path, capsys):
+    config = tiny_config(tmp_path / "run")
+    config["model"].update(foo=1, bar=2)
+    config["train"]["lrr"] = 1
+    assert cli.main(["plan", "--config", str(write_config(tmp_path / "c.yaml", config))]) == 1
+    valid = "path, config, tokenizer, chat_template, gradient_checkpointing, attn_implementation, trust_remote_code"
+    assert capsys.readouterr().err.splitlines() == [
+        "zerofit: error: invalid config, 3 problems:", "  unknown key model.bar", "  unknown key model.foo",
+        "  unknown key train.lrr; did you mean train.lr?", f"  valid keys in model: {valid}"]
+    del config["model"]["bar"], config["train"]["lrr"]  # one: on its line, as before
+    assert cli.main(["plan", "--config", str(write_config(tmp_path / "c.yaml", config))]) == 1
+    assert capsys.readouterr().err == f"zerofit: error: invalid config: unknown key model.foo; valid keys in model: " \
+                                      f"{valid}\n"

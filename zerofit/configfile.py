@@ -37,6 +37,11 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{path} is a LLaMA-Factory config ({', '.join(sorted(LLAMAFACTORY_KEYS & set(raw)))} "
                           f"at the top level): `zerofit config --from-llamafactory {path} > zerofit.yaml` translates "
                           f"it, then `zerofit train --config zerofit.yaml`")
+    if path and looks_like_model_config(raw):
+        raise ConfigError(f"{path} is a model's config.json ({', '.join(sorted(MODEL_CONFIG_KEYS & set(raw)))} at "
+                          f"the top level), not a zerofit run config: use --model {path} (`zerofit plan --model "
+                          f"FILE`), or model.config: {path} in a run config (model.path: its directory, for its "
+                          f"weights)")
     for item in overrides:
         key, value = parse_override(item)
         if path is None and key in DEMO_ONLY:
@@ -48,6 +53,15 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
 
 # keys every LLaMA-Factory training YAML holds some of, and no zerofit config does
 LLAMAFACTORY_KEYS = {"model_name_or_path", "stage", "finetuning_type", "dataset", "template", "cutoff_len"}
+
+
+# keys of a transformers config.json (PretrainedConfig.to_dict), none of them a zerofit section
+MODEL_CONFIG_KEYS = {"model_type", "architectures", "hidden_size", "num_hidden_layers", "vocab_size"}
+
+
+def looks_like_model_config(raw: dict) -> bool:
+    """A transformers config.json given where a run config belongs: its keys, no zerofit section."""
+    return bool(MODEL_CONFIG_KEYS & set(raw)) and not set(raw) & set(Config.model_fields)
 
 
 def looks_like_llamafactory(raw: dict) -> bool:
@@ -134,13 +148,19 @@ MISSING_HINTS = {"train": " (how long to train: train.max_steps or train.epochs)
 
 
 def _explain(error: ValidationError, raw: dict) -> str:
-    lines, branches = [], {}
+    """Each problem said once; several, one a line. The valid keys of a section with unknown keys
+    not near any are listed once, beside the key where it is the only one (a model's config.json
+    given as a run config read 20 unknown keys on one 2 KB line, the top level's keys in each)."""
+    lines, branches, unplaced = [], {}, {}
     for item in error.errors():
         loc = ".".join(str(p) for p in item["loc"])
         if _union_branch(item["loc"]):  # pydantic says each of `str | list[str]`'s failures on its own
             branches.setdefault(loc.rsplit(".", 1)[0], (item.get("input"), []))[1].append(item["msg"])
         elif item["type"] == "extra_forbidden":
-            lines.append(_unknown_key(item["loc"]))
+            line, valid = _unknown_key(item["loc"])
+            if valid:
+                unplaced.setdefault(valid, []).append(len(lines))
+            lines.append(line)
         elif item["type"] == "missing":
             lines.append(f"{loc}: required but missing" + MISSING_HINTS.get(loc, ""))
         else:
@@ -152,7 +172,15 @@ def _explain(error: ValidationError, raw: dict) -> str:
             lines.append(f"{loc}{shown}: {msg}")
     for loc, (value, messages) in branches.items():
         lines.append(f"{loc}={value!r}: should be " + " or ".join(m.removeprefix("Input should be ") for m in messages))
-    return "invalid config: " + "; ".join(lines)
+    listed = []
+    for valid, at in unplaced.items():
+        if len(at) == 1:
+            lines[at[0]] += f"; {valid}"
+        else:
+            listed.append(valid)
+    if len(lines) == 1:
+        return f"invalid config: {lines[0]}"
+    return f"invalid config, {len(lines)} problems:\n  " + "\n  ".join(lines + listed)
 
 
 def _union_branch(loc: tuple) -> bool:
@@ -164,7 +192,9 @@ def _union_branch(loc: tuple) -> bool:
     return field is not None and get_origin(field.annotation) in (Union, UnionType)
 
 
-def _unknown_key(loc: tuple) -> str:
+def _unknown_key(loc: tuple) -> tuple[str, str]:
+    """What an unknown key is said as, and where no key is near it, the valid keys of its section
+    (else "")."""
     *parents, name = [str(p) for p in loc]
     model: type[BaseModel] = Config
     for part in parents:
@@ -174,16 +204,17 @@ def _unknown_key(loc: tuple) -> str:
                  and issubclass(field.annotation, BaseModel) and name in field.annotation.model_fields]
     theirs = aliases.hint(name)
     if theirs and not elsewhere:
-        return f"unknown key {'.'.join(parents + [name])}; LLaMA-Factory's / HF Trainer's {name} is {theirs}"
+        return f"unknown key {'.'.join(parents + [name])}; LLaMA-Factory's / HF Trainer's {name} is {theirs}", ""
     if elsewhere and name not in valid:  # `lr:` dedented out of `train:` read "did you mean lora?"
         return (f"unknown key {'.'.join(parents + [name])}; it is a key of {' and '.join(elsewhere)}: move it "
-                f"under `{elsewhere[0]}:`")
+                f"under `{elsewhere[0]}:`"), ""
     # a key the name begins with first (evaluation: eval, not difflib's nearer-in-letters elastic)
     near = [key for key in valid if len(key) >= 3 and name.startswith(key)][:1] or \
         difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    where = ".".join(parents) or "top level"
-    hint = f"; did you mean {'.'.join(parents + near)}?" if near else f"; valid keys in {where}: {', '.join(valid)}"
-    return f"unknown key {'.'.join(parents + [name])}{hint}"
+    if near:
+        return f"unknown key {'.'.join(parents + [name])}; did you mean {'.'.join(parents + near)}?", ""
+    return f"unknown key {'.'.join(parents + [name])}", f"valid keys in {'.'.join(parents) or 'top level'}: " \
+        f"{', '.join(valid)}"
 
 
 def dump_yaml(config: Config, marked: dict[str, set[str]] | None = None, mark: str = "") -> str:

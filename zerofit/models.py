@@ -70,12 +70,7 @@ def preset_params(name: str) -> int:
 def hf_config(model: ModelConfig):
     """The transformers PretrainedConfig a model section describes (no weights touched)."""
     if model.path:
-        directory = Path(_existing_dir(model.path, "model.path"))
-        if not (directory / "config.json").is_file():
-            raise ConfigError(f"model.path={model.path!r} holds no config.json: it is not a transformers model "
-                              f"directory; point it at what save_pretrained wrote (or set model.config to train "
-                              f"from a random init)")
-        return _auto_config(directory, model.trust_remote_code)
+        return _auto_config(hf_config_file(model).parent, model.trust_remote_code)
     return config_from_name(model.config, model.trust_remote_code)
 
 
@@ -223,12 +218,20 @@ def config_from_name(name: str, trust_remote_code: bool = False):
     config.json wins over a preset of the same name (a user's `llama-8b/` folder is theirs)."""
     from transformers import CONFIG_MAPPING
 
+    path = named_config_file(name)
+    if path is None:
+        fields = dict(PRESETS[name])
+        return CONFIG_MAPPING[fields.pop("model_type")](**fields)
+    return _auto_config(path.parent if path.name == "config.json" else path, trust_remote_code)
+
+
+def named_config_file(name: str) -> Path | None:
+    """The config.json model.config names, checked to be one (None: a preset); no transformers."""
     path = Path(name)
     if path.is_dir():
         path = path / "config.json"
     if name in PRESETS and not path.is_file():
-        fields = dict(PRESETS[name])
-        return CONFIG_MAPPING[fields.pop("model_type")](**fields)
+        return None
     if not path.is_file():
         raise ConfigError(f"model.config={name!r} is neither a preset ({', '.join(PRESETS)}) "
                           f"nor an existing config.json or directory{read_from(name)}")
@@ -236,9 +239,39 @@ def config_from_name(name: str, trust_remote_code: bool = False):
         fields = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); fix the file or pick a preset") from None
-    if "model_type" not in fields:
+    if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError(f"{path} has no model_type; it is not a transformers config.json")
-    return _auto_config(path.parent if path.name == "config.json" else path, trust_remote_code)
+    return path
+
+
+def model_file_problems(model: ModelConfig) -> list[str]:
+    """What of the model section's files is not there, each said with its fix: model.path a
+    directory with a config.json, the config.json or preset of model.config, the tokenizer
+    directory, the chat template. Only files are looked at (no transformers import), so a typo
+    is said in a second, not after the process group, the op build and the model."""
+    checks = [(hf_config_file, model) if model.path else (named_config_file, model.config)]
+    checks += [(_existing_dir, model.tokenizer, "model.tokenizer")] if model.tokenizer else []
+    checks += [(read_chat_template, model.chat_template)] if model.chat_template else []
+    return [problem for check, *args in checks if (problem := problem_of(check, *args))]
+
+
+def problem_of(check, *args) -> str | None:
+    """The ConfigError `check(*args)` raises, as text; None where it raises none."""
+    try:
+        check(*args)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def hf_config_file(model: ModelConfig) -> Path:
+    """model.path's config.json, refused where the directory or the file is not there."""
+    directory = Path(_existing_dir(model.path, "model.path"))
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"model.path={model.path!r} holds no config.json: it is not a transformers model "
+                          f"directory; point it at what save_pretrained wrote (or set model.config to train "
+                          f"from a random init)")
+    return directory / "config.json"
 
 
 def generation_eos(model: ModelConfig) -> set[int]:

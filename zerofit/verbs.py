@@ -28,6 +28,7 @@ def cmd_train(args) -> int:
     from zerofit import ranks
 
     config = load_config(args)  # a bad config is said at once, before DeepSpeed's import (seconds)
+    check_named_files(config, resume=args.resume)  # and a file it names that is not there
     ranks.select_accelerator()  # before that import, which otherwise guesses and says so on stdout
     from zerofit.train import train
 
@@ -62,6 +63,45 @@ def cmd_train(args) -> int:
     return code
 
 
+def check_named_files(config: Config, resume: bool | None = None, data: bool = True) -> None:
+    """Every file and directory the config names is there, each problem on a line of one error:
+    the model's (models.model_file_problems), the data files, zero.nvme_path's parent, a --resume's
+    checkpoints. Only the file system is read, before any heavy import: a misspelt data.path was
+    said 226 s after the start, after the process group, the op build and the model. `data`:
+    False where the data may be on another machine (`zerofit plan`)."""
+    from zerofit import checkpoint, models
+    from zerofit.datafiles import data_entries
+
+    problems = models.model_file_problems(config.model)
+    if data and config.data.path not in ("demo", "synthetic"):  # the built-in sources (loadpeak.BUILT_IN)
+        problems.append(models.problem_of(data_entries, config.data.path))
+    if data and config.data.eval_path:
+        problems.append(models.problem_of(data_entries, config.data.eval_path, "data.eval_path"))
+    if config.zero.nvme_path:
+        problems.append(models.problem_of(check_nvme_path, Path(config.zero.nvme_path)))
+    # as resume.refuse_resume_without_checkpoint (which imports torch) does on rank 0 later
+    root = Path(config.run_dir) / "checkpoints"
+    if resume is True and int(os.environ.get("RANK", "0")) == 0 and not checkpoint.published(root):
+        problems.append(f"--resume: no checkpoint under {root}; run without --resume to start fresh")
+    problems = [problem for problem in problems if problem]
+    if len(problems) > 1:
+        raise ConfigError(f"{len(problems)} files or directories the config names are not usable:\n  "
+                          + "\n  ".join(problems))
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def check_nvme_path(path: Path) -> None:
+    """zero.nvme_path a file, or under a parent that is not there (nvme.make_swap_dir creates
+    the directory itself, not its parents: most likely a typo)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"zero.nvme_path={path} is a file, not a directory; name a directory for DeepSpeed's "
+                          f"swap files")
+    if not path.exists() and not path.parent.is_dir():
+        raise ConfigError(f"zero.nvme_path={path} is not usable: {path.parent} does not exist (a typo? the swap "
+                          f"directory is created, its parents are not: create them first if this is the path meant)")
+
+
 def plan_overrides(args) -> list[str]:
     """Shape and hardware flags of plan/lint as config overrides (they become constraints)."""
     flags = {"seq_len": "train.seq_len", "micro_batch": "train.micro_batch_size", "grad_accum": "train.grad_accum_steps",
@@ -84,6 +124,15 @@ def cmd_plan(args) -> int:
                   f"{fields.get('num_hidden_layers')} layers, hidden {fields.get('hidden_size')}, "
                   f"vocabulary {fields.get('vocab_size')}")
         return 0
+    # a bad config, model or file is said before planview's imports (torch, transformers: seconds)
+    if args.config:
+        from zerofit.configfile import load
+
+        check_named_files(load(args.config, plan_overrides(args)), data=False)  # data: maybe on the machine planned for
+    else:
+        from zerofit.models import named_config_file
+
+        named_config_file(args.model)
     from zerofit.planview import plan, plan_json, render
 
     # a config for HF Trainer is planned as HF Trainer runs: its own loss, with vocab-sized fp32 logits
@@ -142,11 +191,13 @@ def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
 
 
 def cmd_lint(args) -> int:
-    from zerofit import lint, modelspec, planview
-    from zerofit.configfile import validate
+    from zerofit import lint
 
     spec = hw = None
     if args.model:
+        from zerofit import modelspec, planview
+        from zerofit.configfile import validate
+
         spec = modelspec.from_name(args.model)
         raw = {"model": {"config": args.model}, "train": {"max_steps": 1}, "plan": {"gpu_mem": args.gpu_mem,
                                                                                    "host_mem": args.host_mem}}
