@@ -30,7 +30,7 @@ def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     cfg = DataConfig(path=str(path))
     first = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
-    kept = list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))
+    kept = list((tmp_path / "run" / "data-cache").glob("train-*.npz"))
     assert len(kept) == 1 and capsys.readouterr().err == ""
     # the same size and time, other rows: what the cache holds comes back (it is read, not tokenized)
     stat = path.stat()
@@ -44,16 +44,53 @@ def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, 
     changed = DataConfig(path=str(path), alpaca_template="alpaca")
     layouts = datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train")
     assert "### Instruction:\nsag 0" in tokenizer.decode(layouts.examples[0][0])
-    assert len(list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))) == 1
+    assert len(list((tmp_path / "run" / "data-cache").glob("train-*.npz"))) == 1
     assert datacache.cache_key([[path]], cfg, tokenizer) != datacache.cache_key([[path]], changed, tokenizer)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert datacache.cache_key([[path]], cfg, tokenizer) != datacache.cache_key([[path]], cfg, build_tokenizer())
     # a cache file cut short is tokenized again and replaced; the eval files' cache stays beside the train's
-    kept = next((tmp_path / "run" / "data-cache").glob("train-*.pkl"))
+    kept = next((tmp_path / "run" / "data-cache").glob("train-*.npz"))
     kept.write_bytes(kept.read_bytes()[:100])
     assert datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train") == layouts
     datacache.read([[path]], changed, tokenizer, tmp_path / "run", "eval")
-    assert len(list((tmp_path / "run" / "data-cache").glob("*.pkl"))) == 2
+    assert len(list((tmp_path / "run" / "data-cache").glob("*.npz"))) == 2
+
+
+class Payload:
+    """A poisoned cache file's content: unpickled, it writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('the data cache ran code')",)
+
+
+def test_a_poisoned_or_damaged_cache_never_runs_and_is_tokenized_again(tmp_path, tokenizer, capsys):
+    """The cache was a pickle: a file put in a shared data.cache_dir under the name a run reads
+    ran its code. It is numpy arrays read with allow_pickle=False now; a pickle under the old
+    name is never read, one under the new name (or a file cut short) is stale: said, tokenized again."""
+    import pickle
+
+    from zerofit import datacache
+    from zerofit.progress import Shown
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
+    shared, marker = tmp_path / "shared", tmp_path / "pwned"
+    shared.mkdir()
+    cfg = DataConfig(path=str(path), cache_dir=str(shared))
+    expected = datacache.read([[path]], DataConfig(path=str(path)), tokenizer, None, "train")
+    key = datacache.cache_key([[path]], cfg, tokenizer)
+    for name in (f"train-{key}.pkl", f"train-{key}.npz"):
+        (shared / name).write_bytes(pickle.dumps(Payload(marker)))
+    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False)) == expected
+    assert not marker.exists() and "cannot be read" in capsys.readouterr().err
+    kept = shared / f"train-{key}.npz"
+    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train") == expected  # the rewritten file
+    kept.write_bytes(kept.read_bytes()[:-200])
+    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False)) == expected
+    assert f"{kept}: the tokenized rows kept there cannot be read" in capsys.readouterr().err
+    assert not marker.exists()
 
 
 # --------------------------------------------------------------------- data.num_workers
@@ -148,14 +185,14 @@ def test_a_shared_cache_dir_serves_another_run_and_keeps_every_tokenization(tmp_
     shared = tmp_path / "shared"
     cfg = DataConfig(path=str(path), cache_dir=str(shared))
     first = datacache.read([[path]], cfg, tokenizer, tmp_path / "run-a", "train", Shown(True, False))
-    assert [p.name for p in shared.iterdir()] == [f"train-{datacache.cache_key([[path]], cfg, tokenizer)}.pkl"]
+    assert [p.name for p in shared.iterdir()] == [f"train-{datacache.cache_key([[path]], cfg, tokenizer)}.npz"]
     assert not (tmp_path / "run-a" / "data-cache").exists()
     capsys.readouterr()
     assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run-b", "train", Shown(True, False)) == first
     assert "train rows: data.cache_dir, tokenized before from the same files" in capsys.readouterr().err
     other = DataConfig(path=str(path), cache_dir=str(shared), alpaca_template="alpaca")
     datacache.read([[path]], other, tokenizer, tmp_path / "run-b", "train")
-    assert len(list(shared.glob("train-*.pkl"))) == 2
+    assert len(list(shared.glob("train-*.npz"))) == 2
     # a directory that cannot be made (a file stands where it would go: unwritable even to root)
     (tmp_path / "a-file").write_text("")
     blocked = DataConfig(path=str(path), cache_dir=str(tmp_path / "a-file" / "cache"), max_samples=5)

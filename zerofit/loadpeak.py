@@ -86,8 +86,8 @@ class LoadShape:
 
 
 def token_bytes(vocab_size: int, cached: bool = False) -> int:
-    """Bytes one token takes until the rows are packed. Unpickled from the cache, every label
-    is an int object of its own too (pickle keeps no int shared, IGNORE's -100 included)."""
+    """Bytes one token takes until the rows are packed. Read from the cache (numpy's tolist), every
+    label is an int object of its own too (no int but -5..256 is shared, IGNORE's -100 included)."""
     own_ints = (vocab_size > SMALL_INT_IDS) + cached
     return TOKEN_LIST_BYTES + own_ints * INT_OBJECT_BYTES
 
@@ -135,7 +135,7 @@ def cache_found(entries: list[list[Path]], cfg, tokenizer, run_dir: Path, kind: 
 
     key = datacache.cache_key(entries, cfg, tokenizer)
     where = Path(cfg.cache_dir) if cfg.cache_dir is not None else Path(run_dir) / datacache.CACHE_DIR
-    return key is not None and (where / f"{kind}-{key}.pkl").is_file()
+    return key is not None and datacache.cache_file(where, kind, key).is_file()
 
 
 def entry_facts(entry: list[Path], cfg, tokenizer) -> list[DataFile]:
