@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from transformers import LlamaConfig
 from conftest import deepspeed_lines, run_zerofit
 
@@ -55,3 +56,40 @@ def test_repro_of_an_hf_trainer_run_runs(tmp_path):
 def test_repro_of_a_missing_run_says_so(tmp_path):
     done = run_zerofit(["doctor", "--repro", str(tmp_path / "nope")], check=False)
     assert done.returncode == 1 and "nope does not exist" in done.stderr
+
+
+def hf_run_dir(directory, **recorded):
+    """An HF Trainer run's output directory as MemoryGuardCallback records it (tiny model)."""
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+                 "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    model_config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               vocab_size=256).to_dict()
+    directory.mkdir()
+    (directory / "memory_run.json").write_text(json.dumps({
+        "source": "hf-trainer", "args": {"learning_rate": 1e-3}, "ds_config": ds_config, "model_config": model_config,
+        "seq_len": 24, **recorded}))
+    return directory
+
+
+@pytest.mark.e2e
+def test_a_crafted_run_directory_cannot_inject_code(tmp_path):
+    """The run directory went raw into the script's docstring: a name holding triple quotes, a
+    newline and a line of code ended the docstring and the line ran with the script. Every value
+    is quoted now; values that must be numbers and are not are refused."""
+    marker = tmp_path / "pwned"
+    payload = f'__import__("pathlib").Path({str(marker).replace("/", "|")!r}.replace("|", chr(47))).touch()'
+    name = f'run """\n{payload}\n"""\r\t\\'
+    run = hf_run_dir(tmp_path / name)
+    run_zerofit(["doctor", "--repro", str(run)])
+    script = run / "repro.py"
+    compile(script.read_text(), str(script), "exec")
+    ran = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0 and not marker.exists(), ran.stderr[-2000:]
+    namespace = {}
+    exec(compile(script.read_text().split("import argparse")[0], str(script), "exec"), namespace)
+    assert repr(str(run)) in namespace["__doc__"]
+    for field, value in (("seq_len", f"24\n{payload}"), ("args", {"learning_rate": f"1e-3\n{payload}"})):
+        other = hf_run_dir(tmp_path / field, **{field: value})
+        done = run_zerofit(["doctor", "--repro", str(other)], check=False)
+        assert done.returncode == 1 and "not a number" in done.stderr and not marker.exists()

@@ -8,9 +8,11 @@ as is; `--layers N` shrinks the model while keeping every other setting.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 
+from zerofit import checkpoint
 from zerofit.config import ConfigError
 from zerofit.doctor import HF_RUN_FILE, diagnose, read_json, read_yaml, write_out
 from zerofit.memory import read_timeline
@@ -40,10 +42,10 @@ MODEL_CONFIG = json.loads(r"""{model_config}""")
 
 DS_CONFIG = json.loads(r"""{ds_config}""")
 
-SEQ_LEN = {seq_len}
-GRADIENT_CHECKPOINTING = {gradient_checkpointing}
+SEQ_LEN = {seq_len!r}
+GRADIENT_CHECKPOINTING = {gradient_checkpointing!r}
 # the Trainer built its own optimizer at this LR where DS_CONFIG names none
-CLIENT_OPTIMIZER_LR = {client_optimizer_lr}
+CLIENT_OPTIMIZER_LR = {client_optimizer_lr!r}
 # peft LoRA adapters on the base (the run's lora.* settings), or None for full fine-tuning
 LORA = {lora}
 
@@ -213,23 +215,55 @@ def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     run_dir = Path(run_dir)
     inputs = repro_inputs(run_dir)
-    out = Path(out) if out else run_dir / "repro.py"
+    path = Path(out) if out else run_dir / "repro.py"
     start = next((r for r in read_timeline(run_dir) if r.get("phase") == "start"), {})
-    world_size = start.get("world_size", 1)
+    world_size = start.get("world_size")
+    world_size = world_size if type(world_size) is int and world_size > 0 else 1  # noqa: E721 (not a bool)
+    name = in_docstring(shlex.quote(path.name))
     text = TEMPLATE.format(
-        date=time.strftime("%Y-%m-%d"), run_dir=run_dir, source=inputs["source"], name=out.name,
-        world_size=world_size, versions=f"torch {torch.__version__}, deepspeed {version('deepspeed')}, "
-                                        f"transformers {transformers.__version__}",
-        observed=observed(run_dir), model_config=pretty(inputs["model_config"]), ds_config=pretty(inputs["ds_config"]),
-        seq_len=inputs["seq_len"], gradient_checkpointing=inputs["gradient_checkpointing"],
-        client_optimizer_lr=inputs["client_optimizer_lr"], lora=repr(inputs["lora"]),
+        date=time.strftime("%Y-%m-%d"), run_dir=in_docstring(repr(str(run_dir))), source=inputs["source"],
+        name=name, world_size=world_size,
+        versions=in_docstring(f"torch {torch.__version__}, deepspeed {version('deepspeed')}, "
+                              f"transformers {transformers.__version__}"),
+        observed=in_docstring(observed(run_dir)), model_config=pretty(inputs["model_config"]),
+        ds_config=pretty(inputs["ds_config"]), seq_len=number(inputs["seq_len"], "the sequence length", int),
+        gradient_checkpointing=inputs["gradient_checkpointing"],
+        client_optimizer_lr=number(inputs["client_optimizer_lr"], "the learning rate", float), lora=repr(inputs["lora"]),
         peft_note=" (and peft: the run trained LoRA adapters)" if inputs["lora"] else "",
-        differences="".join(f"Unlike the run: {d}.\n" for d in inputs["differences"]))
-    write_out(out, text)
-    return out
+        differences=in_docstring("".join(f"Unlike the run: {d}.\n" for d in inputs["differences"])))
+    if out:
+        write_out(path, text)
+    else:  # in the run directory: a link planted at repro.py is replaced, never written through
+        checkpoint.write_atomic(path, text)
+    return path
+
+
+def in_docstring(text: str) -> str:
+    """`text` as it may stand in the script's docstring (a plain triple-quoted literal): its
+    backslashes and quotes escaped, control characters but newlines as escapes. A run directory's
+    name holding triple quotes then a line of code ends the literal otherwise, and runs."""
+    return "".join(_escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    if c in '\\"':
+        return "\\" + c
+    return c if c == "\n" or c.isprintable() else ascii(c)[1:-1]  # \t, \x00, \u2028
+
+
+def number(value, what: str, kind: type):
+    """A recorded int or float as the script's constant (None stays None); anything else refused."""
+    if value is None and kind is float:
+        return None
+    if type(value) is bool or not isinstance(value, (int, float)) or (kind is int and int(value) != value):
+        raise ConfigError(f"the run records {what} as {value!r}, not a number; fix the run's config or "
+                          f"memory_run.json, or write the script by hand")
+    return kind(value)
 
 
 def pretty(value: dict) -> str:
     """A dict as JSON for json.loads in the script: HF's configs hold Infinity
-    (steps_per_print), which pprint would write as the bare name `inf`."""
+    (steps_per_print), which pprint would write as the bare name `inf`. It stands in a raw
+    triple-quoted literal: JSON writes every quote in a string as \\" and no string ends in three
+    quotes, so no value can end the literal."""
     return json.dumps(value, indent=1)
