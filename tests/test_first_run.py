@@ -47,3 +47,20 @@ def test_the_readme_first_command_works_in_a_fresh_venv(tmp_path):
     work.mkdir()
     done = run([str(venv / "bin" / "zerofit"), "train", "--set", "train.max_steps=3"], env, work, 900)
     assert (work / "runs" / "demo" / "checkpoints" / "step-000003" / "MANIFEST.json").is_file(), done.stdout
+
+
+@pytest.mark.e2e
+def test_the_demo_learns_and_its_export_answers(tmp_path):
+    """The README's walkthrough: `zerofit train` (the demo as shipped), `zerofit doctor`,
+    `zerofit export`, then `zerofit chat` asked one of the demo's tasks in the layout it
+    trained answers it; eval loss falls by a third or more from the first eval to the last."""
+    from conftest import read_jsonl, run_zerofit
+
+    run = tmp_path / "runs" / "demo"
+    run_zerofit(["train", "--run-dir", str(run)])
+    evals = [m["eval_loss"] for m in read_jsonl(run / "metrics.jsonl") if "eval_loss" in m]
+    assert evals[-1] <= 0.7 * evals[0], evals
+    run_zerofit(["doctor", str(run), "--out", str(tmp_path / "report.html")])
+    run_zerofit(["export", str(run), "--out", str(tmp_path / "models" / "demo")])
+    answer = run_zerofit(["chat", str(tmp_path / "models" / "demo")], input_text="length: zerofit\n").stdout.strip()
+    assert answer.isdigit(), f"the demo's model answered {answer!r} to 'length: zerofit'"

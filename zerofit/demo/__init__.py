@@ -35,33 +35,35 @@ def build_tokenizer():
 
 
 # ------------------------------------------------------------------- synthetic tasks
+# One line each, so that `zerofit chat` asks them as they were trained ("length: zerofit").
+# A tiny model learns `length` within the demo's steps; the copying tasks need longer.
 def _add(rng: random.Random) -> dict:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
-    return {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)}
+    return {"instruction": f"add: {a} + {b}", "output": str(a + b)}
 
 
 def _word(rng: random.Random) -> str:
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
 
 
 def _reverse(rng: random.Random) -> dict:
     w = _word(rng)
-    return {"instruction": "Reverse the word.", "input": w, "output": w[::-1]}
+    return {"instruction": f"reverse: {w}", "output": w[::-1]}
 
 
 def _upper(rng: random.Random) -> dict:
     w = _word(rng)
-    return {"instruction": "Write the word in capitals.", "input": w, "output": w.upper()}
+    return {"instruction": f"capitals: {w}", "output": w.upper()}
 
 
 def _sort(rng: random.Random) -> dict:
     w = _word(rng)
-    return {"instruction": "Sort the letters.", "input": w, "output": "".join(sorted(w))}
+    return {"instruction": f"sort: {w}", "output": "".join(sorted(w))}
 
 
 def _count(rng: random.Random) -> dict:
     w = _word(rng)
-    return {"instruction": "How many letters?", "input": w, "output": str(len(w))}
+    return {"instruction": f"length: {w}", "output": str(len(w))}
 
 
 TASKS = (_add, _reverse, _upper, _sort, _count)
