@@ -13,6 +13,7 @@ read from bench/results/gathered_probe-*.json and zerofit/hookorder.py's hook ev
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 from typing import NamedTuple
 
 from zerofit.modelspec import ModelSpec
@@ -71,14 +72,16 @@ def trace_entries(spec: ModelSpec, checkpointing: bool, persistence_threshold: i
         [(i, recompute) for i, recompute in _backward_order(spec, checkpointing, fetches) if fetches[i]]
 
 
+@functools.lru_cache(maxsize=64)
 def zero3_trace(spec: ModelSpec, checkpointing: bool, persistence_threshold: int):
     """ZeRO-3's module trace of one step (trace_entries) as each entry's fetched parameters, how
     many entries the forward has, and every parameter's elements. Persistent parameters are
-    never fetched."""
+    never fetched. Kept per spec and settings (the planner asks twice for each of ~150
+    candidates), so read-only: a tuple and a mapping proxy."""
     numel = {p.name: p.numel for p in spec.params}
-    trace = [tuple(n for n in spec.modules[i].params if numel[n] > persistence_threshold)
-             for i, _ in trace_entries(spec, checkpointing, persistence_threshold)]
-    return trace, sum(fetching_modules(spec, persistence_threshold)), numel
+    trace = tuple(tuple(n for n in spec.modules[i].params if numel[n] > persistence_threshold)
+                  for i, _ in trace_entries(spec, checkpointing, persistence_threshold))
+    return trace, sum(fetching_modules(spec, persistence_threshold)), MappingProxyType(numel)
 
 
 def fetch_calls(spec: ModelSpec, checkpointing: bool, persistence_threshold: int) -> list[int]:
