@@ -21,6 +21,24 @@ from zerofit.tokenizing import IGNORE
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_process(request, monkeypatch):
+    """The fast lane (-m "not e2e and not multirank") stays fast: a test that starts a Python
+    process (zerofit, torchrun, a script) is marked e2e (or multirank); starting one unmarked
+    fails and says so. Small tools a library runs (ctypes' ldconfig) pass."""
+    if any(request.node.get_closest_marker(lane) for lane in ("e2e", "multirank")):
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse_python(self, args, *rest, **kwargs):
+        program = Path(str(args if isinstance(args, (str, bytes)) else args[0]).split()[0]).name
+        if "python" in program or program in ("zerofit", "torchrun", "deepspeed"):
+            raise AssertionError(f"{request.node.nodeid} starts {program}: mark it @pytest.mark.e2e")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+
+
 def bench_module(name: str):
     """bench/NAME.py as a module (the benches are scripts, not a package), imported by its name
     as the benches import each other, with bench/ on the path as each script puts it: one copy,

@@ -119,6 +119,7 @@ def test_this_process_reads_as_much_as_the_machine_has_at_most():
     assert (host.limit is None) == (host.total == machine.total)
 
 
+@pytest.mark.e2e
 def test_plan_host_mem_beyond_the_machine_or_its_group_is_warned_of(tmp_path):
     """plan.host_mem is the budget the plan counts on; above what this machine lets the run take
     (its RAM, or its cgroup's limit), the kernel ends the run first: train says so as it plans."""
@@ -168,6 +169,7 @@ def in_groups(groups: tuple[Path, Path], argv: list[str]) -> subprocess.Complete
                           timeout=300, cwd=Path(__file__).parent.parent)
 
 
+@pytest.mark.e2e
 def test_a_process_in_a_3_gib_group_plans_against_its_limit(tmp_path):
     """The probe, `zerofit plan` and `zerofit train` in a real memory group of 3 GiB with a CPU
     quota of 1.5 CPUs. Planned against the machine, that train was killed by the kernel at the

@@ -132,6 +132,7 @@ def async_run(tmp_path_factory):
     return base / "run", done
 
 
+@pytest.mark.e2e
 def test_sync_run_publishes_verified_checkpoints(reference):
     ckpts = reference / "checkpoints"
     assert (ckpts / "latest").read_text() == "step-000006"
@@ -143,6 +144,7 @@ def test_sync_run_publishes_verified_checkpoints(reference):
     assert all(r["mode"] == "sync" and r["residue_bytes"] == 0 and r["seconds"] > 0 for r in saves)
 
 
+@pytest.mark.e2e
 def test_async_save_writes_what_sync_writes(async_run, reference):
     run, done = async_run
     assert valid_steps(run) == [4, 6]
@@ -159,6 +161,7 @@ def test_async_save_writes_what_sync_writes(async_run, reference):
         [m["loss"] for m in read_jsonl(reference / "metrics.jsonl")]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fault, async_save", [("kill@save:2", False), ("kill@rename:2", True)])
 def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, tmp_path):
     """SIGKILL mid-write of save 2 / between the manifest and the rename of save 2 (step 4): the
@@ -186,6 +189,7 @@ def test_killed_save_resumes_to_the_same_weights(fault, async_save, reference, t
     assert valid_steps(run) == [4, 6]
 
 
+@pytest.mark.e2e
 def test_truncated_shard_is_skipped(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -198,6 +202,7 @@ def test_truncated_shard_is_skipped(reference, tmp_path):
     assert_same_weights(run, reference)
 
 
+@pytest.mark.e2e
 def test_enospc_keeps_the_previous_checkpoint(reference, tmp_path):
     """on_error=stop: the run stops with the reason, step 2 stays loadable and the resume
     ends where the uninterrupted run ends."""
@@ -217,6 +222,7 @@ def test_enospc_keeps_the_previous_checkpoint(reference, tmp_path):
     assert_same_weights(run, reference)
 
 
+@pytest.mark.e2e
 def test_save_failures_with_on_error_continue(tmp_path):
     """ENOSPC in save 2, too little free space before save 3: both reported, training
     goes on, step 2 stays the newest checkpoint."""
@@ -234,6 +240,7 @@ def test_save_failures_with_on_error_continue(tmp_path):
     assert (summary["saves"], summary["saves_failed"], summary["saves_unfinished"]) == (1, 2, 0)
 
 
+@pytest.mark.e2e
 def test_a_nan_loss_stops_the_run_before_it_saves_or_rotates_a_checkpoint(reference, tmp_path):
     """Masters damaged in place (size unchanged) and a resume that checks sizes only: the loss
     is NaN from the first step. The run stops there, exit 1, naming it; no NaN step is logged
@@ -263,6 +270,7 @@ def test_a_nan_loss_stops_the_run_before_it_saves_or_rotates_a_checkpoint(refere
 KILL_POINTS = ["kill@save:{n}", "kill@publish:{n}", "kill@rename:{n}", "kill@latest:{n}", "kill@retention:{n}"]
 
 
+@pytest.mark.e2e
 def test_kill_at_random_moments(reference, tmp_path):
     """SIGKILL at a random fault point of a random save, or from outside at a random moment
     while a save is in flight, sync and async; every resume succeeds and ends with the
@@ -294,6 +302,7 @@ def kill_from_outside(config: Path, run: Path, rng: random.Random) -> None:
     process.wait()
 
 
+@pytest.mark.e2e
 def test_a_second_process_on_the_same_run_dir_is_refused(tmp_path):
     """Two trains in one run_dir overwrote each other's checkpoints and metrics, and the second
     removed the first's save in progress as stale: the second now refuses, naming the first."""

@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import (ROOT, SHAPE, child_env, config_for, read_jsonl, run_zerofit, tiny_config, trained_run, valid_steps,
                       wait_for, zerofit_command)
 from zerofit import checkpoint, checkpointer, faults
@@ -40,6 +42,7 @@ def _cpu_adam_after(steps_before: int, steps_after: int, replay: bool):
     return param.detach().clone()
 
 
+@pytest.mark.e2e
 def test_cpu_adam_resumes_bit_exactly_after_the_step_replay():
     """DeepSpeedCPUAdam's C++ bias-correction powers: a resumed optimizer drifts from the
     uninterrupted one unless its step state is replayed (checkpointer.replay_cpu_adam_steps)."""
@@ -50,6 +53,7 @@ def test_cpu_adam_resumes_bit_exactly_after_the_step_replay():
     assert torch.equal(_cpu_adam_after(6, 6, replay=True), straight)
 
 
+@pytest.mark.e2e
 def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     """The run caps its snapshot buffer as the planner did: half of plan.host_mem (it took half
     the RAM available, so a plan made for a 100 MiB budget reserved gigabytes at run time)."""
@@ -71,6 +75,7 @@ def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     assert f"new run in {run.resolve()}: no checkpoint there to resume from" in done.stderr.replace("\n", "")
 
 
+@pytest.mark.e2e
 def test_a_run_saves_on_a_schedule_by_default_and_by_the_clock(tmp_path):
     """checkpoint.every_steps was 0 by default: nothing was saved before the end, and a run
     stopped at step 52 kept nothing. Now every 500 steps (HF Trainer's save_steps) or every 30
@@ -96,6 +101,7 @@ def sigterm_once_there(args: list[str], path: Path, env: dict, nproc: int = 1) -
     return process.returncode, stdout, stderr
 
 
+@pytest.mark.e2e
 def test_sigterm_drains_the_save_in_flight(tmp_path):
     """SIGTERM while an async save is being written (the writer is slowed by 2 s): the
     loop stops at the next step boundary, the save is finished and published, exit 143.
@@ -118,6 +124,7 @@ def test_sigterm_drains_the_save_in_flight(tmp_path):
                                    f"{checkpoint.step_name(stopped_at)}"
 
 
+@pytest.mark.e2e
 def test_sigterm_while_starting_ends_by_way_of_python(tmp_path):
     """SIGTERM during start-up (the run's files written, the engine being built): exit 143 with
     a message, not a silent death that the last word then records as unexplained."""
@@ -131,6 +138,7 @@ def test_sigterm_while_starting_ends_by_way_of_python(tmp_path):
     assert not list(run.glob("postmortem/**/*.json"))
 
 
+@pytest.mark.multirank
 def test_a_rank_killed_in_a_save_leaves_its_peer_a_message_not_a_traceback(tmp_path):
     """Rank 1 killed outright in the save of step 4: rank 0, inside the save's collective, got
     gloo's "Connection closed by peer" as a 60-line traceback. Now one line: a peer is gone,
@@ -147,6 +155,7 @@ def test_a_rank_killed_in_a_save_leaves_its_peer_a_message_not_a_traceback(tmp_p
     assert valid_steps(tmp_path / "run") == [2]
 
 
+@pytest.mark.multirank
 def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     """Preemption under torchrun: the agent passes SIGTERM on to both ranks, both alive, so
     neither leaves early (that is for a rank whose peer has exited): they stop together at a
@@ -164,6 +173,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_a_step_boundary(tmp_path):
     assert valid_steps(tmp_path / "run")[-1] == stopped_at  # saved where both stopped
 
 
+@pytest.mark.e2e
 def test_a_first_ctrl_c_finishes_the_step_saves_it_and_resumes_from_there(tmp_path):
     """Ctrl-C lost every step since the last save (a long run interrupted at step 52 kept
     nothing): now the first one finishes the step, saves it and exits 130, as SIGTERM does,
@@ -192,6 +202,7 @@ def test_a_first_ctrl_c_finishes_the_step_saves_it_and_resumes_from_there(tmp_pa
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, stopped_at + 3))
 
 
+@pytest.mark.e2e
 def test_a_second_ctrl_c_aborts_at_once_and_names_the_checkpoint_to_go_on_from(tmp_path):
     """A step that does not end (stall@step:3): the first Ctrl-C waits for it, the second aborts
     there, naming the newest checkpoint and the command that continues from it."""
@@ -215,6 +226,7 @@ def test_a_second_ctrl_c_aborts_at_once_and_names_the_checkpoint_to_go_on_from(t
     assert diagnose(run).ending == "interrupted (Ctrl-C) at step 2; newest intact checkpoint step-000002"
 
 
+@pytest.mark.multirank
 def test_ctrl_c_under_torchrun_says_it_once(tmp_path):
     """A terminal's Ctrl-C reaches every rank (the foreground process group): each printed the
     "interrupted" line, so two ranks said the same thing twice."""

@@ -50,6 +50,7 @@ def test_user_settings_are_constraints():
     assert {shape.gradient_checkpointing for shape in {p.shape for p in decision.considered}} == {True}
 
 
+@pytest.mark.e2e
 def test_global_batch_is_split_into_micro_and_accumulation():
     spec = modelspec.from_name("llama-1.5b")
     decision = choice.decide(config(train={"global_batch_size": 16}), spec, cuda_box("24GiB"), 2)
@@ -116,6 +117,7 @@ def test_a_disk_the_plan_passes_takes_every_save(tmp_path):
     assert checkpoint.free_space_problem(tmp_path, one, free_bytes=bare - older) is not None
 
 
+@pytest.mark.e2e
 def test_a_resume_counts_the_checkpoints_retention_deletes(reference):
     """A run killed on a small disk could not resume there: the plan asked room for keep_last + 1
     new checkpoints while the two already there would be rotated out ("disk: 95.6MiB of 88.3MiB

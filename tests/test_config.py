@@ -154,6 +154,7 @@ def test_example_yaml_documents_every_key_and_loads_back(tmp_path):
     assert "offload_optimizer" in load(path).zero.model_fields_set
 
 
+@pytest.mark.e2e
 def test_config_example_refuses_a_config_it_would_ignore(tmp_path):
     done = run_zerofit(["config", "--example", "--config", str(tmp_path / "c.yaml")], check=False)
     assert done.returncode == 1 and "config --example prints every key with its default" in done.stderr
@@ -207,6 +208,7 @@ def test_yaml_files_read_as_a_user_means_them(tmp_path, monkeypatch, capsys):
         load(None, ["plan.gpu_mem=24"])
 
 
+@pytest.mark.e2e
 def test_fp16_without_a_gpu_is_refused_before_the_build(tmp_path):
     """DeepSpeed's CPU accelerator has no fp16: its sanity check raised after the model was built,
     a [rank0] traceback."""
@@ -218,6 +220,7 @@ def test_fp16_without_a_gpu_is_refused_before_the_build(tmp_path):
     assert not (tmp_path / "run" / "model").exists()  # nothing built
 
 
+@pytest.mark.e2e
 def test_a_bad_config_is_said_first_and_before_deepspeed_loads():
     """The reason on the first line of stderr, nothing on stdout, and no DeepSpeed import first
     (it took seconds and printed its accelerator guess ahead of the error)."""
@@ -393,6 +396,7 @@ def test_download_hints_name_the_cli_huggingface_hub_ships():
     assert [str(p) for p in sources if "huggingface-cli" in p.read_text()] == []
 
 
+@pytest.mark.e2e
 def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
     """The run directory (and the directories above it the start made) held only a lock file
     after `model.path` was found missing; one that was there before stays, without the lock file
@@ -408,6 +412,7 @@ def test_a_start_that_finds_a_config_error_leaves_nothing_it_made(tmp_path):
     assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
 
 
+@pytest.mark.e2e
 def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
     """The start that found the run directory locked by a live run (made by it a moment before:
     the refused start saw none) removed the other's lock and directory, so a third start ran
@@ -452,6 +457,7 @@ def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monke
     assert not (tmp_path / "~").exists()
 
 
+@pytest.mark.e2e
 def test_wrong_paths_and_sizes_are_named_for_what_they_are(tmp_path, capsys):
     """A size is checked as the config loads (not once DeepSpeed has started); a directory
     where a file is wanted, or a path that does not exist, is said to be that."""
@@ -619,6 +625,7 @@ def test_a_model_directory_that_cannot_load_is_named_before_anything_is_touched(
         models.hf_config(ModelConfig(config="demoo"))
 
 
+@pytest.mark.e2e
 def test_a_damaged_model_ends_the_start_before_a_no_resume_moves_anything(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 

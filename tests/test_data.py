@@ -108,6 +108,7 @@ def test_examples_cut_to_seq_len_are_counted(tmp_path, tokenizer):
     assert data.build_sequences([text], DataConfig(path=str(text)), tokenizer, 48).cut == (0, 0, 0)
 
 
+@pytest.mark.e2e
 def test_prompted_examples_are_packed_whole_and_text_concatenated(tmp_path, tokenizer):
     """LLaMA-Factory's sft packing: no example split across rows (an answer's tail would be
     learned in the next row without its prompt), rows closed by padding, which tokens/s leaves
@@ -134,6 +135,7 @@ def test_prompted_examples_are_packed_whole_and_text_concatenated(tmp_path, toke
     assert concatenated.layout_note() == "examples concatenated into rows"
 
 
+@pytest.mark.e2e
 def test_eval_split_holds_out_whole_rows_seeded(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
     cfg = DataConfig(path=str(path), eval_fraction=0.1, packing=False)
@@ -280,6 +282,7 @@ def test_balanced_truncation_shares_each_turn_as_infer_seqlen_does():
     assert kept_ids == [*range(12), 12, 14]  # turn 1 whole, then (1, 1) of turn 2 in the 2 tokens left
 
 
+@pytest.mark.e2e
 def test_token_ids_past_the_models_vocabulary_are_refused_before_training(tmp_path, tokenizer):
     """A tokenizer bigger than the model's embedding: it crashed in the first forward."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "i", "output": "o" * 10}] * 20)
@@ -351,6 +354,7 @@ def test_mask_history_keeps_the_last_turns_first_and_learns_the_last_answer():
     assert rowlayout.relabelled(text, True, True) == text  # a text row learns every token either way
 
 
+@pytest.mark.e2e
 def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, tokenizer, capsys):
     """Through load_splits and the data line, with a real tokenizer's chat template: a two-turn
     conversation learns both answers by default, the prompts too with train_on_prompt, only the
@@ -380,6 +384,7 @@ def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, to
     assert learned_note(config) == " (each conversation's last answer only: data.mask_history)"
 
 
+@pytest.mark.e2e
 def test_the_eval_split_learns_what_the_training_split_learns(tmp_path, tokenizer):
     """data.mask_history on the held-out rows too: an eval loss over the answers training learns."""
     turns = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "alpha beta"},

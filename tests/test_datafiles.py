@@ -315,6 +315,7 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     assert datafiles.shown_left_out(run) == f"{run}/ (a zerofit run directory)"
 
 
+@pytest.mark.e2e
 def test_eval_path_takes_several_files(tmp_path, tokenizer):
     train = write_jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}"} for i in range(8)])
     held = [write_jsonl(tmp_path / f"e{n}.jsonl", [{"text": "held"}] * 2) for n in (1, 2)]
@@ -328,6 +329,7 @@ def test_eval_path_takes_several_files(tmp_path, tokenizer):
     assert list(eval_set.positions[0][:12]) == list(range(10)) + [0, 1]  # the padding is an example of its own
 
 
+@pytest.mark.e2e
 def test_max_samples_keeps_the_first_rows_of_each_entry(tmp_path, tokenizer):
     """data.max_samples is LLaMA-Factory's: the first rows of each dataset, here each data.path
     and data.eval_path entry (a directory's files in name order, one dataset), before the eval
@@ -361,6 +363,7 @@ def test_max_samples_keeps_the_first_rows_of_each_entry(tmp_path, tokenizer):
     assert texts(data.load_splits(both, tokenizer, 16, seed=0, vocab_size=128)[0]) == ["s 0", "s 1", "p 0", "p 1"]
 
 
+@pytest.mark.e2e
 def test_max_samples_cuts_before_the_eval_split_and_counts_bad_rows(tmp_path, tokenizer):
     """The held-out rows come from the first max_samples rows, as LLaMA-Factory splits after
     cutting; a bad row or line among them counts as one of them and is skipped, not replaced

@@ -25,6 +25,7 @@ def drilled_run(tmp_path_factory):
     return train(tmp_path_factory.mktemp("drilled"), env={"ZEROFIT_FAULT": "leak@step:3,residue@step:6,spike@step:9"})
 
 
+@pytest.mark.e2e
 def test_timeline_records_every_field(clean_run):
     run, _, _ = clean_run
     records = read_jsonl(run / "memory.jsonl")
@@ -41,6 +42,7 @@ def test_timeline_records_every_field(clean_run):
     assert not any(r.get("after_save") for r in records if r["phase"] in ("save", "eval"))
 
 
+@pytest.mark.e2e
 def test_the_host_plan_compared_is_the_highest_the_run_went_through(clean_run):
     """The plan's save staging can be the host's peak (0.5B under 24 GiB on the H200: 2.78 GiB
     planned for the save, 2.12 for training; the save measured 2.98): the doctor compared the
@@ -61,6 +63,7 @@ def test_the_host_plan_compared_is_the_highest_the_run_went_through(clean_run):
     assert host["predicted_bytes"] == max(training, plan["start_peak"]["host"]["total_bytes"])
 
 
+@pytest.mark.e2e
 def test_clean_run_has_no_findings(clean_run):
     run, _, _ = clean_run
     diagnosis = diagnose(run)
@@ -85,6 +88,7 @@ def test_clean_run_has_no_findings(clean_run):
     assert "save_margin" in [c["name"] for c in plan_rows(diagnosis)[1]["components"]]
 
 
+@pytest.mark.e2e
 def test_the_plan_chart_legend_leaves_the_bars_uncovered(clean_run):
     """The legend of thin components sat inside the chart, over the planned bar: below it now."""
     from zerofit.report import plan_figure
@@ -97,6 +101,7 @@ def test_the_plan_chart_legend_leaves_the_bars_uncovered(clean_run):
         box, chart = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
         assert box.y1 < chart.y0, (box, chart)
 
+@pytest.mark.e2e
 def test_predicted_and_measured_step_time(clean_run):
     """The doctor compares plan.json's step time with the steady steps of metrics.jsonl, and
     says how busy the machine was. The CPU step model is within 3x of the fastest steady step
@@ -117,6 +122,7 @@ def test_predicted_and_measured_step_time(clean_run):
     assert f"step time: predicted {step['predicted_s']:.2f} s (plan.json), measured {step['measured_s']:.2f} s" \
         in done.stdout
 
+@pytest.mark.e2e
 def test_detectors_find_the_drills_on_a_real_run(drilled_run, clean_run):
     run, _, _ = drilled_run
     found = {f.kind: f for f in diagnose(run).findings}
@@ -139,6 +145,7 @@ def rss_kept_after_step(run, step: int) -> int:
     return ends[step + 1] - ends[step]
 
 
+@pytest.mark.e2e
 def test_near_budget_and_watchdog_save_on_a_real_run(tmp_path):
     """A 400 MiB host budget: the watchdog (action save) saves once at step 1, and the doctor
     finds the run over its budget (plan.enabled off: the planner would refuse to start)."""
@@ -157,6 +164,7 @@ def test_near_budget_and_watchdog_save_on_a_real_run(tmp_path):
     assert any(f.kind == "watchdog" for f in found)
 
 
+@pytest.mark.e2e
 def test_other_processes_memory_is_not_blamed_on_the_run(clean_run, tmp_path):
     """A shared machine: the run's own RSS (its real timeline) is well under 1 GiB while other
     processes hold 6.5 GiB of an 8 GiB machine. The finding says so and gives fixes for that,
@@ -182,6 +190,7 @@ def test_other_processes_memory_is_not_blamed_on_the_run(clean_run, tmp_path):
     assert "other processes use" in done.stdout
     assert "count machine-wide use against the machine RAM, 8.00 GiB; the planner's budget is the" in done.stdout
 
+@pytest.mark.e2e
 def test_report_html_and_terminal_summary(drilled_run, tmp_path):
     run, _, _ = drilled_run
     done = run_zerofit(["doctor", str(run), "--out", str(tmp_path / "r.html")], env={"COLUMNS": "300"})
@@ -196,6 +205,7 @@ def test_report_html_and_terminal_summary(drilled_run, tmp_path):
     assert "no plan.json" not in html and "No out-of-memory error" in html
 
 
+@pytest.mark.e2e
 def test_a_run_whose_process_group_is_killed_is_explained(tmp_path):
     """torchrun ends a hung worker with SIGKILL to its whole process group: the last word died
     with it, and the doctor said "no findings" of a run that ended at step 5 of 12."""
@@ -220,6 +230,7 @@ def test_a_run_whose_process_group_is_killed_is_explained(tmp_path):
     assert len(found) == 1 and found[0].title.startswith("rank 0 was killed outright")
 
 
+@pytest.mark.multirank
 def test_two_ranks_one_leaking(tmp_path):
     """A 2-rank run (gloo) where only rank 1 leaks (ZEROFIT_FAULT_RANKS=1): the doctor reads
     both ranks' timelines, says which rank grows and that it peaks above the other, lists each
@@ -287,6 +298,7 @@ def test_report_with_plan_and_postmortem(tmp_path):
     assert "stage3_gather_16bit_weights_on_model_save is on" in html
 
 
+@pytest.mark.e2e
 def test_doctor_needs_a_timeline(tmp_path):
     done = run_zerofit(["doctor", str(tmp_path)], check=False)
     assert done.returncode == 1 and "has no memory.jsonl" in done.stderr
@@ -315,6 +327,7 @@ def test_doctor_on_a_run_stopped_before_training_says_so(tmp_path):
         diagnose(tmp_path)
 
 
+@pytest.mark.e2e
 def test_the_summary_piped_keeps_its_lines_whole(clean_run):
     """Piped into a file (no terminal: rich's 80 columns), the summary wrapped mid-figure
     (`0.69 \nGiB`), which broke grep."""
@@ -325,6 +338,7 @@ def test_the_summary_piped_keeps_its_lines_whole(clean_run):
     assert re.search(r"host peak [\d.]+ GiB of [\d.]+ GiB \((machine RAM|cgroup memory limit [\d.]+GiB)\)$", first), first
 
 
+@pytest.mark.e2e
 def test_a_data_load_above_the_training_peak_is_said_apart(clean_run, tmp_path):
     """Tokenizing 100k rows peaked 0.15 GiB above the training (each example's lists), which the
     plan vs measured table blamed on the plan (-17%): the start record keeps it apart, the
@@ -339,6 +353,7 @@ def test_a_data_load_above_the_training_peak_is_said_apart(clean_run, tmp_path):
     assert "loading the data" not in run_zerofit(["doctor", str(run), "--no-hashes"]).stdout
 
 
+@pytest.mark.e2e
 def test_png_is_a_real_image(clean_run):
     import matplotlib.image
 
@@ -349,6 +364,7 @@ def test_png_is_a_real_image(clean_run):
     assert image.shape[0] > 200 and image.shape[1] > 800
 
 
+@pytest.mark.e2e
 def test_a_run_killed_outright_is_explained(tmp_path):
     """A run SIGKILLed in step 4 (as the kernel's OOM killer ends one; no Python runs): its last
     word leaves a record, and the doctor names the kill, the last memory record before it and
@@ -420,6 +436,7 @@ def test_an_async_save_resumed_from_counts_as_published():
         "1 save (1 unfinished: being written when the timeline ends)"  # it read "1 saves"
 
 
+@pytest.mark.e2e
 def test_damaged_checkpoints_and_cut_saves_are_named(clean_run, tmp_path):
     """A newest checkpoint truncated after its save, and a save's partial write a kill left: the
     doctor counted the saves and said nothing; now it names both and what a resume takes."""
@@ -464,6 +481,7 @@ def copy_with_a_flipped_byte(run: Path, copy: Path) -> tuple[Path, Path]:
     return copy, victim
 
 
+@pytest.mark.e2e
 def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_their_size(clean_run, tmp_path):
     """A resume renames a newer checkpoint that does not verify to checkpoints/unusable-step-N (kept
     for inspection, out of retention's way). The doctor did not mention it, so it held its disk
@@ -495,6 +513,7 @@ def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_thei
     assert f"rm -r {aside}" in said and "unusable-step-000012" in (tmp_path / "r.html").read_text()
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_changed_in_place_is_not_called_intact(clean_run, tmp_path):
     """Bytes flipped in the newest checkpoint, its size kept: the doctor checked sizes only and
     named it the newest intact one, which a resume and an export then skipped; it verifies
@@ -511,6 +530,7 @@ def test_a_checkpoint_changed_in_place_is_not_called_intact(clean_run, tmp_path)
     assert any(note.startswith("checkpoints checked by their files' sizes only (--no-hashes)") for note in quick.notes)
 
 
+@pytest.mark.e2e
 def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_run, tmp_path):
     """A colleague's run on a read-only mount: doctor raised OSError before printing anything.
     (Root writes through file modes, so the report's path is taken by a directory here.)"""
@@ -525,6 +545,7 @@ def test_a_run_dir_the_report_cannot_be_written_to_still_gets_its_summary(clean_
     assert (tmp_path / "r.html").is_file() and f"report: {tmp_path / 'r.html'}" in elsewhere.stdout
 
 
+@pytest.mark.e2e
 def test_out_in_folders_that_do_not_exist_yet_makes_them(clean_run, tmp_path):
     """`--out reports/run1/r.html` with no reports/ yet was a usage error (exit 2, "the folder does
     not exist"); the folders are made, as `zerofit export --out` makes its own, for the report and
@@ -545,6 +566,7 @@ def test_out_in_folders_that_do_not_exist_yet_makes_them(clean_run, tmp_path):
            f"path" in said
 
 
+@pytest.mark.e2e
 def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):
     """The run's lock held (here by this process, as a zerofit train holds it for its lifetime):
     the doctor's figures are up to the newest record, and it says so; free, it says nothing."""
@@ -566,6 +588,7 @@ def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):
     assert "the run is still going" in (tmp_path / "b.html").read_text()
 
 
+@pytest.mark.e2e
 def test_a_rank_of_an_earlier_attempt_on_more_ranks_is_left_out(clean_run, tmp_path):
     """A run that resumed on one rank after two: memory-rank1.jsonl is the earlier attempt's; it
     was added to this run's host peak and listed as a rank (its kill blamed on the finished run)."""

@@ -2,6 +2,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from conftest import OOM_AT_5, WIDE, agent_store_env, oom_config, read_jsonl, run_two_nodes, run_zerofit, tiny_config
 
 from zerofit import elastic
@@ -10,6 +12,7 @@ from zerofit.oomreport import retry_line
 from zerofit.postmortem import OomEvent
 
 
+@pytest.mark.multirank
 def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     """Rank 1 of 2 runs out of memory in step 5 (checkpoints every 3 steps): no rank can retry
     alone, so it hands its safer settings over and exits; torchrun (--max-restarts 1) restarts
@@ -34,6 +37,7 @@ def test_on_oom_retry_with_two_ranks_rides_torchrun_restarts(tmp_path):
     assert "out-of-memory post-mortem" in doctor and "GPU out of memory in the forward pass of step 5" in doctor
 
 
+@pytest.mark.multirank
 def test_a_torchrun_restart_before_any_checkpoint_keeps_the_runs_records_in_place(tmp_path):
     """Rank 1 of 2 runs out of memory in step 2, before the first save: torchrun's restart starts
     the ranks from step 0 in the same run directory. That is the same run (rank 0 counts the
@@ -51,6 +55,7 @@ def test_a_torchrun_restart_before_any_checkpoint_keeps_the_runs_records_in_plac
     assert (run / "postmortem" / "rank1" / "report.md").is_file()
 
 
+@pytest.mark.multirank
 def test_on_oom_retry_across_two_torchrun_nodes(tmp_path):
     """Two torchrun agents, one rank each, rendezvous c10d (two nodes on one machine): rank 1's
     OOM restarts both. The first node's agent restarts its worker for the other node's
@@ -66,6 +71,7 @@ def test_on_oom_retry_across_two_torchrun_nodes(tmp_path):
     assert json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())["micro_batch_size"] == 2
 
 
+@pytest.mark.multirank
 def test_two_ranks_with_on_oom_stop_do_not_train_again_after_torchrun_restarts(tmp_path):
     """memory.on_oom=stop under torchrun --max-restarts 1: the restart would repeat steps 4-5 and
     run out of memory again with the same settings; the restarted ranks stop before training."""

@@ -87,6 +87,7 @@ def two_ranks(tmp_path_factory, tokenizer_dir):
 
 
 # ----------------------------------------------------------------------- correctness
+@pytest.mark.e2e
 def test_one_rank_export_equals_deepspeed_reconstruction(one_rank, one_rank_export):
     out, done = one_rank_export
     assert "verify: logits" in done.stderr and ": ok" in done.stderr
@@ -106,6 +107,7 @@ def test_one_rank_export_equals_deepspeed_reconstruction(one_rank, one_rank_expo
     assert not list(out.parent.glob(".tmp-*"))
 
 
+@pytest.mark.multirank
 def test_two_ranks_padded_partitions_and_tied_embeddings(two_ranks, tmp_path):
     out = tmp_path / "model"
     done = run_zerofit(["export", str(two_ranks), "--out", str(out), "--verify"])
@@ -121,6 +123,7 @@ def test_two_ranks_padded_partitions_and_tied_embeddings(two_ranks, tmp_path):
     assert_logits_match(out, checkpoint_dir)
 
 
+@pytest.mark.multirank
 def test_fp32_and_fp16_exports(two_ranks, tmp_path):
     checkpoint_dir = two_ranks / "checkpoints" / "step-000002"
     reference = deepspeed_state_dict(checkpoint_dir)
@@ -136,6 +139,7 @@ def test_fp32_and_fp16_exports(two_ranks, tmp_path):
         assert_logits_match(tmp_path / dtype, checkpoint_dir, rel_tol=tol)
 
 
+@pytest.mark.e2e
 def test_shard_size_is_respected(one_rank, one_rank_export, tmp_path):
     from safetensors.torch import load_file
 
@@ -155,6 +159,7 @@ def test_shard_size_is_respected(one_rank, one_rank_export, tmp_path):
     assert_logits_match(out, one_rank / "checkpoints" / "step-000002")
 
 
+@pytest.mark.e2e
 def test_the_export_generates(one_rank_export):
     done = run_zerofit(["generate", str(one_rank_export[0]), "--prompt", "Add the two numbers.",
                         "--max-new-tokens", "6", "--min-new-tokens", "6"])
@@ -173,6 +178,7 @@ def converted(two_ranks, tmp_path_factory):
     return run, step_dir, universal.convert(step_dir)
 
 
+@pytest.mark.multirank
 def test_universal_checkpoint_exports_the_same_model(converted, tmp_path):
     """universal-step-N (per-parameter fp32.pt files, tied embeddings, a padded bias) gives
     the very model step-N gives: same tensors, same logits, bit for bit."""
@@ -203,6 +209,7 @@ def test_universal_checkpoint_exports_the_same_model(converted, tmp_path):
     assert export(run, tmp_path / "r", progress=False).checkpoint == step_dir  # a run still exports step-N
 
 
+@pytest.mark.multirank
 def test_a_damaged_universal_checkpoint_is_refused(converted, tmp_path, capsys):
     from zerofit.zerofiles import ZeroCheckpointError, open_checkpoint
 
@@ -225,6 +232,7 @@ def test_a_damaged_universal_checkpoint_is_refused(converted, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- refusals
+@pytest.mark.e2e
 def test_newest_complete_checkpoint_is_taken_and_a_truncated_one_refused(one_rank, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(one_rank, run)
@@ -244,6 +252,7 @@ def test_newest_complete_checkpoint_is_taken_and_a_truncated_one_refused(one_ran
     assert "holds no complete checkpoint" in err and "no MANIFEST.json" in err
 
 
+@pytest.mark.e2e
 def test_bit_rot_is_caught_by_the_hashes_and_nan_weights_are_never_published(one_rank, tmp_path, capsys):
     """Bytes of the newest checkpoint's fp32 masters overwritten in place (the size unchanged,
     as a failing disk does): the default hash check skips it for the older one; with
@@ -266,6 +275,7 @@ def test_bit_rot_is_caught_by_the_hashes_and_nan_weights_are_never_published(one
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+@pytest.mark.e2e
 def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys, monkeypatch):
     """--overwrite replaced --out whatever it was: the run itself, a folder holding it, its
     checkpoints or one of them (a resume then took the model files for a checkpoint)."""
@@ -288,6 +298,7 @@ def test_out_never_replaces_what_the_export_reads(one_rank, tmp_path, capsys, mo
     assert "is the current directory" in capsys.readouterr().err and not any(empty.iterdir())
 
 
+@pytest.mark.e2e
 def test_overwrite_replaces_an_earlier_export_only(one_rank, tmp_path, capsys):
     """--overwrite deleted whatever --out held (a user's notes, a folder of other models);
     it replaces an earlier export, and refuses anything else with every file kept."""
@@ -305,6 +316,7 @@ def test_overwrite_replaces_an_earlier_export_only(one_rank, tmp_path, capsys):
         assert said in capsys.readouterr().err.replace("\n", " ") and (held / "keep.txt").read_text() == "kept"
 
 
+@pytest.mark.e2e
 def test_checkpoints_set_aside_by_no_resume_export_with_the_runs_model(one_rank, tmp_path, capsys):
     """checkpoints/earlier-TIME/ (--no-resume moves an earlier run's checkpoints there): the run's
     model/ is two levels up, not checkpoints/model (the error named a path that never exists)."""
@@ -318,6 +330,7 @@ def test_checkpoints_set_aside_by_no_resume_export_with_the_runs_model(one_rank,
         assert (tmp_path / out / "model.safetensors").is_file()
 
 
+@pytest.mark.e2e
 def test_a_model_dir_of_another_model_is_refused(one_rank, tmp_path, capsys):
     """--model-dir naming a model with one layer fewer exported the checkpoint's tensors
     under it (and generate ran the truncated model): refused, naming a difference."""
@@ -331,6 +344,7 @@ def test_a_model_dir_of_another_model_is_refused(one_rank, tmp_path, capsys):
     assert "RUN_DIR/model" in err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 1
     assert "is not a directory" in capsys.readouterr().err
@@ -356,6 +370,7 @@ def test_bad_arguments_are_refused(one_rank, one_rank_export, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.e2e
 def test_deepspeed_checkpoint_without_manifest(one_rank, tmp_path, capsys):
     """HF Trainer's layout: checkpoint-2/{latest, global_step2/, config.json, tokenizer}."""
     trainer = tmp_path / "checkpoint-2"
@@ -389,6 +404,7 @@ def wide_run(tmp_path_factory, tokenizer_dir):
     return base / "run"
 
 
+@pytest.mark.e2e
 def test_peak_rss_stays_under_max_ram(wide_run, tmp_path):
     code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export, zerofit.zerofiles"],
                                       tmp_path)
@@ -442,6 +458,7 @@ def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
     assert ref.shape == (2, 3) and ref.dtype == torch.float32
 
 
+@pytest.mark.e2e
 def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     """What a LoRA merge will plug into: a transform on row blocks before the cast."""
     from safetensors.torch import load_file
@@ -469,6 +486,7 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     assert torch.equal(written["model.norm.weight"], reference["model.norm.weight"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("bundled", [False, True])
 def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
     """model.chat_template (a file, or a bundled template's name) trained the rows; the export's
@@ -510,6 +528,7 @@ def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
         assert not (tmp_path / "run" / "model" / "generation_config.json").exists()
 
 
+@pytest.mark.e2e
 def test_gather_16bit_weights_on_save_writes_the_16bit_model_into_each_checkpoint(tmp_path):
     """zero.gather_16bit_weights_on_save: each checkpoint also holds DeepSpeed's consolidated 16-bit
     state dict (save_16bit_model's pytorch_model.bin, HF key names), the same weights an export of
@@ -555,6 +574,7 @@ def test_verify_judges_the_export_against_its_own_rounding_and_warns_of_the_dtyp
         compare(bf16, fp32, bf16, torch.bfloat16, ids, {"missing": ["lm_head.weight"]}, "DeepSpeed's reconstruction")
 
 
+@pytest.mark.e2e
 def test_a_disk_too_small_or_a_directory_that_takes_no_files_is_an_error_not_a_traceback(one_rank, tmp_path,
                                                                                           monkeypatch, capsys):
     """A full disk ended the export in `OSError: [Errno 28]` and /proc/x in a FileNotFoundError,

@@ -48,6 +48,7 @@ def fetches(record: dict, spec: modelspec.ModelSpec, cand: Candidate) -> list[li
     return [e for e in record["steps"][-1] if e[0] == "fetch" and e[2] in fetching]
 
 
+@pytest.mark.e2e
 def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
     """A real run on the CPU accelerator, the tiny preset with a live window of 20,000
     elements and a 5,000-element prefetch bucket: hookorder's run of the model gives the hook
@@ -184,6 +185,7 @@ def test_a_lora_base_gathered_in_a_recompute_is_released_when_the_recompute_ends
     assert off_by(trainable) > 0.2
 
 
+@pytest.mark.e2e
 def test_an_eval_leaves_no_parameter_gathered_for_the_next_forward(tmp_path):
     """A forward with no backward keeps what the training trace would reuse, and the next
     forward's reset_step counts none of it: on the H200 an eval and the training step after it

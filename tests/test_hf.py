@@ -79,6 +79,7 @@ def test_callback_writes_the_timeline_into_output_dir(hf_run):
     assert run["seq_len"] == 32  # the rows' input_ids, for `zerofit doctor --repro`
 
 
+@pytest.mark.e2e
 def test_doctor_reads_the_trainer_output_dir(hf_run):
     diagnosis = diagnose(hf_run)
     assert diagnosis.source == "hf-trainer"
@@ -179,6 +180,7 @@ def zero3_trainer_run(tmp_path, *flags) -> dict:
     return {**result, "eval_steps": [r["step"] for r in evals], "released": [r["released_gathered"] for r in evals]}
 
 
+@pytest.mark.e2e
 def test_parameters_an_eval_left_gathered_are_partitioned_before_the_next_step(tmp_path):
     """HF Trainer does not partition what ZeRO-3 keeps gathered after an eval's forward (no
     backward follows), and the first training step after it gathers its window on top (on the

@@ -41,6 +41,7 @@ def faults(mode: str) -> tuple[list[int], int]:
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not hostalloc.available(), reason="mallopt is glibc's")
 def test_heap_temporaries_are_reused_without_page_faults():
     (fresh, rss_fresh), (reused, rss_heap) = faults("default"), faults("heap")

@@ -109,6 +109,7 @@ def test_chat_says_what_it_drops_and_refuses(loaded, capsys):
     assert history[-2]["content"] == "z" and all("y" * 10 not in m["content"] for m in history if m["role"] == "user")
 
 
+@pytest.mark.e2e
 def test_chat_answers_through_a_pipe(model_dir):
     import os
     import subprocess

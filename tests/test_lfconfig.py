@@ -333,6 +333,7 @@ def test_their_keys_that_need_no_counterpart_are_said_so_in_a_zerofit_config(tmp
         load(tmp_path / "c.yaml")
 
 
+@pytest.mark.e2e
 def test_a_translated_lora_config_trains(tmp_path):
     """LLaMA-Factory's layout end to end: a local model directory, a ShareGPT file under its own
     column name in dataset_info.json, a LoRA YAML -> zerofit's config -> `zerofit train`."""

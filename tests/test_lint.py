@@ -142,6 +142,7 @@ def test_sub_group_and_bucket_sizes_against_the_budget():
     assert safe.findings == [] and safe.plan["fits"] is True
 
 
+@pytest.mark.e2e
 def test_cli_exit_codes(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
@@ -212,6 +213,7 @@ for ds in json.loads(sys.argv[1]):
 """
 
 
+@pytest.mark.e2e
 def test_what_lint_says_of_deepcompile_offloads_is_what_deepspeed_refuses():
     """DeepCompile's engine.compile() refuses an optimizer-state offload beside ZeRO's, and an
     activation offload beside either (the engine turns offload_parameters on where ZeRO offloads
@@ -316,6 +318,7 @@ def test_a_value_out_of_range_names_the_range():
     assert finding.fix == "set it > 0"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("key", ["bf16", "fp16"])
 def test_a_precision_flag_written_as_a_bool_is_an_error_not_a_crash(key, tmp_path):
     """`"bf16": true` made lint crash in precision() ('bool' object has no attribute 'get');
@@ -370,6 +373,7 @@ for params in json.loads(sys.argv[1]):
 """
 
 
+@pytest.mark.e2e
 def test_what_lint_says_of_adam_params_is_what_deepspeed_does():
     """With the optimizer offloaded DeepSpeed builds DeepSpeedCPUAdam, which takes none of torch's
     extra keywords (foreach) and raises on AMSGrad; "torch_adam" written as text is true to it.

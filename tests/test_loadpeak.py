@@ -20,6 +20,7 @@ def peak_bench(tmp_path, monkeypatch):
     return bench
 
 
+@pytest.mark.e2e
 def test_predicted_peak_is_within_its_tolerance_of_a_real_load(peak_bench):
     """20k alpaca rows of varying lengths (2.8M tokens of a 32k-id BPE) loaded as train loads
     them, in a process of their own: the prediction made before the load is within -10%..+20%
@@ -71,6 +72,7 @@ def test_plan_does_not_fit_a_host_too_small_to_load_the_data(tmp_path):
     assert "host (loading the data)" in said and "data.cache_dir" in said and "streaming" in said
 
 
+@pytest.mark.e2e
 def test_start_refuses_before_loading_when_the_host_is_too_small(tmp_path):
     """train on a 600 MiB host budget (plan.host_mem), whose process alone takes ~0.4 GiB: refused
     before any row is tokenized, with the figure and the fix; nothing of the load is written."""
@@ -102,6 +104,7 @@ def test_a_tokenized_cache_is_priced_without_the_tables(tmp_path):
     assert shape.cached and set(loadpeak.load_peak(shape)) == {"process", "examples"}
 
 
+@pytest.mark.e2e
 def test_doctor_sets_the_measured_loading_beside_its_prediction(tmp_path):
     """The loading's prediction was in plan.json and its measured peak in the start record, but
     the doctor's plan vs measured showed neither: its host row now has the loading as a phase,

@@ -42,6 +42,7 @@ def lora_run(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ end to end
+@pytest.mark.e2e
 def test_only_adapters_have_optimizer_state_and_checkpoint_files(lora_run):
     run, _, done = lora_run
     model = meta_model()
@@ -65,6 +66,7 @@ def test_only_adapters_have_optimizer_state_and_checkpoint_files(lora_run):
     assert sorted(adapter_config["target_modules"]) == LLAMA_DEFAULT and adapter_config["r"] == 8
 
 
+@pytest.mark.e2e
 def test_repro_trains_the_adapters(lora_run, tmp_path):
     """`zerofit doctor --repro` of a LoRA run: the script attaches the run's adapters with peft
     (it full-fine-tuned every weight), and trains only them."""
@@ -81,6 +83,7 @@ def test_repro_trains_the_adapters(lora_run, tmp_path):
     assert "step 1 loss" in ran.stdout
 
 
+@pytest.mark.e2e
 def test_loss_falls(lora_run):
     run, _, _ = lora_run
     metrics = read_jsonl(run / "metrics.jsonl")
@@ -89,6 +92,7 @@ def test_loss_falls(lora_run):
     assert metrics[-1]["eval_loss"] < metrics[0]["loss"] - 0.2, metrics
 
 
+@pytest.mark.e2e
 def test_resume_continues_exactly(lora_run, tmp_path):
     """Steps 7-12 reproduce every loss and LR, and the step-12 adapter optimizer state is
     bit-equal (it was not before checkpointer.replay_cpu_adam_steps: masters ~1e-5 apart,
@@ -97,6 +101,7 @@ def test_resume_continues_exactly(lora_run, tmp_path):
     assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000012", resumed_at=6)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change, reason, recorded", [
     ("train.seed=8", "frozen base model differs", True),  # checkpoints hold no base: it must be rebuilt the same
     # refused before anything is rewritten (resume.unloadable_changes); a checkpoint of an
@@ -127,6 +132,7 @@ def test_resume_refuses_what_the_adapters_do_not_fit(lora_run, tmp_path, change,
     assert (copy / "checkpoints" / "step-000012" / "MANIFEST.json").is_file()
 
 
+@pytest.mark.e2e
 def test_resume_takes_the_same_targets_however_written(lora_run, tmp_path):
     """The default targets written out, in another order: the same adapted modules, so the
     checkpoint loads (it was refused as a change of lora.target_modules, null -> [...])."""
@@ -144,6 +150,7 @@ def test_resume_takes_the_same_targets_however_written(lora_run, tmp_path):
     assert (copy / "checkpoints" / "step-000013").is_dir()
 
 
+@pytest.mark.e2e
 def test_offload_param_cpu_trains_the_same(lora_run, tmp_path):
     """The frozen base and the adapters offloaded to CPU: the very same losses."""
     run, _, _ = lora_run
@@ -156,6 +163,7 @@ def test_offload_param_cpu_trains_the_same(lora_run, tmp_path):
     assert offloaded == [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
 
 
+@pytest.mark.multirank
 def test_two_ranks_with_a_fully_trained_head(tmp_path):
     config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", train={"max_steps": 4},
                                                             lora={"modules_to_save": ["lm_head"]},
@@ -213,6 +221,7 @@ def path_bases(tmp_path_factory):
     return root / "base", root / "base_mod"
 
 
+@pytest.mark.multirank
 def test_resume_on_another_rank_count_checks_the_base(path_bases, tmp_path):
     """Two ranks recorded two shares' fingerprints; one rank resuming on a changed base is
     refused with the same-rank refusal (the fingerprint recomputed for the recorded split: it
@@ -244,6 +253,7 @@ def files_of(directory):
             for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
+@pytest.mark.e2e
 def test_resume_refused_for_another_base_leaves_the_run_as_it_was(path_bases, tmp_path):
     """The base is compared before the run's files are rewritten: a refusal left config.yaml
     naming the refused base (so resuming with the run's own config failed too), plan.json,
@@ -287,6 +297,7 @@ def rewrite_loop_state(step_dir, change) -> None:
     (step_dir / checkpoint.MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
+@pytest.mark.e2e
 def test_random_init_base_drawn_with_other_versions_is_replayed_before_the_rewrite(tmp_path):
     """A random-init base with the same recipe that this machine draws otherwise (other torch /
     transformers / DeepSpeed versions, another device type) was refused only after the engine
@@ -328,6 +339,7 @@ def test_random_init_base_drawn_with_other_versions_is_replayed_before_the_rewri
             assert recipe[BASE_RECIPE]["versions"]["torch"] == torch.__version__
 
 
+@pytest.mark.e2e
 def test_unknown_target_module_names_what_exists(tmp_path):
     config = write_config(tmp_path / "c.yaml", lora_config(tmp_path / "run", lora={"target_modules": ["qq_proj"]}))
     done = run_zerofit(["train", "--config", str(config)], check=False)
@@ -336,6 +348,7 @@ def test_unknown_target_module_names_what_exists(tmp_path):
     assert "'qq_proj' matches no module" in reason and "q_proj (Linear) x2" in reason, reason
 
 
+@pytest.mark.e2e
 def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     """A base from model.path, LoRA-trained; the adapter read out of the ZeRO checkpoint,
     loaded by peft onto the same base outside DeepSpeed, gives the run's own eval loss."""

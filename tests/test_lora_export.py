@@ -90,6 +90,7 @@ def assert_equals_peft_merge(out_fp32, out_bf16, merged):
 
 
 # ------------------------------------------------------------------ merged exports
+@pytest.mark.e2e
 def test_merge_onto_a_replayed_random_init_base_equals_peft(random_run, tmp_path):
     checkpoint_dir = step_of(random_run)
     results = [export(random_run, tmp_path / dtype, dtype=dtype, progress=False) for dtype in ("fp32", "bf16")]
@@ -105,6 +106,7 @@ def test_merge_onto_a_replayed_random_init_base_equals_peft(random_run, tmp_path
     assert not json.loads((tmp_path / "bf16" / "config.json").read_text())["tie_word_embeddings"]
 
 
+@pytest.mark.e2e
 def test_merge_of_a_model_path_base_equals_peft(path_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -119,6 +121,7 @@ def test_merge_of_a_model_path_base_equals_peft(path_run, tmp_path):
     assert not torch.equal(exported_tensors(base_dir)[name], exported_tensors(tmp_path / "fp32")[name])  # merged
 
 
+@pytest.mark.e2e
 def test_out_over_the_base_is_refused_and_the_base_kept(path_run, capsys):
     """`export RUN --out BASE --overwrite` replaced the model.path the merge read (and the run
     then had no base to resume, export or chat with); like the run's own files, it is refused."""
@@ -130,6 +133,7 @@ def test_out_over_the_base_is_refused_and_the_base_kept(path_run, capsys):
     assert {f.name: f.read_bytes() for f in base_dir.iterdir() if f.is_file()} == before
 
 
+@pytest.mark.e2e
 def test_changed_base_is_refused(path_run, tmp_path, capsys):
     """The run's model.path now holds other weights: the export stops before writing."""
     run, base_dir = path_run
@@ -153,6 +157,7 @@ def test_changed_base_is_refused(path_run, tmp_path, capsys):
         weights.write_bytes(original)
 
 
+@pytest.mark.e2e
 def test_merge_stays_under_max_ram(path_run, tmp_path):
     run, _ = path_run
     code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export, zerofit.merge, "
@@ -170,6 +175,7 @@ def test_merge_stays_under_max_ram(path_run, tmp_path):
 
 
 # ------------------------------------------------------------ adapter directories
+@pytest.mark.e2e
 def test_adapter_only_loads_in_peft_and_generates(path_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -209,6 +215,7 @@ def test_adapter_only_loads_in_peft_and_generates(path_run, tmp_path):
         moved.rename(base_dir)
 
 
+@pytest.mark.e2e
 def test_adapter_dir_on_a_random_init_base_chats(random_run, tmp_path):
     out = tmp_path / "adapter"
     done = run_zerofit(["export", str(random_run), "--out", str(out), "--adapter-only", "--verify"])
@@ -233,6 +240,7 @@ def test_adapter_dir_on_a_random_init_base_chats(random_run, tmp_path):
             load_adapter(out)
 
 
+@pytest.mark.e2e
 def test_universal_copy_of_a_lora_checkpoint_is_refused(random_run, tmp_path, capsys):
     """A resume on another number of ranks converts a LoRA checkpoint too; its universal copy
     lacks what the merge needs (the adapter settings in loop_state.json): export names step-N."""
@@ -270,6 +278,7 @@ def tied_base(tmp_path_factory):
     return base
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("lora, adapted", [
     ({"target_modules": ["embed_tokens", "q_proj"]}, "model.embed_tokens.weight"),
     ({"target_modules": ["q_proj", "lm_head"]}, "lm_head.weight"),

@@ -51,6 +51,7 @@ def cpu_run(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ training on NVMe
+@pytest.mark.e2e
 @needs_async_io
 def test_nvme_offload_trains_like_cpu_offload(nvme_run, cpu_run):
     run, _, _, swap = nvme_run
@@ -75,6 +76,7 @@ def test_nvme_offload_trains_like_cpu_offload(nvme_run, cpu_run):
     assert not Path(plan["nvme"]["swap_dir"]).exists()  # nor the run's empty folders
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
     """The swapped moments are in the checkpoint's manifest and come back bit for bit:
@@ -89,6 +91,7 @@ def test_resume_with_swapped_optimizer_state_is_exact(nvme_run, tmp_path):
     assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_export_reads_the_swapped_masters(nvme_run, cpu_run, tmp_path):
     """The fp32 masters DeepSpeed swapped to NVMe are empty tensors in the optim file; the
@@ -110,6 +113,7 @@ def test_export_reads_the_swapped_masters(nvme_run, cpu_run, tmp_path):
         assert (ours[name] - theirs[name]).abs().max() < 1e-4, name
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_moving_the_optimizer_between_nvme_and_ram_on_resume_is_refused(nvme_run, cpu_run, tmp_path):
     """Either way DeepSpeed's load crashed (a size mismatch, a missing offloaded_tensors/):
@@ -144,6 +148,7 @@ def wide_model(directory: Path) -> dict:
     return {"config": str(directory), "tokenizer": str(directory), "gradient_checkpointing": False}
 
 
+@pytest.mark.multirank
 @needs_async_io
 def test_two_ranks_resume_their_swapped_state_exactly(tmp_path):
     """Two ranks, each with its own swap files and optimizer file. DeepSpeed hands a rank
@@ -167,6 +172,7 @@ def test_two_ranks_resume_their_swapped_state_exactly(tmp_path):
     assert_resumes_exactly(run, config_file, tmp_path / "copy", drop="step-000006", resumed_at=3, nproc=2)
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_pipelined_swap_trains_what_the_serial_swap_trains(tmp_path):
     """Hidden 256 in sub groups of 300k elements: five sub groups swapped, so the pipelined
@@ -200,6 +206,7 @@ def test_pipelined_swap_trains_what_the_serial_swap_trains(tmp_path):
     assert_resumes_exactly(runs[True], config_file, tmp_path / "copy", drop="step-000006", resumed_at=3)
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_short_swap_file_stops_the_run_and_keeps_the_checkpoint(tmp_path):
     """A swap write that failed silently (the drill cuts the largest file after step 4):
@@ -224,6 +231,7 @@ def small_disk(tmp_path: Path) -> tuple[Path, dict]:
     return mount, ({} if done.returncode == 0 else {"ZEROFIT_FAULT": "nospace@nvme:1"})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("problem", ["not_writable", "typo", "free_space", "libaio"])
 def test_preflight_refuses_before_training(problem, tmp_path):
     nvme_path, env = tmp_path / "swap", {}
@@ -255,6 +263,7 @@ def test_preflight_refuses_before_training(problem, tmp_path):
 
 
 # ------------------------------------------------------------------ doctor --system
+@pytest.mark.e2e
 @needs_async_io
 def test_doctor_measures_and_tunes_the_path_and_runs_use_it(tmp_path):
     env = {"ZEROFIT_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "400"}  # one table row per line
@@ -447,6 +456,7 @@ def test_an_nvme_path_that_is_a_file_is_named_so(tmp_path):
                                        f"DeepSpeed's swap files")
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
     """A LoRA base whose partitions are on NVMe (zero.offload_param nvme) is not fingerprinted:
@@ -485,6 +495,7 @@ def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
     assert fingerprint(3) == fingerprint(2)
 
 
+@pytest.mark.e2e
 @needs_async_io
 def test_a_lora_base_on_nvme_checked_by_its_files_is_not_said_unchecked(tmp_path):
     """A model.path base is compared with the checkpoint's fingerprint from its files before the

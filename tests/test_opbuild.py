@@ -95,6 +95,7 @@ def test_a_lock_left_while_waiting_is_cleared_too(tmp_path, monkeypatch):
     assert again.exists()
 
 
+@pytest.mark.e2e
 def test_training_goes_on_past_a_killed_build(tmp_path):
     """The CI failure this guards against: a build killed at 13:18 left cpu_adam/lock and
     every later `zerofit train` hung in FileBaton.wait()."""

@@ -18,6 +18,7 @@ LEFT_AFTER_A_FAILURE = (r"rank 0: (SIGTERM after )?(a rank of this job failed|1 
                         r"no collective can finish, leaving now")
 
 
+@pytest.mark.multirank
 def test_a_rank_on_another_node_leaves_at_once_after_a_handover(tmp_path):
     """Two torchrun nodes, one rank each: rank 1 runs out of memory (on_oom stop) while rank 0
     stalls in the same step. Node 0's agent learns of it through the rendezvous and signals
@@ -32,6 +33,7 @@ def test_a_rank_on_another_node_leaves_at_once_after_a_handover(tmp_path):
     assert "so this attempt stops before training" in out
 
 
+@pytest.mark.multirank
 def test_a_rank_on_another_node_leaves_at_once_when_its_peer_is_killed_outright(tmp_path):
     """Two torchrun nodes, one rank each: rank 1 is SIGKILLed in step 5 (as the kernel's OOM
     killer ends a process: no Python runs) while rank 0 stalls in that step. Rank 1's last word
@@ -89,6 +91,7 @@ print("stayed" if not watcher.is_alive() else "still watching")
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("loop", ["running", "ended"])
 def test_a_watcher_leaves_only_while_the_loop_runs(loop):
     done = subprocess.run([sys.executable, "-c", WATCHER_VERDICT, loop], cwd=ROOT, env=child_env(),
@@ -142,6 +145,7 @@ def test_a_node_is_lost_when_its_heartbeat_stops_or_the_store_stops_answering(mo
     assert "has not answered for 30 s: the node that hosts it is lost" in beats[0].lost()
 
 
+@pytest.mark.e2e
 def test_the_watcher_asks_a_store_that_never_answers_without_waiting_on_it(monkeypatch):
     """A TCPStore client waits for an answer without limit (an add to a SIGSTOPped server);
     Asking leaves the question in flight, answers None meanwhile, and counts the silence. A
@@ -212,6 +216,7 @@ def test_heartbeats_are_kept_by_each_nodes_local_rank_0_of_several(monkeypatch):
     assert not beaters()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("frozen, said", [
     ("other", r"node \d \(torchrun's GROUP_RANK\) has not been heard from for \d+ s: lost whole \(its machine down "
               r"or off the network\)"),
@@ -278,6 +283,7 @@ with peerwatch.failure_announced(Path(sys.argv[2]), 1):
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("end, counted", [("kill", 1), ("error", 1), ("normal", 0)])
 def test_a_worker_counts_its_failure_however_it_ends_and_only_then(end, counted, monkeypatch, tmp_path):
     """A worker SIGKILLed inside failure_announced counts one failure in the agent store and
@@ -304,6 +310,7 @@ def test_a_worker_counts_its_failure_however_it_ends_and_only_then(end, counted,
         assert said["rank"] == 1 and started < said["time"] < time.time()
 
 
+@pytest.mark.multirank
 def test_a_rank_waiting_on_a_dead_peer_leaves_at_once_when_torchrun_signals(tmp_path):
     """Rank 1 runs out of memory in step 5 and exits; rank 0 stalls in that step, as a rank
     waiting in a collective for it does. torchrun's SIGTERM reaches rank 0's watcher thread,
@@ -321,6 +328,7 @@ def test_a_rank_waiting_on_a_dead_peer_leaves_at_once_when_torchrun_signals(tmp_
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.multirank
 def test_ranks_leave_at_once_when_their_torchrun_agent_is_gone(tmp_path):
     """torchrun's agent SIGKILLed while both its ranks stall in step 3, as ranks waiting in a
     collective would: orphans that no agent will restart or stop. Their watchers see their

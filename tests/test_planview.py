@@ -70,6 +70,7 @@ def test_the_plan_line_train_says_names_what_runs_and_who_chose_it():
 
 
 # ----------------------------------------------------------------------- the CLI
+@pytest.mark.e2e
 def test_plan_cli_json_and_exit_codes():
     import json
 

@@ -18,6 +18,7 @@ def stopped_run(tmp_path_factory):
     return base / "run", config, done
 
 
+@pytest.mark.e2e
 def test_oom_exits_1_with_one_screen_explanation(stopped_run):
     run, _, done = stopped_run
     assert done.returncode == 1, done.stderr[-3000:]
@@ -32,6 +33,7 @@ def test_oom_exits_1_with_one_screen_explanation(stopped_run):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.e2e
 def test_postmortem_report(stopped_run):
     run, _, _ = stopped_run
     report = (run / "postmortem" / "report.md").read_text()
@@ -49,6 +51,7 @@ def test_postmortem_report(stopped_run):
     assert len(oom) == 1 and oom[0]["step"] == 5 and oom[0]["failed_phase"] == "forward"
 
 
+@pytest.mark.e2e
 def test_emergency_checkpoint_is_published_and_loadable(stopped_run, tmp_path):
     run, config, _ = stopped_run
     emergency = run / "checkpoints" / "step-000004"
@@ -62,6 +65,7 @@ def test_emergency_checkpoint_is_published_and_loadable(stopped_run, tmp_path):
     assert "emergency" not in json.loads((run / "checkpoints" / "step-000008" / "loop_state.json").read_text())["extra"]
 
 
+@pytest.mark.e2e
 def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     config = oom_config(tmp_path)
     done = run_zerofit(["train", "--config", str(config), "--on-oom", "retry"], env=OOM_AT_5)
@@ -91,6 +95,7 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
     assert "retry: the run started again after this OOM" in said and "retry-config.yaml" not in said
 
 
+@pytest.mark.e2e
 def test_an_oom_retry_before_any_checkpoint_keeps_the_runs_records_in_place(tmp_path):
     """An OOM in step 1 leaves no checkpoint: the retry starts from step 0 in the same run
     directory. A new run there sets an earlier run's records aside (checkpoints/earlier-TIME/);
@@ -109,6 +114,7 @@ def test_an_oom_retry_before_any_checkpoint_keeps_the_runs_records_in_place(tmp_
     assert "the run resumed afterwards with train.micro_batch_size 4 -> 2" in oom.title
 
 
+@pytest.mark.e2e
 def test_would_fit_starts_from_the_planned_config(tmp_path):
     """The planner chose the micro batch (train.global_batch_size set, micro batch unset):
     the post-mortem halves the micro batch that ran, not the config file's default of 1,
@@ -152,6 +158,7 @@ print("dropped:", collected(False), "released:", collected(True))
 """
 
 
+@pytest.mark.e2e
 def test_engine_release_lets_the_engine_go(tmp_path):
     """A ZeRO-3 engine dropped by its last reference stays alive (DeepSpeed keeps its model on
     a module-level stack); engine.release frees it, and with it the memory it holds."""

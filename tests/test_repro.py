@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 from conftest import deepspeed_lines, run_zerofit
 
 
+@pytest.mark.e2e
 def test_repro_script_runs_standalone(clean_run, tmp_path):
     run, _, _ = clean_run
     done = run_zerofit(["doctor", "--repro", str(run), "--out", str(tmp_path / "repro.py")])
@@ -26,6 +27,7 @@ def test_repro_script_runs_standalone(clean_run, tmp_path):
     assert "is deprecated" not in ran.stderr  # torch's warning about DeepSpeed's collectives, once per step
 
 
+@pytest.mark.e2e
 def test_repro_of_an_hf_trainer_run_runs(tmp_path):
     """HF Trainer's DeepSpeed config (as MemoryGuardCallback records it): steps_per_print is
     Infinity and there is no optimizer section (the Trainer passes its own AdamW). The script
@@ -53,6 +55,7 @@ def test_repro_of_an_hf_trainer_run_runs(tmp_path):
     assert "step 2 loss" in ran.stdout
 
 
+@pytest.mark.e2e
 def test_repro_of_a_missing_run_says_so(tmp_path):
     done = run_zerofit(["doctor", "--repro", str(tmp_path / "nope")], check=False)
     assert done.returncode == 1 and "nope does not exist" in done.stderr

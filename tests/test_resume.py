@@ -72,6 +72,7 @@ def test_data_position_when_the_training_set_changed():
     assert data.carried_position(250, long, short) == 500
 
 
+@pytest.mark.e2e
 def test_a_latest_that_is_a_directory_is_named_not_a_traceback(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -84,6 +85,7 @@ def test_a_latest_that_is_a_directory_is_named_not_a_traceback(reference, tmp_pa
     assert valid_steps(run) == [4, 6]
 
 
+@pytest.mark.e2e
 def test_every_start_makes_latest_name_the_newest_checkpoint(reference, tmp_path):
     """A crash between a save's rename and its `latest` write left `latest` naming the checkpoint
     before it, and it stayed so (repaired only when missing or skipped): DeepSpeed's own
@@ -97,6 +99,7 @@ def test_every_start_makes_latest_name_the_newest_checkpoint(reference, tmp_path
     assert latest.read_text() == "step-000006" and valid_steps(run) == [4, 6]
 
 
+@pytest.mark.e2e
 def test_resume_with_another_config_names_what_changed(tmp_path):
     """A resume under changed settings names each one, old -> new, in one list said first: what
     the checkpoint records against it, how the run saves, evaluates and logs against the run's
@@ -122,6 +125,7 @@ def test_resume_with_another_config_names_what_changed(tmp_path):
     assert "different config" not in unchanged.stderr and "is complete at step 8" in unchanged.stderr.replace("\n", " ")
 
 
+@pytest.mark.e2e
 def test_a_resume_on_data_changed_under_the_same_path_is_named(tmp_path):
     """The same file, rows reordered and rewritten, the same number of sequences: the
     position carried over no longer means the rows trained (and the eval split may hold
@@ -146,6 +150,7 @@ def test_a_resume_on_data_changed_under_the_same_path_is_named(tmp_path):
     assert "tokens differ" not in again.stderr and "resumed from" in again.stderr
 
 
+@pytest.mark.e2e
 def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewritten(reference, tmp_path):
     """Another architecture or precision cannot load the run's checkpoint (DeepSpeed fails with
     missing keys or another optimizer file, after the run's config.yaml and model/ had been
@@ -195,6 +200,7 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     assert {f.step for f in diagnose(earlier).findings if f.kind == "checkpoint_damaged"} == {4, 6}
 
 
+@pytest.mark.e2e
 def test_a_new_run_keeps_the_records_of_an_earlier_one_that_saved_no_checkpoint(tmp_path):
     """A run killed in step 2, before its first save (every 2 steps, kill before step 2's forward),
     leaves metrics.jsonl, memory.jsonl and its last word, no checkpoint. The next start rewrote
@@ -235,6 +241,7 @@ def test_a_new_run_keeps_the_records_of_an_earlier_one_that_saved_no_checkpoint(
     assert "resumed from" in again.stderr and len(list((run / "checkpoints").glob("earlier-*"))) == 1
 
 
+@pytest.mark.e2e
 def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path):
     """DeepSpeed's load restores the saved param groups and scheduler base LRs over the current
     config's: a resume with a new train.lr, weight_decay or a raised max_steps trains with
@@ -257,6 +264,7 @@ def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path)
     assert [group["lr"] for group in saved] == pytest.approx([0.01 * factor(8)] * 2)
 
 
+@pytest.mark.multirank
 def test_resume_on_fewer_ranks(tmp_path):
     """A 2-rank run (async saves) dies in its last save; the run resumes on 1 rank through
     a universal checkpoint: same data position, the loss goes on from where it was."""
@@ -285,6 +293,7 @@ def test_resume_on_fewer_ranks(tmp_path):
     assert state.world_size == 1 and state.micro_batches == 8 + 2  # 32 sequences on 2 ranks, then 2 x 4
 
 
+@pytest.mark.e2e
 def test_a_corrupt_newer_checkpoint_is_set_aside_not_kept_by_retention(tmp_path):
     """step-000008 has a flipped byte (its size unchanged); the resume from step 6 with
     keep_last 1 saved 7 and 8, and retention once kept the corrupt 8 (it judged by sizes) and
@@ -305,6 +314,7 @@ def test_a_corrupt_newer_checkpoint_is_set_aside_not_kept_by_retention(tmp_path)
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 9))
 
 
+@pytest.mark.e2e
 def test_a_damaged_file_read_without_hashes_is_named_with_the_fix(tmp_path):
     """--verify sizes cannot see a changed byte: DeepSpeed's load then failed with a traceback
     ("Expected hasRecord(version)"). Now the error names the checkpoint and --verify full, which
@@ -324,6 +334,7 @@ def test_a_damaged_file_read_without_hashes_is_named_with_the_fix(tmp_path):
     assert "set aside unusable-step-000004" in " ".join(done.stderr.split())
 
 
+@pytest.mark.e2e
 def test_metrics_stay_one_curve_after_a_kill_at_publish_and_a_torn_line(tmp_path):
     """A kill after step 4's checkpoint was published but before its metrics line was written
     left step 4 out for good; a torn last line (a crash mid-write, a full disk) made every

@@ -83,6 +83,7 @@ def test_memlock_limit_is_judged():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
 
+@pytest.mark.e2e
 def test_system_cli_exit_code_follows_failures(tmp_path):
     done = run_zerofit(["doctor", "--system", "--nvme-path", str(tmp_path), "--nvme-mib", "8"], check=False,
                        env={"ZEROFIT_CACHE_DIR": str(tmp_path / "cache")})

@@ -130,6 +130,7 @@ def test_tokenizing_workers_are_forked_processes_and_keep_the_order():
     assert parent not in pids and len(pids) == 2
 
 
+@pytest.mark.e2e
 def test_closing_the_rows_early_leaves_the_later_chunks_undone():
     """A bad row ends the reading: the workers are stopped, the chunks not begun dropped, not
     tokenized for nothing (chunks of 64 rows)."""
@@ -259,6 +260,7 @@ def test_cache_dir_is_a_path_and_llamafactorys_tokenized_path_names_it(tmp_path,
         validate({"model": {"config": "demo"}, "train": {"max_steps": 1}, "data": {"tokenized_path": "x"}})
 
 
+@pytest.mark.e2e
 def test_tokenizing_workers_die_with_a_parent_killed_outright(tmp_path):
     """They hold the parent's files (the run's lock, a pipe into tee): a parent SIGKILLed (the
     OOM killer) left them tokenizing on, the run refused as 'in use'."""
@@ -291,6 +293,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.e2e
 def test_rows_longer_than_the_tokenizers_maximum_warn_no_one_in_no_worker(tmp_path):
     """transformers warns "Token indices sequence length is longer than ..." once per process
     against model_max_length, which zerofit never uses (it cuts to train.seq_len and says how

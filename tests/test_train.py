@@ -20,6 +20,7 @@ def one_rank_run(tmp_path_factory):
     return trained_run(base, tiny_config(base / "run", train={"cpu_threads": 2}))
 
 
+@pytest.mark.e2e
 def test_run_writes_the_run_directory(one_rank_run):
     run, _, done = one_rank_run
     for name in ("config.yaml", "ds_config.json", "metrics.jsonl", "memory.jsonl", "model/config.json",
@@ -58,6 +59,7 @@ def test_run_writes_the_run_directory(one_rank_run):
     assert AutoTokenizer.from_pretrained(run / "model").chat_template == CHAT_TEMPLATE
 
 
+@pytest.mark.e2e
 def test_run_records_predicted_next_to_measured(one_rank_run):
     """plan.json holds what DeepSpeed got; every phase line of memory.jsonl carries the
     prediction next to the measurement (CPU accelerator: everything is host RAM)."""
@@ -76,6 +78,7 @@ def checkpoint_size(path):
     return sum(f.stat().st_size for f in path.iterdir())
 
 
+@pytest.mark.e2e
 def test_a_plan_that_does_not_fit_is_refused(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
     done = run_zerofit(["train", "--config", str(config), "--set", "plan.host_mem=1MiB"], check=False)
@@ -86,6 +89,7 @@ def test_a_plan_that_does_not_fit_is_refused(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.e2e
 def test_checkpoints_are_published_with_manifests(one_rank_run):
     run, _, _ = one_rank_run
     ckpts = run / "checkpoints"
@@ -99,12 +103,14 @@ def test_checkpoints_are_published_with_manifests(one_rank_run):
     assert not list(ckpts.glob(".tmp-*"))
 
 
+@pytest.mark.e2e
 def test_resume_continues_exactly(one_rank_run, tmp_path):
     """Drop the step-6 checkpoint, resume from step 3: steps 4-6 reproduce the losses."""
     run, config, _ = one_rank_run
     assert_resumes_exactly(run, config, tmp_path / "run", drop="step-000006", resumed_at=3)
 
 
+@pytest.mark.e2e
 def test_a_resume_with_another_seq_len_keeps_the_epochs_share(one_rank_run, tmp_path):
     """train.seq_len doubled on resume from step 3: the data position is carried over as the
     same share of the epoch (in micro batches of the new, fewer sequences), with a
@@ -129,6 +135,7 @@ def test_a_resume_with_another_seq_len_keeps_the_epochs_share(one_rank_run, tmp_
     assert before[3] <= carried + 1e-9 < before[3] + new_micro_batch
 
 
+@pytest.mark.e2e
 def test_hf_loss_trains_the_same_steps(one_rank_run, tmp_path):
     """train.chunked_loss=false (HF's loss) on the same config: every step's loss and the
     eval losses equal zerofit.loss's within fp32 rounding (the tiny model trains in bf16
@@ -145,6 +152,7 @@ def test_hf_loss_trains_the_same_steps(one_rank_run, tmp_path):
     assert chunked[-1]["loss"] < chunked[0]["loss"]
 
 
+@pytest.mark.e2e
 def test_a_step_trains_on_the_mean_over_its_tokens_however_it_is_split(tmp_path):
     """The same 4 padded sequences per step (answers of 1 to 60 tokens) as 4 x 1, 1 x 4
     accumulated, and 2 per rank on 2 ranks: each step's loss is the mean over the step's
@@ -209,6 +217,7 @@ def isolated_loss(model, batches) -> float:
     return summed / counted
 
 
+@pytest.mark.e2e
 def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
     """data.neat_packing: a packed row's examples do not see each other. The step's loss and the
     eval loss of a run are what the model gives each example on its own (fp32; the LR so small
@@ -248,6 +257,7 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
     assert abs(losses[False]["eval_loss"] - losses[True]["eval_loss"]) > 1e-3
 
 
+@pytest.mark.e2e
 def test_finished_run_is_not_retrained(one_rank_run):
     """Started again, a finished run says so; with max_steps lowered under the step reached too,
     and its config.yaml (the run's own, which messages name) still says what its checkpoints were
@@ -263,6 +273,7 @@ def test_finished_run_is_not_retrained(one_rank_run):
     assert {name: (run / name).read_bytes() for name in files} == files
 
 
+@pytest.mark.e2e
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
     done = run_zerofit(["train", "--config", str(config), "--resume"], check=False)
@@ -271,6 +282,7 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before the run directory (a lock, the data cache) was made
 
 
+@pytest.mark.multirank
 def test_two_ranks_write_both_ranks_files(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 4},
                                                              checkpoint={"every_steps": 2}))
@@ -296,6 +308,7 @@ def test_two_ranks_write_both_ranks_files(tmp_path):
     assert len(list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))) == 1
 
 
+@pytest.mark.multirank
 def test_two_ranks_a_bad_row_is_said_once_and_the_start_leaves_no_run_directory(tmp_path):
     """The first rank of the machine reads the rows and names the bad one; the other, waiting for
     it, stops without a word of its own about the data. Rank 1 used to make the run directory
@@ -336,6 +349,7 @@ def test_allocator_setting_leaves_the_users_choice():
     assert allocator_setting(True, {"PYTORCH_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"}) is None
 
 
+@pytest.mark.e2e
 def test_a_launched_rank_exits_at_once_with_its_code():
     """ranks.finish_distributed: in one of several launched ranks (WORLD_SIZE > 1) the
     process ends there with the run's code, what it printed flushed, nothing after it runs
@@ -353,6 +367,7 @@ def test_a_launched_rank_exits_at_once_with_its_code():
         assert (done.returncode, done.stdout) == (code, printed), done.stderr
 
 
+@pytest.mark.e2e
 def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
     """ranks.end_after_error: a process in a process group (one rank here, as a refused
     resume leaves it) ends with the error's code and no interpreter teardown, where gloo
@@ -372,6 +387,7 @@ def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
         assert (done.returncode, done.stdout) == (code, printed), done.stderr
 
 
+@pytest.mark.e2e
 def test_demo_learns(tmp_path):
     """The embedded default, shortened: eval loss clearly falls. Nothing is printed on stdout
     (DeepSpeed said there, before zerofit had chosen its accelerator, that it guessed CPU)."""
@@ -401,6 +417,7 @@ def test_a_random_init_config_json_trains_on_synthetic_data_without_a_tokenizer(
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.e2e
 def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     """The `deepspeed` launcher passes --local_rank=N before the verb; zerofit accepts it."""
     import shutil
@@ -471,6 +488,7 @@ def run_zenflow(tmp_path, bucket: int, checkpointing: bool = False, guarded: boo
 REDUCED_THEN_CUDA = "update_selected_channels"
 
 
+@pytest.mark.e2e
 def test_zenflow_gets_the_model_built_whole_and_its_forward_and_reduce_run(tmp_path):
     """ZenFlow's ZeRO-3 keeps 2-D weights transposed from the engine's start; under
     deepspeed.zero.Init they are partitioned before it can, and the first forward failed on
@@ -492,6 +510,7 @@ def test_zenflow_gets_the_model_built_whole_and_its_forward_and_reduce_run(tmp_p
     assert REDUCED_THEN_CUDA in done.stderr and "view size is not compatible" not in done.stderr, done.stderr[-4000:]
 
 
+@pytest.mark.e2e
 def test_zenflow_is_refused_before_the_build_where_deepspeed_would_fail(tmp_path):
     """A 2-D weight larger than the reduce bucket is reduced transposed and DeepSpeed fails
     (llama-3.6b's embedding on the H200); activation checkpointing's recompute fails on the
@@ -538,6 +557,7 @@ def test_epochs_are_passes_over_the_data_as_the_loader_counts_them(tmp_path):
                                  48, world_size=2) == 2  # 48 // 8 = 6 micro batches of 4 on 2 ranks, 3 a step
 
 
+@pytest.mark.e2e
 def test_tensorboard_curves_follow_resumes_and_starts_over(tmp_path):
     """A resume from step 2 of a run that reached 4 wrote steps 3-4 twice into the event files
     (metrics.jsonl dropped them); --no-resume added a new run's steps 1.. to the old curves."""
@@ -648,6 +668,7 @@ print("training:", built.module.training, "layer forwards:", len(calls))
 """
 
 
+@pytest.mark.e2e
 def test_a_model_from_a_directory_trains_in_training_mode(tmp_path):
     """from_pretrained returns a model in eval mode, where transformers skips gradient
     checkpointing and dropout: a model.path run trained without them until its first eval (on

@@ -21,6 +21,7 @@ def watched_run(base, action, threshold=0.01, check=True, env=None):
     return base / "run", run_zerofit(["train", "--config", str(config)], env={**WIDE, **(env or {})}, check=check)
 
 
+@pytest.mark.e2e
 def test_stop_action_saves_and_stops_with_exit_1(tmp_path):
     # the allocator's newer variable name is what the run started with: the doctor's advice reads it
     run, done = watched_run(tmp_path, "stop", check=False, env={"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
@@ -34,6 +35,7 @@ def test_stop_action_saves_and_stops_with_exit_1(tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "step-000001"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("async_save, fault", [(False, "nospace@save:1"), (True, "enospc@save:1")])
 def test_stop_after_a_failed_save_names_no_checkpoint_of_that_step(tmp_path, async_save, fault):
     """The watchdog's save fails (a full disk before it, or the background writer's ENOSPC;
