@@ -305,7 +305,7 @@ def test_two_ranks_write_both_ranks_files(tmp_path):
     assert f"zerofit gives each rank {share} CPU thread{'s' if share > 1 else ''}" in done.stderr.replace("\n", "")
     assert "train rows: tokenized once per machine, by its first rank with all of its cores; its 1 other rank " \
            "read them" in done.stderr.replace("\n", "")
-    assert len(list((tmp_path / "run" / "data-cache").glob("train-*.pkl"))) == 1
+    assert len(list((tmp_path / "run" / "data-cache").glob("train-*.npz"))) == 1
 
 
 @pytest.mark.multirank

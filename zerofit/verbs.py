@@ -97,6 +97,9 @@ def check_nvme_path(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"zero.nvme_path={path} is a file, not a directory; name a directory for DeepSpeed's "
                           f"swap files")
+    if not path.exists() and path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"zero.nvme_path={path} is not usable: Not a directory: {path.parent} is a file; use a "
+                          f"writable directory on a local ext4/xfs disk for DeepSpeed's swap files")
     if not path.exists() and not path.parent.is_dir():
         raise ConfigError(f"zero.nvme_path={path} is not usable: {path.parent} does not exist (a typo? the swap "
                           f"directory is created, its parents are not: create them first if this is the path meant)")
