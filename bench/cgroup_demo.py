@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zerofit import cgroup  # noqa: E402
+from zerofit.core import cgroup  # noqa: E402
 
 HERE = Path(__file__).resolve().parent.parent
 COMMAND = ("python -m zerofit train --run-dir {run} --set model.config=llama-0.5b --set train.max_steps=2 "
@@ -55,7 +55,7 @@ def main() -> None:
         print(f"Command: python bench/cgroup_demo.py {args.before_tree} --limit-gib {args.limit_gib:g}; each run:")
         print("  " + COMMAND.format(run="RUN_DIR") + "\n")
         for tree, label in ((args.before_tree, f"before: {before}, host RAM probed from the machine (psutil)"),
-                            (HERE, f"after: {head}, host RAM within the group's limit (zerofit/cgroup.py)")):
+                            (HERE, f"after: {head}, host RAM within the group's limit (zerofit/core/cgroup.py)")):
             subprocess.run(["rm", "-rf", "/tmp/cgroup-demo-run"])
             status, took, lines = in_group(group, tree, Path("/tmp/cgroup-demo-run"))
             killed = " (SIGKILL: the kernel's OOM killer, at the group's limit)" if status == -9 else ""

@@ -11,7 +11,7 @@ Measured (issue 4 targets: async stall <= 20% of the sync save, write >= 70% of 
   through the page cache and with O_DIRECT: the faster of the two (both in disk_write_modes).
 - sync_save_seconds: stock `engine.save_checkpoint` (DeepSpeed's TorchCheckpointEngine), as a
   training loop would call it; sync_durable_seconds adds the os.sync() that makes it durable.
-- async saves through zerofit.checkpointer (the path `zerofit train` takes), training on:
+- async saves through zerofit.train.checkpointer (the path `zerofit train` takes), training on:
   async_stall_seconds = the training time lost per save = wall time from the save call to
   its publish minus the steady step time of the steps run meanwhile (it includes the save
   call, the snapshot wait at the next optimizer step, contention and the publish);
@@ -55,7 +55,7 @@ def parse_args():
 
 
 def bench_config(args, run_dir: Path):
-    from zerofit.configfile import validate
+    from zerofit.config.load import validate
 
     return validate({
         "run_dir": str(run_dir),
@@ -107,8 +107,13 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
 
-    from zerofit import checkpoint, checkpointer, data, dsconfig, engine, memory, models, procenv, ranks
-    from zerofit.train import fresh_state, train_step
+    from zerofit.checkpoint import files as checkpoint
+    from zerofit.train import checkpointer, engine, procenv, ranks
+    from zerofit.data import pipeline as data
+    from zerofit.plan import deepspeed
+    from zerofit.core import timeline as memory
+    from zerofit import models
+    from zerofit.train.loop import fresh_state, train_step
 
     config = bench_config(args, work / "run")
     procenv.apply_cpu_threads(config)  # what train() does: the writer's core is kept free of CPU-Adam
@@ -116,7 +121,7 @@ def main() -> int:
     import torch
 
     hf_config = models.hf_config(config.model)
-    ds_config = dsconfig.build(config, dist.world_size, dist.on_gpu)
+    ds_config = deepspeed.build(config, dist.world_size, dist.on_gpu)
     init_started = time.perf_counter()
     ds_engine = engine.build_engine(engine.build_model(config, ds_config), config, ds_config, 10**6)
     init_seconds = time.perf_counter() - init_started

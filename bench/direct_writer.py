@@ -1,4 +1,4 @@
-"""Checkpoint file writer: through the page cache vs O_DIRECT (zerofit.checkpoint_io's
+"""Checkpoint file writer: through the page cache vs O_DIRECT (zerofit.checkpoint.writer's
 DirectWriter, two staging buffers, one written while the other fills), with a thread beside
 it that keeps taking the GIL the way a training loop does (small torch ops), as during an
 async save.
@@ -28,7 +28,7 @@ CASES = {"buffered": (False, None), "direct_8MiB_stages": (True, 8 << 20), "dire
 def one(path: Path, tensor, direct: bool, stage_bytes: int | None) -> dict:
     import torch
 
-    from zerofit import checkpoint_io, directio
+    from zerofit.checkpoint import writer as checkpoint_io, directio
 
     if stage_bytes:
         directio.STAGE_BYTES = stage_bytes

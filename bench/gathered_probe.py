@@ -32,9 +32,9 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     import planner_accuracy
-    from zerofit import engine
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.train import engine
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     built: dict = {}
     build_model = engine.build_model
@@ -84,10 +84,10 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
 def replay(seq_len: int, work: Path) -> dict:
     """The planner's replay for the candidate the run chose (read back from plan.json), on the
     model the run trained (its config.yaml: the peft model with lora.enabled)."""
-    from zerofit import modelspec, zerotrace
-    from zerofit.activations import nvme_parameters
-    from zerofit.configfile import load
-    from zerofit.planner import Candidate, Shape
+    from zerofit.plan import spec as modelspec, trace as zerotrace
+    from zerofit.plan.activations import nvme_parameters
+    from zerofit.config.load import load
+    from zerofit.plan.estimate import Candidate, Shape
 
     plan = json.loads((work / "run" / "plan.json").read_text())
     cand = Candidate(**plan["candidate"])

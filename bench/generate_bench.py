@@ -55,7 +55,7 @@ def measure_one(model_dir: Path, gpu_mem: str | None, tokens: int) -> dict:
     import torch
 
     from zerofit.infer import Sampling, describe, generate, load
-    from zerofit.memory import peak_rss_bytes
+    from zerofit.core.timeline import peak_rss_bytes
 
     started = time.perf_counter()
     loaded = load(model_dir, gpu_mem=gpu_mem)

@@ -29,8 +29,8 @@ def worker(args, out: Path, release: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from zerofit.config import ModelConfig
-    from zerofit.hf import MemoryGuardCallback
+    from zerofit.config.schema import ModelConfig
+    from zerofit.integrations.hf_trainer import MemoryGuardCallback
     from zerofit.models import hf_config
 
     class Tokens(torch.utils.data.Dataset):
@@ -66,8 +66,8 @@ def worker(args, out: Path, release: bool) -> None:
 
 
 def summary(out: Path) -> dict:
-    from zerofit.doctor import diagnose
-    from zerofit.memory import read_jsonl
+    from zerofit.doctor.run import diagnose
+    from zerofit.core.timeline import read_jsonl
 
     records = read_jsonl(out / "memory.jsonl")
     found = diagnose(out).findings

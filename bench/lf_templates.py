@@ -22,9 +22,9 @@ from transformers import PreTrainedTokenizerFast
 
 from llamafactory.data.template import TEMPLATES
 from zerofit import models as zmodels
-from zerofit.conversations import RowError
+from zerofit.data.conversations import RowError
 from zerofit.demo import build_tokenizer
-from zerofit.tokenizing import IGNORE, tokenize_row
+from zerofit.data.tokenize import IGNORE, tokenize_row
 
 NAMES = ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi", "qwen",
          "qwen3_nothink", "vicuna"]

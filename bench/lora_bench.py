@@ -58,12 +58,12 @@ def case_config(name: str, offload_param: str, smoke: bool, work: Path) -> dict:
 
 
 def planner_prediction(config) -> dict | None:
-    """The planner's prediction for `config`, planned as train plans it (zerofit/planview.py):
+    """The planner's prediction for `config`, planned as train plans it (zerofit/plan/render.py):
     the GPU peak as the allocator would reserve it (allocated peak + fragmentation, without
     the CUDA context) and the host RSS peak."""
-    from zerofit import planview
+    from zerofit.plan import render
 
-    decision, _, _ = planview.plan_config(config, world_size=1)
+    decision, _, _ = render.plan_config(config, world_size=1)
     gpu = decision.plan.devices["gpu"]
     return {"gpu_peak_bytes": gpu.total_bytes - gpu.components.get("cuda_context", 0),
             "host_peak_bytes": decision.plan.host_rss_peak}
@@ -96,8 +96,8 @@ def run_case(spec: dict) -> dict:
     """Child process: cap the GPU, train, measure; returns the case's record."""
     import torch
 
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     on_gpu = torch.cuda.is_available()
     record = {"case": spec["name"], "gpu_cap_gib": spec["cap_gib"], "offload_param": spec["offload_param"]}

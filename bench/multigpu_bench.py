@@ -75,8 +75,8 @@ def worker(config_file: str, resume: bool) -> None:
     """A rank of a run (under torchrun): cap this rank's allocator, then zerofit's own train()."""
     import torch
 
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     spec = json.loads(Path(config_file).read_text())
     if torch.cuda.is_available() and spec["cap_gib"]:
@@ -134,7 +134,7 @@ def log_tail(log: Path, lines: int = 12) -> list[str]:
 def measured(run_dir: Path, world_size: int) -> dict:
     """Steady tokens/s and each rank's GPU / host peaks from the run's own records, with the
     planner's per-rank predictions from the plan.json the run wrote."""
-    from zerofit.memory import read_jsonl, read_timeline
+    from zerofit.core.timeline import read_jsonl, read_timeline
 
     steps = read_jsonl(run_dir / "metrics.jsonl")
     steady = [s["tokens_per_s"] for s in steps[1:]]
@@ -194,7 +194,7 @@ def part_scaling(args, work: Path, record: dict, save) -> None:
 
 # ------------------------------------------------------------------------ part: resume
 def part_resume(args, work: Path, record: dict, save) -> None:
-    from zerofit import checkpoint
+    from zerofit.checkpoint import files as checkpoint
 
     run_dir = work / "resume-run"
     part = record.setdefault("resume", {"model": args.resume_preset, "gpu_cap_gib_per_rank": args.cap_gib})
@@ -243,7 +243,7 @@ def part_resume(args, work: Path, record: dict, save) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    from zerofit.memory import read_jsonl
+    from zerofit.core.timeline import read_jsonl
 
     return read_jsonl(run_dir / "metrics.jsonl")
 
@@ -294,7 +294,7 @@ def compare_exports(a: Path, b: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.exportcheck import load_export_tensors, prompt_ids
+    from zerofit.export.verify import load_export_tensors, prompt_ids
 
     tensors_a, tensors_b = load_export_tensors(a), load_export_tensors(b)
     different = sorted(k for k in tensors_a if k not in tensors_b or not torch.equal(tensors_a[k], tensors_b[k]))

@@ -64,18 +64,18 @@ def worker(spec_file: Path) -> None:
     spec = json.loads(spec_file.read_text())
     import torch
 
-    from zerofit import memory
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.core import timeline
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gib"] * GIB / total), 0)
     train(validate(spec["config"]), resume=False)
     run_dir = Path(spec["config"]["run_dir"])
-    rows = [r for r in memory.read_timeline(run_dir)
+    rows = [r for r in timeline.read_timeline(run_dir)
             if r["phase"] in ("forward", "backward", "optimizer_step") and (r["step"], r["phase"]) != (1, "forward")]
-    metrics = memory.read_jsonl(run_dir / "metrics.jsonl")
+    metrics = timeline.read_jsonl(run_dir / "metrics.jsonl")
     plan = json.loads((run_dir / "plan.json").read_text())
     gpu = plan["devices"]["gpu"]
     result = {

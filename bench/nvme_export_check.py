@@ -58,8 +58,8 @@ def run_config(args, run_dir: Path) -> dict:
 def main() -> None:
     import yaml
 
-    from zerofit import zerofiles
-    from zerofit.export import export
+    from zerofit.checkpoint import zerofiles
+    from zerofit.export.checkpoint import export
 
     args = parse_args()
     work = Path(args.dir)

@@ -2,7 +2,7 @@
 the memory the first one held? (bench/results/README.md, sixth session: it found 65.6 of
 125.9 GiB available, the failed attempt's engine still alive, and the planner refused.)
 
-Runs a speed_bench case through `zerofit.train.train` in one process (the bench's zerofit
+Runs a speed_bench case through `zerofit.train.loop.train` in one process (the bench's zerofit
 worker: the GPU cap, then train) with `memory.on_oom: retry` and
 `memory.expandable_segments: false`, the setting under which the headline's plan (llama-3.6b
 under 5.3 GiB, micro 4 x 4) meets fragmentation in step 1's backward
@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_cases  # noqa: E402 (after the path above)
 import speed_workers  # noqa: E402
-from zerofit.doctor import read_json  # noqa: E402
-from zerofit.memory import read_jsonl  # noqa: E402
+from zerofit.doctor.run import read_json  # noqa: E402
+from zerofit.core.timeline import read_jsonl  # noqa: E402
 
 GIB = 2**30
 
@@ -45,7 +45,7 @@ def memory_now() -> dict:
     import psutil
     import torch
 
-    from zerofit.memory import host_rss_bytes
+    from zerofit.core.timeline import host_rss_bytes
 
     sample = {"host_available_gib": round(psutil.virtual_memory().available / GIB, 2),
               "host_total_gib": round(psutil.virtual_memory().total / GIB, 2),
@@ -57,13 +57,13 @@ def memory_now() -> dict:
 
 
 def worker(spec: dict, out: Path) -> None:
-    from zerofit import planview
-    from zerofit.choice import describe
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.plan import render
+    from zerofit.plan.choose import describe
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     speed_workers.cap_gpu(spec["cap_gib"])
-    attempts, plan_run = [], planview.plan_run
+    attempts, plan_run = [], render.plan_run
 
     def recorded_plan_run(config, *args, **kwargs):
         attempts.append({"attempt": len(attempts) + 1, "at_plan": memory_now(),
@@ -74,7 +74,7 @@ def worker(spec: dict, out: Path) -> None:
         (out / "attempts.json").write_text(json.dumps(attempts))
         return planned, decision
 
-    planview.plan_run = recorded_plan_run
+    render.plan_run = recorded_plan_run
     result = train(validate(spec["config"]), resume=False)
     (out / "result.json").write_text(json.dumps({"step": result.step, "train_loss": result.train_loss,
                                                  "at_end": memory_now()}))

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from speed_levers import LEVERS, SUPER_OFFLOAD  # noqa: E402 (after the path above)
 from speed_workers import Runner, gpu_name  # noqa: E402
-from zerofit.memory import read_jsonl  # noqa: E402
+from zerofit.core.timeline import read_jsonl  # noqa: E402
 
 ZENFLOW = LEVERS["zenflow"]["deepspeed_changes"]
 RUNS = {  # name: (grad_clip, DeepSpeed changes)
@@ -57,7 +57,7 @@ DEFAULT_RUNS = "clip,no_clip,superoffload_no_clip,superoffload_clip"
 def demo_config(run_dir: Path, grad_clip: float, steps: int) -> dict:
     import yaml
 
-    from zerofit.configfile import DEMO_CONFIG
+    from zerofit.config.load import DEMO_CONFIG
 
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
     raw["run_dir"] = str(run_dir)

@@ -99,9 +99,9 @@ def worker(cell_file: Path) -> None:
     import psutil
     import torch
 
-    from zerofit import memory
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.core import timeline
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     on_gpu = spec["accelerator"] == "cuda"
     baseline = {}
@@ -117,10 +117,10 @@ def worker(cell_file: Path) -> None:
     train(validate(spec["config"]), resume=False)
     traced = peak_trace.live_at_peak() if spec.get("trace_peak") else None
     run_dir = Path(spec["config"]["run_dir"])
-    every = [r for r in memory.read_timeline(run_dir) if r["phase"] in ("forward", "backward", "optimizer_step")]
+    every = [r for r in timeline.read_timeline(run_dir) if r["phase"] in ("forward", "backward", "optimizer_step")]
     # The first window (step 1's forward) also spans the model build and deepspeed.initialize.
     rows = [r for r in every if (r["step"], r["phase"]) != (1, "forward")]
-    evals = [r for r in memory.read_timeline(run_dir) if r["phase"] == "eval"]
+    evals = [r for r in timeline.read_timeline(run_dir) if r["phase"] == "eval"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in metrics if "step_seconds" in m]  # an eval's own line has none
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -157,8 +157,8 @@ CONTEXT_PER_PROCESS = GIB   # CUDA context and workspaces, outside the allocator
 
 def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     """The plan for a cell, made here without touching the GPU (decides fit and scheduling)."""
-    from zerofit import hardware, modelspec, planview
-    from zerofit.configfile import validate
+    from zerofit.plan import hardware, spec as modelspec, render
+    from zerofit.config.load import validate
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))
     if (cell.model, cell.lora) not in SPECS:
@@ -167,7 +167,7 @@ def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     hw = hardware.probe(disk_path=ROOT, nvme_path=config.zero.nvme_path, gpu_mem=config.plan.gpu_mem if setup["accelerator"] == "cuda" else None,
                         host_mem=host_budget, accelerator=setup["accelerator"])
     hw = hardware.with_overrides(hw, cpu_cores=cores, disk_free_bytes=10**13)
-    decision, _, _ = planview.plan_config(config, 1, hw=hw, spec=spec, dataset_bytes=0)
+    decision, _, _ = render.plan_config(config, 1, hw=hw, spec=spec, dataset_bytes=0)
     return {"fits": decision.plan.fits, "predicted_gpu_peak": decision.plan.gpu_allocated_peak,
             "predicted_host_rss": decision.plan.host_rss_peak, "advice": decision.advice}
 

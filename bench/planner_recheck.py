@@ -8,7 +8,7 @@ moves when the planner changes, against measurements that do not.
 
 `--hook-order transformers-5.17`: the GPU machine's transformers (5.17) checkpoints a decoder
 layer's `__call__`, so the layer's own pre-hook fires again at the start of each recompute; a
-newer one checkpoints its `forward`. zerofit/hookorder.py takes the order from the transformers
+newer one checkpoints its `forward`. zerofit/plan/hookorder.py takes the order from the transformers
 installed here, so this option replays the GPU machine's for its measurements.
 
     python bench/planner_recheck.py --hook-order transformers-5.17 --out bench/results/planner_recheck.json
@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 def with_layer_hook_at_recompute() -> None:
     """hookorder's events as transformers 5.17 fires them: the decoder layer's pre-hook again
     before each block's recompute."""
-    from zerofit import hookorder
+    from zerofit.plan import hookorder
 
     own = hookorder._cached_events.__wrapped__
 

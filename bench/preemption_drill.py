@@ -81,8 +81,8 @@ def preempt(config_path: Path, run_dir: Path, at_step: int) -> dict:
 
 def resume(run_dir: Path, stopped_at: int, lr: float, more: int) -> dict:
     """The resume command the stop names, with the LR changed and `more` steps to train."""
-    from zerofit.configfile import load
-    from zerofit.engine import lr_lambda
+    from zerofit.config.load import load
+    from zerofit.train.engine import lr_lambda
 
     changes = [f"train.lr={lr}", f"train.max_steps={stopped_at + more}"]
     done = subprocess.run(zerofit("--config", str(run_dir / "config.yaml"), "--resume",
@@ -104,7 +104,7 @@ def main() -> None:
     args = parse_args()
     import yaml
 
-    from zerofit import checkpoint
+    from zerofit.checkpoint import files as checkpoint
 
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)

@@ -17,7 +17,7 @@ GPU machine (2 GPUs, NCCL, ~2 min a run):  python bench/rank_retry.py --case 0.5
 (--nodes 2: two torchrun agents of one GPU each, rendezvous c10d: the several-node path on one host)
 Here (CPU, gloo, ~2 min):            python bench/rank_retry.py --smoke
 --drill kill: rank 1 is SIGKILLed at that step instead (in every attempt, so the restart fails
-too): how soon the other rank, waiting in NCCL, leaves (zerofit/lastword.py, the watcher).
+too): how soon the other rank, waiting in NCCL, leaves (zerofit/recovery/lastword.py, the watcher).
 Writes $OUT/rank_retry-<case>[-<variants>].json (or --out); each run's log stays in
 /tmp/zerofit-rank_retry-*-<variant>-<repeat>/log.txt (and log-node1.txt).
 """
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_cases  # noqa: E402 (after the path above)
 import speed_workers  # noqa: E402
-from zerofit.doctor import read_json  # noqa: E402
-from zerofit.ranks import free_port  # noqa: E402
-from zerofit.memory import read_jsonl  # noqa: E402
+from zerofit.doctor.run import read_json  # noqa: E402
+from zerofit.train.ranks import free_port  # noqa: E402
+from zerofit.core.timeline import read_jsonl  # noqa: E402
 
 VARIANTS = ("zerofit", "default_store")  # the default --variants; also: no_peer_watch
 LOG_MARKS = ("memory.on_oom=retry", "retry:", "resumed from", "done:", "connectFullMesh", "NCCL error", "Timeout",
@@ -55,7 +55,7 @@ def entry_without(variant: str, argv: list[str]) -> int:
     process group on torch's default keys; `no_peer_watch`, no watcher for torchrun's SIGTERM."""
     import contextlib
 
-    from zerofit import elastic, peerwatch
+    from zerofit.recovery import elastic, peerwatch
     from zerofit.cli import main
 
     if variant == "default_store":

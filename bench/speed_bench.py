@@ -184,8 +184,8 @@ def main() -> None:
         tmp.replace(out / f"{stem}.json")
         write_markdown(out / f"{stem}.md", result)
 
-    from zerofit import modelspec
-    from zerofit.configfile import validate
+    from zerofit.plan import spec as modelspec
+    from zerofit.config.load import validate
 
     first = cases[0][1]
     params = modelspec.from_config(validate(zerofit_config(first, Path("/tmp/unused"), 2, accelerator))).total_params
@@ -195,7 +195,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     rates_run = runner.run("roofline", "roofline", {"adam_params": params}, 60 if args.smoke else 150)
     if rates_run["status"] != "done":  # killed mid-build: its lock would hang every later worker
-        from zerofit import opbuild
+        from zerofit.train import opbuild
 
         for lock in opbuild.build_locks():
             if not lock.held_open:

@@ -71,8 +71,8 @@ def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> d
 
 def planning(case: dict, accelerator: str):
     """(spec, hw) the planner sees for this case here: the cap and the real available RAM."""
-    from zerofit import hardware, modelspec
-    from zerofit.configfile import validate
+    from zerofit.plan import hardware, spec as modelspec
+    from zerofit.config.load import validate
 
     config = validate(zerofit_config(case, Path("/tmp/unused"), 2, accelerator))
     hw = hardware.probe(disk_path=ROOT, gpu_mem=config.plan.gpu_mem, accelerator=accelerator)
@@ -81,8 +81,8 @@ def planning(case: dict, accelerator: str):
 
 def stock_candidate(spec):
     """The LLaMA-Factory config in the planner's terms ("auto" = HF Trainer's formulas)."""
-    from zerofit.planner import auto_buckets
-    from zerofit.planner import Candidate
+    from zerofit.plan.estimate import auto_buckets
+    from zerofit.plan.estimate import Candidate
 
     return replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,
                              gather_16bit_weights_on_save=True), **auto_buckets(spec))
@@ -90,7 +90,7 @@ def stock_candidate(spec):
 
 def stock_micro_batches(case: dict, spec, hw) -> list[tuple[int, dict]]:
     """Micro batches dividing the global batch, largest first, with the planner's verdict."""
-    from zerofit.planner import Shape, predict
+    from zerofit.plan.estimate import Shape, predict
 
     out = []
     for micro in sorted((m for m in range(1, case["global_batch"] + 1) if case["global_batch"] % m == 0), reverse=True):

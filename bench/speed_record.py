@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from speed_cases import GIB, stock_candidate
-from zerofit.memory import read_jsonl
+from zerofit.core.timeline import read_jsonl
 
 # ZeRO-3 records the order its modules fetch parameters in during the first forward; the second
 # is the first pass over the complete trace, where DeepSpeed builds, once, the cached set of
@@ -57,8 +57,8 @@ def roofline(work: dict, rates: dict) -> dict:
 def complete(entry: dict, result: dict, spec, hw, rates: dict, case: dict) -> dict:
     """A measured config's record: the run's outcome, the planner's prediction for it, the
     step's work and its roofline at the measured rates."""
-    from zerofit.planner import Shape
-    from zerofit.steptime import step_seconds, step_time_terms, step_work
+    from zerofit.plan.estimate import Shape
+    from zerofit.plan.steptime import step_seconds, step_time_terms, step_work
 
     entry.update({k: v for k, v in result.items() if k != "dir"})
     shape = Shape(seq_len=case["seq_len"], micro_batch=entry["micro_batch"],
@@ -86,7 +86,7 @@ def against_steady(entry: dict) -> dict:
 
 
 def zerofit_entry(run_dir: Path, tokens_per_step: int) -> dict:
-    from zerofit.planner import Candidate
+    from zerofit.plan.estimate import Candidate
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     timeline = read_jsonl(run_dir / "memory.jsonl")

@@ -92,8 +92,8 @@ def worker_roofline(spec: dict, out: Path) -> None:
 
 
 def worker_zerofit(spec: dict, out: Path) -> None:
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     cap_gpu(spec["cap_gib"])
     with deepspeed_changes(spec.get("deepspeed_changes")):
@@ -106,15 +106,15 @@ def deepspeed_changes(changes: dict | None):
     the DeepSpeed config zerofit builds, to measure what they would buy. The run's
     ds_config.json and plan.json's deepspeed_config show them (both come from dsconfig.build);
     the plan's predictions do not model them."""
-    from zerofit import dsconfig
+    from zerofit.plan import deepspeed
 
-    build = dsconfig.build
+    build = deepspeed.build
     if changes:
-        dsconfig.build = lambda *args, **kwargs: merged(build(*args, **kwargs), changes)
+        deepspeed.build = lambda *args, **kwargs: merged(build(*args, **kwargs), changes)
     try:
         yield
     finally:
-        dsconfig.build = build
+        deepspeed.build = build
 
 
 def merged(base: dict, changes: dict) -> dict:
@@ -131,7 +131,7 @@ def worker_hf(spec: dict, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
     from zerofit.models import hf_config
 
     on_gpu = cap_gpu(spec["cap_gib"])

@@ -148,8 +148,8 @@ class StepCounters:
 
 
 def worker(spec: dict, out: Path) -> None:
-    from zerofit import train as train_module
-    from zerofit.configfile import validate
+    from zerofit.train import loop as train_module
+    from zerofit.config.load import validate
 
     speed_workers.cap_gpu(spec["cap_gib"])
     original = train_module.train_step

@@ -7,7 +7,7 @@ CPU smoke test of the same code path with the tiny model (< 1 min):
     python bench/timeline_overhead.py --smoke
 
 Measured:
-- A/B steps: zerofit.train.train_step on one engine, in interleaved blocks of steps with
+- A/B steps: zerofit.train.loop.train_step on one engine, in interleaved blocks of steps with
   no timeline (a no-op recorder), with the Timeline, and with the Timeline plus the
   allocator history the OOM post-mortem keeps (torch.cuda.memory._record_memory_history,
   Python stacks, memory.history_max_entries); median step seconds per variant.
@@ -74,12 +74,12 @@ class RandomBatches:
         self.position = 0
 
     def step_targets(self, accum: int):
-        """Every token after each row's first is learned (zerofit.data.Batches.step_targets); one rank."""
+        """Every token after each row's first is learned (zerofit.data.pipeline.Batches.step_targets); one rank."""
         per_batch = self.shape[0] * (self.shape[1] - 1)
         return [per_batch] * accum, per_batch * accum
 
     def next(self):
-        from zerofit.data import MicroBatch
+        from zerofit.data.pipeline import MicroBatch
 
         ids = self.rng.integers(0, self.vocab, size=self.shape, dtype="int64")
         self.position += 1
@@ -87,8 +87,9 @@ class RandomBatches:
 
 
 def build(args, run_dir: Path):
-    from zerofit import dsconfig, engine, ranks
-    from zerofit.configfile import validate
+    from zerofit.plan import deepspeed as dsconfig
+    from zerofit.train import engine, ranks
+    from zerofit.config.load import validate
     from zerofit.models import hf_config
 
     config = validate({
@@ -111,7 +112,7 @@ def build(args, run_dir: Path):
 
 
 def timed_steps(ds_engine, batches, recorder, dist, accum: int, steps: int, first_step: int) -> list[float]:
-    from zerofit.train import train_step
+    from zerofit.train.loop import train_step
 
     seconds = []
     for step in range(first_step, first_step + steps):
@@ -127,7 +128,7 @@ def history_unusable(config, on_gpu: bool) -> str | None:
     run (postmortem.start_recording): pytorch#179536 under activation checkpointing."""
     import torch
 
-    from zerofit import postmortem
+    from zerofit.recovery import postmortem
 
     if on_gpu and config.model.gradient_checkpointing and postmortem.history_breaks_checkpointing(torch.__version__):
         return (f"torch {torch.__version__}: allocator history breaks DeepSpeed's ZeRO-3 linear under activation "
@@ -147,7 +148,7 @@ def set_history(on: bool, on_gpu: bool, entries: int) -> None:
 
 
 def microbench(run_dir: Path, on_gpu: bool, calls: int) -> dict:
-    from zerofit.memory import Timeline
+    from zerofit.core.timeline import Timeline
 
     timeline = Timeline(run_dir / "micro", 0, on_gpu)
     started = time.perf_counter()
@@ -169,7 +170,7 @@ def pinned_accounting(on_gpu: bool) -> dict:
         return {"note": "no CUDA: nothing is pinned on CPU"}
     import torch
 
-    from zerofit.memory import proc_status
+    from zerofit.core.timeline import proc_status
 
     def torch_pinned():
         return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
@@ -190,10 +191,10 @@ def gpu_paths(run_dir: Path, on_gpu: bool, step_records: list[dict]) -> dict:
 
     import torch
 
-    from zerofit import postmortem
-    from zerofit.findings import RunFacts
-    from zerofit.memory import budgets
-    from zerofit.watchdog import Watchdog
+    from zerofit.recovery import postmortem
+    from zerofit.findings.facts import RunFacts
+    from zerofit.core.timeline import budgets
+    from zerofit.train.watchdog import Watchdog
 
     found = {"budgets": budgets(True)}
     facts = RunFacts(gpu_budget=found["budgets"]["gpu_budget"], host_budget=found["budgets"]["host_budget"],
@@ -233,7 +234,7 @@ def main() -> None:
     out = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="zerofit-timeline-bench-"))
-    from zerofit.memory import Timeline
+    from zerofit.core.timeline import Timeline
 
     config, dist, ds_engine, params, vocab = build(args, run_dir)
     batches = RandomBatches(vocab, args.micro_batch, args.seq_len)

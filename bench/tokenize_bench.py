@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zerofit import ranks, tokenworkers  # noqa: E402
-from zerofit.dataconfig import DataConfig  # noqa: E402
+from zerofit.train import ranks
+from zerofit.data import workers as tokenworkers  # noqa: E402
+from zerofit.config.data import DataConfig  # noqa: E402
 from zerofit.demo import build_tokenizer  # noqa: E402
-from zerofit.hardware import cpu_cores  # noqa: E402
-from zerofit.tokenizing import read_examples  # noqa: E402
+from zerofit.plan.hardware import cpu_cores  # noqa: E402
+from zerofit.data.tokenize import read_examples  # noqa: E402
 
 
 def write_rows(path: Path, rows: int) -> None:

@@ -105,9 +105,13 @@ def tree_rss() -> int:
 
 
 def measure(case: dict) -> dict:
-    from zerofit import data, engine, loadpeak, ranks, memory, models, train  # noqa: F401 - train's imports, its base
-    from zerofit.config import ModelConfig
-    from zerofit.dataconfig import DataConfig
+    from zerofit.data import pipeline as data
+    from zerofit.train import engine, ranks, loop as train  # noqa: F401
+    from zerofit.plan import loadpeak
+    from zerofit.core import timeline
+    from zerofit import models  # noqa: F401 - train's imports, its base
+    from zerofit.config.schema import ModelConfig
+    from zerofit.config.data import DataConfig
 
     ranks.init_distributed()
     if case["tokenizer"] == "demo":
@@ -122,11 +126,11 @@ def measure(case: dict) -> dict:
     run_dir = Path(case["run_dir"]) if case.get("run_dir") else None
     models.hf_config(ModelConfig(config="tiny"))  # train reads the model's config before its data
     started = time.perf_counter()
-    shape = loadpeak.load_facts(cfg, tokenizer, run_dir, memory.host_rss_bytes())  # as train predicts it
+    shape = loadpeak.load_facts(cfg, tokenizer, run_dir, timeline.host_rss_bytes())  # as train predicts it
     facts_s = time.perf_counter() - started
     predicted = loadpeak.load_peak(shape)
-    memory.reset_host_peak()
-    base = memory.proc_status()["VmRSS"]
+    timeline.reset_host_peak()
+    base = timeline.proc_status()["VmRSS"]
     peak_pss, done = [0], threading.Event()
 
     def sample():
@@ -140,7 +144,7 @@ def measure(case: dict) -> dict:
     load_s = time.perf_counter() - started
     done.set()
     sampler.join()
-    hwm = memory.proc_status()["VmHWM"]
+    hwm = timeline.proc_status()["VmHWM"]
     packed = train_set.input_ids.size + eval_set.input_ids.size
     total = sum(predicted.values())
     measured = max(hwm, peak_pss[0])  # the tree's, where workers forked
@@ -197,7 +201,7 @@ def cases(quick: bool) -> list[dict]:
 
 def recorded_shape(case: dict):
     """The LoadShape a case's prediction was made from (one file a case), read back off its record."""
-    from zerofit import loadpeak
+    from zerofit.plan import loadpeak
 
     parts = case["predicted_components"]
     files = (loadpeak.DataFile("parquet" if case["path"].endswith(".parquet") else "json",
@@ -210,7 +214,7 @@ def recorded_shape(case: dict):
 def predicted_again(result: dict) -> dict:
     """`result`'s predictions made again from its recorded shapes with loadpeak's constants as they
     are now (the measurements stand; the constants were fitted to them)."""
-    from zerofit import loadpeak
+    from zerofit.plan import loadpeak
 
     for case in result["cases"]:
         parts = loadpeak.load_peak(recorded_shape(case))

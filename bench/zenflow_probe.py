@@ -39,11 +39,11 @@ STACK_EVERY_S = 45
 
 
 def probe_config(case: dict, run_dir: Path, steps: int, fields: dict) -> dict:
-    from zerofit import modelspec
-    from zerofit.configfile import validate
+    from zerofit.plan import spec
+    from zerofit.config.load import validate
 
     config = zerofit_config(case, run_dir, steps, "cuda")
-    fields = {**zenflow_shape(modelspec.from_config(validate(config))), **fields}
+    fields = {**zenflow_shape(spec.from_config(validate(config))), **fields}
     for dotted, value in fields.items():
         section, key = dotted.split(".")
         config.setdefault(section, {})[key] = value
@@ -69,8 +69,8 @@ def main() -> None:
     os.dup2(log.fileno(), 2)
     faulthandler.dump_traceback_later(STACK_EVERY_S, repeat=True, file=log)
 
-    from zerofit.configfile import validate
-    from zerofit.train import train
+    from zerofit.config.load import validate
+    from zerofit.train.loop import train
 
     case = CASES[args.case]
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"{stem}-{os.getpid()}" / "run"

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerofit import checkpoint, hardware, ranks
-from zerofit.configfile import validate
-from zerofit.ranks import free_port
-from zerofit.tokenizing import IGNORE
+from zerofit.checkpoint import files as checkpoint
+from zerofit.plan import hardware
+from zerofit.train import ranks
+from zerofit.config.load import validate
+from zerofit.train.ranks import free_port
+from zerofit.data.tokenize import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 

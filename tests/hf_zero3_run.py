@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from test_hf import Tokens  # this script's directory leads sys.path
-from zerofit.hf import MemoryGuardCallback
+from zerofit.integrations.hf_trainer import MemoryGuardCallback
 
 # LLaMA-Factory's ds_z3_offload_config.json shape, with nothing persistent so every parameter is gathered
 DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

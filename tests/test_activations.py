@@ -4,9 +4,9 @@ from dataclasses import replace
 import pytest
 
 from conftest import cuda_box
-from zerofit import activations, choice, hardware, modelspec, planner
-from zerofit.configfile import validate
-from zerofit.planner import Candidate, Shape
+from zerofit.plan import activations, choose, hardware, spec as modelspec, estimate
+from zerofit.config.load import validate
+from zerofit.plan.estimate import Candidate, Shape
 
 
 def saved_for_backward_per_token(attn_implementation: str, seq_len: int) -> float:
@@ -59,18 +59,18 @@ def test_eager_attention_is_priced_where_the_run_uses_it():
     the tiny model's forward and backward need more GPU than under SDPA."""
     sdpa = validate({"model": {"config": "tiny"}, "train": {"seq_len": 4096, "max_steps": 1}})
     eager = validate({"model": {"config": "tiny", "attn_implementation": "eager"}, "train": {"seq_len": 4096, "max_steps": 1}})
-    assert choice.shape_of(eager, 1).eager_attention and not choice.shape_of(sdpa, 1).eager_attention
+    assert choose.shape_of(eager, 1).eager_attention and not choose.shape_of(sdpa, 1).eager_attention
     spec, candidate = modelspec.from_name("tiny"), Candidate(offload_optimizer="none")
-    phases = {name: activations.device_phases(spec, choice.shape_of(c, 1), candidate, on_gpu=True)
+    phases = {name: activations.device_phases(spec, choose.shape_of(c, 1), candidate, on_gpu=True)
               for name, c in (("sdpa", sdpa), ("eager", eager))}
     assert "attention_scores" not in phases["sdpa"]["forward"]
     # per head 4096 x 4096: (2 + 4) bytes of scores at once, more than the tiny vocabulary's logits
     per_sequence = 4 * 4096 * 4096
-    assert phases["eager"]["forward"]["attention_scores"] == 6 * per_sequence * choice.shape_of(eager, 1).micro_batch
+    assert phases["eager"]["forward"]["attention_scores"] == 6 * per_sequence * choose.shape_of(eager, 1).micro_batch
     assert "logits_and_loss" not in phases["eager"]["forward"]  # gone before the logits exist
     short = validate({"model": {"config": "llama-0.5b", "attn_implementation": "eager"},
                       "train": {"seq_len": 256, "max_steps": 1}})
-    forward = activations.device_phases(modelspec.from_name("llama-0.5b"), choice.shape_of(short, 1), candidate,
+    forward = activations.device_phases(modelspec.from_name("llama-0.5b"), choose.shape_of(short, 1), candidate,
                                         on_gpu=True)["forward"]
     assert "logits_and_loss" in forward and "attention_scores" not in forward  # a 128K vocabulary's logits
     assert sum(phases["eager"]["backward"].values()) > sum(phases["sdpa"]["backward"].values())
@@ -98,12 +98,12 @@ def test_neat_packing_mask_is_what_the_model_builds(attn_implementation):
     config = validate({"model": {"config": "tiny", "attn_implementation": attn_implementation},
                        "data": {"neat_packing": True}, "train": {"seq_len": seq_len, "micro_batch_size": micro,
                                                                   "max_steps": 1}})
-    phases = activations.device_phases(modelspec.from_name("tiny"), choice.shape_of(config, 1),
+    phases = activations.device_phases(modelspec.from_name("tiny"), choose.shape_of(config, 1),
                                        Candidate(offload_optimizer="none"), on_gpu=True)
     assert phases["forward"]["attention_mask"] == phases["eval"]["attention_mask"] == built
     assert phases["backward"]["attention_mask"] == built and "attention_mask" not in phases["optimizer_step"]
     plain = validate({"model": {"config": "tiny"}, "train": {"seq_len": seq_len, "max_steps": 1}})
-    assert "attention_mask" not in activations.device_phases(modelspec.from_name("tiny"), choice.shape_of(plain, 1),
+    assert "attention_mask" not in activations.device_phases(modelspec.from_name("tiny"), choose.shape_of(plain, 1),
                                                              Candidate(offload_optimizer="none"), on_gpu=True)["forward"]
 
 
@@ -146,7 +146,7 @@ def test_reducing_lm_head_and_embedding_gradients_holds_fp64_copies_of_their_nor
     on_gpu = Candidate(offload_optimizer="none")  # no boundary copy to the host: nothing in flight here
     assert activations.reduce_transient_bytes(small, on_gpu, shape, several=False, fp64_norm=True) == 0
     spec = modelspec.from_name("llama-0.5b")
-    persistent = replace(cand, param_persistence_threshold=planner.all_persistent(spec))
+    persistent = replace(cand, param_persistence_threshold=estimate.all_persistent(spec))
     phases = activations.device_phases(spec, shape, persistent, on_gpu=True)
     assert phases["backward_peak_at"] == "lm_head_reduce"
     head = small + 1024  # llama-0.5b's lm_head (not tied) and the final norm after the blocks
@@ -163,7 +163,7 @@ def test_backward_peak_is_what_the_allocator_trace_found_live():
     import json
     from pathlib import Path
 
-    from zerofit import planview
+    from zerofit.plan import render
 
     trace = json.loads((Path(__file__).parents[1] / "bench/results/planner_accuracy-trace-llama-3.6b-s2048.json")
                        .read_text())
@@ -175,7 +175,7 @@ def test_backward_peak_is_what_the_allocator_trace_found_live():
     config = validate({"model": {"config": "llama-3.6b", "gradient_checkpointing": True},
                        "train": {"seq_len": 2048, "micro_batch_size": 1, "grad_accum_steps": 1, "max_steps": 2},
                        "zero": {"offload_optimizer": "cpu", "offload_param": "cpu"}, "plan": {"gpu_mem": "8GiB"}})
-    decision, _, _ = planview.plan_config(config, 1, hw=cuda_box(gpu="8GiB"))
+    decision, _, _ = render.plan_config(config, 1, hw=cuda_box(gpu="8GiB"))
     phases = activations.device_phases(modelspec.from_config(config), decision.plan.shape,
                                        decision.plan.candidate, on_gpu=True)
     assert phases["backward_peak_at"] == "lm_head_reduce"
@@ -203,7 +203,7 @@ def test_lm_head_gradient_sharing_the_bucket_is_reduced_inside_a_block(attn):
     import json
     from pathlib import Path
 
-    from zerofit import planview
+    from zerofit.plan import render
 
     cells = json.loads((Path(__file__).parents[1] / f"bench/results/planner_accuracy-trace-llama-0.5b-s2048-{attn}.json")
                        .read_text())
@@ -217,7 +217,7 @@ def test_lm_head_gradient_sharing_the_bucket_is_reduced_inside_a_block(attn):
                        "train": {"seq_len": 2048, "micro_batch_size": 1, "grad_accum_steps": 1, "max_steps": 2},
                        "zero": {"offload_optimizer": "cpu", "offload_param": "none", "offload_optimizer_ratio": 1.0},
                        "plan": {"gpu_mem": "8GiB"}})
-    decision, _, _ = planview.plan_config(config, 1, hw=cuda_box(gpu="8GiB"))
+    decision, _, _ = render.plan_config(config, 1, hw=cuda_box(gpu="8GiB"))
     plan = decision.plan
     assert plan.candidate.reduce_bucket_size == 200_000_000 > 128256 * 1024
     phases = activations.device_phases(modelspec.from_config(config), plan.shape, plan.candidate, on_gpu=True)
@@ -295,7 +295,7 @@ def test_a_32k_vocabulary_model_is_planned_at_its_measured_peak(mode, tmp_path):
     import json
     from pathlib import Path
 
-    from zerofit import planview
+    from zerofit.plan import render
 
     cells = json.loads((Path(__file__).parents[1] / "bench/results/planner_accuracy-trace-tinyllama-1.1b-s2048.json")
                        .read_text())
@@ -309,7 +309,7 @@ def test_a_32k_vocabulary_model_is_planned_at_its_measured_peak(mode, tmp_path):
                        "train": {"seq_len": 2048, "micro_batch_size": 1, "grad_accum_steps": 1, "max_steps": 2},
                        "zero": zero, "plan": {"gpu_mem": "8GiB"}})
     hw = hardware.with_overrides(cuda_box(gpu="8GiB"), nvme_free_bytes=10**13)
-    decision, _, _ = planview.plan_config(config, 1, hw=hw)
+    decision, _, _ = render.plan_config(config, 1, hw=hw)
     plan = decision.plan
     measured = cell["measured_gpu_peak"]
     assert abs(plan.gpu_allocated_peak - measured) <= 0.03 * measured

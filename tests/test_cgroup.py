@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_zerofit, tiny_config, write_config
-from zerofit import cgroup, hardware
-from zerofit.cgroup import GroupDirs, find_dirs
+from zerofit.core import cgroup
+from zerofit.plan import hardware
+from zerofit.core.cgroup import GroupDirs, find_dirs
 
 GIB = 2**30
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"

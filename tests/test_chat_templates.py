@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from zerofit import chatlayout, data, tokenizing
-from zerofit.config import ConfigError
-from zerofit.conversations import RowError
-from zerofit.configfile import validate
+from zerofit.data import chatlayout, pipeline as data, tokenize
+from zerofit.config.schema import ConfigError
+from zerofit.data.conversations import RowError
+from zerofit.config.load import validate
 from zerofit.models import BUNDLED_TEMPLATES as BUNDLED
-from zerofit.tokenizing import IGNORE
+from zerofit.data.tokenize import IGNORE
 
 from conftest import CHATML, decode_learned, write_jsonl
 
@@ -18,7 +18,7 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     rows and for messages rows without a template it is the layout tokenize_row trained on,
     token for token (chat used the tokenizer's unrelated template and `role: text` lines)."""
     row = {"instruction": "Reverse the word. abc", "output": "cba"}
-    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenize.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     template = chatlayout.trained_chat_template(("alpaca",), tokenizer, "alpaca")
     conversation = [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": "cba"}]
     render = lambda turns, prompt: list(tokenizer.apply_chat_template(  # noqa: E731
@@ -27,7 +27,7 @@ def test_the_chat_templates_written_for_exports_render_what_training_read(tokeni
     assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
     tokenizer.chat_template = None
     messages = {"messages": conversation}
-    ids, labels = tokenizing.tokenize_row(messages, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(messages, "messages", tokenizer)
     template = chatlayout.trained_chat_template(("messages",), tokenizer)
     assert render(conversation, False) == ids
     assert render(conversation[:1], True) == [t for t, label in zip(ids, labels) if label == IGNORE]
@@ -57,14 +57,14 @@ def test_model_chat_template_renders_the_rows_and_a_broken_one_is_named(tmp_path
     renders the conversations with the file's template; a template that does not parse is said
     with its line before any row is rendered."""
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     template = tmp_path / "chatml.jinja"
     template.write_text(CHATML)
     tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=str(template)))
     assert tokenizer.chat_template == CHATML
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    ids, labels = tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row({"messages": turns}, "messages", tokenizer)
     assert tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
     template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor")
     with pytest.raises(ConfigError, match=r"chatml.jinja, line 2: .*fix the template"):
@@ -98,13 +98,13 @@ def test_a_bundled_template_lays_rows_out_as_llamafactory_does(name):
     """model.chat_template: llama3 (a base model's tokenizer has none): the rows train in
     LLaMA-Factory's layout of that name, its answers and their turn ends learned."""
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
              {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
              {"role": "assistant", "content": "see you"}]
-    ids, labels = tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row({"messages": turns}, "messages", tokenizer)
     assert tokenizer.decode(ids) == LLAMAFACTORY_LAYOUTS[name]
     learned = tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
     ends = {"llama3": "<|eot_id|>", "mistral": "</s>", "llama2": "</s>", "qwen": "<|im_end|>\n", "alpaca": "</s>\n\n"}
@@ -128,10 +128,10 @@ def test_a_row_whose_turns_the_tokenizer_joins_is_tokenized_turn_by_turn():
     tokenizer.chat_template = (BUNDLED / "empty.jinja").read_text()
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
     assert tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False) == [4]  # 'hiho', one token
-    assert tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer) == ([2, 3], [IGNORE, 3])
+    assert tokenize.tokenize_row({"messages": turns}, "messages", tokenizer) == ([2, 3], [IGNORE, 3])
     # two exchanges and a question after them: every edge cut, only the answers learned
     turns += [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}, {"role": "user", "content": "hi"}]
-    assert tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer) == \
+    assert tokenize.tokenize_row({"messages": turns}, "messages", tokenizer) == \
         ([2, 3, 2, 3, 2], [IGNORE, 3, IGNORE, 3, IGNORE])
 
 
@@ -145,13 +145,13 @@ def test_every_bundled_template_trains_plain_and_tool_rows(name):
     from jinja2.exceptions import TemplateError
 
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     assert name in models.bundled_chat_templates() and name in ModelConfig.model_fields["chat_template"].description
     tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
-    ids, labels = tokenizing.tokenize_row({"instruction": "hi", "output": "hello"}, "alpaca", tokenizer)
+    ids, labels = tokenize.tokenize_row({"instruction": "hi", "output": "hello"}, "alpaca", tokenizer)
     assert "hello" in tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE])
-    ids, labels = tokenizing.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
     assert "get_weather" in decode_learned(tokenizer, ids, labels) and "sunny" in tokenizer.decode(ids)
     with pytest.raises(TemplateError, match=f"the {name} template renders system, user, assistant and tool turns, "
                                             f"not narrator"):
@@ -228,12 +228,12 @@ def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
     from datetime import datetime
 
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
                                                                 "<|eot_id|>", "<|im_start|>", "<|im_end|>"]})
-    ids, labels = tokenizing.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(WEATHER_CALL_ROW, "messages", tokenizer)
     today = datetime.now().strftime("%d %b %Y")  # LLaMA-Factory's Llama3ToolUtils dates the prompt so
     expected = {"llama3": tokenizer.bos_token + LLAMA3_TOOL_LAYOUT.format(date=today), "qwen": QWEN_TOOL_LAYOUT,
                 "mistral": tokenizer.bos_token + MISTRAL_TOOL_LAYOUT}[name]
@@ -246,7 +246,7 @@ def test_bundled_templates_render_tool_calls_as_llamafactory_does(name):
     parallel = json.loads(json.dumps(WEATHER_CALL_ROW))
     parallel["messages"][1]["tool_calls"].append({"type": "function", "function": {"name": "get_weather",
                                                                                     "arguments": {"city": "Rome"}}})
-    learned = decode_learned(tokenizer, *tokenizing.tokenize_row(parallel, "messages", tokenizer))
+    learned = decode_learned(tokenizer, *tokenize.tokenize_row(parallel, "messages", tokenizer))
     parallel_call = {"llama3": '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
                                '{"name": "get_weather", "parameters": {"city": "Rome"}}]<|eot_id|>',
                      "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -303,14 +303,14 @@ def test_templates_without_a_tool_format_render_llamafactorys_default_one(name):
     the user's slot under alpaca, gemma's own `tool` turn) not; parallel calls one pair a line; a
     ShareGPT function_call / observation row trains the same."""
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     tokenizer = models.load_tokenizer(ModelConfig(config="tiny", chat_template=name))
     row = json.loads(json.dumps(WEATHER_CALL_ROW))
     row["tools"] = [FORECAST_SCHEMA]
     if name == "gemma":
         row["messages"].insert(0, {"role": "system", "content": "Be brief."})
-    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(row, "messages", tokenizer)
     assert tokenizer.decode(ids) == DEFAULT_TOOL_LAYOUTS[name]
     end = {"alpaca": "</s>\n\n", "gemma": "<end_of_turn>\n"}[name]
     call = 'Action: get_weather\nAction Input: {"city": "Paris"}'
@@ -319,10 +319,10 @@ def test_templates_without_a_tool_format_render_llamafactorys_default_one(name):
     share["conversations"][-3] = {"from": "function_call", "value": json.dumps({"name": "get_weather",
                                                                                 "arguments": {"city": "Paris"}})}
     share["conversations"][-2]["from"] = "observation"
-    assert tokenizing.tokenize_row(share, "sharegpt", tokenizer) == (ids, labels)
+    assert tokenize.tokenize_row(share, "sharegpt", tokenizer) == (ids, labels)
     row["messages"][-3]["tool_calls"].append({"type": "function", "function": {"name": "get_weather",
                                                                                "arguments": {"city": "Rome"}}})
-    parallel = learned_runs(tokenizer, *tokenizing.tokenize_row(row, "messages", tokenizer))
+    parallel = learned_runs(tokenizer, *tokenize.tokenize_row(row, "messages", tokenizer))
     assert parallel[0] == f'{call}\nAction: get_weather\nAction Input: {{"city": "Rome"}}{end}'
 
 
@@ -350,7 +350,7 @@ def test_a_chat_template_that_cannot_train_is_named_before_any_row(tmp_path, tex
     """An empty file dropped the tokenizer's template for none; a template failing at render
     time, or leaving the answers out, failed (or learned only markup) row by row."""
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     file = tmp_path / ("t.json" if message is None else "t.jinja")
     file.write_text(text)
@@ -362,7 +362,7 @@ def test_chat_templates_as_transformers_compiles_them_and_json_files_are_read(tm
     """{% generation %} (transformers' assistant-mask tag) and {% continue %} (loop controls) are
     transformers' syntax: a plain jinja2 parse refused them. A chat_template.json is read."""
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     generation = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
                   "{% endgeneration %}{% else %}{% if m.role == 'tool' %}{% continue %}{% endif %}{{ m.content }}"
@@ -383,13 +383,13 @@ def test_a_template_failing_on_one_row_names_that_row(tokenizer):
                                                              "{% endfor %}")
     turns = [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]
     with pytest.raises(RowError, match=r"failed on it \(ZeroDivisionError"):
-        tokenizing.tokenize_row({"messages": turns}, "messages", tokenizer)
+        tokenize.tokenize_row({"messages": turns}, "messages", tokenizer)
 
 
 def test_a_chat_template_counts_by_its_text_on_resume(tmp_path):
     """The run's numbers depend on the template's text: one edited in place is a change (it said
     nothing for text rows), one moved is none."""
-    from zerofit.config import changed_settings
+    from zerofit.config.schema import changed_settings
 
     (tmp_path / "a.jinja").write_text(CHATML)
     (tmp_path / "b.jinja").write_text(CHATML)
@@ -403,7 +403,7 @@ def test_a_chat_template_counts_by_its_text_on_resume(tmp_path):
 
 
 def test_an_earlier_runs_template_does_not_stay_in_the_run_directory(tmp_path, tokenizer, capsys):
-    from zerofit import runfiles
+    from zerofit.train import runfiles
     from zerofit.models import hf_config
 
     config = validate({"run_dir": str(tmp_path), "model": {"config": "tiny"}, "train": {"max_steps": 1}})
@@ -415,7 +415,7 @@ def test_an_earlier_runs_template_does_not_stay_in_the_run_directory(tmp_path, t
 
 
 def test_a_chat_template_the_rows_do_not_use_is_said(tmp_path, tokenizer, capsys):
-    from zerofit import datareport
+    from zerofit.train import datareport
 
     (tmp_path / "t.jinja").write_text(CHATML)
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"q {i}", "output": f"a {i}"} for i in range(20)])

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, child_env, config_for, read_jsonl, run_zerofit, valid_steps, wait_for, zerofit_command
-from zerofit import checkpoint, faults
-from zerofit.doctor import diagnose
+from zerofit.checkpoint import files as checkpoint
+from zerofit.core import faults
+from zerofit.doctor.run import diagnose
 
 
 def fp32_weights(run: Path, step: int) -> dict:
@@ -97,7 +98,7 @@ def test_milestones_outlive_a_resume_that_drops_keep_every(tmp_path):
 
 
 def test_free_space_check_and_size_prediction(tmp_path):
-    from zerofit.planner import CHECKPOINT_OVERHEAD_BYTES as overhead  # metadata, model_states, rng
+    from zerofit.plan.estimate import CHECKPOINT_OVERHEAD_BYTES as overhead  # metadata, model_states, rng
 
     assert checkpoint.checkpoint_bytes(1_500_000_000, zero_stage=3) == 18_000_000_000 + overhead  # measured 16.7 GiB
     assert checkpoint.checkpoint_bytes(1000, zero_stage=2) == 14000 + overhead
@@ -245,7 +246,7 @@ def test_a_nan_loss_stops_the_run_before_it_saves_or_rotates_a_checkpoint(refere
     """Masters damaged in place (size unchanged) and a resume that checks sizes only: the loss
     is NaN from the first step. The run stops there, exit 1, naming it; no NaN step is logged
     or saved, and the older good checkpoint is not rotated out (keep_last 2)."""
-    from zerofit import zerofiles
+    from zerofit.checkpoint import zerofiles
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -309,8 +310,8 @@ def test_a_second_process_on_the_same_run_dir_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from zerofit import runlock
-    from zerofit.config import ConfigError
+    from zerofit.train import runlock
+    from zerofit.config.schema import ConfigError
 
     holder = subprocess.Popen([sys.executable, "-c", f"from zerofit import runlock; runlock.hold({str(tmp_path)!r}); "
                                f"print('held', flush=True); import time; time.sleep(60)"],

@@ -3,15 +3,16 @@ import os
 
 import pytest
 
-from zerofit import checkpoint, faults
+from zerofit.checkpoint import files as checkpoint
+from zerofit.core import faults
 
 
 def test_injected_enospc_and_the_snapshot_arena(tmp_path, monkeypatch):
     import torch
 
-    from zerofit import checkpoint_io
+    from zerofit.checkpoint import writer
 
-    arena = checkpoint_io.HostArena(max_bytes=1 << 20)
+    arena = writer.HostArena(max_bytes=1 << 20)
     assert not arena.reserve(2 << 20)  # over budget: refused, nothing held
     assert arena.reserve(1 << 16) and arena.capacity == 1 << 16
     first, second = arena.views([4000, 8000])
@@ -23,12 +24,12 @@ def test_injected_enospc_and_the_snapshot_arena(tmp_path, monkeypatch):
     assert torch.equal(torch.load(path)["t"], torch.arange(2000, dtype=torch.float32))
 
     monkeypatch.setenv(faults.VARIABLE, f"enospc@save:{faults.tick('save')}")
-    engine = checkpoint_io.ZerofitCheckpointEngine(True, async_save=False, host_max_bytes=1 << 20)
-    engine.create(checkpoint_io.CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False))
+    engine = writer.ZerofitCheckpointEngine(True, async_save=False, host_max_bytes=1 << 20)
+    engine.create(writer.CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False))
     (tmp_path / "t").mkdir()
     engine.save({"x": torch.zeros(100_000)}, str(tmp_path / "t" / "x.pt"))
     assert "No space left on device" in engine.error and "x.pt" in engine.error
-    assert (tmp_path / "t" / "x.pt").stat().st_size == checkpoint_io.FAULT_AFTER_BYTES  # half written
+    assert (tmp_path / "t" / "x.pt").stat().st_size == writer.FAULT_AFTER_BYTES  # half written
     engine.save({"y": torch.zeros(10)}, str(tmp_path / "t" / "y.pt"))
     assert not (tmp_path / "t" / "y.pt").exists()  # a failed checkpoint writes nothing more
 
@@ -42,12 +43,12 @@ def test_checked_file_writes_every_byte(tmp_path, monkeypatch, direct):
     import torch
     import xxhash
 
-    from zerofit import checkpoint_io, directio
+    from zerofit.checkpoint import writer, directio
 
     monkeypatch.setattr(directio, "STAGE_BYTES", 64 << 10)
     pieces = [np.random.default_rng(i).integers(0, 255, size=n, dtype=np.uint8).tobytes()
               for i, n in enumerate([1, 4095, (64 << 10) + 3, 10_000, 5])]
-    checked = checkpoint_io.CheckedFile(tmp_path / "f.bin", None, 0, direct=direct)
+    checked = writer.CheckedFile(tmp_path / "f.bin", None, 0, direct=direct)
     for i, piece in enumerate(pieces):
         checked.write(piece)
         if i in (1, 3):  # partial blocks kept staged: rewritten whole later, hashed once
@@ -58,17 +59,17 @@ def test_checked_file_writes_every_byte(tmp_path, monkeypatch, direct):
     assert checked.bytes == len(content) and checked.hexdigest() == xxhash.xxh3_128(content).hexdigest()
 
     state = {"w": torch.randn(3000), "step": 7}
-    saved = checkpoint_io.CheckedFile(tmp_path / "s.pt", None, 0, direct=direct)
+    saved = writer.CheckedFile(tmp_path / "s.pt", None, 0, direct=direct)
     torch.save(state, saved)
     saved.close()
     loaded = torch.load(tmp_path / "s.pt", weights_only=False)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
 
-    failing = checkpoint_io.CheckedFile(tmp_path / "e.bin", "enospc", 0, direct=direct)
+    failing = writer.CheckedFile(tmp_path / "e.bin", "enospc", 0, direct=direct)
     with pytest.raises(OSError, match="No space left"):
-        failing.write(bytes(checkpoint_io.FAULT_AFTER_BYTES + 100))
+        failing.write(bytes(writer.FAULT_AFTER_BYTES + 100))
     failing.close()
-    assert (tmp_path / "e.bin").stat().st_size == checkpoint_io.FAULT_AFTER_BYTES
+    assert (tmp_path / "e.bin").stat().st_size == writer.FAULT_AFTER_BYTES
     if direct and not checked.direct:
         pytest.skip(f"O_DIRECT refused on {tmp_path}: written through the page cache (checked above)")
     assert checked.direct is direct
@@ -84,11 +85,11 @@ def test_zip_crc32_on_or_off_the_file_loads_and_its_hash_holds(tmp_path, crc):
     import torch
     from torch.utils.serialization import config as torch_serialization
 
-    from zerofit import checkpoint_io
+    from zerofit.checkpoint import writer
 
     before = torch_serialization.save.compute_crc32
-    engine = checkpoint_io.ZerofitCheckpointEngine(True, async_save=False, host_max_bytes=1 << 20, zip_crc32=crc)
-    engine.create(checkpoint_io.CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False))
+    engine = writer.ZerofitCheckpointEngine(True, async_save=False, host_max_bytes=1 << 20, zip_crc32=crc)
+    engine.create(writer.CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False))
     (tmp_path / "t").mkdir()
     state = {"w": torch.randn(5000), "step": 3}
     engine.save(state, str(tmp_path / "t" / "s.pt"))
@@ -105,8 +106,8 @@ def test_zip_crc32_on_or_off_the_file_loads_and_its_hash_holds(tmp_path, crc):
             assert zlib.crc32(raw.read()) == stored
     assert (stored != 0) is crc
     assert set(engine.write_parts) >= {"hash", "stage", "fsync"}
-    # export's lazy reader (zerofit/torchfile.py) reads the records either way
-    from zerofit import torchfile
+    # export's lazy reader (zerofit/checkpoint/torchfile.py) reads the records either way
+    from zerofit.checkpoint import torchfile
 
     archive = torchfile.TorchFile(path)
     lazy = archive.load()
@@ -140,13 +141,13 @@ def test_direct_writer_hashes_every_byte_once_across_random_writes_and_flushes(t
 
     import xxhash
 
-    from zerofit import checkpoint_io, directio
+    from zerofit.checkpoint import writer, directio
 
     monkeypatch.setattr(directio, "STAGE_BYTES", 64 << 10)
     rng = rng_module.Random(7)
     for trial in range(5):
         content = bytearray()
-        checked = checkpoint_io.CheckedFile(tmp_path / f"r{trial}.bin", None, 0, direct=True)
+        checked = writer.CheckedFile(tmp_path / f"r{trial}.bin", None, 0, direct=True)
         for _ in range(40):
             piece = rng.randbytes(rng.choice([1, 7, 4096, 5000, 65536, 70000, 200_000]))
             checked.write(piece)
@@ -165,7 +166,7 @@ def test_checked_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch
     the file is written through the page cache, whole."""
     import errno
 
-    from zerofit import checkpoint_io
+    from zerofit.checkpoint import writer
 
     real_open = os.open
 
@@ -175,7 +176,7 @@ def test_checked_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    checked = checkpoint_io.CheckedFile(tmp_path / "f.bin", None, 0, direct=True)
+    checked = writer.CheckedFile(tmp_path / "f.bin", None, 0, direct=True)
     checked.write(b"x" * 5000)
     checked.close()
     assert not checked.direct and (tmp_path / "f.bin").read_bytes() == b"x" * 5000

@@ -11,8 +11,10 @@ import pytest
 
 from conftest import (ROOT, SHAPE, child_env, config_for, read_jsonl, run_zerofit, tiny_config, trained_run, valid_steps,
                       wait_for, zerofit_command)
-from zerofit import checkpoint, checkpointer, faults
-from zerofit.doctor import diagnose
+from zerofit.checkpoint import files as checkpoint
+from zerofit.train import checkpointer
+from zerofit.core import faults
+from zerofit.doctor.run import diagnose
 
 
 def _cpu_adam_after(steps_before: int, steps_after: int, replay: bool):
@@ -80,7 +82,7 @@ def test_a_run_saves_on_a_schedule_by_default_and_by_the_clock(tmp_path):
     """checkpoint.every_steps was 0 by default: nothing was saved before the end, and a run
     stopped at step 52 kept nothing. Now every 500 steps (HF Trainer's save_steps) or every 30
     minutes, whichever comes first; the clock's schedule here at 0.3 s with no step schedule."""
-    from zerofit.config import CheckpointConfig
+    from zerofit.config.schema import CheckpointConfig
 
     assert (CheckpointConfig().every_steps, CheckpointConfig().every_minutes) == (500, 30.0)
     config = tiny_config(tmp_path / "run", train={"max_steps": 40}, **SHAPE,

@@ -4,27 +4,27 @@ from dataclasses import replace
 import pytest
 
 from conftest import config, cpu_box, cuda_box
-from zerofit import choice, hardware, modelspec
-from zerofit.configfile import validate
-from zerofit.memory import human_bytes
+from zerofit.plan import choose, hardware, spec as modelspec
+from zerofit.config.load import validate
+from zerofit.core.timeline import human_bytes
 
 
 # ------------------------------------------------------------------------ choice
 def test_keeps_parameters_on_a_gpu_that_holds_them_where_that_is_faster():
     spec = modelspec.from_name("llama-1.5b")
-    roomy = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("80GiB"), 1)
+    roomy = choose.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("80GiB"), 1)
     assert roomy.plan.fits and roomy.config.zero.offload_param == roomy.config.zero.offload_optimizer == "none"
     assert roomy.chosen_fields["zero.offload_param"] == "none"
     # optimizer offloaded: parameters on the GPU cost the copy back after each step
     # (planner param_copy_back); each placement is the fastest that fits of its kind
-    decision = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("24GiB"), 1)
+    decision = choose.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("24GiB"), 1)
     assert decision.plan.fits and decision.config.zero.offload_optimizer == "cpu"
-    fastest = {where: min((p.step_seconds for p in decision.considered if p.fits and not choice.narrowed_window(p)
+    fastest = {where: min((p.step_seconds for p in decision.considered if p.fits and not choose.narrowed_window(p)
                            and p.candidate.offload_param == where), default=None) for where in ("none", "cpu")}
     assert None not in fastest.values()
     assert decision.plan.step_seconds == min(fastest.values())
     assert decision.config.zero.offload_param == min(fastest, key=fastest.get)
-    small = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("6GiB"), 1)
+    small = choose.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("6GiB"), 1)
     assert small.plan.fits and small.config.zero.offload_param == "cpu"
     assert small.config.zero.offload_optimizer == "cpu"
 
@@ -34,16 +34,16 @@ def test_short_host_ram_under_a_cgroup_limit_says_to_raise_the_limit():
     spec = modelspec.from_name("llama-1.5b")
     limited = hardware.with_overrides(cpu_box("3GiB"), host_limit="cgroup memory limit 3.0GiB",
                                       overridden=())  # as probed in the group: the budget is the limit's
-    message = str(choice.refuse(choice.decide(config(), spec, limited, 1)))
+    message = str(choose.refuse(choose.decide(config(), spec, limited, 1)))
     assert "of host RAM (have 3.0GiB under the cgroup memory limit 3.0GiB: raise it with docker --memory" in message
-    assert "under the cgroup" not in str(choice.refuse(choice.decide(config(), spec, cpu_box("3GiB"), 1)))
+    assert "under the cgroup" not in str(choose.refuse(choose.decide(config(), spec, cpu_box("3GiB"), 1)))
     asked = hardware.with_overrides(limited, overridden=("host_mem",))  # plan.host_mem set the budget, not the group
-    assert "under the cgroup" not in str(choice.refuse(choice.decide(config(), spec, asked, 1)))
+    assert "under the cgroup" not in str(choose.refuse(choose.decide(config(), spec, asked, 1)))
 
 
 def test_user_settings_are_constraints():
     spec = modelspec.from_name("llama-1.5b")
-    decision = choice.decide(config(zero={"offload_param": "cpu"}, model={"gradient_checkpointing": True}),
+    decision = choose.decide(config(zero={"offload_param": "cpu"}, model={"gradient_checkpointing": True}),
                              spec, cuda_box("80GiB"), 1)
     assert decision.config.zero.offload_param == "cpu" and decision.config.model.gradient_checkpointing
     assert "zero.offload_param" not in decision.chosen_fields
@@ -53,19 +53,19 @@ def test_user_settings_are_constraints():
 @pytest.mark.e2e
 def test_global_batch_is_split_into_micro_and_accumulation():
     spec = modelspec.from_name("llama-1.5b")
-    decision = choice.decide(config(train={"global_batch_size": 16}), spec, cuda_box("24GiB"), 2)
+    decision = choose.decide(config(train={"global_batch_size": 16}), spec, cuda_box("24GiB"), 2)
     train = decision.config.train
     assert train.micro_batch_size * train.grad_accum_steps * 2 == 16
     with pytest.raises(Exception, match="multiple of the world size"):
-        choice.decide(config(train={"global_batch_size": 15}), spec, cuda_box(), 2)
+        choose.decide(config(train={"global_batch_size": 15}), spec, cuda_box(), 2)
 
 
 def test_nothing_fits_says_what_would_with_numbers():
     spec = modelspec.from_name("llama-8b")
-    decision = choice.decide(config(model={"config": "llama-8b"}, zero={"offload_optimizer": "cpu"}), spec,
+    decision = choose.decide(config(model={"config": "llama-8b"}, zero={"offload_optimizer": "cpu"}), spec,
                              cuda_box("24GiB", host="64GiB"), 1)
     assert not decision.plan.fits and "host" in decision.plan.binding
-    text = str(choice.refuse(decision))
+    text = str(choose.refuse(decision))
     assert "no configuration fits" in text and "host:" in text and "GiB of host RAM" in text
     assert any("nvme" in a for a in decision.advice)
 
@@ -74,12 +74,12 @@ def test_a_refusal_names_the_one_moment_that_does_not_fit():
     """A plan may fail only in the first step after a save (the save's GPU residue on top of
     the step's peak): the refusal's breakdown names it, not an empty list."""
     spec = modelspec.from_name("llama-1.5b")
-    decision = choice.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("24GiB"), 1)
+    decision = choose.decide(config(train={"micro_batch_size": 1}), spec, cuda_box("24GiB"), 1)
     gpu = decision.plan.first_step_after_save_peak["gpu"]
     over = replace(gpu, total_bytes=gpu.usable_bytes + 2**30)
     plan = replace(decision.plan, fits=False, first_step_after_save_peak={**decision.plan.first_step_after_save_peak,
                                                                           "gpu": over})
-    text = str(choice.refuse(replace(decision, plan=plan)))
+    text = str(choose.refuse(replace(decision, plan=plan)))
     assert f"gpu (first step after a save): {human_bytes(over.total_bytes)} of" in text, text
 
 
@@ -88,8 +88,8 @@ def test_a_disk_too_small_for_checkpoints_does_not_change_the_configuration():
     (it was the one closest to fitting overall, so it followed this machine's free disk)."""
     spec = modelspec.from_name("llama-1.5b")
     saving = config(train={"micro_batch_size": 1}, checkpoint={"save_final": True})
-    roomy = choice.decide(saving, spec, cuda_box("24GiB"), 1)
-    cramped = choice.decide(saving, spec, cuda_box("24GiB", disk=10**9), 1)
+    roomy = choose.decide(saving, spec, cuda_box("24GiB"), 1)
+    cramped = choose.decide(saving, spec, cuda_box("24GiB", disk=10**9), 1)
     assert roomy.plan.fits and not cramped.plan.fits and cramped.plan.binding == ["disk"]
     assert cramped.plan.candidate == roomy.plan.candidate and cramped.plan.shape == roomy.plan.shape
     assert any(a.startswith("disk:") for a in cramped.advice)
@@ -99,19 +99,19 @@ def test_a_disk_the_plan_passes_takes_every_save(tmp_path):
     """The disk plan holds the margin checkpoint.free_space_problem asks before each save (10%
     and 64 MiB): on a disk with room for the checkpoints alone the plan passed and the run
     stopped at its first save. Where the plan fits now, the save's own check passes."""
-    from zerofit import checkpoint
+    from zerofit.checkpoint import files as checkpoint
 
     spec = modelspec.from_name("tiny")  # a checkpoint of a few MiB: the 64 MiB outweighs the plan's headroom
     keep_one = config(train={"micro_batch_size": 1, "max_steps": 100}, checkpoint={"every_steps": 10, "keep_last": 1})
-    disk = choice.decide(keep_one, spec, cuda_box("24GiB"), 1).plan.devices["disk"]
-    on_disk = choice.checkpoints_on_disk(keep_one)
+    disk = choose.decide(keep_one, spec, cuda_box("24GiB"), 1).plan.devices["disk"]
+    on_disk = choose.checkpoints_on_disk(keep_one)
     assert on_disk == 2  # the older one stays until the newer is written
     one = disk.components["checkpoints"] // on_disk
     share = disk.usable_bytes / disk.budget_bytes  # the headroom the plan keeps
     bare = int(one * on_disk / share) + 1  # room for the checkpoints alone
-    assert not choice.decide(keep_one, spec, cuda_box("24GiB", disk=bare), 1).plan.devices["disk"].fits
+    assert not choose.decide(keep_one, spec, cuda_box("24GiB", disk=bare), 1).plan.devices["disk"].fits
     enough = int(disk.total_bytes / share) + 1
-    assert choice.decide(keep_one, spec, cuda_box("24GiB", disk=enough), 1).plan.devices["disk"].fits
+    assert choose.decide(keep_one, spec, cuda_box("24GiB", disk=enough), 1).plan.devices["disk"].fits
     older = (on_disk - 1) * one  # what the disk holds when the next save begins
     assert checkpoint.free_space_problem(tmp_path, one, free_bytes=enough - older) is None
     assert checkpoint.free_space_problem(tmp_path, one, free_bytes=bare - older) is not None
@@ -123,20 +123,21 @@ def test_a_resume_counts_the_checkpoints_retention_deletes(reference):
     new checkpoints while the two already there would be rotated out ("disk: 95.6MiB of 88.3MiB
     usable" on a 120 MiB disk the run had completed on). Planned as a resume of a real run dir
     (step-000004 and step-000006, keep_last 2) on a disk one checkpoint short of that demand."""
-    from zerofit import checkpoint, planview
+    from zerofit.checkpoint import files as checkpoint
+    from zerofit.plan import render
 
     more = ["train.max_steps=12"]
     config_file = str(reference / "config.yaml")
     one = checkpoint.on_disk_bytes(reference / "checkpoints" / "step-000006")
-    disk = planview.plan(config_path=config_file, overrides=more, disk_free="1TB")[0].plan.devices["disk"]
+    disk = render.plan(config_path=config_file, overrides=more, disk_free="1TB")[0].plan.devices["disk"]
     share = disk.usable_bytes / disk.budget_bytes
     short = int(disk.total_bytes / share) - one  # room for all but one of the new checkpoints
-    decision, _, hw = planview.plan(config_path=config_file, overrides=more, disk_free=f"{short}B")
+    decision, _, hw = render.plan(config_path=config_file, overrides=more, disk_free=f"{short}B")
     assert decision.plan.devices["disk"].fits, decision.plan.devices["disk"]
     credit = hw.disk_free_bytes - short
     assert abs(credit - 2 * one) <= one // 10  # both existing ones go as the three new ones are written
     assert any(note.startswith("disk:") and "retention deletes" in note for note in decision.plan.notes)
-    fresh = planview.plan_config(decision.config, 1, hw=hardware.with_overrides(hw, disk_free_bytes=short),
+    fresh = render.plan_config(decision.config, 1, hw=hardware.with_overrides(hw, disk_free_bytes=short),
                                  resuming=False)[0]  # --no-resume sets them aside: they stay on the disk
     assert not fresh.plan.devices["disk"].fits
 
@@ -144,21 +145,21 @@ def test_a_resume_counts_the_checkpoints_retention_deletes(reference):
 def test_a_run_without_periodic_saves_keeps_one_checkpoint_on_disk():
     once = validate({"model": {"config": "tiny"}, "train": {"epochs": 1},
                      "checkpoint": {"every_steps": 0, "every_minutes": 0}})
-    assert choice.checkpoints_on_disk(once) == 1
+    assert choose.checkpoints_on_disk(once) == 1
     never = validate({"model": {"config": "tiny"}, "train": {"epochs": 1},
                       "checkpoint": {"every_steps": 0, "every_minutes": 0, "save_final": False}})
-    assert choice.checkpoints_on_disk(never) == 0
+    assert choose.checkpoints_on_disk(never) == 0
     # the clock may save at any step: keep_last + 1 on disk, at most one a step
     by_the_clock = validate({"model": {"config": "tiny"}, "train": {"epochs": 1}, "checkpoint": {"every_steps": 0}})
-    assert choice.checkpoints_on_disk(by_the_clock) == 3
+    assert choose.checkpoints_on_disk(by_the_clock) == 3
     short = validate({"model": {"config": "tiny"}, "train": {"max_steps": 2},
                       "checkpoint": {"every_steps": 0, "save_final": False}})
-    assert choice.checkpoints_on_disk(short) == 2
+    assert choose.checkpoints_on_disk(short) == 2
 
 
 def test_cpu_machine_plans_against_host_ram():
     spec = modelspec.from_name("tiny")
-    decision = choice.decide(validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}}), spec, cpu_box(), 1)
+    decision = choose.decide(validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}}), spec, cpu_box(), 1)
     plan = decision.plan
     assert plan.accelerator == "cpu" and plan.gpu_allocated_peak == 0 and plan.devices["gpu"].total_bytes == 0
     assert any(k.startswith("device:") for k in plan.devices["host"].components)
@@ -216,7 +217,7 @@ def test_fixed_segments_are_noted_where_the_norms_block_has_no_room():
         config = validate({"run_dir": "/tmp/unused", "model": {"config": "llama-3.6b"}, "data": {"path": "synthetic"},
                            "train": {"max_steps": 1, "seq_len": 1024, "global_batch_size": 16},
                            "plan": {"headroom": 0.05}, "memory": {"expandable_segments": expandable}})
-        return [n for n in choice.decide(config, spec, hw, 1).plan.notes if n.startswith("fixed GPU segments")]
+        return [n for n in choose.decide(config, spec, hw, 1).plan.notes if n.startswith("fixed GPU segments")]
 
     tight = notes("5.3GiB", False)
     assert len(tight) == 1 and "asks 1.9GiB in one block" in tight[0]

@@ -3,9 +3,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zerofit import cli, runfiles
-from zerofit.config import Config, ConfigError, changed_settings
-from zerofit.configfile import dump_yaml, example_yaml, load, parse_override, validate
+from zerofit import cli
+from zerofit.train import runfiles
+from zerofit.config.schema import Config, ConfigError, changed_settings
+from zerofit.config.load import dump_yaml, example_yaml, load, parse_override, validate
 
 from conftest import run_zerofit, tiny_config, write_config
 
@@ -108,10 +109,11 @@ def test_missing_file(tmp_path):
 def test_run_files_with_bytes_that_are_no_text_are_read_around_them(tmp_path):
     """A torn write (or a disk error) leaves bytes that are no UTF-8: the doctor read the run's
     timeline with a UnicodeDecodeError traceback."""
-    from zerofit import doctor, memory
+    from zerofit.doctor import run as doctor
+    from zerofit.core import timeline
 
     (tmp_path / "memory.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n{"step": 2}\n')
-    assert memory.read_jsonl(tmp_path / "memory.jsonl") == [{"step": 1}, {"step": 2}]
+    assert timeline.read_jsonl(tmp_path / "memory.jsonl") == [{"step": 1}, {"step": 2}]
     (tmp_path / "plan.json").write_bytes(b'{"a": "\xff"}')
     assert doctor.read_json(tmp_path / "plan.json") is None
 
@@ -311,8 +313,8 @@ def test_train_help_is_short_and_names_every_key(capsys, monkeypatch, columns):
     """train --help was a 22.7 KB dump of every key's whole doc on 400-character lines: its flags,
     then every key on one line within the terminal's width (at most 100 columns), the planner's
     marked, and where the whole docs are."""
-    from zerofit.choice import DECIDED
-    from zerofit.section import Section
+    from zerofit.plan.choose import DECIDED
+    from zerofit.config.section import Section
 
     monkeypatch.setenv("COLUMNS", str(columns))
     with pytest.raises(SystemExit):
@@ -362,7 +364,7 @@ def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeyp
     """Config paths are read from the working directory (not the config file's): a config run
     from elsewhere said "download it once" for a model directory one level up."""
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
@@ -385,7 +387,7 @@ def test_download_hints_name_the_cli_huggingface_hub_ships():
     from importlib.metadata import distribution
 
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     shipped = {e.name for e in distribution("huggingface_hub").entry_points if e.group == "console_scripts"}
     assert "hf" in shipped and "huggingface-cli" not in shipped
@@ -422,7 +424,7 @@ def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
     import subprocess
     import sys as system
 
-    from zerofit import runlock
+    from zerofit.train import runlock
 
     run = tmp_path / "runs" / "x"
     run.mkdir(parents=True)
@@ -500,7 +502,7 @@ def test_an_attention_kernel_the_architecture_lacks_is_refused_before_the_build(
     from transformers import Gemma2Config, LlamaConfig
 
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     gemma = Gemma2Config(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=32, vocab_size=128)
@@ -516,7 +518,7 @@ def test_rows_past_a_pretrained_models_positions_are_warned_of(tmp_path):
     from transformers import LlamaConfig
 
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
 
     pretrained, scratch = ModelConfig(path=str(tmp_path)), ModelConfig(config="tiny")
     limited = LlamaConfig(max_position_embeddings=1024)
@@ -553,7 +555,7 @@ def test_a_seq_len_the_host_cannot_build_rows_of_is_refused_before_any_row_is_re
 
     from transformers import LlamaConfig
 
-    from zerofit import train
+    from zerofit.train import loop as train
 
     config_file = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
     done = run_zerofit(["train", "--config", str(config_file), "--set", "train.seq_len=50000000",
@@ -578,7 +580,7 @@ def test_a_model_directory_that_cannot_load_is_named_before_anything_is_touched(
     from transformers import AutoModelForCausalLM
 
     from zerofit import models
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
     from zerofit.models import config_from_name
 
     good = tmp_path / "good"

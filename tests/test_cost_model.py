@@ -4,8 +4,8 @@ committed bench results, read by bench/cost_fit.py, which also refits the rates.
 import pytest
 from conftest import bench_module, cuda_box
 
-from zerofit import hardware, modelspec, planner, steptime
-from zerofit.planner import Candidate, Shape
+from zerofit.plan import hardware, spec, estimate, steptime
+from zerofit.plan.estimate import Candidate, Shape
 
 cost_fit = bench_module("cost_fit")
 
@@ -29,17 +29,17 @@ def test_predicted_step_seconds_within_20_percent_of_measured(step):
 
 def test_the_plan_estimates_with_the_same_model():
     step = next(s for s in MEASURED if s.name.startswith("speed-1.5b.json") and s.name.endswith("zerofit"))
-    plan = planner.predict(step.spec, step.hw, step.shape, step.candidate)
+    plan = estimate.predict(step.spec, step.hw, step.shape, step.candidate)
     assert plan.step_seconds == pytest.approx(cost_fit.predicted(step), rel=1e-9)
 
 
 def test_the_boundary_is_paid_once_per_step_and_the_gradients_overlap_the_backward():
     """What the refit turned on: 88 micro batches of 16 x 1024 on 3.6B cost 1.10 s each where
     one such micro batch alone made a 2.44 s step (bench/results/nvme.json, speed-3.6b-x2.json)."""
-    spec3 = modelspec.from_name("llama-3.6b")
+    spec3 = spec.from_name("llama-3.6b")
     hw = cuda_box("139GiB", host="251GiB", cores=32)
     cand = Candidate(offload_optimizer="cpu", offload_param="cpu")
-    one, many = (planner.predict(spec3, hw, Shape(seq_len=1024, micro_batch=16, grad_accum=n), cand) for n in (1, 88))
+    one, many = (estimate.predict(spec3, hw, Shape(seq_len=1024, micro_batch=16, grad_accum=n), cand) for n in (1, 88))
     assert many.step_terms["grad_boundary"] == one.step_terms["grad_boundary"] > 0
     assert many.step_terms["cpu_adam"] == one.step_terms["cpu_adam"]
     assert many.step_seconds / 88 < 0.6 * one.step_seconds
@@ -51,7 +51,7 @@ def test_the_boundary_is_paid_once_per_step_and_the_gradients_overlap_the_backwa
 
 
 def test_cpu_adam_scales_with_the_square_root_of_the_cores():
-    spec15 = modelspec.from_name("llama-1.5b")
+    spec15 = spec.from_name("llama-1.5b")
     shape, cand = Shape(seq_len=1024, micro_batch=2), Candidate(offload_optimizer="cpu", offload_param="cpu")
     on16, on32 = (steptime.step_time_terms(spec15, cuda_box(cores=c), shape, cand)["cpu_adam"] for c in (16, 32))
     assert on16 == pytest.approx(spec15.total_params * hardware.CPU_ADAM_SECONDS_PER_PARAM, rel=1e-3)

@@ -2,13 +2,13 @@
 import numpy as np
 import pytest
 
-from zerofit import data, rowlayout, tokenizing
-from zerofit.config import ConfigError
-from zerofit.dataconfig import DataConfig
-from zerofit.configfile import validate
-from zerofit.data import Batches
-from zerofit.datafiles import DataError
-from zerofit.tokenizing import IGNORE
+from zerofit.data import pipeline as data, rows as rowlayout, tokenize
+from zerofit.config.schema import ConfigError
+from zerofit.config.data import DataConfig
+from zerofit.config.load import validate
+from zerofit.data.pipeline import Batches
+from zerofit.data.files import DataError
+from zerofit.data.tokenize import IGNORE
 
 from conftest import write_jsonl
 
@@ -98,7 +98,7 @@ def test_examples_cut_to_seq_len_are_counted(tmp_path, tokenizer):
     into the next row, none cut."""
     rows = [{"instruction": "i", "output": "o" * 40}, {"instruction": "i", "output": "o"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    whole = len(tokenizing.tokenize_row(rows[0], "alpaca", tokenizer)[0])
+    whole = len(tokenize.tokenize_row(rows[0], "alpaca", tokenizer)[0])
     for packing, neat, truncation in ((False, False, "balanced"), (True, False, "head"), (True, True, "balanced")):
         cfg = DataConfig(path=str(path), packing=packing, neat_packing=neat, truncation=truncation)
         seqs = data.build_sequences([path], cfg, tokenizer, 48)
@@ -116,7 +116,7 @@ def test_prompted_examples_are_packed_whole_and_text_concatenated(tmp_path, toke
     rows = [{"instruction": f"question {i}", "output": "answer " * (3 + i % 7)} for i in range(40)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     seqs = data.build_sequences([path], DataConfig(path=str(path)), tokenizer, 256)
-    examples = [tokenizing.tokenize_row(row, "alpaca", tokenizer) for row in rows]
+    examples = [tokenize.tokenize_row(row, "alpaca", tokenizer) for row in rows]
     assert seqs.layout == "whole" and seqs.lengths.sum() == sum(len(ids) for ids, _ in examples)
     learned = lambda labels: int((labels != IGNORE).sum())
     assert learned(seqs.labels) == sum(learned(np.array(labels)) for _, labels in examples)  # none dropped, none cut
@@ -159,7 +159,7 @@ def test_eval_examples_holds_out_that_many_rows_seeded(tmp_path, tokenizer, caps
     """data.eval_examples is LLaMA-Factory's integer val_size: exactly that many rows held out,
     chosen as eval_fraction chooses them; a count that leaves nothing to train is refused with
     the figures; synthetic data is held out so too; the data line names the key."""
-    from zerofit import datareport
+    from zerofit.train import datareport
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(100)])
     cfg = DataConfig(path=str(path), eval_examples=7, packing=False)
@@ -252,12 +252,12 @@ def test_a_long_prompt_is_cut_and_its_answer_kept_as_llama_factory_cuts(tmp_path
     rows that head truncation drops keep their answers, their prompts cut to the room left."""
     rows = [{"instruction": "word " * 100, "output": "yes"}] * 6 + [{"instruction": "hi", "output": "there"}] * 2
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    answer = int((np.array(tokenizing.tokenize_row(rows[0], "alpaca", tokenizer)[1]) != IGNORE).sum())
+    answer = int((np.array(tokenize.tokenize_row(rows[0], "alpaca", tokenizer)[1]) != IGNORE).sum())
     for packing in (False, True):
         seqs = data.build_sequences([path], DataConfig(path=str(path), packing=packing), tokenizer, 128)
         assert seqs.prompt_only_rows == 0 and seqs.cut[:2] == (6, 0) and seqs.cut[2] > 0
         assert int((seqs.labels != IGNORE).sum()) == 6 * answer + 2 * int(
-            (np.array(tokenizing.tokenize_row(rows[-1], "alpaca", tokenizer)[1]) != IGNORE).sum())
+            (np.array(tokenize.tokenize_row(rows[-1], "alpaca", tokenizer)[1]) != IGNORE).sum())
         assert f"losing 0 answer tokens and {seqs.cut[2]} prompt tokens" in seqs.cut_note(128)
 
 
@@ -372,12 +372,12 @@ def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, to
     assert "first question" in learned(train_on_prompt=True) and "second question" in learned(train_on_prompt=True)
     only_last = learned(mask_history=True)
     assert "gamma delta" in only_last and "alpha" not in only_last and "question" not in only_last
-    first_turn = len(tokenizing.tokenize_row({"messages": turns[:2]}, "messages", tokenizer)[0])
+    first_turn = len(tokenize.tokenize_row({"messages": turns[:2]}, "messages", tokenizer)[0])
     assert "gamma delta" not in learned(seq_len=first_turn)  # in order, the first turn takes the room
     assert "gamma delta" in learned(seq_len=first_turn, mask_history=True)  # the last turn's first
 
-    from zerofit.datareport import learned_note
-    from zerofit.config import Config
+    from zerofit.train.datareport import learned_note
+    from zerofit.config.schema import Config
 
     config = Config.model_validate({"model": {"config": "tiny"}, "train": {"max_steps": 1},
                                     "data": {"mask_history": True}})

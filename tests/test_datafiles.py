@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from zerofit import data, datafiles, tokenizing
-from zerofit.config import ConfigError
-from zerofit.dataconfig import DataConfig
-from zerofit.configfile import validate
-from zerofit.datafiles import DataError
+from zerofit.data import pipeline as data, files as datafiles, tokenize
+from zerofit.config.schema import ConfigError
+from zerofit.config.data import DataConfig
+from zerofit.config.load import validate
+from zerofit.data.files import DataError
 
 from conftest import decode_learned, write_jsonl
 
@@ -165,33 +165,33 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
             import pandas as pd
 
             pd.DataFrame(alpaca).to_parquet(rows_as)
-        assert tokenizing.read_examples([rows_as], mapped, tokenizer)[0] == \
-            [tokenizing.tokenize_row(usual[0], "alpaca", tokenizer)]
+        assert tokenize.read_examples([rows_as], mapped, tokenizer)[0] == \
+            [tokenize.tokenize_row(usual[0], "alpaca", tokenizer)]
     talk = [{"dialog": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "sys": "be brief"}]
-    read = tokenizing.read_examples([write_jsonl(tmp_path / "s.jsonl", talk)],
+    read = tokenize.read_examples([write_jsonl(tmp_path / "s.jsonl", talk)],
                                     DataConfig(path="x", columns={"messages": "dialog", "system": "sys"}), tokenizer)
-    as_sharegpt = tokenizing.tokenize_row({"conversations": talk[0]["dialog"], "system": "be brief"}, "sharegpt",
+    as_sharegpt = tokenize.tokenize_row({"conversations": talk[0]["dialog"], "system": "be brief"}, "sharegpt",
                                           tokenizer)
     assert read[0] == [as_sharegpt] and read[3] == ("messages",)
     # only the optional query missing: fine; the response's column missing: named, with the file's columns
-    assert tokenizing.read_examples([write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "a"}])],
+    assert tokenize.read_examples([write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "a"}])],
                                     mapped, tokenizer)[0]
     with pytest.raises(DataError, match=r"c\.jsonl has no column response: answer \(data\.columns\), though it has "
                                         r"question; its columns are question, reply"):
-        tokenizing.read_examples([write_jsonl(tmp_path / "c.jsonl", [{"question": "q", "reply": "a"}])], mapped,
+        tokenize.read_examples([write_jsonl(tmp_path / "c.jsonl", [{"question": "q", "reply": "a"}])], mapped,
                                  tokenizer)
     # a field under both names: the column data.columns names is read, as LLaMA-Factory reads it, and the
     # other is said to be left out
-    both = tokenizing.read_examples([write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a",
+    both = tokenize.read_examples([write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a",
                                                                          "output": "o"}])], mapped, tokenizer)
-    assert both.examples == [tokenizing.tokenize_row({"instruction": "q", "output": "a"}, "alpaca", tokenizer)]
+    assert both.examples == [tokenize.tokenize_row({"instruction": "q", "output": "a"}, "alpaca", tokenizer)]
     assert both.unread == [f"{tmp_path / 'd.jsonl'}: its output column (answer is read as output, data.columns)"]
     # a field's own column renamed away itself is no clash: instruction -> system, input -> instruction
     chain = [{"instruction": "You translate", "input": "bonjour", "output": "hello"}]
-    assert tokenizing.read_examples([write_jsonl(tmp_path / "f.jsonl", chain)],
+    assert tokenize.read_examples([write_jsonl(tmp_path / "f.jsonl", chain)],
                                     DataConfig(path="x", columns={"system": "instruction", "prompt": "input"}),
                                     tokenizer)[0] == \
-        [tokenizing.tokenize_row({"system": "You translate", "instruction": "bonjour", "output": "hello"}, "alpaca",
+        [tokenize.tokenize_row({"system": "You translate", "instruction": "bonjour", "output": "hello"}, "alpaca",
                                  tokenizer)]
     # a directory mixing formats: a file with none of the mapped columns keeps its own names; one
     # mapping names two formats' columns, each file holding one format's
@@ -201,18 +201,18 @@ def test_columns_named_otherwise_are_read_as_llama_factory_maps_them(tmp_path, t
     write_jsonl(mixed / "b.jsonl", [{"conversations": talk[0]["dialog"]}])
     write_jsonl(mixed / "c.jsonl", [{"dialog": talk[0]["dialog"]}])
     both = DataConfig(path="x", columns={**columns, "messages": "dialog"})
-    assert len(tokenizing.read_examples(datafiles.data_entries(str(mixed)), both, tokenizer)[0]) == 3
+    assert len(tokenize.read_examples(datafiles.data_entries(str(mixed)), both, tokenizer)[0]) == 3
     # LLaMA-Factory's own sharegpt entry, {formatting: sharegpt, columns: {messages: conversations}}
     entry = DataConfig(path="x", format="sharegpt", columns={"messages": "conversations", "system": "sys"})
-    assert tokenizing.read_examples([write_jsonl(tmp_path / "lf.jsonl", [{"conversations": talk[0]["dialog"],
+    assert tokenize.read_examples([write_jsonl(tmp_path / "lf.jsonl", [{"conversations": talk[0]["dialog"],
                                                                            "sys": "be brief"}])],
                                     entry, tokenizer)[0] == [as_sharegpt]
     with pytest.raises(DataError, match=r"e\.jsonl, line 1: field `answer`: expected a string, got int"):
-        tokenizing.read_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": 4}])], mapped,
+        tokenize.read_examples([write_jsonl(tmp_path / "e.jsonl", [{"question": "q", "answer": 4}])], mapped,
                                  tokenizer)
     # a file that keeps its own names (none of the mapped columns) is told in its own names
     with pytest.raises(DataError, match=r"g\.jsonl, line 1: field `output`: expected a string, got int"):
-        tokenizing.read_examples([write_jsonl(tmp_path / "g.jsonl", [{"instruction": "q", "output": 4}])], mapped,
+        tokenize.read_examples([write_jsonl(tmp_path / "g.jsonl", [{"instruction": "q", "output": 4}])], mapped,
                                  tokenizer)
     with pytest.raises(ConfigError, match=r"data\.columns names answer: the keys are the fields instruction"):
         validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "data": {"columns": {"answer": "a"}}})
@@ -302,7 +302,7 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     assert len(seqs) == 8
     # a run_dir inside data.path: its checkpoint manifests and logs are not rows (they failed a resume as
     # "cannot tell the format"), the directory is said instead
-    from zerofit.runlock import LOCK_FILE
+    from zerofit.train.runlock import LOCK_FILE
 
     run = tmp_path / "dir" / "run"
     (run / "checkpoints" / "step-000002").mkdir(parents=True)
@@ -383,7 +383,7 @@ def test_max_samples_cuts_before_the_eval_split_and_counts_bad_rows(tmp_path, to
 
 
 def test_the_data_line_says_what_max_samples_cut(tmp_path, tokenizer, capsys):
-    from zerofit import datareport
+    from zerofit.train import datareport
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(40)])
     held = write_jsonl(tmp_path / "e.jsonl", [{"text": f"held {i}"} for i in range(8)])
@@ -415,17 +415,17 @@ def test_a_column_mapped_to_null_is_not_read(tmp_path, tokenizer):
             import pandas as pd
 
             pd.DataFrame(rows).to_parquet(file)
-        assert tokenizing.read_examples([file], unread, tokenizer).examples == \
-            [tokenizing.tokenize_row({"instruction": "add 2 and 2", "output": "4"}, "alpaca", tokenizer)]
-    assert tokenizing.read_examples([tmp_path / "a.jsonl"], DataConfig(path="x"), tokenizer).examples != \
-        tokenizing.read_examples([tmp_path / "a.jsonl"], unread, tokenizer).examples  # read when not null
+        assert tokenize.read_examples([file], unread, tokenizer).examples == \
+            [tokenize.tokenize_row({"instruction": "add 2 and 2", "output": "4"}, "alpaca", tokenizer)]
+    assert tokenize.read_examples([tmp_path / "a.jsonl"], DataConfig(path="x"), tokenizer).examples != \
+        tokenize.read_examples([tmp_path / "a.jsonl"], unread, tokenizer).examples  # read when not null
     with pytest.raises(ConfigError, match=r"data.columns prompt: null: only an optional field \(input, system, "
                                           r"history, tools\) can be left unread"):
         validate({"model": {"config": "tiny"}, "train": {"max_steps": 1}, "data": {"columns": {"prompt": None}}})
 
 
 def test_the_data_line_names_a_column_left_out_for_the_one_data_columns_names(tmp_path, tokenizer, capsys):
-    from zerofit import datareport
+    from zerofit.train import datareport
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"q {i}", "output": f"a {i}", "system": "unused",
                                                "persona": "terse"} for i in range(20)])
@@ -444,6 +444,6 @@ def test_a_null_field_does_not_drop_the_column_another_key_reads(tmp_path, token
     config = DataConfig(path="x", columns={"prompt": "input", "query": None})
     for file in (write_jsonl(tmp_path / "a.jsonl", rows),
                  write_jsonl(tmp_path / "b.jsonl", [*rows, '{"input": "x", "output": 7}'])):  # line by line: JsonRows
-        read = tokenizing.read_examples([file], config.model_copy(update={"skip_bad_rows": True}), tokenizer)
-        assert read.examples[:2] == [tokenizing.tokenize_row({"instruction": r["input"], "output": r["output"]},
+        read = tokenize.read_examples([file], config.model_copy(update={"skip_bad_rows": True}), tokenizer)
+        assert read.examples[:2] == [tokenize.tokenize_row({"instruction": r["input"], "output": r["output"]},
                                                              "alpaca", tokenizer) for r in rows]

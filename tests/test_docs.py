@@ -3,7 +3,7 @@ relative link in README.md and docs/*.md lands on a file that exists (and a head
 import re
 from pathlib import Path
 
-from zerofit import configdoc
+from zerofit.config import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -31,9 +31,9 @@ def heading_anchors(text: str) -> set[str]:
 
 def test_the_config_reference_is_what_the_schema_generates():
     committed = (ROOT / "docs" / "config-reference.md").read_text()
-    assert committed == configdoc.render(), (
-        f"docs/config-reference.md differs from the schema in zerofit/config.py; regenerate it: "
-        f"`{configdoc.REGENERATE}`")
+    assert committed == reference.render(), (
+        f"docs/config-reference.md differs from the schema in zerofit/config/schema.py; regenerate it: "
+        f"`{reference.REGENERATE}`")
 
 
 def test_every_relative_link_resolves():

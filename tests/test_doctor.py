@@ -13,10 +13,10 @@ import pytest
 from conftest import read_jsonl, run_zerofit, tiny_config, train, write_config, write_jsonl
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.config import ConfigError
-from zerofit.doctor import diagnose, doctor
-from zerofit.findings import end_of_step, gib
-from zerofit.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
+from zerofit.config.schema import ConfigError
+from zerofit.doctor.run import diagnose, doctor
+from zerofit.findings.facts import end_of_step, gib
+from zerofit.core.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def test_the_host_plan_compared_is_the_highest_the_run_went_through(clean_run):
     planned for the save, 2.12 for training; the save measured 2.98): the doctor compared the
     measured peak, the save's, with training's plan alone (-29%). A run that never saved is
     compared without it."""
-    from zerofit.doctor import rank_timelines
-    from zerofit.measured import plan_vs_measured
+    from zerofit.doctor.run import rank_timelines
+    from zerofit.findings.measured import plan_vs_measured
 
     run, _, _ = clean_run
     plan = json.loads((run / "plan.json").read_text())
@@ -77,10 +77,10 @@ def test_clean_run_has_no_findings(clean_run):
     # ...and the doctor says that figure is derived, not sampled
     assert any(n.startswith("disk's measured figure is the newest checkpoint's size on disk") and "times the 3 " in n
                for n in diagnosis.notes), diagnosis.notes
-    from zerofit.report import plan_rows
+    from zerofit.doctor.report import plan_rows
 
     assert [row["device"] for row in plan_rows(diagnosis)] == ["host", "disk"]  # no all-zero GPU row on a CPU run
-    from zerofit.report import stacked
+    from zerofit.doctor.report import stacked
 
     # the plan chart stacks what the table plans: the free space a save asks for was drawn too (7x here)
     for row in plan_rows(diagnosis):
@@ -91,7 +91,7 @@ def test_clean_run_has_no_findings(clean_run):
 @pytest.mark.e2e
 def test_the_plan_chart_legend_leaves_the_bars_uncovered(clean_run):
     """The legend of thin components sat inside the chart, over the planned bar: below it now."""
-    from zerofit.report import plan_figure
+    from zerofit.doctor.report import plan_figure
 
     figure = plan_figure(diagnose(clean_run[0]))
     renderer = figure.canvas.get_renderer()
@@ -358,7 +358,7 @@ def test_png_is_a_real_image(clean_run):
     import matplotlib.image
 
     run, _, _ = clean_run
-    from zerofit.report import timeline_png
+    from zerofit.doctor.report import timeline_png
 
     image = matplotlib.image.imread(io.BytesIO(base64.b64decode(timeline_png(diagnose(run)))), format="png")
     assert image.shape[0] > 200 and image.shape[1] > 800
@@ -385,7 +385,7 @@ def test_a_run_killed_outright_is_explained(tmp_path):
     diagnosis = diagnose(tmp_path / "run")
     assert diagnosis.ending == ("killed outright after step 4 (no end record; see the finding); newest intact "
                                 "checkpoint step-000003 (step 4 in no intact checkpoint)")  # it said only the checkpoint
-    from zerofit.report import kill_marks
+    from zerofit.doctor.report import kill_marks
     assert kill_marks(diagnosis) == [{"phase": "end", "reason": "killed outright", "step": 4}]  # on the timeline
     run_zerofit(["train", "--config", str(config), "--resume"])
     assert diagnose(tmp_path / "run").ending == "completed at step 6; newest intact checkpoint step-000006"
@@ -397,8 +397,8 @@ def test_a_run_killed_outright_is_explained(tmp_path):
 
 
 def test_how_a_run_ended_reads_its_end_record():
-    from zerofit.doctor import how_it_ended
-    from zerofit.memory import effective_records
+    from zerofit.doctor.run import how_it_ended
+    from zerofit.core.timeline import effective_records
 
     def records(*phases):
         return [{"step": step, "phase": phase, **({"reason": reason} if reason else {})}
@@ -419,8 +419,8 @@ def test_an_async_save_resumed_from_counts_as_published():
     """An async save of step 4 is published (checkpoint_written) at step 5; a kill at step 6 and
     a resume from step-000004 dropped that record with step 5's, and the summary called the
     checkpoint it resumed from unfinished."""
-    from zerofit.measured import save_outcomes
-    from zerofit.memory import effective_records
+    from zerofit.findings.measured import save_outcomes
+    from zerofit.core.timeline import effective_records
 
     def saved(step, phase, name):
         return {"step": step, "phase": phase, "checkpoint": name, **({"mode": "async"} if phase == "save" else {})}
@@ -431,7 +431,7 @@ def test_an_async_save_resumed_from_counts_as_published():
     resumed = [{"step": 4, "phase": "start"}, saved(6, "save", "step-000006"), saved(7, "checkpoint_written", "step-000006")]
     assert save_outcomes(effective_records(first + resumed)) == {"saves": 3, "saves_failed": 0, "saves_unfinished": 0}
     assert save_outcomes(effective_records(first)) == {"saves": 2, "saves_failed": 0, "saves_unfinished": 1}
-    from zerofit.report import saves_phrase
+    from zerofit.doctor.report import saves_phrase
     assert saves_phrase({"saves": 1, "saves_failed": 0, "saves_unfinished": 1}) == \
         "1 save (1 unfinished: being written when the timeline ends)"  # it read "1 saves"
 
@@ -487,7 +487,7 @@ def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_thei
     for inspection, out of retention's way). The doctor did not mention it, so it held its disk
     (a whole checkpoint: 12 bytes a parameter) until someone looked. Now each is a finding: why it
     cannot be loaded (recorded when it was set aside), its size on disk and the fix."""
-    from zerofit.memory import human_bytes
+    from zerofit.core.timeline import human_bytes
 
     run, config, _ = clean_run
     copy, victim = copy_with_a_flipped_byte(run, tmp_path / "run")
@@ -570,7 +570,7 @@ def test_out_in_folders_that_do_not_exist_yet_makes_them(clean_run, tmp_path):
 def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):
     """The run's lock held (here by this process, as a zerofit train holds it for its lifetime):
     the doctor's figures are up to the newest record, and it says so; free, it says nothing."""
-    from zerofit import runlock
+    from zerofit.train import runlock
 
     run, _, _ = clean_run
     copy = tmp_path / "run"

@@ -6,10 +6,10 @@ import pytest
 
 from conftest import OOM_AT_5, WIDE, agent_store_env, oom_config, read_jsonl, run_two_nodes, run_zerofit, tiny_config
 
-from zerofit import elastic
-from zerofit.configfile import validate
-from zerofit.oomreport import retry_line
-from zerofit.postmortem import OomEvent
+from zerofit.recovery import elastic
+from zerofit.config.load import validate
+from zerofit.findings.oomreport import retry_line
+from zerofit.recovery.postmortem import OomEvent
 
 
 @pytest.mark.multirank

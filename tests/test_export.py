@@ -11,7 +11,7 @@ import torch
 
 from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit, tiny_config, write_config
 from zerofit.cli import main
-from zerofit.export import export
+from zerofit.export.checkpoint import export
 from zerofit.models import PRESETS
 
 
@@ -170,7 +170,7 @@ def test_the_export_generates(one_rank_export):
 def converted(two_ranks, tmp_path_factory):
     """A copy of the 2-rank run with step-000002 converted by DeepSpeed's ds_to_universal, as
     a resume on 1 rank converts it: (run dir, step-000002, universal-step-000002)."""
-    from zerofit import universal
+    from zerofit.checkpoint import universal
 
     run = tmp_path_factory.mktemp("universal") / "run"
     shutil.copytree(two_ranks, run)
@@ -211,7 +211,7 @@ def test_universal_checkpoint_exports_the_same_model(converted, tmp_path):
 
 @pytest.mark.multirank
 def test_a_damaged_universal_checkpoint_is_refused(converted, tmp_path, capsys):
-    from zerofit.zerofiles import ZeroCheckpointError, open_checkpoint
+    from zerofit.checkpoint.zerofiles import ZeroCheckpointError, open_checkpoint
 
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(converted[0] / "model", tmp_path / "run" / "model")
@@ -257,7 +257,7 @@ def test_bit_rot_is_caught_by_the_hashes_and_nan_weights_are_never_published(one
     """Bytes of the newest checkpoint's fp32 masters overwritten in place (the size unchanged,
     as a failing disk does): the default hash check skips it for the older one; with
     --no-hashes the NaN it reads is refused, and nothing is written."""
-    from zerofit import zerofiles
+    from zerofit.checkpoint import zerofiles
 
     run = tmp_path / "run"
     shutil.copytree(one_rank, run)
@@ -406,7 +406,7 @@ def wide_run(tmp_path_factory, tokenizer_dir):
 
 @pytest.mark.e2e
 def test_peak_rss_stays_under_max_ram(wide_run, tmp_path):
-    code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export, zerofit.zerofiles"],
+    code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export.checkpoint, zerofit.checkpoint.zerofiles"],
                                       tmp_path)
     assert code == 0, err
     room = 96 << 20
@@ -427,8 +427,8 @@ def test_peak_rss_stays_under_max_ram(wide_run, tmp_path):
 
 
 def test_sizes_read_as_people_write_them():
-    from zerofit.config import ConfigError
-    from zerofit.memory import parse_bytes
+    from zerofit.config.schema import ConfigError
+    from zerofit.core.timeline import parse_bytes
 
     assert parse_bytes("5GB", "x") == 5 * 10**9 and parse_bytes("24GiB", "x") == 24 << 30
     assert parse_bytes("512MiB", "x") == 512 << 20 and parse_bytes("1.5g", "x") == 3 << 29
@@ -448,7 +448,7 @@ class _Payload:
 
 
 def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
-    from zerofit.torchfile import Opaque, TorchFile
+    from zerofit.checkpoint.torchfile import Opaque, TorchFile
 
     marker = tmp_path / "ran"
     torch.save({"weights": torch.arange(6.0).view(2, 3), "trap": _Payload(marker)}, tmp_path / "crafted.pt")
@@ -463,9 +463,9 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     """What a LoRA merge will plug into: a transform on row blocks before the cast."""
     from safetensors.torch import load_file
 
-    from zerofit.export import output_tensors
-    from zerofit.shards import plan_shards, write_model
-    from zerofit.zerofiles import open_checkpoint
+    from zerofit.export.checkpoint import output_tensors
+    from zerofit.export.shards import plan_shards, write_model
+    from zerofit.checkpoint.zerofiles import open_checkpoint
 
     checkpoint_dir = one_rank / "checkpoints" / "step-000002"
     tensors = output_tensors(open_checkpoint(checkpoint_dir), torch.float32, tied=False)
@@ -553,7 +553,7 @@ def test_verify_judges_the_export_against_its_own_rounding_and_warns_of_the_dtyp
     """A 4-step demo run's bf16 export matched the checkpoint rounded to bf16 exactly (max |diff| 0)
     and was refused, its logits (all under 1) 5.05e-2 from fp32: that drift is bf16's, not the
     export's. An export off its own rounding, or with load problems, is still refused."""
-    from zerofit.exportcheck import VerifyError, compare
+    from zerofit.export.verify import VerifyError, compare
 
     class Logits(torch.nn.Module):  # a model's forward as compare calls it: .logits of the ids
         def __init__(self, values):
@@ -582,7 +582,7 @@ def test_a_disk_too_small_or_a_directory_that_takes_no_files_is_an_error_not_a_t
     that fails anyway is named, nothing published, no staging directory left."""
     from collections import namedtuple
 
-    from zerofit import export as export_module
+    from zerofit.export import checkpoint as export_module
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(export_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from zerofit import faults
+from zerofit.core import faults
 
 
 def test_parse_and_armed(monkeypatch):

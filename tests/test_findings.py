@@ -2,11 +2,11 @@
 and nothing found on a healthy run."""
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.detectors import detect, fragmentation
-from zerofit.findings import RunFacts, facts_from
-from zerofit.fixes import phase_advice
-from zerofit.rankfindings import across_ranks
-from zerofit.memory import effective_records
+from zerofit.findings.detectors import detect, fragmentation
+from zerofit.findings.facts import RunFacts, facts_from
+from zerofit.findings.fixes import phase_advice
+from zerofit.findings.ranks import across_ranks
+from zerofit.core.timeline import effective_records
 
 
 def findings_of(records, **ds):
@@ -88,7 +88,7 @@ def test_spike_after_an_eval_names_the_gathered_parameters_under_zero3():
     assert "stage3_max_reuse_distance" in spike.cause and spike.fix[0].startswith("update zerofit")
     hf_facts = facts_from(run, ds_config(), {}, source="hf-trainer")
     hf_spike = next(f for f in detect(run, hf_facts) if f.kind == "after_eval_spike")
-    assert hf_spike.fix[0].startswith("zerofit.hf.MemoryGuardCallback()")
+    assert hf_spike.fix[0].startswith("zerofit.integrations.hf_trainer.MemoryGuardCallback()")
     assert "empty_partition_cache()" in hf_spike.fix[1]
 
 
@@ -191,8 +191,8 @@ def test_resume_drops_rolled_back_records_but_keeps_events():
 
 
 def test_findings_across_ranks_name_the_ranks_that_show_them():
-    from zerofit.measured import rank_peaks
-    from zerofit.rankfindings import rank_imbalance
+    from zerofit.findings.measured import rank_peaks
+    from zerofit.findings.ranks import rank_imbalance
 
     per_rank = {0: synthetic_run(residue_per_save=GiB), 1: synthetic_run(residue_per_save=GiB, leak_per_step=256 * MiB)}
     facts = facts_from(per_rank[0], ds_config(), {"model": {"gradient_checkpointing": True}})
@@ -234,7 +234,7 @@ def test_a_cpu_optimizer_on_one_thread_is_flagged():
 def test_oom_with_the_space_in_pieces_is_called_fragmentation():
     """The H200's headline without expandable segments (bench/results/oom_retry-3.6b-headline.json):
     1.86 GiB asked with 2.36 allocated and 3.68 reserved under 5.3 GiB."""
-    from zerofit.detectors import events
+    from zerofit.findings.detectors import events
 
     oom = {"step": 1, "phase": "oom", "device": "gpu", "failed_phase": "backward", "requested_bytes": int(1.86 * GiB),
            "gpu_alloc": int(2.36 * GiB), "gpu_reserved": int(3.68 * GiB)}
@@ -265,7 +265,7 @@ def test_fragmentation_is_measured_per_step_not_per_phase():
 
 
 def test_optimizer_step_advice_names_expandable_segments_only_when_off():
-    from zerofit.fixes import phase_advice
+    from zerofit.findings.fixes import phase_advice
 
     zerofit_run = {"model": {"gradient_checkpointing": True}}
     off = phase_advice("optimizer_step", "gpu", facts_from([], ds_config(), zerofit_run))[1]
@@ -309,7 +309,7 @@ def test_the_h200s_hf_trainer_timelines_with_and_without_the_release():
     release each step after an eval peaked 469 MiB (5.6%) higher; with it, none did."""
     from conftest import ROOT
 
-    from zerofit.doctor import diagnose
+    from zerofit.doctor.run import diagnose
 
     runs = ROOT / "bench" / "results" / "hf_eval_leftovers-s30"
     kept = {f.kind: f for f in diagnose(runs / "kept").findings}
@@ -324,8 +324,8 @@ def test_a_step_time_far_from_the_plan_names_the_busy_machine():
     """measured.step_time's figures: the issue's shared 2-core machine (3.9 s against 0.21 s,
     load 9) blames the other processes and suggests one thread; an idle machine blames the model;
     within 2x nothing is said."""
-    from zerofit.detectors import step_time_gap
-    from zerofit.measured import step_time
+    from zerofit.findings.detectors import step_time_gap
+    from zerofit.findings.measured import step_time
 
     metrics = [{"step": s, "step_seconds": 3.9} for s in range(1, 13)]
     records = [{"step": 0, "phase": "start", "cpu_cores": 2, "cpu_threads": 2}]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from zerofit import hookorder, modelspec, zerostates, zerotrace
-from zerofit.activations import nvme_parameters
-from zerofit.planner import Candidate, Shape
+from zerofit.plan import hookorder, spec as modelspec, states, trace
+from zerofit.plan.activations import nvme_parameters
+from zerofit.plan.estimate import Candidate, Shape
 
 ROOT = Path(__file__).parents[1]
 
@@ -35,7 +35,7 @@ def replayed(record: dict, events=None) -> tuple[modelspec.ModelSpec, Candidate,
     if events is not None:
         spec = dataclasses.replace(spec, hook_events=events)
     nvme = nvme_parameters(spec, Shape(seq_len=record["seq_len"], micro_batch=1), cand)
-    lives, after_release = zerotrace.gathered_timeline(
+    lives, after_release = trace.gathered_timeline(
         spec, True, cand.prefetch_bucket_size, cand.max_live_parameters, cand.max_reuse_distance,
         cand.param_persistence_threshold, nvme)
     return spec, cand, lives, after_release
@@ -43,7 +43,7 @@ def replayed(record: dict, events=None) -> tuple[modelspec.ModelSpec, Candidate,
 
 def fetches(record: dict, spec: modelspec.ModelSpec, cand: Candidate) -> list[list]:
     """The last step's fetches of modules that fetch (not all persistent), in order."""
-    fetching = {m.name for m, fetches in zip(spec.modules, zerotrace.fetching_modules(
+    fetching = {m.name for m, fetches in zip(spec.modules, trace.fetching_modules(
         spec, cand.param_persistence_threshold)) if fetches}
     return [e for e in record["steps"][-1] if e[0] == "fetch" and e[2] in fetching]
 
@@ -70,7 +70,7 @@ def test_replay_follows_deepspeed_fetch_by_fetch_on_a_narrowed_window(tmp_path):
 
 
 def replay_names(spec: modelspec.ModelSpec, cand: Candidate) -> list[str]:
-    return [spec.modules[i].name for i, _ in zerotrace.trace_entries(spec, True, cand.param_persistence_threshold)]
+    return [spec.modules[i].name for i, _ in trace.trace_entries(spec, True, cand.param_persistence_threshold)]
 
 
 @pytest.mark.parametrize("name", ["llama-0.5b-optimizer_param_cpu", "llama-1.5b-optimizer_param_cpu",
@@ -102,17 +102,17 @@ def test_nvme_residency_follows_the_optimizers_cpu_flat_buffers():
     group by group (decay first), and leaves the rest, and a frozen base, on NVMe; partitions
     under max(1 MiB, aio.block_size) are never swapped."""
     small = modelspec.from_name("llama-0.5b")
-    assert zerostates.nvme_resident(small, 1, 100_000_000, 2**20, 2) == frozenset()  # all fit
+    assert states.nvme_resident(small, 1, 100_000_000, 2**20, 2) == frozenset()  # all fit
     big = modelspec.from_name("tinyllama-1.1b")  # 1.1e9 elements in its decay group
-    resident = zerostates.nvme_resident(big, 1, 100_000_000, 2**20, 2)
+    resident = states.nvme_resident(big, 1, 100_000_000, 2**20, 2)
     assert "lm_head.weight" in resident and "model.layers.21.mlp.down_proj.weight" in resident
     assert not any(n.startswith(("model.layers.19.", "model.embed_tokens")) for n in resident)
     held = sum(p.numel for p in big.params if p.trainable and p.ndim >= 2 and p.name not in resident)
-    assert held <= zerostates.PARAM_MAX_IN_CPU
-    assert zerostates.nvme_resident(big, 1, 100_000_000, 64 * 2**20, 2) == frozenset(
+    assert held <= states.PARAM_MAX_IN_CPU
+    assert states.nvme_resident(big, 1, 100_000_000, 64 * 2**20, 2) == frozenset(
         n for n in resident if 2 * next(p.numel for p in big.params if p.name == n) >= 64 * 2**20)
     frozen = dataclasses.replace(small, params=tuple(dataclasses.replace(p, trainable=False) for p in small.params))
-    assert zerostates.nvme_resident(frozen, 1, 100_000_000, 2**20, 2) == frozenset(
+    assert states.nvme_resident(frozen, 1, 100_000_000, 2**20, 2) == frozenset(
         p.name for p in small.params if 2 * p.numel >= 2**20)
 
 
@@ -132,17 +132,17 @@ def test_hook_order_is_taken_from_a_narrowed_run_of_the_architecture():
     assert mlp == ["gate_proj", "act_fn", "up_proj", "down_proj"]
     assert len(recompute) == 16 * len([n for n in forward if n.startswith("model.layers.3.")])
     tree = dataclasses.replace(spec, hook_events=None)
-    assert sum(zerotrace.fetch_calls(spec, True, 20480)) == len(spec.hook_events)
-    assert zerotrace.fetch_calls(tree, True, 20480) != zerotrace.fetch_calls(spec, True, 20480)
+    assert sum(trace.fetch_calls(spec, True, 20480)) == len(spec.hook_events)
+    assert trace.fetch_calls(tree, True, 20480) != trace.fetch_calls(spec, True, 20480)
     no_recompute = [kind for kind, _ in spec.hook_events if kind != "recompute"]
-    assert sum(zerotrace.fetch_calls(spec, False, 20480)) == len(no_recompute)
+    assert sum(trace.fetch_calls(spec, False, 20480)) == len(no_recompute)
 
     from transformers import AutoConfig
 
     assert hookorder.hook_events(AutoConfig.for_model("llama", num_hidden_layers=2, hidden_act="no-such-act")) is None
     olmo2 = modelspec.from_hf_config(AutoConfig.for_model("olmo2", num_hidden_layers=2))  # norms after the projections
     assert olmo2.hook_events is not None
-    assert zerotrace.fetch_calls(olmo2, True, 0) == zerotrace.fetch_calls(
+    assert trace.fetch_calls(olmo2, True, 0) == trace.fetch_calls(
         dataclasses.replace(olmo2, hook_events=None), True, 0)
 
 
@@ -151,7 +151,7 @@ def lora_spec(record: dict) -> modelspec.ModelSpec:
     hook order."""
     from conftest import bench_module
 
-    from zerofit.configfile import validate
+    from zerofit.config.load import validate
 
     planner_accuracy = bench_module("planner_accuracy")
     cell = planner_accuracy.Cell(record["model"], record["mode"], record["seq_len"], 8, lora=True)
@@ -175,7 +175,7 @@ def test_a_lora_base_gathered_in_a_recompute_is_released_when_the_recompute_ends
 
     def off_by(spec) -> float:
         measured = [e[3] for e in fetches(record, spec, cand)]
-        lives, _ = zerotrace.gathered_timeline(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
+        lives, _ = trace.gathered_timeline(spec, True, cand.prefetch_bucket_size, cand.max_live_parameters,
                                                 cand.max_reuse_distance, cand.param_persistence_threshold)
         assert len(lives) == len(measured) == 916
         return max(abs(replayed - seen) / seen for replayed, seen in zip(lives, measured))

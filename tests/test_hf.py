@@ -8,8 +8,8 @@ import torch
 from conftest import ROOT, child_env, free_port, read_jsonl, run_zerofit
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from zerofit.doctor import diagnose
-from zerofit.hf import MemoryGuardCallback
+from zerofit.doctor.run import diagnose
+from zerofit.integrations.hf_trainer import MemoryGuardCallback
 
 RESIDUE = 256 * 2**20
 
@@ -135,7 +135,7 @@ def test_plan_writes_a_deepspeed_config_hf_trainer_takes(tmp_path, capsys):
     assert json.loads(out.out)["shape"]["chunked_loss"] is False and "expandable_segments:True" in out.err
     # the Trainer hands DeepSpeed's optimizer one group: weight decay on norms and biases, said
     assert "--weight_decay then decays norm weights and biases too" in " ".join(out.err.split())
-    assert "give the Trainer zerofit.hf.MemoryGuardCallback()" in " ".join(out.err.split())  # its evals
+    assert "give the Trainer zerofit.integrations.hf_trainer.MemoryGuardCallback()" in " ".join(out.err.split())  # its evals
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                              gradient_accumulation_steps=4, learning_rate=1e-3, use_cpu=True, report_to=[])
     for ds, mismatches in ((resolved, True), (written, False)):
@@ -197,7 +197,7 @@ def test_parameters_an_eval_left_gathered_are_partitioned_before_the_next_step(t
 def test_the_release_passes_over_an_optimizer_without_zero3():
     """A Trainer's optimizer that is not DeepSpeed's (a bare torch one, or accelerate's wrapper of
     one) has nothing gathered: the callback's release leaves it alone instead of raising."""
-    from zerofit.engine import release_gathered
+    from zerofit.train.engine import release_gathered
 
     bare = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     release_gathered(bare)  # it raised AttributeError: no .optimizer

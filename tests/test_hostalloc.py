@@ -1,4 +1,4 @@
-"""zerofit/hostalloc.py: inside heap_temporaries a large host temporary freed and allocated
+"""zerofit/plan/hostalloc.py: inside heap_temporaries a large host temporary freed and allocated
 again comes back without page faults; with glibc's default each one is a fresh mmap.
 Each case runs in a fresh interpreter: malloc's state (heap size, thresholds) is per process
 and outlives the context manager on purpose."""
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from zerofit import hostalloc, planner
+from zerofit.plan import hostalloc, estimate
 
 SIZE = 256 << 20  # above glibc's largest mmap threshold (32 MiB): always mmapped by default
 
@@ -22,7 +22,7 @@ SIZE = 256 << 20  # above glibc's largest mmap threshold (32 MiB): always mmappe
 STEPS = 24
 MEASURE = """
 import json, resource, sys, torch
-from zerofit import hostalloc
+from zerofit.plan import hostalloc
 SIZE, STEPS = int(sys.argv[1]), int(sys.argv[3])
 def step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -48,9 +48,9 @@ def test_heap_temporaries_are_reused_without_page_faults():
     least = SIZE // (2 << 20)  # a temporary's pages: 65,536 of 4 KiB (fewer where huge pages back them)
     assert all(f >= least for f in fresh)  # glibc's default: every temporary a fresh mapping
     growths = [f for f in reused if f >= least]
-    assert len(growths) <= planner.HEAP_TEMPORARIES_HELD, reused
-    assert sum(f < 16 for f in reused) >= STEPS - planner.HEAP_TEMPORARIES_HELD, reused  # the rest come back
+    assert len(growths) <= estimate.HEAP_TEMPORARIES_HELD, reused
+    assert sum(f < 16 for f in reused) >= STEPS - estimate.HEAP_TEMPORARIES_HELD, reused  # the rest come back
     # what the heap holds for it is bounded, and the planner counts as much; the two processes'
     # other resident bytes differ by a few pages (a CI simulation: 9 temporaries and 72 KiB)
     noise = 16 << 20
-    assert SIZE <= rss_heap - rss_fresh <= planner.HEAP_TEMPORARIES_HELD * SIZE + noise
+    assert SIZE <= rss_heap - rss_fresh <= estimate.HEAP_TEMPORARIES_HELD * SIZE + noise

@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from zerofit import cli
-from zerofit.config import ConfigError
-from zerofit.configfile import load, validate
+from zerofit.config.schema import ConfigError
+from zerofit.config.load import load, validate
 
 from conftest import read_jsonl, run_zerofit, write_jsonl
 
@@ -314,9 +314,9 @@ def test_the_trainer_keys_read_from_transformers_source_are_its_dataclass_fields
 
     from transformers import Seq2SeqTrainingArguments
 
-    from zerofit import lfkeys
+    from zerofit.integrations.llamafactory import keys
 
-    assert lfkeys.trainer_fields() == {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+    assert keys.trainer_fields() == {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
 
 
 def test_a_llamafactory_config_given_to_train_points_to_the_translation(tmp_path):
@@ -413,8 +413,8 @@ def test_a_translated_alpaca_entry_reads_its_file_as_llamafactory_does(tmp_path,
     """openorca's entry ({prompt: question, response: response, system: system_prompt}) through
     the translation and zerofit's reader: the named columns are the example, the `input` and
     `system` columns the entry does not name left out, as LLaMA-Factory leaves them."""
-    from zerofit import tokenizing
-    from zerofit.config import Config
+    from zerofit.data import tokenize
+    from zerofit.config.schema import Config
 
     row = {"question": "add 2 and 2", "response": "4", "system_prompt": "be terse", "input": "unnamed",
            "system": "unnamed"}
@@ -422,8 +422,8 @@ def test_a_translated_alpaca_entry_reads_its_file_as_llamafactory_does(tmp_path,
     write_jsonl(tmp_path / "data" / "openorca.json", [row] * 4)
     config, _, _ = translated(tmp_path, monkeypatch, capsys, "model_name_or_path: m\ndataset: openorca\n")
     data_config = Config.model_validate({**config, "model": {"config": "tiny"}}).data
-    read = tokenizing.read_examples([tmp_path / "data" / "openorca.json"], data_config, tokenizer)
-    assert read.examples[0] == tokenizing.tokenize_row({"instruction": "add 2 and 2", "output": "4",
+    read = tokenize.read_examples([tmp_path / "data" / "openorca.json"], data_config, tokenizer)
+    assert read.examples[0] == tokenize.tokenize_row({"instruction": "add 2 and 2", "output": "4",
                                                         "system": "be terse"}, "alpaca", tokenizer)
     assert read.unread == [f"{tmp_path / 'data' / 'openorca.json'}: its system column (system_prompt is read as "
                            f"system, data.columns)"]

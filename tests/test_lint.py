@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from zerofit import dsconfig, hardware, lint, modelspec
-from zerofit.configfile import load
+from zerofit.plan import deepspeed, hardware, spec as modelspec
+from zerofit.lint import check as lint
+from zerofit.config.load import load
 
 from conftest import run_zerofit
 
@@ -24,7 +25,7 @@ def gpu_box(gpu="24GiB", host="128GiB"):
 
 
 def test_zerofits_own_config_is_clean():
-    ds = dsconfig.build(load(), world_size=1, on_gpu=True)
+    ds = deepspeed.build(load(), world_size=1, on_gpu=True)
     assert lint.lint(ds).findings == []
 
 
@@ -199,7 +200,7 @@ def test_zenflow_under_zero3_is_flagged_with_what_it_needs_of_this_model():
 DEEPCOMPILE_BUILD_SCRIPT = """
 import json, sys
 import torch
-from zerofit import ranks
+from zerofit.train import ranks
 import deepspeed
 
 ranks.init_distributed()
@@ -358,7 +359,7 @@ def test_optimizer_and_scheduler_sections_are_checked():
 ADAM_BUILD_SCRIPT = """
 import json, sys
 import torch
-from zerofit import ranks
+from zerofit.train import ranks
 import deepspeed
 
 ranks.init_distributed()

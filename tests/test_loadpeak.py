@@ -1,4 +1,4 @@
-"""The host peak of loading and tokenizing the data (zerofit/loadpeak.py): predicted before the
+"""The host peak of loading and tokenizing the data (zerofit/plan/loadpeak.py): predicted before the
 load, against a real load's VmHWM; in the plan; and a start refused before loading on a host
 too small for it."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import bench_module, run_zerofit, tiny_config, write_config
-from zerofit import loadpeak, planview
-from zerofit.configfile import load
+from zerofit.plan import loadpeak, render
+from zerofit.config.load import load
 
 
 @pytest.fixture
@@ -46,16 +46,16 @@ def test_plan_shows_loading_the_data(tmp_path, capsys):
     data_load_peak, the 'other peaks' table); a config on the demo data, or --model alone,
     has nothing to load: no such peak, the plan as before."""
     config_file = write_config(tmp_path / "c.yaml", data_config(tmp_path))
-    decision, spec, hw = planview.plan(config_path=str(config_file))
+    decision, spec, hw = render.plan(config_path=str(config_file))
     host = decision.plan.data_load_peak["host"]
     assert {"process", "examples", "datasets_library", "arrow_table"} <= set(host.components)
     assert host.fits and decision.plan.fits
-    record = planview.plan_json(decision, spec, hw)
+    record = render.plan_json(decision, spec, hw)
     assert record["data_load_peak"]["host"]["total_bytes"] == host.total_bytes
     assert record["fits"] and "start_peak" in record  # the existing keys kept
-    planview.render(decision, spec, hw)
+    render.render(decision, spec, hw)
     assert "loading the data" in capsys.readouterr().out
-    for model_only in (planview.plan(model="tiny")[0], planview.plan_config(load(str(write_config(
+    for model_only in (render.plan(model="tiny")[0], render.plan_config(load(str(write_config(
             tmp_path / "demo.yaml", tiny_config(tmp_path / "run2")))))[0]):
         assert model_only.plan.data_load_peak == {} and model_only.plan.to_json()["data_load_peak"] == {}
 
@@ -65,7 +65,7 @@ def test_plan_does_not_fit_a_host_too_small_to_load_the_data(tmp_path):
     the loading of 6000 rows ~700 MiB): the plan does not fit, and its advice names the loading's
     figure and its fix."""
     config_file = write_config(tmp_path / "c.yaml", data_config(tmp_path, rows=6000, plan={"host_mem": "700MiB"}))
-    decision, _, _ = planview.plan(config_path=str(config_file))
+    decision, _, _ = render.plan(config_path=str(config_file))
     assert decision.plan.devices["host"].fits and not decision.plan.data_load_peak["host"].fits
     assert not decision.plan.fits
     said = " ".join(decision.advice)
@@ -90,16 +90,16 @@ def test_start_refuses_before_loading_when_the_host_is_too_small(tmp_path):
 def test_a_tokenized_cache_is_priced_without_the_tables(tmp_path):
     """Once a start has kept the rows in data.cache_dir (datacache), the next start's prediction
     holds the process and the lists alone: no HF datasets, Arrow table or workers."""
-    from zerofit import datacache
-    from zerofit.dataconfig import DataConfig
-    from zerofit.datafiles import data_entries
+    from zerofit.data import cache
+    from zerofit.config.data import DataConfig
+    from zerofit.data.files import data_entries
     from zerofit.demo import build_tokenizer
 
     config = data_config(tmp_path, rows=2000)["data"]
     cfg, tokenizer = DataConfig(**config, num_workers=2, cache_dir=str(tmp_path / "cache")), build_tokenizer()
     before = loadpeak.load_peak(loadpeak.load_facts(cfg, tokenizer, tmp_path / "run"))
     assert {"datasets_library", "arrow_table", "tokenizing_workers"} <= set(before)
-    datacache.read(data_entries(cfg.path), cfg, tokenizer, tmp_path / "run", "train")
+    cache.read(data_entries(cfg.path), cfg, tokenizer, tmp_path / "run", "train")
     shape = loadpeak.load_facts(cfg, tokenizer, tmp_path / "run")
     assert shape.cached and set(loadpeak.load_peak(shape)) == {"process", "examples"}
 
@@ -109,7 +109,7 @@ def test_doctor_sets_the_measured_loading_beside_its_prediction(tmp_path):
     """The loading's prediction was in plan.json and its measured peak in the start record, but
     the doctor's plan vs measured showed neither: its host row now has the loading as a phase,
     and its summary says both figures."""
-    from zerofit.doctor import diagnose
+    from zerofit.doctor.run import diagnose
 
     config = data_config(tmp_path, rows=3000, train={"max_steps": 2}, eval={"every_steps": 0},
                          checkpoint={"every_steps": 0})

@@ -7,10 +7,11 @@ import shutil
 import pytest
 import torch
 
-from zerofit import adapters, basemodel, lora, runlock
-from zerofit.config import ConfigError, LoraConfig
-from zerofit.configfile import validate
-from zerofit.export import export
+from zerofit.lora import adapters, base as basemodel, attach as lora
+from zerofit.train import runlock
+from zerofit.config.schema import ConfigError, LoraConfig
+from zerofit.config.load import validate
+from zerofit.export.checkpoint import export
 from zerofit.models import config_from_name
 
 from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
@@ -115,7 +116,7 @@ def test_resume_refuses_what_the_adapters_do_not_fit(lora_run, tmp_path, change,
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     if not recorded:  # as an older zerofit wrote it: the loop state without them, the manifest to match
-        from zerofit import checkpoint
+        from zerofit.checkpoint import files as checkpoint
 
         newest = copy / "checkpoints" / "step-000012"
         state = json.loads((newest / checkpoint.LOOP_STATE).read_text())
@@ -284,7 +285,7 @@ def test_resume_refused_for_another_base_leaves_the_run_as_it_was(path_bases, tm
 def rewrite_loop_state(step_dir, change) -> None:
     """`change(extra)` applied to a checkpoint's loop_state.json extra, its manifest entry made to
     match (bytes and hash): the checkpoint as another zerofit, machine or base would have written it."""
-    from zerofit import checkpoint
+    from zerofit.checkpoint import files as checkpoint
 
     state_file = step_dir / "loop_state.json"
     state = json.loads(state_file.read_text())
@@ -305,7 +306,7 @@ def test_random_init_base_drawn_with_other_versions_is_replayed_before_the_rewri
     the checkpoint records differ from these, the base is replayed before anything is rewritten
     (reinit.InitReplay, as export rebuilds it): one that draws the recorded base goes on; one that
     draws another (here: the recorded fingerprint another) is refused, every file as it was."""
-    from zerofit.basemodel import BASE_FINGERPRINT, BASE_RECIPE
+    from zerofit.lora.base import BASE_FINGERPRINT, BASE_RECIPE
 
     raw = lora_config(tmp_path / "run", train={"max_steps": 2}, eval={"every_steps": 0, "at_end": False},
                       checkpoint={"every_steps": 2})
@@ -355,8 +356,8 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zerofit import data
-    from zerofit.configfile import load
+    from zerofit.data import pipeline as data
+    from zerofit.config.load import load
 
     torch.manual_seed(0)
     base_dir = tmp_path / "base"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit, tiny_config, trained_run
-from zerofit import adapters, basemodel, reinit
+from zerofit.lora import adapters, base as basemodel, reinit
 from zerofit.cli import main
-from zerofit.config import ConfigError
-from zerofit.export import export
+from zerofit.config.schema import ConfigError
+from zerofit.export.checkpoint import export
 from zerofit.infer import load_adapter
 from zerofit.models import PRESETS, config_from_name
 
@@ -160,7 +160,7 @@ def test_changed_base_is_refused(path_run, tmp_path, capsys):
 @pytest.mark.e2e
 def test_merge_stays_under_max_ram(path_run, tmp_path):
     run, _ = path_run
-    code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export, zerofit.merge, "
+    code, baseline, err = peak_rss_of([sys.executable, "-c", "import zerofit.cli, zerofit.export.checkpoint, zerofit.export.merge, "
                                        "peft, transformers.models.llama.modeling_llama"], tmp_path)
     assert code == 0, err
     room = 96 << 20
@@ -246,7 +246,7 @@ def test_universal_copy_of_a_lora_checkpoint_is_refused(random_run, tmp_path, ca
     lacks what the merge needs (the adapter settings in loop_state.json): export names step-N."""
     import shutil
 
-    from zerofit import universal
+    from zerofit.checkpoint import universal
 
     shutil.copytree(random_run / "model", tmp_path / "run" / "model")
     step_dir = tmp_path / "run" / "checkpoints" / "step-000004"
@@ -292,7 +292,7 @@ def test_merge_of_an_adapted_tied_embedding_is_the_trained_model(tied_base, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zerofit import exportcheck
+    from zerofit.export import verify
 
     config = lora_run_config(tmp_path / "run", {"path": str(tied_base)}, 2, r=4, alpha=8, **lora)
     run, _, _ = trained_run(tmp_path, config)
@@ -321,5 +321,5 @@ def test_merge_of_an_adapted_tied_embedding_is_the_trained_model(tied_base, tmp_
                "model.embed_tokens.weight": tensors[adapted]}, str(old / "model.safetensors"), metadata={"format": "pt"})
     (old / "config.json").write_text(json.dumps({**json.loads((merged / "config.json").read_text()),
                                                  "tie_word_embeddings": True}))
-    with pytest.raises(exportcheck.VerifyError, match="does not reproduce the checkpoint"):
-        exportcheck.verify_lora_export(old, step_of(run), run / "model")
+    with pytest.raises(verify.VerifyError, match="does not reproduce the checkpoint"):
+        verify.verify_lora_export(old, step_of(run), run / "model")

@@ -1,7 +1,7 @@
 """The timeline recorder's mechanics, on this machine's real readings."""
 import json
 
-from zerofit import memory
+from zerofit.core import timeline as memory
 
 
 def test_records_peaks_flags_and_per_step_readings(tmp_path):
@@ -68,7 +68,7 @@ def test_parse_bytes_and_budgets():
 def test_the_progress_line_shows_the_steps_gpu_peak_against_the_budget():
     """The step's phases' peaks (the allocator's own peak is reset at every phase, so reading
     it after the step gave about the current allocation) against the planned budget."""
-    from zerofit.memory import budget_summary
+    from zerofit.core.timeline import budget_summary
 
     records = [{"phase": "forward", "gpu_peak": 3 * 2**30}, {"phase": "backward", "gpu_peak": 5 * 2**30}]
     assert budget_summary(records, True, 24 * 2**30).startswith("gpu 5.0GiB/24.0GiB host ")
@@ -80,7 +80,7 @@ def test_a_full_disk_costs_the_timeline_not_the_run(tmp_path, capsys):
     died there with a traceback: now the timeline stops being written, with a warning."""
     import errno
 
-    from zerofit.memory import Timeline
+    from zerofit.core.timeline import Timeline
 
     class Full:
         def write(self, text):

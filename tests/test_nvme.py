@@ -14,11 +14,13 @@ import pytest
 from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
                       write_config)
 
-from zerofit import aiotune, checkpoint, dsconfig, hardware, nvme, planner, planview, swaplayout, zerofiles
-from zerofit.config import ConfigError
-from zerofit.configfile import validate
-from zerofit.export import export
-from zerofit.swaplayout import Aio
+from zerofit.nvme import aiotune, preflight as nvme
+from zerofit.checkpoint import files as checkpoint, zerofiles
+from zerofit.plan import deepspeed, hardware, estimate, render, swaplayout
+from zerofit.config.schema import ConfigError
+from zerofit.config.load import validate
+from zerofit.export.checkpoint import export
+from zerofit.plan.swaplayout import Aio
 
 LIBAIO_MISSING = nvme.libaio_problem()
 needs_async_io = pytest.mark.skipif(LIBAIO_MISSING is not None, reason=f"libaio-dev is not installed, so "
@@ -294,19 +296,19 @@ def planned(host: str, nvme_path: Path | None):
     hw = hardware.probe(gpu_mem="24GiB", host_mem=host, nvme_path=str(nvme_path) if nvme_path else None)
     hw = hardware.with_overrides(hw, cpu_cores=16, disk_free_bytes=10**13,
                                  nvme_free_bytes=10**13 if nvme_path else None)
-    return planview.plan_config(config, 1, hw=hw)
+    return render.plan_config(config, 1, hw=hw)
 
 
 def test_plan_proposes_nvme_when_host_ram_is_short(tmp_path, capsys):
     decision, spec, hw = planned("40GiB", tmp_path)
     plan = decision.plan
     assert plan.fits and plan.candidate.offload_optimizer == "nvme"
-    summary = planview.nvme_summary(decision, spec, hw)
+    summary = render.nvme_summary(decision, spec, hw)
     # 3.6B parameters: fp32 master + 2 moments (12 B) and fp32 gradients (4 B) per parameter in files
     assert 16 * 3.5e9 < summary["swap_bytes"] < 16 * 3.8e9
     assert summary["read_bytes_per_step"] >= summary["swap_bytes"] and summary["bandwidth_to_hide_io"] > 1e9
     assert plan.devices["host"].total_bytes < 40 * 2**30 * 0.9
-    planview.render(decision, spec, hw)
+    render.render(decision, spec, hw)
     out = capsys.readouterr().out.replace("\n", " ")
     assert "of swap files under" in out and "GB/s would keep it within the rest of the step" in out
     assert summary["swap_seconds_per_step"] == plan.step_terms["nvme"] > 0
@@ -322,13 +324,13 @@ def test_swap_files_and_checkpoints_on_one_filesystem_share_its_free_space(tmp_p
     decision, spec, hw = planned("40GiB", tmp_path)
     assert hardware.probe(nvme_path=str(tmp_path / "swap"), disk_path=tmp_path).nvme_shares_disk  # one filesystem
     shape, candidate = decision.plan.shape, decision.plan.candidate
-    roomy = planner.predict(spec, hw, shape, candidate, 0.1)
+    roomy = estimate.predict(spec, hw, shape, candidate, 0.1)
     swap, checkpoints = roomy.devices["nvme"].total_bytes, roomy.devices["disk"].total_bytes
     assert swap and checkpoints
     free = int((max(swap, checkpoints) + 1) / 0.9) + 1  # room for either alone, not both
     tight = hardware.with_overrides(hw, disk_free_bytes=free, nvme_free_bytes=free, nvme_shares_disk=False)
-    apart = planner.predict(spec, tight, shape, candidate, 0.1)
-    shared = planner.predict(spec, hardware.with_overrides(tight, nvme_shares_disk=True), shape, candidate, 0.1)
+    apart = estimate.predict(spec, tight, shape, candidate, 0.1)
+    shared = estimate.predict(spec, hardware.with_overrides(tight, nvme_shares_disk=True), shape, candidate, 0.1)
     assert apart.devices["nvme"].fits and apart.devices["disk"].fits
     assert not shared.devices["nvme"].fits and shared.devices["disk"].fits
 
@@ -356,7 +358,7 @@ def test_the_planners_own_nvme_choice_is_checked_for_direct_io_blocks(tmp_path, 
                            "zero": {"nvme_path": str(swap)}})
         hw = hardware.with_overrides(hardware.probe(gpu_mem="4GiB", host_mem="8GiB", nvme_path=str(swap)),
                                      cpu_cores=16, disk_free_bytes=10**13, nvme_free_bytes=10**13)
-        decision, _, _ = planview.plan_config(config, 1, hw=hw)
+        decision, _, _ = render.plan_config(config, 1, hw=hw)
         assert decision.plan.candidate.offload_optimizer == "nvme" and "offload_optimizer" not in config.zero.model_fields_set
         problems[hidden] = decision.nvme_problems
     assert "not a multiple of 4096" in problems[1000][0] and problems[1024] == []
@@ -372,19 +374,19 @@ def test_parameter_swap_buffers_hold_the_largest_partition(tmp_path):
     hw = hardware.with_overrides(hardware.probe(gpu_mem="8GiB", host_mem="64GiB", nvme_path=str(tmp_path)),
                                  disk_free_bytes=10**13, nvme_free_bytes=10**13)
     for world, partition in ((1, 128_256 * 1024), (2, 128_256 * 1024 // 2)):
-        decision, _, _ = planview.plan_config(validate(config), world, hw=hw)
+        decision, _, _ = render.plan_config(validate(config), world, hw=hw)
         assert decision.config.zero.param_buffer_size == max(partition, 10**8)
         assert decision.chosen_fields["zero.param_buffer_size"] == max(partition, 10**8)
         assert decision.config.zero.max_reuse_distance == 0  # each swapped-in parameter released at once
-    decision, _, _ = planview.plan_config(validate(config), 1, hw=hw)
-    ds = dsconfig.build(decision.config, 1, on_gpu=True)["zero_optimization"]["offload_param"]
+    decision, _, _ = render.plan_config(validate(config), 1, hw=hw)
+    ds = deepspeed.build(decision.config, 1, on_gpu=True)["zero_optimization"]["offload_param"]
     assert ds["buffer_size"] == 128_256 * 1024
     pinned = decision.plan.devices["host"].components["param_swap_buffers_pinned"]
     assert pinned == 5 * 2 ** (2 * 128_256 * 1024 - 1).bit_length()  # 5 buffers, torch rounds pinned blocks up
     config["zero"]["param_buffer_size"] = 10**8
     with pytest.raises(ConfigError, match="param_buffer_size=100,000,000 is smaller than the largest parameter "
                                           "partition \\(131,334,144 elements\\)"):
-        planview.plan_config(validate(config), 1, hw=hw)
+        render.plan_config(validate(config), 1, hw=hw)
 
 
 def test_plan_without_nvme_path_says_what_disk_would_fit():
@@ -463,7 +465,7 @@ def test_a_lora_base_on_nvme_is_said_unchecked(tmp_path):
     reading it back would cost a full swap-in. A run on NVMe records no fingerprint, and its
     resume says the base was not checked; a resume onto NVMe of a checkpoint that has one
     (the base in RAM then) says so too and keeps that fingerprint for the next resume to check."""
-    from zerofit.basemodel import BASE_FINGERPRINT
+    from zerofit.lora.base import BASE_FINGERPRINT
 
     raw = tiny_config(tmp_path / "run", model={"config": "mini", "gradient_checkpointing": False},
                       lora={"enabled": True, "r": 8, "alpha": 32}, train={"max_steps": 1},

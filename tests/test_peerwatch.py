@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 from conftest import ROOT, WIDE, agent_store_env, child_env, kill_tree, node_command, oom_config, read_jsonl, run_two_nodes, run_zerofit
 
-from zerofit import elastic, peerwatch, ranks
+from zerofit.recovery import elastic, peerwatch
+from zerofit.train import ranks
 
 # What rank 0's watcher says: the failure counted in the store, found by its look every second or
 # at torchrun's SIGTERM, or (at the SIGTERM, the failed rank on its node) the worker exited
@@ -37,7 +38,7 @@ def test_a_rank_on_another_node_leaves_at_once_after_a_handover(tmp_path):
 def test_a_rank_on_another_node_leaves_at_once_when_its_peer_is_killed_outright(tmp_path):
     """Two torchrun nodes, one rank each: rank 1 is SIGKILLed in step 5 (as the kernel's OOM
     killer ends a process: no Python runs) while rank 0 stalls in that step. Rank 1's last word
-    (zerofit/lastword.py) counts its failure in the store; rank 0's watcher finds it and leaves
+    (zerofit/recovery/lastword.py) counts its failure in the store; rank 0's watcher finds it and leaves
     at once, in both attempts (rank 1 is killed again in the restart): torchrun never SIGKILLs
     rank 0 ("forcefully exiting"), and the run ends. With the last word off it hung until the
     test's 400 s limit (checked): after the second kill, the agent with no restarts left stopped
@@ -72,7 +73,8 @@ def test_a_peer_is_gone_when_a_failure_is_counted_or_the_agent_is_gone(monkeypat
 # ended it leaves (exit 143); after, it stays (the byte waited in the pipe while the ranks stopped together).
 WATCHER_VERDICT = """
 import os, signal, sys, threading, torch.distributed as td
-from zerofit import elastic, engine, peerwatch, ranks
+from zerofit.recovery import elastic, peerwatch
+from zerofit.train import engine, ranks
 port = ranks.free_port()
 server = td.TCPStore("127.0.0.1", port, 1, is_master=True)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True",
@@ -274,7 +276,7 @@ def test_ranks_leave_when_a_whole_node_is_lost(tmp_path, frozen, said):
 LAST_WORD_SCRIPT = """
 import os, signal, sys
 from pathlib import Path
-from zerofit import peerwatch
+from zerofit.recovery import peerwatch
 with peerwatch.failure_announced(Path(sys.argv[2]), 1):
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -4,9 +4,9 @@ from dataclasses import replace
 import pytest
 
 from conftest import TINY, cuda_box
-from zerofit import choice, hardware, modelspec, planner
-from zerofit.configfile import validate
-from zerofit.planner import Candidate, Shape
+from zerofit.plan import choose, hardware, spec as modelspec, estimate
+from zerofit.config.load import validate
+from zerofit.plan.estimate import Candidate, Shape
 
 
 GIB = 2**30
@@ -19,8 +19,8 @@ def test_async_save_holds_its_snapshot_buffer_on_the_host():
     hw = hardware.with_overrides(hardware.probe(accelerator="cuda", gpu_mem="24GiB", host_mem="200GiB"),
                                  disk_free_bytes=10**13)
     cand = Candidate(offload_optimizer="cpu")
-    sync = planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=1, world_size=2), cand)
-    default_cap = planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=1, world_size=2, async_snapshot_max=None), cand)
+    sync = estimate.predict(spec, hw, Shape(seq_len=1024, micro_batch=1, world_size=2), cand)
+    default_cap = estimate.predict(spec, hw, Shape(seq_len=1024, micro_batch=1, world_size=2, async_snapshot_max=None), cand)
     share = default_cap.devices["host"].components["async_snapshot"] / 2
     # each rank half of what one rank reserved for the whole 1.5B checkpoint on the GPU machine
     assert share == pytest.approx(18_408_603_811 / 2, rel=0.01)  # bench/results/checkpoint.json
@@ -29,10 +29,10 @@ def test_async_save_holds_its_snapshot_buffer_on_the_host():
     assert default_cap.devices["host"].components["async_snapshot"] == 2 * int(share)
     assert default_cap.host_rss_peak - sync.host_rss_peak == int(share)  # per rank
     too_small = replace(default_cap.shape, async_snapshot_max=int(share) - 1)
-    assert "async_snapshot" not in planner.predict(spec, hw, too_small, cand).devices["host"].components
-    assert choice.async_snapshot_max(validate_tiny(checkpoint={"async_save": True, "async_host_max_gib": 2})) == 2 * 2**30
-    assert choice.async_snapshot_max(validate_tiny(checkpoint={"async_save": True})) is None
-    assert choice.async_snapshot_max(validate_tiny()) == 0
+    assert "async_snapshot" not in estimate.predict(spec, hw, too_small, cand).devices["host"].components
+    assert choose.async_snapshot_max(validate_tiny(checkpoint={"async_save": True, "async_host_max_gib": 2})) == 2 * 2**30
+    assert choose.async_snapshot_max(validate_tiny(checkpoint={"async_save": True})) is None
+    assert choose.async_snapshot_max(validate_tiny()) == 0
 
 
 def validate_tiny(**sections):
@@ -43,13 +43,13 @@ def validate_tiny(**sections):
 def test_checkpoint_size_formula():
     """12 bytes per parameter (fp32 master + 2 Adam moments) per rank plus metadata; the
     tiny model's optimizer file measured 1,090,117 bytes."""
-    assert planner.checkpoint_bytes(TINY) == 12 * TINY + planner.CHECKPOINT_OVERHEAD_BYTES
-    assert abs(planner.checkpoint_bytes(TINY) - 1_122_076) / 1_122_076 < 0.05  # du -sb of step-000006
-    assert planner.checkpoint_bytes(1000, world_size=2) == 2 * (12 * 500 + planner.CHECKPOINT_OVERHEAD_BYTES)
+    assert estimate.checkpoint_bytes(TINY) == 12 * TINY + estimate.CHECKPOINT_OVERHEAD_BYTES
+    assert abs(estimate.checkpoint_bytes(TINY) - 1_122_076) / 1_122_076 < 0.05  # du -sb of step-000006
+    assert estimate.checkpoint_bytes(1000, world_size=2) == 2 * (12 * 500 + estimate.CHECKPOINT_OVERHEAD_BYTES)
 
 
 def test_sizes_parse_and_bad_ones_name_the_key():
-    from zerofit.config import ConfigError
+    from zerofit.config.schema import ConfigError
 
     assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").gpu_budget_bytes == 24 * GIB
     assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").host_budget_bytes == 64 * 10**9
@@ -70,7 +70,7 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
     import json
     from pathlib import Path
 
-    from zerofit.memory import read_jsonl
+    from zerofit.core.timeline import read_jsonl
 
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
     measured = json.loads((results / "nvme-3.6b-a64.json").read_text())
@@ -81,7 +81,7 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
             "nvme": Candidate(offload_optimizer="nvme", offload_param="cpu"),
             "nvme_pipelined": Candidate(offload_optimizer="nvme", offload_param="cpu", nvme_pipeline=True)}
     for run, cand in runs.items():
-        plan = planner.predict(spec, hw, shape, cand)
+        plan = estimate.predict(spec, hw, shape, cand)
         start = next(r for r in read_jsonl(results / f"nvme-3.6b-a64-{run}-memory.jsonl") if r["phase"] == "start")
         start = start["host_peak"]
         peak = measured[run]["host_rss_bytes"]
@@ -89,9 +89,9 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
         assert plan.start_peak["host"].total_bytes == pytest.approx(start, rel=0.1), run
     longer = json.loads((results / "nvme.json").read_text())
     for run in ("cpu", "nvme"):  # the accumulation does not change the host's bytes
-        plan = planner.predict(spec, hw, replace(shape, grad_accum=longer["grad_accum"]), runs[run])
+        plan = estimate.predict(spec, hw, replace(shape, grad_accum=longer["grad_accum"]), runs[run])
         assert plan.host_rss_peak == pytest.approx(longer[run]["host_rss_bytes"], rel=0.1), run
-    nvme_plan = planner.predict(spec, hw, shape, runs["nvme"])
+    nvme_plan = estimate.predict(spec, hw, shape, runs["nvme"])
     assert nvme_plan.host_rss_peak == nvme_plan.start_peak["host"].total_bytes  # the start is its peak
     assert "engine_init_16bit_params_copy" in nvme_plan.start_peak["host"].components
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, config, cuda_box
-from zerofit import choice, modelspec, steptime
-from zerofit.memory import human_bytes
+from zerofit.plan import choose, spec as modelspec, steptime
+from zerofit.core.timeline import human_bytes
 
 
 def test_a_full_fine_tune_that_fits_nowhere_is_told_whether_lora_would():
@@ -14,31 +14,31 @@ def test_a_full_fine_tune_that_fits_nowhere_is_told_whether_lora_would():
     config's own lora section (rank 8 here) fits, and the advice says so with the numbers the
     planner gives that LoRA run; where even LoRA's frozen base fits nowhere, and for a LoRA run,
     no such line."""
-    from zerofit import planview
+    from zerofit.plan import render
 
     full = config(model={"config": "llama-8b"}, lora={"r": 8})
-    decision, _, hw = planview.plan_config(full, 1, hw=cuda_box("24GiB", host="64GiB"))
+    decision, _, hw = render.plan_config(full, 1, hw=cuda_box("24GiB", host="64GiB"))
     assert not decision.plan.fits
     lora = [a for a in decision.advice if a.startswith("lora.enabled=true")]
     assert len(lora) == 1 and "rank 8 adapters on the frozen base" in lora[0] and "instead of 8.03B" in lora[0]
-    as_lora, _, _ = planview.plan_config(config(model={"config": "llama-8b"}, lora={"r": 8, "enabled": True}), 1, hw=hw)
-    assert as_lora.plan.fits and f"fits as {choice.describe(as_lora.plan)};" in lora[0]
+    as_lora, _, _ = render.plan_config(config(model={"config": "llama-8b"}, lora={"r": 8, "enabled": True}), 1, hw=hw)
+    assert as_lora.plan.fits and f"fits as {choose.describe(as_lora.plan)};" in lora[0]
     assert f"host {human_bytes(as_lora.plan.devices['host'].total_bytes)} of" in lora[0]
     assert lora[0].endswith(f"~{as_lora.plan.step_seconds:.2f} s a step")
-    assert "lora.enabled=true" in str(choice.refuse(decision))  # what train prints when it refuses
+    assert "lora.enabled=true" in str(choose.refuse(decision))  # what train prints when it refuses
     # the frozen 16-bit base alone (16 GB) is over an 8 GiB card and a 4 GiB host
     for lora_section in ({"r": 8}, {"r": 8, "enabled": True}):
-        tight, _, _ = planview.plan_config(config(model={"config": "llama-8b"}, lora=lora_section), 1,
+        tight, _, _ = render.plan_config(config(model={"config": "llama-8b"}, lora=lora_section), 1,
                                            hw=cuda_box("8GiB", host="4GiB"))
         assert not tight.plan.fits and tight.advice and not any(a.startswith("lora.") for a in tight.advice)
 
 
 def test_plan_json_has_the_documented_keys():
-    from zerofit import planview
+    from zerofit.plan import render
 
     cfg = config(train={"micro_batch_size": 1})
-    decision, spec, hw = planview.plan_config(cfg, 1, hw=cuda_box("8GiB"))
-    out = planview.plan_json(decision, spec, hw)
+    decision, spec, hw = render.plan_config(cfg, 1, hw=cuda_box("8GiB"))
+    out = render.plan_json(decision, spec, hw)
     for key in ("fits", "params", "devices", "save_peak", "start_peak", "first_step_after_save_peak", "deepspeed_config",
                 "estimated_step_seconds", "step_terms", "checkpoint_bytes", "export_peak"):
         assert key in out, key
@@ -51,21 +51,21 @@ def test_plan_json_has_the_documented_keys():
 
 
 def test_the_plan_line_train_says_names_what_runs_and_who_chose_it():
-    from zerofit import planview
-    from zerofit.memory import human_bytes
+    from zerofit.plan import render
+    from zerofit.core.timeline import human_bytes
 
     cfg = config(train={"micro_batch_size": 1}, zero={"offload_optimizer": "cpu"})
-    decision, spec, hw = planview.plan_config(cfg, 1, hw=cuda_box("8GiB"))
-    line = planview.plan_line(decision)
+    decision, spec, hw = render.plan_config(cfg, 1, hw=cuda_box("8GiB"))
+    line = render.plan_line(decision)
     gpu = decision.plan.devices["gpu"]
-    assert line.startswith(f"plan: {choice.describe(decision.plan)} (the planner chose ")
+    assert line.startswith(f"plan: {choose.describe(decision.plan)} (the planner chose ")
     chosen = line.split("the planner chose ")[1].split(")")[0].split(", ")
     assert "zero.offload_param" in chosen and "model.gradient_checkpointing" in chosen
     assert "zero.offload_optimizer" not in chosen and chosen[-1] == "bucket and window sizes"  # set by hand; tuning
     assert f"predicted peak gpu {human_bytes(gpu.total_bytes)} of {human_bytes(gpu.usable_bytes)}, host " in line
     assert "usable (the budgets less plan.headroom 10%); ~" in line  # the doctor's figure is the whole budget
     fixed = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"enabled": False})})
-    assert "(plan.enabled false: as configured)" in planview.plan_line(planview.plan_config(fixed, 1,
+    assert "(plan.enabled false: as configured)" in render.plan_line(render.plan_config(fixed, 1,
                                                                                             hw=cuda_box("8GiB"))[0])
 
 
@@ -97,21 +97,21 @@ def test_explain_tells_candidates_apart_by_their_buckets():
     buckets column is what tells them apart (llama-1.5b at 24 GiB: three ratio-0.75 rows)."""
     from rich.console import Console
 
-    from zerofit import planview
-    from zerofit.memory import human_count
+    from zerofit.plan import render
+    from zerofit.core.timeline import human_count
 
     assert [human_count(n) for n in (500_000_000, 3_774_873, 640, 262_668_288, 8_030_261_248, 82_496)] == \
         ["500M", "3.77M", "640", "263M", "8.03B", "82.5K"]
     spec, hw = modelspec.from_name("llama-1.5b"), cuda_box(host="64GiB")
-    decision = choice.decide(config(train={"micro_batch_size": 1}), spec, hw, 1)
+    decision = choose.decide(config(train={"micro_batch_size": 1}), spec, hw, 1)
     alike = {}
     for p in decision.considered:
-        alike.setdefault(choice.describe(p), set()).add(planview.buckets(p.candidate))
+        alike.setdefault(choose.describe(p), set()).add(render.buckets(p.candidate))
     assert any(len(b) > 1 for b in alike.values())
     console = Console(record=True, width=200)
-    planview.render_explain(decision, console)
+    render.render_explain(decision, console)
     text = console.export_text()
-    assert planview.buckets(decision.plan.candidate) in text
+    assert render.buckets(decision.plan.candidate) in text
 
 
 def test_plan_for_another_machine_takes_its_free_disk(capsys):

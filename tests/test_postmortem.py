@@ -4,10 +4,10 @@ import json
 import pytest
 from conftest import OOM_AT_5, WIDE, oom_config, read_jsonl, run_zerofit, tiny_config, write_config
 
-from zerofit.configfile import load
-from zerofit.doctor import diagnose
-from zerofit.findings import RunFacts
-from zerofit.postmortem import OomEvent, parse_requested_bytes, would_fit
+from zerofit.config.load import load
+from zerofit.doctor.run import diagnose
+from zerofit.findings.facts import RunFacts
+from zerofit.recovery.postmortem import OomEvent, parse_requested_bytes, would_fit
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
         "the run resumed afterwards with train.micro_batch_size 4 -> 2, train.grad_accum_steps 1 -> 2")
     assert oom.fix[0].startswith("halve train.micro_batch_size (4 -> 2)")
     # and its post-mortem no longer asks for the retry that has run
-    from zerofit.oomreport import explanation
+    from zerofit.findings.oomreport import explanation
 
     said = explanation(diagnose(run).postmortem)
     assert "retry: the run started again after this OOM" in said and "retry-config.yaml" not in said
@@ -138,12 +138,13 @@ RELEASE_SCRIPT = """
 import gc, sys, weakref
 sys.path.insert(0, "tests")
 from conftest import tiny_config
-from zerofit import dsconfig, engine, ranks
-from zerofit.configfile import validate
+from zerofit.plan import deepspeed
+from zerofit.train import engine, ranks
+from zerofit.config.load import validate
 
 config = validate(tiny_config("{run}"))
 dist = ranks.init_distributed()
-ds_config = dsconfig.build(config, 1, dist.on_gpu)
+ds_config = deepspeed.build(config, 1, dist.on_gpu)
 
 def collected(release):
     built = engine.build_engine(engine.build_model(config, ds_config), config, ds_config, total_steps=4)
@@ -243,7 +244,7 @@ def evaluate():
 def test_failed_phase_and_device():
     import torch
 
-    from zerofit.postmortem import failed_phase, is_oom, oom_device
+    from zerofit.recovery.postmortem import failed_phase, is_oom, oom_device
 
     def train_step():
         raise RuntimeError("CUDA out of memory")
@@ -261,7 +262,7 @@ def test_failed_phase_and_device():
 
 
 def test_allocator_history_is_skipped_where_torch_breaks_checkpointing():
-    from zerofit.postmortem import history_breaks_checkpointing
+    from zerofit.recovery.postmortem import history_breaks_checkpointing
 
     assert history_breaks_checkpointing("2.11.0+cu130") and history_breaks_checkpointing("2.13.0+cpu")
     assert not history_breaks_checkpointing("2.10.1") and not history_breaks_checkpointing("2.4.0")

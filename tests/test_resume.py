@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 
 from conftest import config_for, read_jsonl, run_zerofit, tiny_config, valid_steps, write_config, write_jsonl
-from zerofit import checkpoint, data, faults
-from zerofit.resume import resume_command
-from zerofit.doctor import diagnose
+from zerofit.checkpoint import files as checkpoint
+from zerofit.data import pipeline as data
+from zerofit.core import faults
+from zerofit.train.resume import resume_command
+from zerofit.doctor.run import diagnose
 
 
 def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path):
-    from zerofit.configfile import validate
+    from zerofit.config.load import validate
 
     monkeypatch.chdir(tmp_path)
     relative = validate(tiny_config(Path("runs/x")))
@@ -27,7 +29,7 @@ def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path
 
 
 def test_printed_commands_start_the_run_as_it_ran():
-    from zerofit.elastic import launcher, running_launcher
+    from zerofit.recovery.elastic import launcher, running_launcher
 
     assert launcher(1) == "zerofit" and launcher(2) == "torchrun --nproc_per_node 2 -m zerofit"
     assert launcher(16, 8) == "torchrun --nnodes 2 <rendezvous flags> --nproc_per_node 8 -m zerofit"
@@ -36,7 +38,7 @@ def test_printed_commands_start_the_run_as_it_ran():
 
 
 def test_a_resume_that_changes_the_global_batch_is_named():
-    from zerofit.resume import global_batch_change, keep_batch_advice
+    from zerofit.train.resume import global_batch_change, keep_batch_advice
 
     def state(world, micro, accum):
         return checkpoint.LoopState(world_size=world, micro_batch_size=micro,
@@ -192,7 +194,7 @@ def test_a_resume_the_checkpoint_cannot_take_is_refused_before_anything_is_rewri
     run_zerofit(["train", "--config", str(config), "--no-resume", "--set", "train.max_steps=2"])
     earlier = next((run / "checkpoints").glob("earlier-*"))
     assert {"step-000004", "step-000006", "metrics.jsonl", "model", "config.yaml"} <= {p.name for p in earlier.iterdir()}
-    from zerofit.export import run_model_dir  # the new run rewrites model/: the earlier one's is its copy
+    from zerofit.export.checkpoint import run_model_dir  # the new run rewrites model/: the earlier one's is its copy
     assert run_model_dir(earlier) == earlier / "model" and (earlier / "model" / "config.json").is_file()
     assert max(r["step"] for r in read_jsonl(earlier / "metrics.jsonl")) == 6
     assert max(r["step"] for r in read_jsonl(run / "metrics.jsonl")) == 2
@@ -208,7 +210,7 @@ def test_a_new_run_keeps_the_records_of_an_earlier_one_that_saved_no_checkpoint(
     kill stayed in postmortem/ as this run's history: the evidence of what ended the earlier run
     was gone. Now they are set aside in checkpoints/earlier-TIME/ as --no-resume sets a run aside,
     the start's line says where, and the doctor reads each run on its own."""
-    from zerofit.lastword import RECORD
+    from zerofit.recovery.lastword import RECORD
 
     config = config_for(tmp_path, "run", max_steps=4)
     killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: "kill@step:2"}, check=False)
@@ -248,8 +250,8 @@ def test_a_resume_trains_with_the_current_lr_schedule_and_weight_decay(tmp_path)
     them (the warning says "continuing with the current one"), from the schedule's position."""
     import torch
 
-    from zerofit.configfile import load
-    from zerofit.engine import lr_lambda
+    from zerofit.config.load import load
+    from zerofit.train.engine import lr_lambda
 
     config = config_for(tmp_path, "run", max_steps=4)
     run_zerofit(["train", "--config", str(config)])

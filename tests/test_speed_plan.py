@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 from conftest import config, cpu_box, cuda_box
 
-from zerofit import choice, dsconfig, hardware, modelspec, planner, steptime, zerostates
-from zerofit.planner import Candidate, Shape
+from zerofit.plan import choose, deepspeed, hardware, spec as modelspec, estimate, steptime, states
+from zerofit.plan.estimate import Candidate, Shape
 
 LLAMA_1_5B_EMBEDDING = 128256 * 2048  # the largest parameter of llama-1.5b (embedding = lm_head)
 
@@ -20,16 +20,16 @@ def batch16(**sections):
 def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
     spec = modelspec.from_name("llama-1.5b")
     # (the planner itself prefers them offloaded here since the copy back to the GPU is counted)
-    decision = choice.decide(batch16(zero={"offload_param": "none"}), spec, cuda_box("8GiB", host="120GiB"), 1)
+    decision = choose.decide(batch16(zero={"offload_param": "none"}), spec, cuda_box("8GiB", host="120GiB"), 1)
     assert decision.plan.fits and decision.config.zero.offload_param == "none"
-    assert decision.config.zero.param_persistence_threshold == LLAMA_1_5B_EMBEDDING == planner.all_persistent(spec)
+    assert decision.config.zero.param_persistence_threshold == LLAMA_1_5B_EMBEDDING == estimate.all_persistent(spec)
     assert decision.chosen_fields["zero.param_persistence_threshold"] == LLAMA_1_5B_EMBEDDING
     # the same configuration with HF's "auto" threshold: same memory, more hook time (a visit
     # that fetches costs more than one that finds its parameters; measured: 1.02x, the
     # persistence lever in bench/results/speed-2026-11-29.json)
     auto = replace(decision.plan.candidate, param_persistence_threshold=10 * spec.hidden_size)
     hw = cuda_box("8GiB", host="120GiB")
-    before = planner.predict(spec, hw, decision.plan.shape, auto)
+    before = estimate.predict(spec, hw, decision.plan.shape, auto)
     assert before.devices["gpu"].total_bytes == decision.plan.devices["gpu"].total_bytes
     assert before.step_terms["zero3_hooks"] > decision.plan.step_terms["zero3_hooks"]
     assert before.step_seconds > decision.plan.step_seconds
@@ -39,11 +39,11 @@ def test_one_rank_keeping_parameters_on_the_gpu_makes_them_all_persistent():
 
 def test_persistence_stays_as_set_or_auto_where_it_costs_memory():
     spec = modelspec.from_name("llama-1.5b")
-    two_ranks = choice.decide(batch16(), spec, cuda_box("24GiB"), 2)
+    two_ranks = choose.decide(batch16(), spec, cuda_box("24GiB"), 2)
     assert two_ranks.config.zero.param_persistence_threshold == 10 * spec.hidden_size  # a copy per rank: not free
-    offloaded = choice.decide(batch16(zero={"offload_param": "cpu"}), spec, cuda_box("8GiB"), 1)
+    offloaded = choose.decide(batch16(zero={"offload_param": "cpu"}), spec, cuda_box("8GiB"), 1)
     assert offloaded.config.zero.param_persistence_threshold == 10 * spec.hidden_size  # would pin them on the GPU
-    given = choice.decide(batch16(zero={"param_persistence_threshold": 1000}), spec, cuda_box("8GiB"), 1)
+    given = choose.decide(batch16(zero={"param_persistence_threshold": 1000}), spec, cuda_box("8GiB"), 1)
     assert given.config.zero.param_persistence_threshold == 1000
     assert "zero.param_persistence_threshold" not in given.chosen_fields
 
@@ -72,8 +72,8 @@ def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident()
     spec = modelspec.from_name("llama-3.6b")
     hw = cuda_box("24GiB", host="240GiB")
     cand = Candidate(offload_optimizer="cpu", offload_param="none",
-                     param_persistence_threshold=planner.all_persistent(spec))
-    kept, fresh = (planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=16, heap_step_temporaries=heap), cand)
+                     param_persistence_threshold=estimate.all_persistent(spec))
+    kept, fresh = (estimate.predict(spec, hw, Shape(seq_len=1024, micro_batch=16, heap_step_temporaries=heap), cand)
                    for heap in (True, False))
     # what the H200 measured for this model's 7.2 GB copy (bench/results/speed-3.6b.json): 0.71 s
     # with heap temporaries, 1.68 s with a fresh mmap per sub group
@@ -81,17 +81,17 @@ def test_the_copy_back_costs_less_with_heap_temporaries_and_they_stay_resident()
     assert fresh.step_terms["param_copy_back"] == pytest.approx(1.68, rel=0.02)
     # the largest sub-group's 16-bit copy, during the step only; or held for the whole run,
     # with the freed ones the heap keeps
-    largest = 2 * max(zerostates.optimizer_groups(spec, kept.shape, cand))
-    assert kept.devices["host"].components["step_16bit_copy_kept"] == planner.HEAP_TEMPORARIES_HELD * largest
+    largest = 2 * max(states.optimizer_groups(spec, kept.shape, cand))
+    assert kept.devices["host"].components["step_16bit_copy_kept"] == estimate.HEAP_TEMPORARIES_HELD * largest
     assert "step_16bit_copy_kept" not in fresh.devices["host"].components
-    held = planner.HEAP_TEMPORARIES_HELD * largest
+    held = estimate.HEAP_TEMPORARIES_HELD * largest
     assert kept.phases["forward"]["host"] == fresh.phases["forward"]["host"] + held
     assert kept.phases["optimizer_step"]["host"] == fresh.phases["optimizer_step"]["host"] - largest + held
     # the planned machine's libc decides, not this one's: no glibc, no heap temporaries (hostalloc does nothing)
     asked = config(train={"heap_step_temporaries": True, "micro_batch_size": 1})
     for glibc in (True, False):
         box = hardware.with_overrides(hw, glibc_heap=glibc)
-        assert choice.decide(asked, spec, box, 1).plan.shape.heap_step_temporaries is glibc
+        assert choose.decide(asked, spec, box, 1).plan.shape.heap_step_temporaries is glibc
 
 
 def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():
@@ -109,8 +109,8 @@ def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():
     assert terms["param_copy_out"] == pytest.approx(work["copy_out_bytes"] / hardware.COPY_OUT_BYTES_PER_S, rel=1e-3)
     # measured 6.07 s against 2.66 s for the whole optimizer on the CPU (speed-3.6b-40-run1.json)
     assert steptime.step_seconds(terms) > 1.5 * steptime.step_seconds(steptime.step_time_terms(spec, hw, shape, whole))
-    assert any("zero.offload_optimizer_ratio unset" in n for n in planner.predict(spec, hw, shape, partial).notes)
-    assert not any("ratio unset" in n for n in planner.predict(spec, hw, shape, whole).notes)
+    assert any("zero.offload_optimizer_ratio unset" in n for n in estimate.predict(spec, hw, shape, partial).notes)
+    assert not any("ratio unset" in n for n in estimate.predict(spec, hw, shape, whole).notes)
     on_gpu = steptime.step_work(spec, shape, replace(partial, offload_param="none"))
     assert on_gpu["copy_out_bytes"] == 0 and on_gpu["copy_back_bytes"] == 2 * on_gpu["adam_host_params"]
 
@@ -119,7 +119,7 @@ def test_a_partial_offload_with_offloaded_parameters_pays_the_fp32_copy_out():
 def test_the_planner_no_longer_offloads_part_of_the_optimizer_beside_offloaded_parameters(model, gpu):
     # it chose ratio 0.75 here: 6.07 s (3.6B) and 2.65 s (1.5B) a step; with the whole optimizer on
     # the CPU, 2.66 s and 1.41 s (bench/results/speed-3.6b-40-run1.json, speed-1.5b-24-run2.json)
-    decision = choice.decide(batch16(), modelspec.from_name(model), cuda_box(gpu, host="123GiB"), 1)
+    decision = choose.decide(batch16(), modelspec.from_name(model), cuda_box(gpu, host="123GiB"), 1)
     zero = decision.config.zero
     assert decision.plan.fits and zero.offload_optimizer == "cpu"
     assert zero.offload_optimizer_ratio == 1.0 or zero.offload_param == "none"
@@ -128,8 +128,8 @@ def test_the_planner_no_longer_offloads_part_of_the_optimizer_beside_offloaded_p
 def test_larger_micro_batches_amortise_the_gradient_round_trips():
     spec = modelspec.from_name("llama-1.5b")
     hw = cuda_box("80GiB")
-    cand = Candidate(offload_optimizer="cpu", offload_param="none", param_persistence_threshold=planner.all_persistent(spec))
-    seconds = [planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m), cand).step_terms
+    cand = Candidate(offload_optimizer="cpu", offload_param="none", param_persistence_threshold=estimate.all_persistent(spec))
+    seconds = [estimate.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m), cand).step_terms
                for m in (1, 2, 4, 8, 16)]
     grads = [s["pcie_grads"] for s in seconds]
     assert grads == sorted(grads, reverse=True) and grads[0] > 5 * grads[-1]
@@ -139,17 +139,17 @@ def test_larger_micro_batches_amortise_the_gradient_round_trips():
 def test_reduce_bucket_grows_when_it_fits_and_stays_as_set():
     spec = modelspec.from_name("llama-1.5b")
     hw = cuda_box("12GiB", host="120GiB")  # at 8 GiB the larger bucket costs a smaller micro batch
-    decision = choice.decide(batch16(zero={"offload_param": "none"}), spec, hw, 1)
-    assert decision.config.zero.reduce_bucket_size == max(choice.REDUCE_BUCKETS) > spec.hidden_size ** 2
-    assert decision.chosen_fields["zero.reduce_bucket_size"] == max(choice.REDUCE_BUCKETS)
-    hf_auto = planner.predict(spec, hw, decision.plan.shape,
+    decision = choose.decide(batch16(zero={"offload_param": "none"}), spec, hw, 1)
+    assert decision.config.zero.reduce_bucket_size == max(choose.REDUCE_BUCKETS) > spec.hidden_size ** 2
+    assert decision.chosen_fields["zero.reduce_bucket_size"] == max(choose.REDUCE_BUCKETS)
+    hf_auto = estimate.predict(spec, hw, decision.plan.shape,
                               replace(decision.plan.candidate, reduce_bucket_size=spec.hidden_size ** 2))
     assert hf_auto.step_terms["reduce_flushes"] > 40 * decision.plan.step_terms["reduce_flushes"]
     assert hf_auto.devices["gpu"].total_bytes < decision.plan.devices["gpu"].total_bytes  # the bucket is counted
-    given = choice.decide(batch16(zero={"offload_param": "none", "reduce_bucket_size": 1234567}), spec, hw, 1)
+    given = choose.decide(batch16(zero={"offload_param": "none", "reduce_bucket_size": 1234567}), spec, hw, 1)
     assert given.config.zero.reduce_bucket_size == 1234567 and "zero.reduce_bucket_size" not in given.chosen_fields
     lora = modelspec.from_config(config(model={"config": "llama-1.5b"}, lora={"enabled": True}))
-    assert max(choice.reduce_buckets(decision.plan.candidate, lora, set())) == lora.trainable_params
+    assert max(choose.reduce_buckets(decision.plan.candidate, lora, set())) == lora.trainable_params
 
 
 def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
@@ -161,11 +161,11 @@ def test_planned_1_5b_at_8_gib_ranks_no_slower_than_the_tuned_stock():
     (3.8x) did not: the cost model under-predicts zerofit's step by 44%."""
     spec = modelspec.from_name("llama-1.5b")
     hw = cuda_box("8GiB", host="120GiB")
-    decision = choice.decide(batch16(), spec, hw, 1)
+    decision = choose.decide(batch16(), spec, hw, 1)
     stock = replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,
-                              gather_16bit_weights_on_save=True), **planner.auto_buckets(spec))
+                              gather_16bit_weights_on_save=True), **estimate.auto_buckets(spec))
     fitting = {m: p for m in (1, 2, 4, 8, 16)
-               if (p := planner.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m, chunked_loss=False),
+               if (p := estimate.predict(spec, hw, Shape(seq_len=1024, micro_batch=m, grad_accum=16 // m, chunked_loss=False),
                                         stock)).devices["gpu"].fits}
     assert max(fitting) == 2  # micro 4+ holds too many fp32 logits at 8 GiB with HF's loss
     assert decision.plan.shape.micro_batch > max(fitting) and decision.plan.shape.chunked_loss
@@ -178,22 +178,22 @@ def test_a_short_gpu_narrows_the_live_window_of_offloaded_parameters():
     module's worth does. Where DeepSpeed's window fits, it stays."""
     spec = modelspec.from_name("llama-3.6b")
     hw = cuda_box("5.5GiB", host="120GiB")
-    decision = choice.decide(batch16(), spec, hw, 1)
+    decision = choose.decide(batch16(), spec, hw, 1)
     largest_module = max(m.numel for m in spec.modules)
     assert decision.plan.fits and decision.config.zero.offload_param == "cpu"
     assert (decision.config.zero.max_live_parameters, decision.config.zero.max_reuse_distance) == (largest_module, 0)
     assert decision.chosen_fields["zero.max_live_parameters"] == largest_module
-    assert f"live window {largest_module:,}" in choice.describe(decision.plan)
-    assert choice.NARROWED_WINDOW_STEP_NOTE in decision.plan.notes
-    ds_config = dsconfig.build(decision.config, 1, on_gpu=True)["zero_optimization"]
+    assert f"live window {largest_module:,}" in choose.describe(decision.plan)
+    assert choose.NARROWED_WINDOW_STEP_NOTE in decision.plan.notes
+    ds_config = deepspeed.build(decision.config, 1, on_gpu=True)["zero_optimization"]
     assert ds_config["stage3_max_live_parameters"] == largest_module and ds_config["stage3_max_reuse_distance"] == 0
-    default = planner.predict(spec, hw, decision.plan.shape, replace(decision.plan.candidate,
+    default = estimate.predict(spec, hw, decision.plan.shape, replace(decision.plan.candidate,
                               max_live_parameters=10**9, max_reuse_distance=10**9))
     assert not default.fits
     assert default.devices["gpu"].total_bytes - decision.plan.devices["gpu"].total_bytes > 2**30
-    roomy = choice.decide(batch16(), spec, cuda_box("24GiB", host="120GiB"), 1)
-    assert (roomy.config.zero.max_live_parameters, roomy.config.zero.max_reuse_distance) == choice.DEEPSPEED_LIVE_WINDOW
-    given = choice.decide(batch16(zero={"max_live_parameters": 5 * 10**8}), spec, hw, 1)
+    roomy = choose.decide(batch16(), spec, cuda_box("24GiB", host="120GiB"), 1)
+    assert (roomy.config.zero.max_live_parameters, roomy.config.zero.max_reuse_distance) == choose.DEEPSPEED_LIVE_WINDOW
+    given = choose.decide(batch16(zero={"max_live_parameters": 5 * 10**8}), spec, hw, 1)
     assert given.config.zero.max_live_parameters == 5 * 10**8 and "zero.max_live_parameters" not in given.chosen_fields
 
 
@@ -202,38 +202,38 @@ def test_bench_deepspeed_changes_reach_the_engine_config_and_go_away():
     over the config zerofit builds, nested keys merged, zerofit's own build restored after."""
     from conftest import bench_module
 
-    from zerofit.configfile import load
+    from zerofit.config.load import load
 
     bench = bench_module("speed_levers")
     workers = bench_module("speed_workers")
     config = load()  # the demo: optimizer offloaded to the CPU
-    before = dsconfig.build(config, world_size=1, on_gpu=True)
+    before = deepspeed.build(config, world_size=1, on_gpu=True)
     with workers.deepspeed_changes(bench.SUPER_OFFLOAD):
-        changed = dsconfig.build(config, world_size=1, on_gpu=True)
+        changed = deepspeed.build(config, world_size=1, on_gpu=True)
     assert changed["zero_optimization"]["offload_optimizer"] == {**before["zero_optimization"]["offload_optimizer"],
                                                                  "super_offload": True}
     assert {k: v for k, v in changed.items() if k != "zero_optimization"} == \
         {k: v for k, v in before.items() if k != "zero_optimization"}
-    assert dsconfig.build(config, world_size=1, on_gpu=True) == before
+    assert deepspeed.build(config, world_size=1, on_gpu=True) == before
     with workers.deepspeed_changes(None):
-        assert dsconfig.build(config, world_size=1, on_gpu=True) == before
+        assert deepspeed.build(config, world_size=1, on_gpu=True) == before
 
 
 def test_a_step_the_cpu_optimizer_dominates_says_so_and_what_amortises_it():
     spec = modelspec.from_name("llama-3.6b")
     hw = cuda_box("24GiB", host="120GiB")
-    small = choice.decide(batch16(), spec, hw, 1).plan
+    small = choose.decide(batch16(), spec, hw, 1).plan
     optimizer_step = sum(small.step_terms.get(k, 0) for k in steptime.OPTIMIZER_STEP_TERMS)
     assert optimizer_step > small.step_seconds / 3  # grad_boundary + cpu_adam: 1.6 of 2.8 s
     note = next(n for n in small.notes if "the optimizer's" in n)
     assert f"{optimizer_step:.1f} s of the {small.step_seconds:.1f} s step" in note
     assert "grad_boundary" in note and "cpu_adam" in note and "train.global_batch_size" in note
     # 16x the sequences per step: the same optimizer step, a sixteenth of the share, no note
-    large = choice.decide(config(train={"global_batch_size": 256, "seq_len": 1024}), spec, hw, 1).plan
+    large = choose.decide(config(train={"global_batch_size": 256, "seq_len": 1024}), spec, hw, 1).plan
     assert large.step_terms["cpu_adam"] == small.step_terms["cpu_adam"]
     assert not any("the optimizer's" in n for n in large.notes)
     # nor on a CPU-only machine, where there is no GPU to wait
-    on_cpu = planner.predict(spec, cpu_box("512GiB"), small.shape, small.candidate)
+    on_cpu = estimate.predict(spec, cpu_box("512GiB"), small.shape, small.candidate)
     assert not any("the optimizer's" in n for n in on_cpu.notes)
 
 

@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 from conftest import run_zerofit
 
-from zerofit import hardware, nvme, syscheck
+from zerofit.plan import hardware
+from zerofit.nvme import preflight as nvme
+from zerofit.doctor import system
 
 
 def test_system_checks(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROFIT_CACHE_DIR", str(tmp_path / "cache"))  # the aio sweep's cache
     disk = tmp_path / "disk"
-    checks = syscheck.check_system(nvme_path=str(disk), nvme_mib=16)
+    checks = system.check_system(nvme_path=str(disk), nvme_mib=16)
     names = [c.name for c in checks]
     assert names[:7] == ["GPU", "driver / CUDA", "host RAM", "CPU cores", "pinned-memory limit (ulimit -l)", "libaio",
                          "DeepSpeed async_io"]
@@ -29,9 +31,9 @@ def test_system_checks(tmp_path, monkeypatch):
         assert "cached in" in by_end["tuning"].detail
     assert not list(disk.iterdir())  # the test files are gone
     (tmp_path / "a_file").write_text("")
-    unusable = syscheck.check_direct_io(tmp_path / "a_file" / "swap", 16)
+    unusable = system.check_direct_io(tmp_path / "a_file" / "swap", 16)
     assert unusable[0].status == "fail" and "writable directory" in unusable[0].fix
-    typo = syscheck.check_direct_io(tmp_path / "no" / "such" / "swap", 16)  # mkdir -p measured the disk of /
+    typo = system.check_direct_io(tmp_path / "no" / "such" / "swap", 16)  # mkdir -p measured the disk of /
     assert typo[0].status == "fail" and f"{tmp_path / 'no' / 'such'} does not exist (a typo?" in typo[0].detail
     assert not (tmp_path / "no").exists()
     assert f"free on {nvme.mount_point(disk)}" in by_end["write"].detail
@@ -48,7 +50,7 @@ def test_a_direct_io_read_that_cannot_open_is_a_failed_check(tmp_path, monkeypat
         return real_open(path, flags, *mode)
 
     monkeypatch.setattr(os, "open", refuse_reading)
-    checks = syscheck.check_direct_io(tmp_path / "swap", 8)
+    checks = system.check_direct_io(tmp_path / "swap", 8)
     assert checks[0].status == "fail" and "direct I/O failed: Permission denied" in checks[0].detail
     assert not list((tmp_path / "swap").iterdir())  # its test file removed
 
@@ -59,7 +61,7 @@ def test_a_ram_backed_nvme_path_is_warned_of(tmp_path):
     NVMe offload is meant to free."""
     shm = Path("/dev/shm") / f"zerofit-test-{os.getpid()}"
     try:
-        checks = syscheck.check_direct_io(shm, 16)
+        checks = system.check_direct_io(shm, 16)
         fs = [c for c in checks if c.name.endswith("filesystem")]
         assert len(fs) == 1 and fs[0].status == "warn" and "tmpfs" in fs[0].detail
     finally:
@@ -72,7 +74,7 @@ def test_memlock_limit_is_judged():
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     try:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
-        check = syscheck.check_memlock()
+        check = system.check_memlock()
         if hardware.has_ipc_lock():  # root in most containers: mlock is not bound by the limit
             assert check.status == "pass" and "64 KiB" in check.detail and "CAP_IPC_LOCK" in check.detail
         else:
@@ -110,15 +112,15 @@ def test_missing_libaio_fails_only_when_nvme_is_asked_for(tmp_path, monkeypatch)
     monkeypatch.setenv(nvme.SEARCH_DIRS_VARIABLE, str(empty))
     problem = nvme.libaio_problem()
     assert problem and "libaio-dev" in problem
-    warned, failed = syscheck.check_libaio(problem, nvme_wanted=False), syscheck.check_libaio(problem, nvme_wanted=True)
+    warned, failed = system.check_libaio(problem, nvme_wanted=False), system.check_libaio(problem, nvme_wanted=True)
     assert warned.status == "warn" and "NVMe offload" in warned.detail and "unavailable" in warned.detail
     assert "apt-get install libaio-dev" in warned.fix and "async_io op then builds" in warned.fix
     assert failed.status == "fail" and "NVMe offload fails" in failed.detail
-    assert syscheck.check_async_io(problem, nvme_wanted=False).status == "warn"
-    assert syscheck.check_async_io(problem, nvme_wanted=True).status == "fail"
+    assert system.check_async_io(problem, nvme_wanted=False).status == "warn"
+    assert system.check_async_io(problem, nvme_wanted=True).status == "fail"
     for name in ("libaio.h", "libaio.so"):  # what the probe looks for, there
         (empty / name).write_text("")
-    assert nvme.libaio_problem() is None and syscheck.check_libaio(None, nvme_wanted=True).status == "pass"
+    assert nvme.libaio_problem() is None and system.check_libaio(None, nvme_wanted=True).status == "pass"
 
     env = {nvme.SEARCH_DIRS_VARIABLE: str(tmp_path / "nothing-here"), "ZEROFIT_CACHE_DIR": str(tmp_path / "cache")}
     plain = run_zerofit(["doctor", "--system"], check=False, env=env)

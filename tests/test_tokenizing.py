@@ -3,17 +3,17 @@ import json
 
 import pytest
 
-from zerofit import chatlayout, data, tokenizing
-from zerofit.conversations import RowError
-from zerofit.dataconfig import DataConfig
-from zerofit.datafiles import DataError
-from zerofit.tokenizing import IGNORE
+from zerofit.data import chatlayout, pipeline as data, tokenize
+from zerofit.data.conversations import RowError
+from zerofit.config.data import DataConfig
+from zerofit.data.files import DataError
+from zerofit.data.tokenize import IGNORE
 
 from conftest import CHATML, decode_learned, write_jsonl
 
 
 def test_text_rows_learn_every_token(tokenizer):
-    ids, labels = tokenizing.tokenize_row({"text": "hello"}, "text", tokenizer)
+    ids, labels = tokenize.tokenize_row({"text": "hello"}, "text", tokenizer)
     assert ids == labels
     assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(ids[1:-1]) == "hello"
@@ -21,7 +21,7 @@ def test_text_rows_learn_every_token(tokenizer):
 
 def test_alpaca_masks_the_prompt(tokenizer):
     row = {"instruction": "Reverse the word.", "input": "abc", "output": "cba"}
-    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenize.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     assert len(ids) == len(labels)
     assert decode_learned(tokenizer, ids, labels) == "cba</s>"
     prompt = tokenizer.decode([t for t, l in zip(ids, labels) if l == IGNORE])
@@ -29,7 +29,7 @@ def test_alpaca_masks_the_prompt(tokenizer):
 
 
 def test_alpaca_without_input(tokenizer):
-    ids, labels = tokenizing.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenize.tokenize_row({"instruction": "Say hi.", "output": "hi"}, "alpaca", tokenizer, "alpaca")
     assert "### Input" not in tokenizer.decode(ids)
     assert decode_learned(tokenizer, ids, labels) == "hi</s>"
 
@@ -45,7 +45,7 @@ def test_alpaca_rows_take_the_tokenizers_chat_template(tokenizer):
                                  {"role": "assistant", "content": "hi"},
                                  {"role": "user", "content": "Reverse the word.\nabc"},
                                  {"role": "assistant", "content": "cba"}]}
-    assert tokenizing.tokenize_row(row, "alpaca", tokenizer) == tokenizing.tokenize_row(conversation, "messages", tokenizer)
+    assert tokenize.tokenize_row(row, "alpaca", tokenizer) == tokenize.tokenize_row(conversation, "messages", tokenizer)
     assert chatlayout.trained_chat_template(("alpaca",), tokenizer) is None  # the tokenizer's own
     assert chatlayout.trained_chat_template(("alpaca", "messages"), tokenizer) is None
     assert chatlayout.trained_chat_template(("alpaca",), tokenizer, "alpaca") == chatlayout.ALPACA_CHAT_TEMPLATE
@@ -55,7 +55,7 @@ def test_alpaca_rows_take_the_tokenizers_chat_template(tokenizer):
         "messages rows by the tokenizer's chat template; alpaca rows in the alpaca layout"
     assert chatlayout.layouts(("text",), tokenizer) == ""
     tokenizer.chat_template = None
-    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer)
+    ids, labels = tokenize.tokenize_row(row, "alpaca", tokenizer)
     assert tokenizer.decode(ids).startswith("<s>be brief\n\n### Instruction:\nSay hi.")
     assert chatlayout.trained_chat_template(("alpaca",), tokenizer) == chatlayout.ALPACA_CHAT_TEMPLATE
     assert chatlayout.layouts(("alpaca",), tokenizer) == "alpaca rows in the alpaca layout"
@@ -65,7 +65,7 @@ def test_messages_learn_only_assistant_turns_with_chat_template(tokenizer):
     row = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
                         {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
                         {"role": "assistant", "content": "6"}]}
-    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(row, "messages", tokenizer)
     assert ids == list(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
     assert decode_learned(tokenizer, ids, labels) == "4</s>\n6</s>\n"
 
@@ -86,7 +86,7 @@ def test_a_chat_template_that_rewrites_earlier_turns_is_a_bad_row(tmp_path, toke
                            {"role": "assistant", "content": "4"}]}
     multi = {"messages": single["messages"] + [{"role": "user", "content": "3+3?"},
                                                {"role": "assistant", "content": "6"}]}
-    ids, labels = tokenizing.tokenize_row(single, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(single, "messages", tokenizer)
     assert len(ids) == len(labels) and decode_learned(tokenizer, ids, labels) == "4</s>"
     path = write_jsonl(tmp_path / "d.jsonl", [single] * 30 + [multi])
     with pytest.raises(DataError, match=r"line 31: field `messages`: the tokenizer's chat template renders the first "
@@ -133,18 +133,18 @@ def test_a_chat_template_that_leaves_the_system_turn_out_is_a_bad_row(tmp_path, 
     assert_bad_row(tmp_path, tokenizer, row, rf"field `{field_name}`: the tokenizer's chat template leaves a system "
                                              r"turn out .* use a template that renders it \(model.chat_template\)")
     no_system = {key: value[1:] if key == "messages" else value for key, value in row.items() if key != "system"}
-    ids, labels = tokenizing.tokenize_row(no_system, tokenizing.row_format(no_system), tokenizer)
+    ids, labels = tokenize.tokenize_row(no_system, tokenize.row_format(no_system), tokenizer)
     assert tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE]).startswith("a")
     # the same rows under a template that writes the system turn train with it
     tokenizer.chat_template = tokenizer.chat_template.replace("{% if m.role != 'system' %}", "{% if true %}")
-    ids, _ = tokenizing.tokenize_row(row, tokenizing.row_format(row), tokenizer)
+    ids, _ = tokenize.tokenize_row(row, tokenize.row_format(row), tokenizer)
     assert tokenizer.decode(ids).startswith("system: s\nuser: u")
 
 
 def test_messages_without_chat_template(tokenizer):
     tokenizer.chat_template = None
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(row, "messages", tokenizer)
     assert decode_learned(tokenizer, ids, labels) == "yo</s>"
     assert tokenizer.decode(ids) == "<s>user:\nhi</s>assistant:\nyo</s>"
 
@@ -152,7 +152,7 @@ def test_messages_without_chat_template(tokenizer):
 def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(tokenizer):
     row = {"instruction": "And times 3?", "input": "", "output": "0", "system": "You are a calculator.",
            "history": [["What is 0*2?", "0"]]}
-    ids, labels = tokenizing.tokenize_row(row, "alpaca", tokenizer, "alpaca")
+    ids, labels = tokenize.tokenize_row(row, "alpaca", tokenizer, "alpaca")
     assert tokenizer.decode(ids) == ("<s>You are a calculator.\n\n### Instruction:\nWhat is 0*2?\n\n### Response:\n0</s>"
                                      "### Instruction:\nAnd times 3?\n\n### Response:\n0</s>")
     assert decode_learned(tokenizer, ids, labels) == "0</s>0</s>"  # both answers, prompts and system masked
@@ -163,7 +163,7 @@ def test_alpaca_system_and_history_are_trained_as_llama_factory_reads_them(token
                                              return_dict=False)
     assert list(rendered) == ids  # the exported template prompts as training read it
     with pytest.raises(RowError, match="history.*pairs"):
-        tokenizing.tokenize_row(row | {"history": ["What is 0*2?"]}, "alpaca", tokenizer)
+        tokenize.tokenize_row(row | {"history": ["What is 0*2?"]}, "alpaca", tokenizer)
 
 
 def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
@@ -174,9 +174,9 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
     plain = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
                           {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
                           {"role": "assistant", "content": "6"}]}
-    assert tokenizing.tokenize_row(share, "sharegpt", tokenizer) == tokenizing.tokenize_row(plain, "messages", tokenizer)
+    assert tokenize.tokenize_row(share, "sharegpt", tokenizer) == tokenize.tokenize_row(plain, "messages", tokenizer)
     named = {"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]}
-    assert decode_learned(tokenizer, *tokenizing.tokenize_row(named, "messages", tokenizer)) == "4</s>\n"
+    assert decode_learned(tokenizer, *tokenize.tokenize_row(named, "messages", tokenizer)) == "4</s>\n"
     path = write_jsonl(tmp_path / "d.jsonl", [share] * 3)
     seqs = data.build_sequences([path], DataConfig(path=str(path), packing=False), tokenizer, 64)
     assert len(seqs) == 3 and seqs.formats == ("sharegpt",)
@@ -184,7 +184,7 @@ def test_sharegpt_rows_are_conversations(tmp_path, tokenizer):
                           {"role": "function_call", "content": '{"name": "get", "arguments": {}}'},
                           {"role": "observation", "content": "sun"}, {"role": "assistant", "content": "sunny"}]}
     tokenizer.chat_template = None
-    assert decode_learned(tokenizer, *tokenizing.tokenize_row(tools, "messages", tokenizer)) == \
+    assert decode_learned(tokenizer, *tokenize.tokenize_row(tools, "messages", tokenizer)) == \
         '{"name": "get", "arguments": {}}</s>sunny</s>'
 
 
@@ -195,19 +195,19 @@ def test_turns_are_read_under_either_naming(tokenizer):
     format's own."""
     tokenizer.chat_template = CHATML
     plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    expected = tokenizing.tokenize_row(plain, "messages", tokenizer)
+    expected = tokenize.tokenize_row(plain, "messages", tokenizer)
     conversations = {"conversations": plain["messages"]}
-    assert tokenizing.row_format(conversations) == "sharegpt"
-    assert tokenizing.tokenize_row(conversations, "sharegpt", tokenizer) == expected
+    assert tokenize.row_format(conversations) == "sharegpt"
+    assert tokenize.tokenize_row(conversations, "sharegpt", tokenizer) == expected
     shared = {"messages": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
-    assert tokenizing.tokenize_row(shared, "messages", tokenizer) == expected
+    assert tokenize.tokenize_row(shared, "messages", tokenizer) == expected
     mixed = {"messages": [{"from": "human", "value": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    assert tokenizing.tokenize_row(mixed, "messages", tokenizer) == expected
+    assert tokenize.tokenize_row(mixed, "messages", tokenizer) == expected
     with pytest.raises(RowError, match=r"messages\[1\]`: expected \{role: str, content: str\}"):
-        tokenizing.tokenize_row({"messages": [plain["messages"][0], {"speaker": "gpt", "text": "4"}]}, "messages",
+        tokenize.tokenize_row({"messages": [plain["messages"][0], {"speaker": "gpt", "text": "4"}]}, "messages",
                           tokenizer)
     with pytest.raises(RowError, match=r"conversations\[0\].role`: unknown speaker 'model'"):
-        tokenizing.tokenize_row({"conversations": [{"role": "model", "content": "4"}]}, "sharegpt", tokenizer)
+        tokenize.tokenize_row({"conversations": [{"role": "model", "content": "4"}]}, "sharegpt", tokenizer)
 
 
 def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
@@ -217,14 +217,14 @@ def test_unknown_speakers_are_bad_rows_and_text_parts_are_joined(tokenizer):
     typo = {"conversations": [{"from": "human", "value": "q1"}, {"from": "model", "value": "a1"},
                               {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]}
     with pytest.raises(RowError, match=r"conversations\[1\].from`: unknown speaker 'model'.*use system, user"):
-        tokenizing.tokenize_row(typo, "sharegpt", tokenizer)
+        tokenize.tokenize_row(typo, "sharegpt", tokenizer)
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2?"}]},
                           {"role": "assistant", "content": "4"}]}
     plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    assert tokenizing.tokenize_row(parts, "messages", tokenizer) == tokenizing.tokenize_row(plain, "messages", tokenizer)
+    assert tokenize.tokenize_row(parts, "messages", tokenizer) == tokenize.tokenize_row(plain, "messages", tokenizer)
     parts["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
     with pytest.raises(RowError, match=r"messages\[0\].content`: only text parts .* not image_url"):
-        tokenizing.tokenize_row(parts, "messages", tokenizer)
+        tokenize.tokenize_row(parts, "messages", tokenizer)
 
 
 # A tool-calling template in the way Qwen2.5's and Llama 3.1's are: tools offered in a system
@@ -257,28 +257,28 @@ def test_a_mapped_conversation_column_keeps_tool_calls_system_and_tools(tmp_path
     tokenizer.chat_template = TOOL_TEMPLATE
     row = tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS)
     path = write_jsonl(tmp_path / "o.jsonl", [{"chat": row["messages"], "tools": WEATHER_TOOLS}])
-    read = tokenizing.read_examples([path], DataConfig(path="x", columns={"messages": "chat"}), tokenizer)[0]
-    assert read == [tokenizing.tokenize_row(row, "messages", tokenizer)]
+    read = tokenize.read_examples([path], DataConfig(path="x", columns={"messages": "chat"}), tokenizer)[0]
+    assert read == [tokenize.tokenize_row(row, "messages", tokenizer)]
     assert "<tool_call>get_weather" in decode_learned(tokenizer, *read[0])
-    with_system = tokenizing.tokenize_row({**row, "system": "be brief"}, "messages", tokenizer)
+    with_system = tokenize.tokenize_row({**row, "system": "be brief"}, "messages", tokenizer)
     assert tokenizer.decode(with_system[0]).count("<|im_start|>system\nbe brief<|im_end|>") == 1
     own_turn = {"role": "system", "content": "mine"}
-    ids, _ = tokenizing.tokenize_row({"messages": [own_turn, *row["messages"]], "system": "theirs"}, "messages",
+    ids, _ = tokenize.tokenize_row({"messages": [own_turn, *row["messages"]], "system": "theirs"}, "messages",
                                      tokenizer)
     assert "mine" in tokenizer.decode(ids) and "theirs" not in tokenizer.decode(ids)
     alpaca = {"instruction": "weather in Paris?", "output": "sunny", "tools": WEATHER_TOOLS}
-    assert "Tools: get_weather" in tokenizer.decode(tokenizing.tokenize_row(alpaca, "alpaca", tokenizer)[0])
+    assert "Tools: get_weather" in tokenizer.decode(tokenize.tokenize_row(alpaca, "alpaca", tokenizer)[0])
     with pytest.raises(RowError, match="the alpaca layout has no place for tools"):
-        tokenizing.tokenize_row(alpaca, "alpaca", tokenizer, alpaca_template="alpaca")
+        tokenize.tokenize_row(alpaca, "alpaca", tokenizer, alpaca_template="alpaca")
     # data.format sharegpt (LLaMA-Factory's formatting) over OpenAI-style rows: the file's columns said
     with pytest.raises(DataError, match=r"o\.jsonl has no conversations column for data\.format sharegpt; its "
                                         r"columns are chat, tools: set data\.format: auto"):
-        tokenizing.read_examples([path], DataConfig(path="x", format="sharegpt"), tokenizer)
+        tokenize.read_examples([path], DataConfig(path="x", format="sharegpt"), tokenizer)
     # ... as the file names them, where data.columns renamed some (they were said by the fields' names)
     renamed = write_jsonl(tmp_path / "q.jsonl", [{"q": "hi", "a": "ho"}])
     with pytest.raises(DataError, match=r"q\.jsonl has no conversations column for data\.format sharegpt; its "
                                         r"columns are a, q: set data\.format: auto"):
-        tokenizing.read_examples([renamed], DataConfig(path="x", format="sharegpt",
+        tokenize.read_examples([renamed], DataConfig(path="x", format="sharegpt",
                                                        columns={"prompt": "q", "response": "a"}), tokenizer)
 
 
@@ -288,12 +288,12 @@ def test_tool_calls_are_learned_through_the_chat_template(tmp_path, tokenizer):
     expect), the tool's answer and the offered tools are prompt; a file mixing argument shapes
     (datasets unifies them into one struct, filling in null keys) trains each row's own."""
     tokenizer.chat_template = TOOL_TEMPLATE
-    ids, labels = tokenizing.tokenize_row(tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS), "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(tool_row('{"city": "Paris"}', tools=WEATHER_TOOLS), "messages", tokenizer)
     assert decode_learned(tokenizer, ids, labels) == (
         '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n')
     assert tokenizer.decode(ids).startswith("<|im_start|>system\nTools: get_weather<|im_end|>")
     assert "sunny<|im_end|>" in tokenizer.decode(ids)
-    as_object = tokenizing.tokenize_row(tool_row({"city": "Paris"}, tools=json.dumps(WEATHER_TOOLS)), "messages", tokenizer)
+    as_object = tokenize.tokenize_row(tool_row({"city": "Paris"}, tools=json.dumps(WEATHER_TOOLS)), "messages", tokenizer)
     assert as_object == (ids, labels)  # LLaMA-Factory's tools: a JSON string
     other = tool_row({"days": 3})
     other["messages"][1]["tool_calls"][0]["function"]["name"] = "get_forecast"
@@ -325,7 +325,7 @@ def test_parallel_tool_answers_a_template_groups_are_prompt(tokenizer):
     row = {"messages": [{"role": "user", "content": "weather and time?"}, call,
                         {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "noon"},
                         {"role": "assistant", "content": "Sunny, at noon."}, {"role": "user", "content": "thanks"}]}
-    ids, labels = tokenizing.tokenize_row(row, "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(row, "messages", tokenizer)
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(row["messages"], tokenize=False)
     assert decode_learned(tokenizer, ids, labels) == (
         "<tool_call>get_weather</tool_call><tool_call>get_time</tool_call><|im_end|>\nSunny, at noon.<|im_end|>\n")
@@ -342,16 +342,16 @@ def test_sharegpt_function_calls_are_tool_calls(tokenizer):
     share = {"conversations": [{"from": "human", "value": "weather in Paris?"}, call,
                                {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "It is sunny."}],
              "tools": json.dumps(WEATHER_TOOLS)}
-    assert tokenizing.tokenize_row(share, "sharegpt", tokenizer) == \
-        tokenizing.tokenize_row(tool_row({"city": "Paris"}, tools=WEATHER_TOOLS), "messages", tokenizer)
+    assert tokenize.tokenize_row(share, "sharegpt", tokenizer) == \
+        tokenize.tokenize_row(tool_row({"city": "Paris"}, tools=WEATHER_TOOLS), "messages", tokenizer)
     call["value"] = json.dumps([{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Rome")])
-    learned = decode_learned(tokenizer, *tokenizing.tokenize_row(share, "sharegpt", tokenizer))
+    learned = decode_learned(tokenizer, *tokenize.tokenize_row(share, "sharegpt", tokenizer))
     assert learned.startswith('<tool_call>get_weather {"city": "Paris"}</tool_call><tool_call>get_weather '
                               '{"city": "Rome"}</tool_call>')
     for value, problem in (("get_weather(Paris)", "not JSON"), ('{"city": "Paris"}', "holds the call as JSON")):
         call["value"] = value
         with pytest.raises(RowError, match=f"conversations\\[1\\].value`: .*{problem}"):
-            tokenizing.tokenize_row(share, "sharegpt", tokenizer)
+            tokenize.tokenize_row(share, "sharegpt", tokenizer)
 
 
 def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):
@@ -359,21 +359,21 @@ def test_tool_calls_without_a_template_that_renders_them(tmp_path, tokenizer):
     naming the fix. Without any template the `role:` layout writes calls as JSON lines."""
     tokenizer.chat_template = CHATML
     with pytest.raises(RowError, match="does not render function calling \\(call get_weather"):
-        tokenizing.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
+        tokenize.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
     with pytest.raises(RowError, match="tool get_weather"):
-        tokenizing.tokenize_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+        tokenize.tokenize_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
                            "tools": WEATHER_TOOLS}, "messages", tokenizer)
     tokenizer.chat_template = None
-    ids, labels = tokenizing.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
+    ids, labels = tokenize.tokenize_row(tool_row('{"city": "Paris"}'), "messages", tokenizer)
     assert decode_learned(tokenizer, ids, labels) == '{"name": "get_weather", "arguments": {"city": "Paris"}}</s>' \
                                                      'It is sunny.</s>'
     for calls, where in (("get_weather()", "messages[1].tool_calls"), ([{"function": {}}], "tool_calls[0]")):
         row = tool_row("{}")
         row["messages"][1]["tool_calls"] = calls
         with pytest.raises(RowError, match=where.replace("[", "\\[")):
-            tokenizing.tokenize_row(row, "messages", tokenizer)
+            tokenize.tokenize_row(row, "messages", tokenizer)
     with pytest.raises(RowError, match="arguments`: not JSON"):
-        tokenizing.tokenize_row(tool_row("{city: Paris}"), "messages", tokenizer)
+        tokenize.tokenize_row(tool_row("{city: Paris}"), "messages", tokenizer)
 
 
 def test_a_conversation_opening_with_the_assistant_is_a_bad_row(tmp_path, tokenizer):
@@ -406,14 +406,14 @@ def test_rows_of_several_formats_in_one_file(tmp_path, tokenizer):
 def test_tokenizing_says_its_progress_on_rank_0_only(tmp_path, tokenizer, monkeypatch, capsys):
     """100k rows tokenized for half a minute with nothing on the screen: a plain line every 5 s
     where stderr is no terminal (rows done, rate, ETA); nothing from the other ranks."""
-    from zerofit import progress
+    from zerofit.core import console
 
     clock = iter(range(0, 10_000, 6))  # every look at the clock 6 s after the one before
-    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(3)])
-    tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer, progress.Shown(True, bar=True))
+    tokenize.read_examples([path], DataConfig(path=str(path)), tokenizer, console.Shown(True, bar=True))
     said = capsys.readouterr().err.splitlines()
-    assert said[:3] == [f"tokenizing d.jsonl {n}/3 rows (0.17/s, ETA {progress.clock(6 * (3 - n))})" for n in (1, 2, 3)]
-    tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer, progress.Shown(False, bar=True))
-    tokenizing.read_examples([path], DataConfig(path=str(path)), tokenizer)
+    assert said[:3] == [f"tokenizing d.jsonl {n}/3 rows (0.17/s, ETA {console.clock(6 * (3 - n))})" for n in (1, 2, 3)]
+    tokenize.read_examples([path], DataConfig(path=str(path)), tokenizer, console.Shown(False, bar=True))
+    tokenize.read_examples([path], DataConfig(path=str(path)), tokenizer)
     assert capsys.readouterr().err == ""

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from zerofit import tokenizing, tokenworkers
-from zerofit.config import ConfigError
-from zerofit.dataconfig import DataConfig
-from zerofit.configfile import validate
-from zerofit.datafiles import DataError
+from zerofit.data import tokenize, workers as tokenworkers
+from zerofit.config.schema import ConfigError
+from zerofit.config.data import DataConfig
+from zerofit.config.load import validate
+from zerofit.data.files import DataError
 
 from conftest import write_jsonl
 
@@ -23,36 +23,36 @@ def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, 
     rank): the run directory keeps them, named by the files' size and time, the data keys
     tokenizing reads, the tokenizer and the code; anything of those changed tokenizes again."""
     import os
-    from zerofit import datacache
+    from zerofit.data import cache
     from zerofit.demo import build_tokenizer
-    from zerofit.progress import Shown
+    from zerofit.core.console import Shown
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     cfg = DataConfig(path=str(path))
-    first = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
+    first = cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
     kept = list((tmp_path / "run" / "data-cache").glob("train-*.npz"))
     assert len(kept) == 1 and capsys.readouterr().err == ""
     # the same size and time, other rows: what the cache holds comes back (it is read, not tokenized)
     stat = path.stat()
     path.write_text(path.read_text().replace("say", "sag"))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    again = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
+    again = cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False))
     assert again == first and "train rows: tokenized by an earlier start of this run" in capsys.readouterr().err
     # the file's time, a data key tokenizing reads, the tokenizer's template: tokenized again, the old file gone
     os.utime(path)
-    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train") != first
+    assert cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train") != first
     changed = DataConfig(path=str(path), alpaca_template="alpaca")
-    layouts = datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train")
+    layouts = cache.read([[path]], changed, tokenizer, tmp_path / "run", "train")
     assert "### Instruction:\nsag 0" in tokenizer.decode(layouts.examples[0][0])
     assert len(list((tmp_path / "run" / "data-cache").glob("train-*.npz"))) == 1
-    assert datacache.cache_key([[path]], cfg, tokenizer) != datacache.cache_key([[path]], changed, tokenizer)
+    assert cache.cache_key([[path]], cfg, tokenizer) != cache.cache_key([[path]], changed, tokenizer)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    assert datacache.cache_key([[path]], cfg, tokenizer) != datacache.cache_key([[path]], cfg, build_tokenizer())
+    assert cache.cache_key([[path]], cfg, tokenizer) != cache.cache_key([[path]], cfg, build_tokenizer())
     # a cache file cut short is tokenized again and replaced; the eval files' cache stays beside the train's
     kept = next((tmp_path / "run" / "data-cache").glob("train-*.npz"))
     kept.write_bytes(kept.read_bytes()[:100])
-    assert datacache.read([[path]], changed, tokenizer, tmp_path / "run", "train") == layouts
-    datacache.read([[path]], changed, tokenizer, tmp_path / "run", "eval")
+    assert cache.read([[path]], changed, tokenizer, tmp_path / "run", "train") == layouts
+    cache.read([[path]], changed, tokenizer, tmp_path / "run", "eval")
     assert len(list((tmp_path / "run" / "data-cache").glob("*.npz"))) == 2
 
 
@@ -72,23 +72,23 @@ def test_a_poisoned_or_damaged_cache_never_runs_and_is_tokenized_again(tmp_path,
     name is never read, one under the new name (or a file cut short) is stale: said, tokenized again."""
     import pickle
 
-    from zerofit import datacache
-    from zerofit.progress import Shown
+    from zerofit.data import cache
+    from zerofit.core.console import Shown
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     shared, marker = tmp_path / "shared", tmp_path / "pwned"
     shared.mkdir()
     cfg = DataConfig(path=str(path), cache_dir=str(shared))
-    expected = datacache.read([[path]], DataConfig(path=str(path)), tokenizer, None, "train")
-    key = datacache.cache_key([[path]], cfg, tokenizer)
+    expected = cache.read([[path]], DataConfig(path=str(path)), tokenizer, None, "train")
+    key = cache.cache_key([[path]], cfg, tokenizer)
     for name in (f"train-{key}.pkl", f"train-{key}.npz"):
         (shared / name).write_bytes(pickle.dumps(Payload(marker)))
-    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False)) == expected
+    assert cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False)) == expected
     assert not marker.exists() and "cannot be read" in capsys.readouterr().err
     kept = shared / f"train-{key}.npz"
-    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train") == expected  # the rewritten file
+    assert cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train") == expected  # the rewritten file
     kept.write_bytes(kept.read_bytes()[:-200])
-    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False)) == expected
+    assert cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train", Shown(True, False)) == expected
     assert f"{kept}: the tokenized rows kept there cannot be read" in capsys.readouterr().err
     assert not marker.exists()
 
@@ -105,7 +105,7 @@ def test_worker_processes_tokenize_the_same_rows_and_name_the_same_bad_row(tmp_p
                      {"conversations": [{"from": "human", "value": f"h{i}"}, {"from": "gpt", "value": f"g{i}"}]}][i % 4])
     rows[57], rows[140] = {"instruction": "says", "output": 5}, {"text": 5}
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    alone, forked = (tokenizing.read_examples([path], DataConfig(path=str(path), skip_bad_rows=True, num_workers=n),
+    alone, forked = (tokenize.read_examples([path], DataConfig(path=str(path), skip_bad_rows=True, num_workers=n),
                                               tokenizer) for n in (1, 2))
     assert len(alone.examples) == 198 and alone.skipped == 2
     assert forked.examples == alone.examples and forked.reasons == alone.reasons
@@ -114,7 +114,7 @@ def test_worker_processes_tokenize_the_same_rows_and_name_the_same_bad_row(tmp_p
     assert "line 141: field `text`" in forked.reasons[1]
     with pytest.raises(DataError, match=r"mixed\.jsonl, line 58: field `output`: expected a string, got int "
                                         r"\(alpaca format\)"):
-        tokenizing.read_examples([path], DataConfig(path=str(path), num_workers=2), tokenizer)
+        tokenize.read_examples([path], DataConfig(path=str(path), num_workers=2), tokenizer)
 
 
 def test_tokenizing_workers_are_forked_processes_and_keep_the_order():
@@ -179,30 +179,30 @@ def test_a_shared_cache_dir_serves_another_run_and_keeps_every_tokenization(tmp_
     """data.cache_dir (LLaMA-Factory's tokenized_path): a second run directory reads the rows the
     first tokenized; another tokenization of the data is kept beside it, nothing removed (the
     run's own data-cache replaces its older one); an unwritable directory is said, the run goes on."""
-    from zerofit import datacache
-    from zerofit.progress import Shown
+    from zerofit.data import cache
+    from zerofit.core.console import Shown
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     shared = tmp_path / "shared"
     cfg = DataConfig(path=str(path), cache_dir=str(shared))
-    first = datacache.read([[path]], cfg, tokenizer, tmp_path / "run-a", "train", Shown(True, False))
-    assert [p.name for p in shared.iterdir()] == [f"train-{datacache.cache_key([[path]], cfg, tokenizer)}.npz"]
+    first = cache.read([[path]], cfg, tokenizer, tmp_path / "run-a", "train", Shown(True, False))
+    assert [p.name for p in shared.iterdir()] == [f"train-{cache.cache_key([[path]], cfg, tokenizer)}.npz"]
     assert not (tmp_path / "run-a" / "data-cache").exists()
     capsys.readouterr()
-    assert datacache.read([[path]], cfg, tokenizer, tmp_path / "run-b", "train", Shown(True, False)) == first
+    assert cache.read([[path]], cfg, tokenizer, tmp_path / "run-b", "train", Shown(True, False)) == first
     assert "train rows: data.cache_dir, tokenized before from the same files" in capsys.readouterr().err
     other = DataConfig(path=str(path), cache_dir=str(shared), alpaca_template="alpaca")
-    datacache.read([[path]], other, tokenizer, tmp_path / "run-b", "train")
+    cache.read([[path]], other, tokenizer, tmp_path / "run-b", "train")
     assert len(list(shared.glob("train-*.npz"))) == 2
     # a directory that cannot be made (a file stands where it would go: unwritable even to root)
     (tmp_path / "a-file").write_text("")
     blocked = DataConfig(path=str(path), cache_dir=str(tmp_path / "a-file" / "cache"), max_samples=5)
-    assert len(datacache.read([[path]], blocked, tokenizer, tmp_path / "run-c", "train", Shown(True, False)).examples) == 5
+    assert len(cache.read([[path]], blocked, tokenizer, tmp_path / "run-c", "train", Shown(True, False)).examples) == 5
     assert "the tokenized rows could not be kept (Not a directory)" in capsys.readouterr().err
     # the run's own data-cache/ a file: said too (each start tokenized again without a word)
     (tmp_path / "run-d").mkdir()
     (tmp_path / "run-d" / "data-cache").write_text("")
-    datacache.read([[path]], DataConfig(path=str(path)), tokenizer, tmp_path / "run-d", "train", Shown(True, False))
+    cache.read([[path]], DataConfig(path=str(path)), tokenizer, tmp_path / "run-d", "train", Shown(True, False))
     said = capsys.readouterr().err.replace("\n", "")
     assert f"{tmp_path / 'run-d' / 'data-cache'}: the tokenized rows could not be kept (" in said
 
@@ -212,16 +212,16 @@ def machine_of_two(tmp_path, tokenizer, cfg: DataConfig, path: Path, monkeypatch
     each returned, and the ranks_tokenizing of each tokenization each made."""
     import threading
 
-    from zerofit import datacache
+    from zerofit.data import cache
 
-    calls, real = [], datacache.read_examples
-    monkeypatch.setattr(datacache, "read_examples", lambda *args, **kwargs: (
+    calls, real = [], cache.read_examples
+    monkeypatch.setattr(cache, "read_examples", lambda *args, **kwargs: (
         calls.append((threading.current_thread().name, kwargs.get("ranks_tokenizing"))), real(*args, **kwargs))[1])
     barrier, found = threading.Barrier(2, timeout=60), {}
 
     def rank(first: bool) -> None:
-        node = datacache.Node(first=first, ranks=2, wait=barrier.wait)
-        found[threading.current_thread().name] = datacache.read([[path]], cfg, tokenizer, tmp_path / "run", "train",
+        node = cache.Node(first=first, ranks=2, wait=barrier.wait)
+        found[threading.current_thread().name] = cache.read([[path]], cfg, tokenizer, tmp_path / "run", "train",
                                                                 node=node)
 
     ranks = [threading.Thread(target=rank, args=(name == "first",), name=name) for name in ("second", "first")]
@@ -301,12 +301,12 @@ def test_rows_longer_than_the_tokenizers_maximum_warn_no_one_in_no_worker(tmp_pa
     path = write_jsonl(tmp_path / "long.jsonl", [{"text": f"a row of more than eight tokens, number {i}"}
                                                   for i in range(200)])
     script = ("from pathlib import Path\nfrom zerofit import tokenizing\n"
-              "from zerofit.dataconfig import DataConfig\n"
+              "from zerofit.config.data import DataConfig\n"
               "from zerofit.demo import build_tokenizer\n"
               "for workers in (2, 1):\n"
               "    tokenizer = build_tokenizer()\n"
               "    tokenizer.model_max_length = 8\n"
-              f"    read = tokenizing.read_examples([Path({str(path)!r})], DataConfig(path={str(path)!r}, num_workers=workers),"
+              f"    read = tokenize.read_examples([Path({str(path)!r})], DataConfig(path={str(path)!r}, num_workers=workers),"
               " tokenizer)\n"
               "    print(workers, len(read.examples), len(read.examples[0][0]),"
               " tokenizer.deprecation_warnings.get('sequence-length-is-longer-than-the-specified-maximum', False))\n")

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config, write_jsonl
 
-from zerofit import runlock
-from zerofit.memory import human_count
+from zerofit.train import runlock
+from zerofit.core.timeline import human_count
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +182,9 @@ def test_the_data_line_counts_examples_and_says_where_eval_comes_from(tmp_path, 
     the eval set comes from (a default 5% hold-out surprises a LLaMA-Factory user: val_size is 0
     there); an eval_fraction beside eval_path is said to be unused; examples cut in the eval set
     are said too."""
-    from zerofit import data, datareport
-    from zerofit.configfile import validate
+    from zerofit.data import pipeline as data
+    from zerofit.train import datareport
+    from zerofit.config.load import validate
 
     rows = [{"instruction": f"say {i} " * (1 + i % 9), "output": "ab" * (1 + i % 5)} for i in range(40)]
     path, held = write_jsonl(tmp_path / "d.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows[:6])
@@ -225,8 +226,8 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit import data
-    from zerofit.configfile import load
+    from zerofit.data import pipeline as data
+    from zerofit.config.load import load
     from zerofit.models import config_from_name
 
     base = tmp_path / "base"
@@ -325,7 +326,7 @@ def test_two_ranks_a_bad_row_is_said_once_and_the_start_leaves_no_run_directory(
 
 
 def test_cpu_threads_per_rank():
-    from zerofit.procenv import cpu_threads_per_rank
+    from zerofit.train.procenv import cpu_threads_per_rank
 
     threads, note = cpu_threads_per_rank(None, 32, 2, "1", True)  # torchrun's default for 2 ranks
     assert threads == 16 and "torchrun set OMP_NUM_THREADS=1" in note
@@ -340,7 +341,7 @@ def test_cpu_threads_per_rank():
 def test_allocator_setting_leaves_the_users_choice():
     """procenv.allocator_setting: expandable segments by default; the config or the user's
     allocator variables (either name, either value) turn zerofit's setting off."""
-    from zerofit.procenv import allocator_setting
+    from zerofit.train.procenv import allocator_setting
 
     assert allocator_setting(True, {}) == "expandable_segments:True"
     assert allocator_setting(True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == "expandable_segments:True"
@@ -428,7 +429,7 @@ def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 2},
                                                              checkpoint={"every_steps": 0}, eval={"every_steps": 0}))
     from conftest import ROOT
-    from zerofit.ranks import free_port
+    from zerofit.train.ranks import free_port
 
     # `-m zerofit` through the launcher's --module, run from this checkout
     done = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "zerofit",
@@ -443,15 +444,16 @@ import sys
 sys.path.insert(0, "tests")
 import torch
 from conftest import tiny_config
-from zerofit import dsconfig, engine, ranks
-from zerofit.config import ConfigError
-from zerofit.configfile import validate
+from zerofit.plan import deepspeed
+from zerofit.train import engine, ranks
+from zerofit.config.schema import ConfigError
+from zerofit.config.load import validate
 
 bucket, checkpointing, guarded = {bucket}, {checkpointing}, {guarded}
 config = validate(tiny_config("{run}", model={{"gradient_checkpointing": checkpointing}},
                               zero={{"reduce_bucket_size": bucket}}))
 dist = ranks.init_distributed()
-ds_config = dsconfig.build(config, 1, dist.on_gpu)
+ds_config = deepspeed.build(config, 1, dist.on_gpu)
 ds_config["zero_optimization"]["zenflow"] = {{"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}}
 if not guarded:
     engine.zenflow_refusal = lambda config, ds_config: None  # DeepSpeed's own behaviour
@@ -497,7 +499,7 @@ def test_zenflow_gets_the_model_built_whole_and_its_forward_and_reduce_run(tmp_p
     reduce bucket as large as the largest weight: the next test)."""
     from transformers import LlamaConfig
 
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
     from zerofit.models import hf_config
 
     tiny = hf_config(ModelConfig(config="tiny"))
@@ -516,7 +518,7 @@ def test_zenflow_is_refused_before_the_build_where_deepspeed_would_fail(tmp_path
     (llama-3.6b's embedding on the H200); activation checkpointing's recompute fails on the
     transposed weights. zerofit refuses both before the (whole, slow) build and names the fix;
     unguarded, DeepSpeed fails as said."""
-    from zerofit.config import ModelConfig
+    from zerofit.config.schema import ModelConfig
     from zerofit.models import hf_config
 
     tiny = hf_config(ModelConfig(config="tiny"))
@@ -536,7 +538,7 @@ def test_zenflow_is_refused_before_the_build_where_deepspeed_would_fail(tmp_path
 
 
 def test_an_eta_past_a_day_keeps_its_days():
-    from zerofit.progress import clock
+    from zerofit.core.console import clock
 
     assert clock(3 * 3600 + 45 * 60) == "03:45:00"
     assert clock(27.75 * 3600) == "1d 03:45:00"  # it read 03:45:00 (gmtime's hours wrap)
@@ -546,8 +548,8 @@ def test_an_eta_past_a_day_keeps_its_days():
 def test_epochs_are_passes_over_the_data_as_the_loader_counts_them(tmp_path):
     """57 sequences, 4 x 3 accumulated: the loader's epoch is 14 micro batches (4.67 steps);
     counted in whole steps, `epochs: 2` ran 8 steps, 1.71 epochs."""
-    from zerofit.configfile import validate
-    from zerofit.train import total_optimizer_steps
+    from zerofit.config.load import validate
+    from zerofit.train.loop import total_optimizer_steps
 
     config = validate(tiny_config(tmp_path, train={"max_steps": None, "epochs": 2, "micro_batch_size": 4,
                                                    "grad_accum_steps": 3}))
@@ -586,8 +588,8 @@ def test_tensorboard_curves_follow_resumes_and_starts_over(tmp_path):
 def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
     """The line a Ctrl-C or SIGTERM ends with: a command that works. Stopped before the run's
     files were written, there is no config.yaml to name (it pointed at one that did not exist)."""
-    from zerofit.resume import where_to_go_on
-    from zerofit.configfile import validate
+    from zerofit.train.resume import where_to_go_on
+    from zerofit.config.load import validate
 
     monkeypatch.chdir(tmp_path)
     config = validate(tiny_config(tmp_path / "run"))
@@ -604,8 +606,8 @@ def test_an_evaluation_covers_the_same_sequences_however_the_run_is_split(tmp_pa
     """eval.max_batches counted micro batches x ranks: micro 16 evaluated 100 sequences and micro 2
     16 of the same set, so two runs' eval losses (and one before and after an OOM retry's smaller
     micro batch) did not compare. The cap is in sequences now, the whole set unset."""
-    from zerofit.configfile import validate
-    from zerofit.train import eval_sequences
+    from zerofit.config.load import validate
+    from zerofit.train.loop import eval_sequences
 
     def config(micro, **eval_keys):
         raw = tiny_config(tmp_path, train={"micro_batch_size": micro})
@@ -627,8 +629,8 @@ def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():
 
     from transformers.training_args import TrainingArguments
 
-    from zerofit.configfile import load
-    from zerofit.engine import lr_lambda, warmup_steps
+    from zerofit.config.load import load
+    from zerofit.train.engine import lr_lambda, warmup_steps
 
     by_ratio = load(None, ["train.warmup_ratio=0.03", "train.warmup_steps=0"])
     for total in (10, 100, 1234):
@@ -636,7 +638,7 @@ def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():
         assert warmup_steps(by_ratio.train, total) == expected == math.ceil(0.03 * total)
         by_steps = load(None, [f"train.warmup_steps={expected}"])
         assert [lr_lambda(by_ratio, total)(s) for s in range(total)] == [lr_lambda(by_steps, total)(s) for s in range(total)]
-    from zerofit.config import ConfigError
+    from zerofit.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="set train.warmup_steps or train.warmup_ratio, not both"):
         load(None, ["train.warmup_ratio=0.1", "train.warmup_steps=5"])
@@ -648,8 +650,9 @@ sys.path.insert(0, "tests")
 import torch
 from transformers import AutoModelForCausalLM
 from conftest import tiny_config
-from zerofit import dsconfig, engine, ranks
-from zerofit.configfile import validate
+from zerofit.plan import deepspeed
+from zerofit.train import engine, ranks
+from zerofit.config.load import validate
 from zerofit.demo import build_tokenizer
 from zerofit.models import config_from_name
 
@@ -657,7 +660,7 @@ AutoModelForCausalLM.from_config(config_from_name("tiny")).save_pretrained("{bas
 build_tokenizer().save_pretrained("{base}")
 config = validate(tiny_config("{run}", model={{"path": "{base}", "config": None, "gradient_checkpointing": True}}))
 dist = ranks.init_distributed()
-ds_config = dsconfig.build(config, 1, dist.on_gpu)
+ds_config = deepspeed.build(config, 1, dist.on_gpu)
 built = engine.build_engine(engine.build_model(config, ds_config), config, ds_config, total_steps=4)
 mlp, calls = built.module.model.layers[0].mlp, []
 forward = mlp.forward  # wrapped, not hooked: forward hooks do not fire in a checkpoint's recompute

@@ -6,9 +6,10 @@ import os
 import pytest
 
 from conftest import run_zerofit, tiny_config, write_config
-from zerofit import checkpoint, runlock
-from zerofit.config import ConfigError
-from zerofit.memory import Timeline
+from zerofit.checkpoint import files as checkpoint
+from zerofit.train import runlock
+from zerofit.config.schema import ConfigError
+from zerofit.core.timeline import Timeline
 
 VICTIM_TEXT = "a file the trainer can write, and must not\n"
 
@@ -54,7 +55,7 @@ def test_state_files_replace_a_planted_link_and_never_write_through(tmp_path, vi
 
 def test_appended_logs_refuse_a_planted_link(tmp_path, victim):
     """memory.jsonl and metrics.jsonl are appended to for the whole run: a link there is refused."""
-    from zerofit.train import MetricsLog
+    from zerofit.train.loop import MetricsLog
 
     run = tmp_path / "run"
     run.mkdir()
@@ -97,7 +98,7 @@ def poison(path, marker) -> None:
 
 
 def test_a_pickled_payload_is_refused_by_every_loader(tmp_path):
-    from zerofit.checkpoint_io import ZerofitCheckpointEngine
+    from zerofit.checkpoint.writer import ZerofitCheckpointEngine
 
     import torch
 

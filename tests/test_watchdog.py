@@ -7,8 +7,8 @@ import pytest
 from conftest import read_jsonl, run_zerofit, tiny_config, write_config
 from timelines import GiB, synthetic_run
 
-from zerofit.findings import RunFacts
-from zerofit.watchdog import Watchdog, crossings, usage
+from zerofit.findings.facts import RunFacts
+from zerofit.train.watchdog import Watchdog, crossings, usage
 
 WIDE = {"COLUMNS": "400"}
 

@@ -4,9 +4,9 @@ import os
 import pytest
 
 from conftest import TINY, cpu_box
-from zerofit import modelspec, planner, zerostates
-from zerofit.configfile import validate
-from zerofit.planner import Candidate, Shape
+from zerofit.plan import spec as modelspec, estimate, states
+from zerofit.config.load import validate
+from zerofit.plan.estimate import Candidate, Shape
 
 
 # ------------------------------------------------------------------ modelspec
@@ -77,13 +77,13 @@ def test_tiny_model_states_by_hand():
     device, the reduce bucket, and the fp32 grad buffer of the largest sub group (the >=2-D
     weights: 90,432 less 5 norms x 64 = 90,112) until the first step."""
     spec = modelspec.from_name("tiny")
-    gpu, host, nvme = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4),
+    gpu, host, nvme = states.model_states(spec, Shape(seq_len=64, micro_batch=4),
                                            Candidate(offload_optimizer="none", reduce_bucket_size=1000), on_gpu=True)
     assert gpu == {"params_16bit": 2 * TINY, "grads_16bit": 2 * TINY, "master_fp32": 4 * TINY,
                    "adam_moments_fp32": 8 * TINY, "reduce_bucket": 2000,
                    "fp32_grad_buffer_until_first_step": 4 * 90_112}
     assert host == {} and nvme == {}
-    assert zerostates.sub_groups(spec, 1, 100_000_000) == (90_112, 320)
+    assert states.sub_groups(spec, 1, 100_000_000) == (90_112, 320)
 
 
 def test_tiny_offload_pins_powers_of_two():
@@ -91,12 +91,12 @@ def test_tiny_offload_pins_powers_of_two():
     grad partitions 180,864 B -> 262,144; fp32 grads per sub group 360,448 -> 524,288 and
     1,280 -> 2,048. Master weights and moments are pageable."""
     spec = modelspec.from_name("tiny")
-    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(reduce_bucket_size=1000),
+    gpu, host, _ = states.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(reduce_bucket_size=1000),
                                         on_gpu=True)
     assert gpu == {"params_16bit": 2 * TINY, "reduce_bucket": 2000}
     assert host == {"grads_16bit_pinned": 262_144, "master_fp32": 4 * TINY, "adam_moments_fp32": 8 * TINY,
                     "fp32_grads_pinned": 524_288 + 2_048}
-    _, unpinned, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(), on_gpu=False)
+    _, unpinned, _ = states.model_states(spec, Shape(seq_len=64, micro_batch=4), Candidate(), on_gpu=False)
     assert unpinned["grads_16bit_pinned"] == 2 * TINY and unpinned["fp32_grads_pinned"] == 4 * TINY
 
 
@@ -115,7 +115,7 @@ def test_model_states_equal_deepspeed_estimate(gpus, offload_optimizer, offload_
     spec = modelspec.from_name("tiny")
     cand = Candidate(offload_optimizer=offload_optimizer, offload_param=offload_param, pin_memory=False,
                      sub_group_size=10**9)
-    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=1, world_size=gpus), cand, on_gpu=True)
+    gpu, host, _ = states.model_states(spec, Shape(seq_len=64, micro_batch=1, world_size=gpus), cand, on_gpu=True)
     ds_cpu, ds_gpu, largest = estimate_zero3_model_states_mem_needs(
         TINY, spec.largest_module.numel, num_gpus_per_node=gpus, cpu_offload=offload_optimizer == "cpu",
         cpu_offload_params=offload_param == "cpu", additional_buffer_factor=1)
@@ -140,9 +140,9 @@ def test_lora_plans_adapters_only_for_gradients_and_optimizer():
     spec = modelspec.from_config(cfg)
     assert spec.trainable_params == 32_768 and spec.total_params == TINY + 32_768
     assert spec.adapter_rank_per_layer == 7 * 16 and spec.adapter_dropout
-    gpu, host, _ = zerostates.model_states(spec, Shape(seq_len=64, micro_batch=1), Candidate(reduce_bucket_size=10),
+    gpu, host, _ = states.model_states(spec, Shape(seq_len=64, micro_batch=1), Candidate(reduce_bucket_size=10),
                                            on_gpu=False)
     assert gpu["params_16bit"] == 2 * (TINY + 32_768)
     assert host["master_fp32"] == 4 * 32_768 and host["adam_moments_fp32"] == 8 * 32_768
-    plan = planner.predict(spec, cpu_box(), Shape(seq_len=64, micro_batch=1), Candidate())
-    assert plan.checkpoint_bytes == planner.checkpoint_bytes(32_768) and plan.trainable_params == 32_768
+    plan = estimate.predict(spec, cpu_box(), Shape(seq_len=64, micro_batch=1), Candidate())
+    assert plan.checkpoint_bytes == estimate.checkpoint_bytes(32_768) and plan.trainable_params == 32_768

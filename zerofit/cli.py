@@ -10,13 +10,13 @@ import argparse
 import shutil
 import sys
 
-from zerofit.config import DEFAULT_HEADROOM, ConfigError
-from zerofit.peerwatch import TerminatedOutsideTheLoop
-from zerofit.ranks import end_after_error
-from zerofit.memory import human_bytes
-from zerofit.planner import EXPORT_MAX_RAM_BYTES
-from zerofit.section import expand_path
-from zerofit.verbs import cmd_chat, cmd_config, cmd_doctor, cmd_export, cmd_generate, cmd_lint, cmd_plan, cmd_train
+from zerofit.config.schema import DEFAULT_HEADROOM, ConfigError
+from zerofit.recovery.peerwatch import TerminatedOutsideTheLoop
+from zerofit.train.ranks import end_after_error
+from zerofit.core.timeline import human_bytes
+from zerofit.plan.estimate import EXPORT_MAX_RAM_BYTES
+from zerofit.config.section import expand_path
+from zerofit.commands import cmd_chat, cmd_config, cmd_doctor, cmd_export, cmd_generate, cmd_lint, cmd_plan, cmd_train
 
 
 def at_least(minimum, kind=int):
@@ -43,7 +43,7 @@ def probability(text: str) -> float:
 def size(text: str) -> str:
     """An argparse type for SIZE flags: checked as the config will read it (memory.parse_bytes),
     so a typo is a usage error naming the flag, not the config key it becomes; kept as written."""
-    from zerofit.memory import parse_bytes
+    from zerofit.core.timeline import parse_bytes
 
     try:
         parse_bytes(text)
@@ -78,7 +78,7 @@ class TrainHelp(argparse.HelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if text != CONFIG_KEYS:
             return super()._fill_text(text, width, indent)
-        from zerofit.configfile import keys_help  # imports the planner's choices: only for help
+        from zerofit.config.load import keys_help  # imports the planner's choices: only for help
 
         return keys_help(width)
 

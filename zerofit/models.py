@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zerofit.config import ConfigError, ModelConfig
-from zerofit.dataconfig import DataConfig
-from zerofit.section import read_from
+from zerofit.config.schema import ConfigError, ModelConfig
+from zerofit.config.data import DataConfig
+from zerofit.config.section import read_from
 
 # Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
 # embeddings (1.50e9 and 3.61e9 parameters): the sizes the GPU benchmarks use.
@@ -92,7 +92,7 @@ def check_weights(model: ModelConfig) -> None:
     files' headers are read."""
     if not model.path:
         return
-    from zerofit import zerofiles
+    from zerofit.checkpoint import zerofiles
 
     directory = Path(model.path)
     if not any(directory.glob("*.safetensors")) and not (directory / zerofiles.SAFETENSORS_INDEX).is_file():
