@@ -108,7 +108,8 @@ def main() -> int:
     work.mkdir(parents=True)
 
     from zerofit.checkpoint import files as checkpoint
-    from zerofit.train import checkpointer, engine, procenv, ranks
+    from zerofit.train import checkpointer, engine, ranks
+    from zerofit.machine import procenv
     from zerofit.data import pipeline as data
     from zerofit.plan import deepspeed
     from zerofit.core import timeline as memory

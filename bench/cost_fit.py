@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from zerofit.plan import hardware, spec as modelspec, steptime  # noqa: E402 (after the path above)
+from zerofit.machine import hardware
+from zerofit.plan import spec as modelspec, steptime  # noqa: E402 (after the path above)
 from zerofit.plan.estimate import Candidate, Shape  # noqa: E402
 from speed_bench import under_warmup_rule  # noqa: E402 (the bench's steady step)
 from speed_cases import stock_candidate  # noqa: E402 (LLaMA-Factory's config in the planner's terms)

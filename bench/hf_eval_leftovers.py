@@ -67,7 +67,7 @@ def worker(args, out: Path, release: bool) -> None:
 
 def summary(out: Path) -> dict:
     from zerofit.doctor.run import diagnose
-    from zerofit.core.timeline import read_jsonl
+    from zerofit.core.files import read_jsonl
 
     records = read_jsonl(out / "memory.jsonl")
     found = diagnose(out).findings

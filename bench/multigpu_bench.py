@@ -134,7 +134,8 @@ def log_tail(log: Path, lines: int = 12) -> list[str]:
 def measured(run_dir: Path, world_size: int) -> dict:
     """Steady tokens/s and each rank's GPU / host peaks from the run's own records, with the
     planner's per-rank predictions from the plan.json the run wrote."""
-    from zerofit.core.timeline import read_jsonl, read_timeline
+    from zerofit.core.files import read_jsonl
+    from zerofit.core.timeline import read_timeline
 
     steps = read_jsonl(run_dir / "metrics.jsonl")
     steady = [s["tokens_per_s"] for s in steps[1:]]
@@ -243,7 +244,7 @@ def part_resume(args, work: Path, record: dict, save) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    from zerofit.core.timeline import read_jsonl
+    from zerofit.core.files import read_jsonl
 
     return read_jsonl(run_dir / "metrics.jsonl")
 

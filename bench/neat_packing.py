@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from zerofit.core.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -75,7 +76,7 @@ def worker(spec_file: Path) -> None:
     run_dir = Path(spec["config"]["run_dir"])
     rows = [r for r in timeline.read_timeline(run_dir)
             if r["phase"] in ("forward", "backward", "optimizer_step") and (r["step"], r["phase"]) != (1, "forward")]
-    metrics = timeline.read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     plan = json.loads((run_dir / "plan.json").read_text())
     gpu = plan["devices"]["gpu"]
     result = {

@@ -57,7 +57,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zerofit.core.timeline import read_jsonl  # noqa: E402 (after the path above)
+from zerofit.core.files import read_jsonl  # noqa: E402 (after the path above)
 TERM_GRACE_S = 20
 FALLBACK_PRESETS = ("llama-1.5b", "llama-0.5b")
 # A run's time beyond its steps and save: process start, imports, zero.Init and the engine's

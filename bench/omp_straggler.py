@@ -35,7 +35,7 @@ def case(threads: int, load: str, params: int, steps: int) -> float:
 
     if load == "set_by_zerofit":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from zerofit.train import procenv
+        from zerofit.machine import procenv
         from zerofit.config.load import validate
 
         procenv.apply_cpu_threads(validate({"model": {"config": "tiny"},

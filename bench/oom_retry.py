@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_cases  # noqa: E402 (after the path above)
 import speed_workers  # noqa: E402
-from zerofit.doctor.run import read_json  # noqa: E402
-from zerofit.core.timeline import read_jsonl  # noqa: E402
+from zerofit.core.files import read_json  # noqa: E402
+from zerofit.core.files import read_jsonl  # noqa: E402
 
 GIB = 2**30
 

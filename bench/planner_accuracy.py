@@ -157,7 +157,8 @@ CONTEXT_PER_PROCESS = GIB   # CUDA context and workspaces, outside the allocator
 
 def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     """The plan for a cell, made here without touching the GPU (decides fit and scheduling)."""
-    from zerofit.plan import hardware, spec as modelspec, render
+    from zerofit.machine import hardware
+    from zerofit.plan import spec as modelspec, render
     from zerofit.config.load import validate
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))

@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_cases  # noqa: E402 (after the path above)
 import speed_workers  # noqa: E402
-from zerofit.doctor.run import read_json  # noqa: E402
+from zerofit.core.files import read_json  # noqa: E402
 from zerofit.train.ranks import free_port  # noqa: E402
-from zerofit.core.timeline import read_jsonl  # noqa: E402
+from zerofit.core.files import read_jsonl  # noqa: E402
 
 VARIANTS = ("zerofit", "default_store")  # the default --variants; also: no_peer_watch
 LOG_MARKS = ("memory.on_oom=retry", "retry:", "resumed from", "done:", "connectFullMesh", "NCCL error", "Timeout",

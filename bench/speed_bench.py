@@ -195,7 +195,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     rates_run = runner.run("roofline", "roofline", {"adam_params": params}, 60 if args.smoke else 150)
     if rates_run["status"] != "done":  # killed mid-build: its lock would hang every later worker
-        from zerofit.train import opbuild
+        from zerofit.machine import opbuild
 
         for lock in opbuild.build_locks():
             if not lock.held_open:

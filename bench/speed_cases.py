@@ -71,7 +71,8 @@ def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> d
 
 def planning(case: dict, accelerator: str):
     """(spec, hw) the planner sees for this case here: the cap and the real available RAM."""
-    from zerofit.plan import hardware, spec as modelspec
+    from zerofit.machine import hardware
+    from zerofit.plan import spec as modelspec
     from zerofit.config.load import validate
 
     config = validate(zerofit_config(case, Path("/tmp/unused"), 2, accelerator))

@@ -42,7 +42,7 @@ LEVERS = {
         needs="zero.reduce_bucket_size", lever_on_in_choice=True,
         change=lambda spec: {"zero.reduce_bucket_size": spec.hidden_size ** 2}),
     "heap_step_temporaries": dict(
-        what="the optimizer step's host temporaries reused on glibc's heap (zerofit/plan/hostalloc.py) vs a fresh "
+        what="the optimizer step's host temporaries reused on glibc's heap (zerofit/machine/hostalloc.py) vs a fresh "
              "mmap per sub-group and step (glibc's default above 32 MiB)",
         needs=None, lever_on_in_choice=False,
         change=lambda spec: {"train.heap_step_temporaries": True}),

@@ -15,7 +15,7 @@ from zerofit.train import ranks
 from zerofit.data import workers as tokenworkers  # noqa: E402
 from zerofit.config.data import DataConfig  # noqa: E402
 from zerofit.demo import build_tokenizer  # noqa: E402
-from zerofit.plan.hardware import cpu_cores  # noqa: E402
+from zerofit.machine.hardware import cpu_cores  # noqa: E402
 from zerofit.data.tokenize import read_examples  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from zerofit.checkpoint import files as checkpoint
-from zerofit.plan import hardware
+from zerofit.machine import hardware
 from zerofit.train import ranks
 from zerofit.config.load import validate
 from zerofit.train.ranks import free_port

@@ -4,7 +4,8 @@ from dataclasses import replace
 import pytest
 
 from conftest import cuda_box
-from zerofit.plan import activations, choose, hardware, spec as modelspec, estimate
+from zerofit.plan import activations, choose, spec as modelspec, estimate
+from zerofit.machine import hardware
 from zerofit.config.load import validate
 from zerofit.plan.estimate import Candidate, Shape
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_zerofit, tiny_config, write_config
 from zerofit.core import cgroup
-from zerofit.plan import hardware
+from zerofit.machine import hardware
 from zerofit.core.cgroup import GroupDirs, find_dirs
 
 GIB = 2**30

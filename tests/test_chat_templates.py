@@ -4,7 +4,7 @@ import json
 import pytest
 
 from zerofit.data import chatlayout, pipeline as data, tokenize
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.data.conversations import RowError
 from zerofit.config.load import validate
 from zerofit.models import BUNDLED_TEMPLATES as BUNDLED

@@ -310,8 +310,8 @@ def test_a_second_process_on_the_same_run_dir_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from zerofit.train import runlock
-    from zerofit.config.schema import ConfigError
+    from zerofit.core import runlock
+    from zerofit.core.errors import ConfigError
 
     holder = subprocess.Popen([sys.executable, "-c", f"from zerofit import runlock; runlock.hold({str(tmp_path)!r}); "
                                f"print('held', flush=True); import time; time.sleep(60)"],

@@ -4,7 +4,8 @@ from dataclasses import replace
 import pytest
 
 from conftest import config, cpu_box, cuda_box
-from zerofit.plan import choose, hardware, spec as modelspec
+from zerofit.plan import choose, spec as modelspec
+from zerofit.machine import hardware
 from zerofit.config.load import validate
 from zerofit.core.timeline import human_bytes
 

@@ -5,7 +5,8 @@ import yaml
 
 from zerofit import cli
 from zerofit.train import runfiles
-from zerofit.config.schema import Config, ConfigError, changed_settings
+from zerofit.config.schema import Config, changed_settings
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import dump_yaml, example_yaml, load, parse_override, validate
 
 from conftest import run_zerofit, tiny_config, write_config
@@ -109,13 +110,12 @@ def test_missing_file(tmp_path):
 def test_run_files_with_bytes_that_are_no_text_are_read_around_them(tmp_path):
     """A torn write (or a disk error) leaves bytes that are no UTF-8: the doctor read the run's
     timeline with a UnicodeDecodeError traceback."""
-    from zerofit.doctor import run as doctor
-    from zerofit.core import timeline
+    from zerofit.core.files import read_json, read_jsonl
 
     (tmp_path / "memory.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n{"step": 2}\n')
-    assert timeline.read_jsonl(tmp_path / "memory.jsonl") == [{"step": 1}, {"step": 2}]
+    assert read_jsonl(tmp_path / "memory.jsonl") == [{"step": 1}, {"step": 2}]
     (tmp_path / "plan.json").write_bytes(b'{"a": "\xff"}')
-    assert doctor.read_json(tmp_path / "plan.json") is None
+    assert read_json(tmp_path / "plan.json") is None
 
 
 def test_overrides_are_typed(tmp_path):
@@ -313,7 +313,7 @@ def test_train_help_is_short_and_names_every_key(capsys, monkeypatch, columns):
     """train --help was a 22.7 KB dump of every key's whole doc on 400-character lines: its flags,
     then every key on one line within the terminal's width (at most 100 columns), the planner's
     marked, and where the whole docs are."""
-    from zerofit.plan.choose import DECIDED
+    from zerofit.config.schema import DECIDED
     from zerofit.config.section import Section
 
     monkeypatch.setenv("COLUMNS", str(columns))
@@ -424,7 +424,7 @@ def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
     import subprocess
     import sys as system
 
-    from zerofit.train import runlock
+    from zerofit.core import runlock
 
     run = tmp_path / "runs" / "x"
     run.mkdir(parents=True)
@@ -700,6 +700,7 @@ def test_hf_schedule_names_read_as_zerofits():
 REFUSE_AND_SAY_WHAT_WAS_IMPORTED = """
 import json, sys
 from zerofit.cli import main
+from zerofit.core.files import read_json, read_jsonl
 code = main(sys.argv[1:])
 print(json.dumps({"code": code, "imported": [m for m in ("torch", "transformers", "deepspeed") if m in sys.modules]}))
 """

@@ -4,7 +4,8 @@ committed bench results, read by bench/cost_fit.py, which also refits the rates.
 import pytest
 from conftest import bench_module, cuda_box
 
-from zerofit.plan import hardware, spec, estimate, steptime
+from zerofit.machine import hardware
+from zerofit.plan import spec, estimate, steptime
 from zerofit.plan.estimate import Candidate, Shape
 
 cost_fit = bench_module("cost_fit")

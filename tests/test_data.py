@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from zerofit.data import pipeline as data, rows as rowlayout, tokenize
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.config.data import DataConfig
 from zerofit.config.load import validate
 from zerofit.data.pipeline import Batches

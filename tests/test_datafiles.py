@@ -4,7 +4,7 @@ import json
 import pytest
 
 from zerofit.data import pipeline as data, files as datafiles, tokenize
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.config.data import DataConfig
 from zerofit.config.load import validate
 from zerofit.data.files import DataError
@@ -302,7 +302,7 @@ def test_directories_and_saved_datasets(tmp_path, tokenizer):
     assert len(seqs) == 8
     # a run_dir inside data.path: its checkpoint manifests and logs are not rows (they failed a resume as
     # "cannot tell the format"), the directory is said instead
-    from zerofit.train.runlock import LOCK_FILE
+    from zerofit.core.runlock import LOCK_FILE
 
     run = tmp_path / "dir" / "run"
     (run / "checkpoints" / "step-000002").mkdir(parents=True)

@@ -13,7 +13,7 @@ import pytest
 from conftest import read_jsonl, run_zerofit, tiny_config, train, write_config, write_jsonl
 from timelines import GiB, MiB, ds_config, synthetic_run
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.doctor.run import diagnose, doctor
 from zerofit.findings.facts import end_of_step, gib
 from zerofit.core.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
@@ -570,7 +570,7 @@ def test_out_in_folders_that_do_not_exist_yet_makes_them(clean_run, tmp_path):
 def test_doctor_says_when_the_run_is_still_going(clean_run, tmp_path):
     """The run's lock held (here by this process, as a zerofit train holds it for its lifetime):
     the doctor's figures are up to the newest record, and it says so; free, it says nothing."""
-    from zerofit.train import runlock
+    from zerofit.core import runlock
 
     run, _, _ = clean_run
     copy = tmp_path / "run"

@@ -8,7 +8,7 @@ from conftest import OOM_AT_5, WIDE, agent_store_env, oom_config, read_jsonl, ru
 
 from zerofit.recovery import elastic
 from zerofit.config.load import validate
-from zerofit.findings.oomreport import retry_line
+from zerofit.recovery.oomreport import retry_line
 from zerofit.recovery.postmortem import OomEvent
 
 

@@ -427,7 +427,7 @@ def test_peak_rss_stays_under_max_ram(wide_run, tmp_path):
 
 
 def test_sizes_read_as_people_write_them():
-    from zerofit.config.schema import ConfigError
+    from zerofit.core.errors import ConfigError
     from zerofit.core.timeline import parse_bytes
 
     assert parse_bytes("5GB", "x") == 5 * 10**9 and parse_bytes("24GiB", "x") == 24 << 30

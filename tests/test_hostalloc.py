@@ -1,4 +1,4 @@
-"""zerofit/plan/hostalloc.py: inside heap_temporaries a large host temporary freed and allocated
+"""zerofit/machine/hostalloc.py: inside heap_temporaries a large host temporary freed and allocated
 again comes back without page faults; with glibc's default each one is a fresh mmap.
 Each case runs in a fresh interpreter: malloc's state (heap size, thresholds) is per process
 and outlives the context manager on purpose."""
@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from zerofit.plan import hostalloc, estimate
+from zerofit.machine import hostalloc
+from zerofit.plan import estimate
 
 SIZE = 256 << 20  # above glibc's largest mmap threshold (32 MiB): always mmapped by default
 
@@ -22,7 +23,7 @@ SIZE = 256 << 20  # above glibc's largest mmap threshold (32 MiB): always mmappe
 STEPS = 24
 MEASURE = """
 import json, resource, sys, torch
-from zerofit.plan import hostalloc
+from zerofit.machine import hostalloc
 SIZE, STEPS = int(sys.argv[1]), int(sys.argv[3])
 def step():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

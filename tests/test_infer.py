@@ -7,7 +7,7 @@ import torch
 
 from conftest import ROOT
 from zerofit.infer import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.core.console import counted
 
 
@@ -137,7 +137,7 @@ def test_kv_cache_reserve_of_llama_8b():
 
 def test_placement_of_an_8b_model_in_12_and_24_gib():
     """accelerate's device map on a weightless skeleton: what `--gpu-mem` puts where."""
-    from zerofit.config.schema import ConfigError
+    from zerofit.core.errors import ConfigError
     from zerofit.infer import plan_placement
     from zerofit.models import config_from_name
 

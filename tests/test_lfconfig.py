@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from zerofit import cli
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import load, validate
 
 from conftest import read_jsonl, run_zerofit, write_jsonl

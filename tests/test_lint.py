@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from zerofit.plan import deepspeed, hardware, spec as modelspec
+from zerofit.plan import deepspeed, spec as modelspec
+from zerofit.machine import hardware
 from zerofit.lint import check as lint
 from zerofit.config.load import load
 

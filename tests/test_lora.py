@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from zerofit.lora import adapters, base as basemodel, attach as lora
-from zerofit.train import runlock
-from zerofit.config.schema import ConfigError, LoraConfig
+from zerofit.core import runlock
+from zerofit.core.errors import ConfigError
+from zerofit.train.engine import check_base_files
+from zerofit.config.schema import LoraConfig
 from zerofit.config.load import validate
 from zerofit.export.checkpoint import export
 from zerofit.models import config_from_name
@@ -500,14 +502,14 @@ def test_lora_on_a_base_whose_files_hold_other_names_is_refused_before_training(
     for name, hf_config in (("llama", LlamaConfig(**common)),
                             ("mixtral", MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))):
         AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / name)
-    lora.check_base_files(validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "llama"),
+    check_base_files(validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "llama"),
                                                                         "config": None})))
     mixtral = validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "mixtral"), "config": None}))
     with pytest.raises(ConfigError, match=r"its files do not hold 6 of the weights .*mlp\.gate\.weight.*lora.enabled: false"):
-        lora.check_base_files(mixtral)
+        check_base_files(mixtral)
     fully = validate(lora_config(tmp_path / "run", model={"path": str(tmp_path / "mixtral"), "config": None},
                                  lora={"enabled": False}))
-    lora.check_base_files(fully)  # full fine-tuning reads no base files
+    check_base_files(fully)  # full fine-tuning reads no base files
 
 
 def test_experts_lora_cannot_wrap_are_named():

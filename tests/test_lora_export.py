@@ -12,7 +12,7 @@ import torch
 from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit, tiny_config, trained_run
 from zerofit.lora import adapters, base as basemodel, reinit
 from zerofit.cli import main
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.export.checkpoint import export
 from zerofit.infer import load_adapter
 from zerofit.models import PRESETS, config_from_name

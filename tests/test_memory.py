@@ -2,6 +2,7 @@
 import json
 
 from zerofit.core import timeline as memory
+from zerofit.core.files import read_jsonl
 
 
 def test_records_peaks_flags_and_per_step_readings(tmp_path):
@@ -98,4 +99,4 @@ def test_a_full_disk_costs_the_timeline_not_the_run(tmp_path, capsys):
     timeline.mark(3, "eval")
     timeline.close()
     assert capsys.readouterr().err.count("can no longer be written") == 1
-    assert [r["step"] for r in memory.read_jsonl(tmp_path / "memory.jsonl")] == [1]
+    assert [r["step"] for r in read_jsonl(tmp_path / "memory.jsonl")] == [1]

@@ -16,11 +16,13 @@ from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_conf
 
 from zerofit.nvme import aiotune, preflight as nvme
 from zerofit.checkpoint import files as checkpoint, zerofiles
-from zerofit.plan import deepspeed, hardware, estimate, render, swaplayout
-from zerofit.config.schema import ConfigError
+from zerofit.plan import deepspeed, estimate, render
+from zerofit.machine import hardware
+from zerofit.nvme import swaplayout
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import validate
 from zerofit.export.checkpoint import export
-from zerofit.plan.swaplayout import Aio
+from zerofit.nvme.swaplayout import Aio
 
 LIBAIO_MISSING = nvme.libaio_problem()
 needs_async_io = pytest.mark.skipif(LIBAIO_MISSING is not None, reason=f"libaio-dev is not installed, so "

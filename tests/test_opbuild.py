@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_zerofit, tiny_config, write_config
-from zerofit.train import opbuild
+from zerofit.machine import opbuild
 
 HOUR = 3600
 

@@ -4,7 +4,8 @@ from dataclasses import replace
 import pytest
 
 from conftest import TINY, cuda_box
-from zerofit.plan import choose, hardware, spec as modelspec, estimate
+from zerofit.plan import choose, spec as modelspec, estimate
+from zerofit.machine import hardware
 from zerofit.config.load import validate
 from zerofit.plan.estimate import Candidate, Shape
 
@@ -49,7 +50,7 @@ def test_checkpoint_size_formula():
 
 
 def test_sizes_parse_and_bad_ones_name_the_key():
-    from zerofit.config.schema import ConfigError
+    from zerofit.core.errors import ConfigError
 
     assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").gpu_budget_bytes == 24 * GIB
     assert hardware.probe(gpu_mem="24GiB", host_mem="64GB").host_budget_bytes == 64 * 10**9
@@ -70,7 +71,7 @@ def test_host_peaks_of_the_measured_nvme_and_cpu_offload_runs():
     import json
     from pathlib import Path
 
-    from zerofit.core.timeline import read_jsonl
+    from zerofit.core.files import read_jsonl
 
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
     measured = json.loads((results / "nvme-3.6b-a64.json").read_text())

@@ -89,7 +89,7 @@ def test_on_oom_retry_finishes_with_safer_settings(tmp_path):
         "the run resumed afterwards with train.micro_batch_size 4 -> 2, train.grad_accum_steps 1 -> 2")
     assert oom.fix[0].startswith("halve train.micro_batch_size (4 -> 2)")
     # and its post-mortem no longer asks for the retry that has run
-    from zerofit.findings.oomreport import explanation
+    from zerofit.recovery.oomreport import explanation
 
     said = explanation(diagnose(run).postmortem)
     assert "retry: the run started again after this OOM" in said and "retry-config.yaml" not in said

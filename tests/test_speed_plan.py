@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 from conftest import config, cpu_box, cuda_box
 
-from zerofit.plan import choose, deepspeed, hardware, spec as modelspec, estimate, steptime, states
+from zerofit.plan import choose, deepspeed, spec as modelspec, estimate, steptime, states
+from zerofit.machine import hardware
 from zerofit.plan.estimate import Candidate, Shape
 
 LLAMA_1_5B_EMBEDDING = 128256 * 2048  # the largest parameter of llama-1.5b (embedding = lm_head)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_zerofit
 
-from zerofit.plan import hardware
+from zerofit.machine import hardware
 from zerofit.nvme import preflight as nvme
 from zerofit.doctor import system
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zerofit.data import tokenize, workers as tokenworkers
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.config.data import DataConfig
 from zerofit.config.load import validate
 from zerofit.data.files import DataError

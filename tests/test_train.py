@@ -8,7 +8,7 @@ import pytest
 
 from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config, write_jsonl
 
-from zerofit.train import runlock
+from zerofit.core import runlock
 from zerofit.core.timeline import human_count
 
 
@@ -326,7 +326,7 @@ def test_two_ranks_a_bad_row_is_said_once_and_the_start_leaves_no_run_directory(
 
 
 def test_cpu_threads_per_rank():
-    from zerofit.train.procenv import cpu_threads_per_rank
+    from zerofit.machine.procenv import cpu_threads_per_rank
 
     threads, note = cpu_threads_per_rank(None, 32, 2, "1", True)  # torchrun's default for 2 ranks
     assert threads == 16 and "torchrun set OMP_NUM_THREADS=1" in note
@@ -341,7 +341,7 @@ def test_cpu_threads_per_rank():
 def test_allocator_setting_leaves_the_users_choice():
     """procenv.allocator_setting: expandable segments by default; the config or the user's
     allocator variables (either name, either value) turn zerofit's setting off."""
-    from zerofit.train.procenv import allocator_setting
+    from zerofit.machine.procenv import allocator_setting
 
     assert allocator_setting(True, {}) == "expandable_segments:True"
     assert allocator_setting(True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == "expandable_segments:True"
@@ -446,7 +446,7 @@ import torch
 from conftest import tiny_config
 from zerofit.plan import deepspeed
 from zerofit.train import engine, ranks
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import validate
 
 bucket, checkpointing, guarded = {bucket}, {checkpointing}, {guarded}
@@ -638,7 +638,7 @@ def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():
         assert warmup_steps(by_ratio.train, total) == expected == math.ceil(0.03 * total)
         by_steps = load(None, [f"train.warmup_steps={expected}"])
         assert [lr_lambda(by_ratio, total)(s) for s in range(total)] == [lr_lambda(by_steps, total)(s) for s in range(total)]
-    from zerofit.config.schema import ConfigError
+    from zerofit.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="set train.warmup_steps or train.warmup_ratio, not both"):
         load(None, ["train.warmup_ratio=0.1", "train.warmup_steps=5"])

@@ -7,9 +7,10 @@ import pytest
 
 from conftest import run_zerofit, tiny_config, write_config
 from zerofit.checkpoint import files as checkpoint
-from zerofit.train import runlock
-from zerofit.config.schema import ConfigError
+from zerofit.core import runlock
+from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import Timeline
+from zerofit.core.files import LinkedFileError, write_atomic
 
 VICTIM_TEXT = "a file the trainer can write, and must not\n"
 
@@ -48,7 +49,7 @@ def test_state_files_replace_a_planted_link_and_never_write_through(tmp_path, vi
     root.mkdir()
     (root / checkpoint.LATEST).symlink_to(victim)
     (root / f"{checkpoint.TMP_PREFIX}{checkpoint.LATEST}").symlink_to(victim)
-    checkpoint.write_atomic(root / checkpoint.LATEST, "step-000003")
+    write_atomic(root / checkpoint.LATEST, "step-000003")
     assert victim.read_text() == VICTIM_TEXT
     assert not (root / checkpoint.LATEST).is_symlink() and (root / checkpoint.LATEST).read_text() == "step-000003"
 
@@ -63,7 +64,7 @@ def test_appended_logs_refuse_a_planted_link(tmp_path, victim):
     timeline.close()
     timeline.path.unlink()
     timeline.path.symlink_to(victim)
-    with pytest.raises(ConfigError, match="is a symbolic link .*remove the link"):
+    with pytest.raises(LinkedFileError, match="is a symbolic link .*remove the link"):
         Timeline(run, 0, on_gpu=False)
     (run / "metrics.jsonl").symlink_to(victim)
     with MetricsLog(run, enabled=True, tensorboard=False, keep_upto=0) as metrics:

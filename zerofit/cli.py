@@ -10,7 +10,8 @@ import argparse
 import shutil
 import sys
 
-from zerofit.config.schema import DEFAULT_HEADROOM, ConfigError
+from zerofit.config.schema import DEFAULT_HEADROOM
+from zerofit.core.errors import ConfigError, ZerofitError
 from zerofit.recovery.peerwatch import TerminatedOutsideTheLoop
 from zerofit.train.ranks import end_after_error
 from zerofit.core.timeline import human_bytes
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         check_doctor_arguments(args.verb_parser, args)
     try:
         return args.run(args)
-    except ConfigError as e:
+    except ZerofitError as e:
         print(f"zerofit: error: {e}", file=sys.stderr)
         return end_after_error(1)
     except KeyboardInterrupt:

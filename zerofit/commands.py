@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from zerofit.recovery import elastic
-from zerofit.config.schema import Config, ConfigError, TrainConfig
+from zerofit.config.schema import Config, TrainConfig
+from zerofit.core.errors import ConfigError
 from zerofit.train.ranks import end_after_error
 
 
@@ -41,7 +42,7 @@ def cmd_train(args) -> int:
         result = train(config, resume=args.resume)
     except ConfigError:
         if first_rank:  # a start that found an error leaves nothing it made, nor its pid
-            from zerofit.train import runlock
+            from zerofit.core import runlock
 
             runlock.leave_as_found(run_dir, made)
         raise

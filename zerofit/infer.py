@@ -21,7 +21,7 @@ from typing import TextIO
 
 from zerofit.core import cgroup
 from zerofit.lora.adapters import ADAPTER_CONFIG_FILE
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_bytes, parse_bytes
 from zerofit.core.console import counted, say, warn
 

@@ -3,11 +3,14 @@ built-in preset. Never the network: every load passes local_files_only."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
-from zerofit.config.schema import ConfigError, ModelConfig
+from zerofit.core.errors import ConfigError
+from zerofit.config.schema import ModelConfig
 from zerofit.config.data import DataConfig
 from zerofit.config.section import read_from
+
 
 # Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
 # embeddings (1.50e9 and 3.61e9 parameters): the sizes the GPU benchmarks use.
@@ -390,3 +393,28 @@ def _existing_dir(path: str, key: str) -> str:
         raise ConfigError(f"{key}={path!r} is not a directory{read_from(path)}; models load from local files only "
                           f"(download once with `hf download REPO_ID --local-dir DIR`, then point here)")
     return path
+
+
+def enable_checkpointing(model) -> None:
+    """HF's activation checkpointing per decoder layer, non-reentrant: transformers 5.x renamed
+    gradient_checkpointing_enable (whose every call now warns that it goes in v6)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextmanager
+def zero3_init_parked():
+    """A meta build while a ZeRO-3 engine lives in this process (an OOM retry re-plans):
+    transformers would run its ZeRO-3 weight init on meta tensors, so its weak reference
+    to the live HfDeepSpeedConfig is parked for the build."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    parked = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = parked

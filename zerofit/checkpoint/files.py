@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit.config.schema import ConfigError
+from zerofit.checkpoint import size
+from zerofit.core.errors import ConfigError
+from zerofit.core.files import TMP_PREFIX, step_name, step_of, fsync_dir, fsync_file, write_atomic
 
 MANIFEST = "MANIFEST.json"
 LOOP_STATE = "loop_state.json"
 LATEST = "latest"
-TMP_PREFIX = ".tmp-"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 # xxh3_128 hashes 25.8 GB/s on one core of the 2-core CI machine (1 GiB in memory; sha256
 # there: 1.7 GB/s); reading a file back and hashing it runs at 3.4-4.3 GB/s from the page
 # cache, i.e. the check is bound by the disk read (2.2 GB/s on the GPU machine), which the
@@ -57,63 +56,7 @@ class LoopState:
     extra: dict = field(default_factory=dict)
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def step_of(path: Path) -> int:
-    """The step a published directory holds; -1 for any other name."""
-    match = STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else -1
-
-
 # --------------------------------------------------------------------------- files
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, renames) durable: fsync(2) on the directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class LinkedFileError(ConfigError):
-    """A file zerofit writes in a run directory is a symbolic link (planted to make it write elsewhere)."""
-
-
-def open_unlinked(path: Path, append: bool = False):
-    """`path` opened for writing text (truncated, or for appending) where it is a file of its own:
-    a symbolic link in its place is refused (O_NOFOLLOW), never written through to its target."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError:
-        if os.path.islink(path):
-            raise LinkedFileError(f"{path} is a symbolic link (to {os.readlink(path)}); zerofit writes its run files "
-                                  f"only as files of their own, never through a link: remove the link") from None
-        raise
-    return os.fdopen(fd, "a" if append else "w", buffering=1)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over: readers see the old or the new content, never half. The
-    temporary is made anew (a symbolic link planted in its place is removed, never written
-    through) and the rename replaces a link at `path` itself, not what it points at."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.unlink(missing_ok=True)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def file_hash(path: Path) -> str:
     import xxhash
 
@@ -429,9 +372,7 @@ def checkpoint_bytes(n_params: int, zero_stage: int) -> int:
     parameters: the planner's formula (planner.checkpoint_bytes: 12 bytes per parameter of
     fp32 master weights and Adam moments, plus the 16-bit model below stage 3). Measured on
     the GPU machine: 1.5B parameters, stage 3 -> 16.7 GiB, i.e. 12.0 bytes per parameter."""
-    from zerofit.plan.estimate import checkpoint_bytes as planned
-
-    return planned(n_params, world_size=1, stage=zero_stage)
+    return size.checkpoint_bytes(n_params, world_size=1, stage=zero_stage)
 
 
 def predicted_save_bytes(root: Path, n_params: int, zero_stage: int, gathered_bytes: int = 0) -> int:
@@ -446,15 +387,13 @@ def predicted_save_bytes(root: Path, n_params: int, zero_stage: int, gathered_by
 
 def free_space_problem(root: Path, needed_bytes: int, free_bytes: int | None = None) -> str | None:
     """None when `root`'s filesystem can take a checkpoint of needed_bytes, else why not."""
-    from zerofit.plan.estimate import SAVE_FREE_FACTOR, SAVE_FREE_SLACK, save_margin_bytes  # the rule the disk plan holds to
-
     if free_bytes is None:
         free_bytes = shutil.disk_usage(root).free
-    want = needed_bytes + save_margin_bytes(needed_bytes)
+    want = needed_bytes + size.save_margin_bytes(needed_bytes)
     if free_bytes >= want:
         return None
     return (f"{free_bytes / 1e9:.2f} GB free under {root}, a checkpoint needs ~{needed_bytes / 1e9:.2f} GB "
-            f"and {want / 1e9:.2f} GB are asked (+{SAVE_FREE_FACTOR - 1:.0%} and {SAVE_FREE_SLACK / 2**20:.0f} MiB of slack for the "
+            f"and {want / 1e9:.2f} GB are asked (+{size.SAVE_FREE_FACTOR - 1:.0%} and {size.SAVE_FREE_SLACK / 2**20:.0f} MiB of slack for the "
             f"filesystem); free disk space, set run_dir on a larger disk"
             f"{', or lower checkpoint.keep_last' if published(root) else ''}")  # nothing kept yet: nothing to drop
 
@@ -534,3 +473,19 @@ def read_loop_state(directory: Path) -> LoopState:
     known = set(LoopState.__dataclass_fields__)
     raw = json.loads((directory / LOOP_STATE).read_text())
     return LoopState(**{k: v for k, v in raw.items() if k in known})
+
+
+def newest_checkpoint_bytes(run_dir: Path) -> int:
+    """Size on disk of the newest checkpoint (zerofit's step-N or HF's checkpoint-N)."""
+    candidates = [p for p in checkpoints_of(run_dir).glob("step-*") if p.is_dir()] + \
+                 [p for p in run_dir.glob("checkpoint-*") if p.is_dir()]
+    if not candidates:
+        return 0
+    newest = max(candidates, key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+
+
+def checkpoints_of(run_dir: Path) -> Path:
+    """Where a run's checkpoints are: RUN_DIR/checkpoints, or for an earlier run set aside in
+    checkpoints/earlier-TIME/ (resume.set_aside_earlier_run) that directory itself."""
+    return run_dir if is_earlier_run(run_dir.absolute()) else run_dir / "checkpoints"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 
 # Globals resolved for real; anything else becomes an Opaque placeholder.
 _SAFE_GLOBALS = {("collections", "OrderedDict"), ("collections", "defaultdict"), ("copyreg", "_reconstructor"),

@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from zerofit.lora import adapters
 from zerofit.checkpoint import files as checkpoint
 from zerofit.checkpoint.torchfile import TensorRef, TorchFile, TorchFileError
-from zerofit.checkpoint.zerofiles import (OPTIM_FILE, Piece, StoredTensor, ZeroCheckpoint, ZeroCheckpointError, assemble,
+from zerofit.checkpoint.zerofiles import (LORA_LAYERS, OPTIM_FILE, Piece, StoredTensor, ZeroCheckpoint, ZeroCheckpointError, assemble,
                                model_files)
 
 ZERO_DIR = "zero"
@@ -44,7 +43,7 @@ def open_universal(directory: Path) -> ZeroCheckpoint:
     files = {path: TorchFile(path) for path in paths}
     model_states = [files[p].load() for p in paths]
     shapes = {name: tuple(shape) for group in model_states[0]["param_shapes"] for name, shape in group.items()}
-    if any(f".{layer}." in name for name in shapes for layer in adapters.LORA_LAYERS):
+    if any(f".{layer}." in name for name in shapes for layer in LORA_LAYERS):
         raise ZeroCheckpointError(f"{directory.name} is a universal copy of a LoRA checkpoint; export "
                                   f"{_source_hint(directory)} instead (the same weights, with the base and "
                                   f"the adapter settings the LoRA merge needs)")

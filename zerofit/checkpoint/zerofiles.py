@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.checkpoint.torchfile import TensorRef, TorchFile, read_into
 
 MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -397,3 +397,6 @@ class TensorReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+LORA_LAYERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")

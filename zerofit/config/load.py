@@ -17,7 +17,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from zerofit.config import aliases
-from zerofit.config.schema import Config, ConfigError
+from zerofit.config.schema import DECIDED, Config
+from zerofit.core.errors import ConfigError
 from zerofit.config.section import Section
 
 DEMO_CONFIG = Path(__file__).parents[1] / "demo" / "config.yaml"
@@ -234,9 +235,8 @@ def dump_yaml(config: Config, marked: dict[str, set[str]] | None = None, mark: s
 
 def example_yaml() -> str:
     """Every section and field with its doc as a comment: generated, so it never goes stale.
-    The keys the planner decides (choice.DECIDED) are commented out: a key written in the file
+    The keys the planner decides (config.schema.DECIDED) are commented out: a key written in the file
     is a constraint, so writing them all would turn the planner off."""
-    from zerofit.plan.choose import DECIDED  # the planner reads this module: imported here
 
     out = ["# zerofit config: every key with its default. Keys commented out with `#!` are the",
            "# planner's to choose (plan.enabled); delete the `#! ` to fix one to your value.", ""]
@@ -282,7 +282,6 @@ SUMMARY_MAX = 48  # with KEY_COLUMN, 70 columns: the help of 101 keys stays unde
 def keys_help(width: int) -> str:
     """Every config key by section, one line each no wider than `width`, `*` marking the keys
     the planner chooses when unset; the defaults and whole docs are `config --example`'s."""
-    from zerofit.plan.choose import DECIDED  # the planner reads this module: imported here
 
     out = textwrap.wrap("config keys, in a YAML file or as --set SECTION.KEY=VALUE (*: the planner's to choose "
                         "when unset). Defaults and whole explanations: `zerofit config --example`, "

@@ -15,8 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from zerofit.plan.choose import DECIDED  # the keys the planner chooses when they are unset
-from zerofit.config.schema import Config
+from zerofit.config.schema import DECIDED, Config
 
 REGENERATE = "python -m zerofit.config.reference > docs/config-reference.md"
 ONE_LINE = 160  # a description longer than this is cut to its first sentence

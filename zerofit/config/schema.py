@@ -20,14 +20,11 @@ from pydantic import Field, field_validator, model_validator
 
 from zerofit.config.data import DataConfig
 from zerofit.config.section import Section
+from zerofit.core.errors import ConfigError
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
-
-
-class ConfigError(ValueError):
-    """A config the user must fix; the message names the key, the value and the fix."""
 
 
 class ModelConfig(Section):
@@ -128,7 +125,7 @@ class TrainConfig(Section):
     loss (model(..., labels=...))."""
     heap_step_temporaries: bool = False
     """Keep the optimizer step's host temporaries on glibc's heap, reused every step, instead
-    of fresh mmaps page-faulted each time (zerofit/plan/hostalloc.py; with the optimizer offloaded
+    of fresh mmaps page-faulted each time (zerofit/machine/hostalloc.py; with the optimizer offloaded
     and parameters on the GPU: the 16-bit copy of each sub-group). 1.28x the tokens/s of
     llama-3.6b on the H200 (bench/results/speed-3.6b.json). Off by default: the heap keeps
     freed temporaries resident and fragments (about 8 temporaries' worth; the planner counts
@@ -416,6 +413,14 @@ class PlanConfig(Section):
 # The sections that do not decide the numbers a run computes (how it saves, evaluates, logs and
 # watches memory): left out of the fingerprint a checkpoint records; a resume names their changes
 # against the run's config.yaml (runfiles.changed_unrecorded).
+# The keys the planner chooses when a config leaves them unset (plan.enabled): the example
+# YAML comments them out, the key reference marks them, plan.choose fills them in.
+DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "param_buffer_size", "reduce_bucket_size",
+                    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                    "nvme_pipeline"),
+           "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
+
+
 UNRECORDED = ("checkpoint", "eval", "log", "memory", "elastic")
 
 

@@ -38,6 +38,9 @@ from pathlib import Path
 import psutil
 
 from zerofit.core import cgroup
+from zerofit.core.console import warn
+from zerofit.core.errors import ConfigError
+from zerofit.core.files import open_unlinked, read_jsonl, step_of
 
 GPU_KEYS = ("gpu_alloc", "gpu_reserved", "gpu_peak", "gpu_peak_reserved", "gpu_frag", "gpu_inactive_split")
 PEAK_KEYS = ("gpu_peak", "gpu_peak_reserved", "host_peak")  # kept as the max when a phase recurs
@@ -158,7 +161,6 @@ class Timeline:
 
     def __init__(self, run_dir: Path, rank: int, on_gpu: bool, nvme_path: str | None = None,
                  predictions: dict[str, dict] | None = None):
-        from zerofit.checkpoint.files import open_unlinked  # checkpoint imports config, which imports this module
 
         self.path = timeline_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,8 +221,6 @@ class Timeline:
             self._file.write("".join(json.dumps(record) + "\n" for record in records))
         except OSError as e:
             self._unwritable = True
-            from zerofit.core.console import warn
-
             warn(f"{self.path} can no longer be written ({e.strerror or e}); the run goes on without its memory "
                  f"timeline from here (`zerofit doctor` reads what was written)")
 
@@ -262,20 +262,6 @@ def read_timeline(run_dir: Path, rank: int = 0) -> list[dict]:
     return read_jsonl(timeline_path(run_dir, rank))
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON lines of a run file (memory.jsonl, metrics.jsonl), in order; none when it is
-    missing, and a torn line (the process died mid-write) skipped."""
-    if not Path(path).exists():
-        return []
-    records = []
-    for line in Path(path).read_text(errors="replace").splitlines():  # a torn write's bytes are no UTF-8
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
 def effective_records(records: list[dict]) -> list[dict]:
     """The timeline as the run's model saw it: a `start` record at step s (a resume)
     drops the earlier records of steps after s, which the resume rolled back. OOM and
@@ -292,8 +278,6 @@ def effective_records(records: list[dict]) -> list[dict]:
 
 def record_step(record: dict) -> int:
     """The step a record belongs to: its own, or for an async save's outcome its checkpoint's."""
-    from zerofit.checkpoint.files import step_of  # its reading of a published name
-
     saved = step_of(Path(record.get("checkpoint") or "")) if record.get("phase") in (
         "checkpoint_written", "checkpoint_failed") else -1
     return saved if saved >= 0 else record["step"]
@@ -322,7 +306,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_bytes(text: str | int | None, what: str = "size") -> int | None:
     """`24GiB`, `5GB`, `512MiB`, `1.5g` (k/m/g/t alone are binary), `1e9` or a plain byte
     count -> bytes; None stays None. `what` names the setting in the error."""
-    from zerofit.config.schema import ConfigError
 
     if text is None or isinstance(text, int):
         return text

@@ -9,7 +9,7 @@ import logging
 import re
 from pathlib import Path
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.config.data import FORMAT_FIELDS, column_fields
 from zerofit.config.section import read_from
 
@@ -79,7 +79,7 @@ def walk_data(directory: Path) -> tuple[list[Path], list[Path]]:
 
 def is_run_dir(path: Path) -> bool:
     """Whether `path` is a zerofit run directory: every run holds its lock file there."""
-    from zerofit.train.runlock import LOCK_FILE
+    from zerofit.core.runlock import LOCK_FILE
 
     return (path / LOCK_FILE).is_file()
 

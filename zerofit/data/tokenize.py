@@ -20,7 +20,7 @@ from zerofit.data.conversations import (RowError, alpaca_messages, conversation_
                                    sharegpt_messages, text_field)
 from zerofit.config.data import FORMAT_FIELDS, DataConfig
 from zerofit.data.files import DataError, line_of_row, read_rows, with_columns
-from zerofit.plan.hardware import cpu_cores
+from zerofit.machine.hardware import cpu_cores
 from zerofit.core.console import HIDDEN, CountProgress, Shown
 
 IGNORE = -100  # the label value HF causal-LM losses skip

@@ -21,7 +21,7 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 
 # per file: below it, under a second at stake (1k short alpaca rows: 0.6 s on one core), one process
 # kept; a directory of shards gets its workers shard by shard (a pool forks in milliseconds)

@@ -1,1 +1,3 @@
-"""doctor."""
+"""`zerofit doctor`: a run directory read into findings and a report.html (run, report),
+`--system` checks of the machine, and `--repro` scripts.
+"""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from zerofit.findings.facts import gib
 from zerofit.plan.loadpeak import LOADING
-from zerofit.findings.oomreport import directory_of, explanation
+from zerofit.recovery.oomreport import directory_of, explanation
 from zerofit.core.console import counted
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,

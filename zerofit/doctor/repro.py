@@ -12,11 +12,11 @@ import shlex
 import time
 from pathlib import Path
 
-from zerofit.checkpoint import files as checkpoint
-from zerofit.config.schema import ConfigError
-from zerofit.doctor.run import HF_RUN_FILE, diagnose, read_json, read_yaml, write_out
+from zerofit.core.errors import ConfigError
+from zerofit.doctor.run import HF_RUN_FILE, diagnose, read_yaml, write_out
+from zerofit.core.files import read_json, write_atomic
 from zerofit.core.timeline import read_timeline
-from zerofit.findings.oomreport import headline
+from zerofit.recovery.oomreport import headline
 
 TEMPLATE = '''#!/usr/bin/env python
 """Memory reproduction written by `zerofit doctor --repro` on {date}
@@ -234,7 +234,7 @@ def write_repro(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if out:
         write_out(path, text)
     else:  # in the run directory: a link planted at repro.py is replaced, never written through
-        checkpoint.write_atomic(path, text)
+        write_atomic(path, text)
     return path
 
 

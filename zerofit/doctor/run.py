@@ -7,7 +7,6 @@ Reading files happens in `diagnose`; everything it computes comes from pure func
 """
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,15 +14,17 @@ from pathlib import Path
 import yaml
 
 from zerofit.checkpoint import files as checkpoint
-from zerofit.train import runlock
-from zerofit.config.schema import ConfigError
+from zerofit.core import runlock
+from zerofit.core.errors import ConfigError
 from zerofit.findings.detectors import detect, step_time_gap
 from zerofit.findings.facts import Finding, RunFacts, facts_from
 from zerofit.findings.measured import checkpoints_at_once, phase_peaks, plan_vs_measured, rank_peaks, step_time, summarize
 from zerofit.findings.ranks import across_ranks, killed_outright, rank_imbalance
-from zerofit.core.timeline import (EVENT_PHASES, effective_records, human_bytes, read_jsonl, read_timeline, timeline_path,
-                            timeline_ranks)
-from zerofit.findings.oomreport import rank_files
+from zerofit.core.timeline import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
+from zerofit.core.files import read_jsonl, write_atomic
+from zerofit.recovery.oomreport import rank_files
+from zerofit.core.files import read_json
+from zerofit.checkpoint.files import checkpoints_of, newest_checkpoint_bytes
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
 
@@ -108,11 +109,6 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
                      running_pid, "" if running_pid is not None or source != "zerofit" else
                      how_it_ended(records, newest, killed_after(findings)), steps)
 
-
-def checkpoints_of(run_dir: Path) -> Path:
-    """Where a run's checkpoints are: RUN_DIR/checkpoints, or for an earlier run set aside in
-    checkpoints/earlier-TIME/ (resume.set_aside_earlier_run) that directory itself."""
-    return run_dir if checkpoint.is_earlier_run(run_dir.absolute()) else run_dir / "checkpoints"
 
 
 def killed_after(findings: list[Finding]) -> int | None:
@@ -254,13 +250,6 @@ def rank_timelines(run_dir: Path) -> dict[int, list[dict]]:
     return {rank: effective_records(raw) for rank, raw in timelines.items() if raw and rank < world}
 
 
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError alike: a damaged file is unread
-        return None
-
-
 def plan_missing_note(path: Path) -> str:
     """Why there is no prediction to compare with: no plan.json, or one that does not read
     (a write cut short: train writes it again at the run's next start)."""
@@ -295,15 +284,6 @@ def read_yaml(path: Path) -> dict:
         return {}
 
 
-def newest_checkpoint_bytes(run_dir: Path) -> int:
-    """Size on disk of the newest checkpoint (zerofit's step-N or HF's checkpoint-N)."""
-    candidates = [p for p in checkpoints_of(run_dir).glob("step-*") if p.is_dir()] + \
-                 [p for p in run_dir.glob("checkpoint-*") if p.is_dir()]
-    if not candidates:
-        return 0
-    newest = max(candidates, key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
-    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-
 
 # ---------------------------------------------------------------------------- the verb
 def doctor(run_dir: str | Path, html: str | Path | None = None, console=None, hashes: bool = True) -> Diagnosis:
@@ -319,7 +299,7 @@ def doctor(run_dir: str | Path, html: str | Path | None = None, console=None, ha
         written = str(out)
     else:
         try:
-            checkpoint.write_atomic(out, page)  # a link planted at report.html is replaced, never written through
+            write_atomic(out, page)  # a link planted at report.html is replaced, never written through
             written = str(out)
         except OSError as e:  # someone else's run on a shared disk, a read-only mount: the summary still helps
             written = f"not written ({out}: {e.strerror or e}); --out FILE writes it elsewhere"

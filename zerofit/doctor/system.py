@@ -17,8 +17,8 @@ from pathlib import Path
 
 from zerofit.nvme import aiotune, preflight as nvme
 from zerofit.core import cgroup
-from zerofit.plan import hardware
-from zerofit.train import opbuild
+from zerofit.machine import hardware
+from zerofit.machine import opbuild
 from zerofit.core.timeline import gib
 
 SWEEP_MIB, SWEEP_SECONDS = 64, 10.0  # the aio sweep: file size, time budget (a few seconds on a fast disk)

@@ -35,6 +35,7 @@ from zerofit.export.shards import ExportError, OutputTensor, plan_shards, write_
 from zerofit.plan.estimate import EXPORT_MAX_RAM_BYTES
 from zerofit.core.timeline import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
 from zerofit.core.console import say, warn
+from zerofit.core.files import fsync_dir, fsync_file
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to
@@ -173,7 +174,7 @@ def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, 
         mode = (staging / "adapter_config.json").stat().st_mode & 0o777  # safetensors writes its file 0600
         for path in staging.iterdir():
             path.chmod(mode)
-            checkpoint.fsync_file(path)
+            fsync_file(path)
         verified = None
         if verify:  # on the staged directory: an adapter that fails it is never published
             from zerofit.export import verify as exportcheck
@@ -405,13 +406,13 @@ def write_model_files(directory: Path, config_dir: Path, model_config: dict, dty
         if path.is_file() and path.name != "config.json" and path.name not in skipped:
             shutil.copy2(path, directory / path.name)
     for path in directory.iterdir():
-        checkpoint.fsync_file(path)
+        fsync_file(path)
 
 
 def publish(staging: Path, out: Path) -> None:
     """Rename the finished directory into place; an old one at `out` (--overwrite) goes
     only once the new one is complete."""
-    checkpoint.fsync_dir(staging)
+    fsync_dir(staging)
     if out.exists():
         old = out.parent / f"{checkpoint.TMP_PREFIX}old-{out.name}"
         shutil.rmtree(old, ignore_errors=True)
@@ -420,4 +421,4 @@ def publish(staging: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, out)
-    checkpoint.fsync_dir(out.parent)
+    fsync_dir(out.parent)

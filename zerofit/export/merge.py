@@ -26,7 +26,7 @@ import torch
 
 from zerofit.lora import adapters, base as basemodel
 from zerofit.checkpoint import zerofiles
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.core.console import warn
 from zerofit.export.shards import OutputTensor
 

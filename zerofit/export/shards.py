@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from zerofit.checkpoint import zerofiles
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.core.console import ByteProgress
 
 BlockTransform = Callable[[int, int, torch.Tensor], torch.Tensor]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from zerofit.checkpoint import universalfiles, zerofiles
 from zerofit.checkpoint.files import load_torch_file, refuse_unsafe
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.core.console import say, warn
 
 PROMPT = "zerofit export check: the quick brown fox jumps over the lazy dog. 0123456789"
@@ -39,7 +39,7 @@ def reference_state_dict(checkpoint_dir: Path) -> tuple[dict, str]:
     """The independent reference's weights, and what they were built from as the verdict
     names it: DeepSpeed's reconstruction (its progress output silenced), or for a checkpoint
     DeepSpeed's zero_to_fp32 cannot read (NVMe swap files) the files through torch.load."""
-    from zerofit.train.ranks import deepspeed_quietly
+    from zerofit.machine.accelerator import deepspeed_quietly
 
     if universalfiles.is_universal(checkpoint_dir):
         return universal_state_dict(checkpoint_dir), "DeepSpeed's reconstruction"

@@ -26,13 +26,13 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from zerofit.checkpoint import files as checkpoint
 from zerofit.train import watchdog
 from zerofit.doctor.run import HF_RUN_FILE
 from zerofit.train.engine import release_gathered
 from zerofit.findings.facts import RunFacts, significant_bytes
 from zerofit.core.timeline import Timeline, gib
 from zerofit.core.console import warn
+from zerofit.core.files import write_atomic
 
 ARGS_KEPT = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16", "fp16",
              "save_steps", "eval_steps", "max_steps", "num_train_epochs", "learning_rate", "deepspeed",
@@ -74,7 +74,7 @@ class MemoryGuardCallback(TrainerCallback):
                                 self.gpu_mem, self.host_mem, self.world_size)
         if state.is_world_process_zero:
             description = {**run_description(args, model), "seq_len": longest_row(train_dataloader)}
-            checkpoint.write_atomic(out / HF_RUN_FILE, json.dumps(description, indent=1, default=str))
+            write_atomic(out / HF_RUN_FILE, json.dumps(description, indent=1, default=str))
 
     # ------------------------------------------------------------------ phases
     def on_substep_end(self, args, state, control, **kwargs):

@@ -1,1 +1,3 @@
-"""lint."""
+"""`zerofit lint`: a DeepSpeed JSON checked the way DeepSpeed reads it (check), its optimizer
+and scheduler sections (optim), and the values that run until the worst step (risk).
+"""

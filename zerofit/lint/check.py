@@ -22,13 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from zerofit.config.schema import ConfigError, TrainConfig
-from zerofit.plan.hardware import Hardware
+from zerofit.core.errors import ConfigError
+from zerofit.config.schema import TrainConfig
+from zerofit.machine.hardware import Hardware
 from zerofit.core.timeline import human_bytes
 
 # DeepSpeed's own defaults where a key is absent (runtime/zero/config.py).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-DS_DEFAULT_REDUCE_BUCKET = 500_000_000
 
 
 @dataclass

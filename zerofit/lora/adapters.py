@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from zerofit.checkpoint.zerofiles import LORA_LAYERS
+
 ADAPTER = "default"                 # peft's adapter name; zerofit trains one adapter
 PEFT_PREFIX = "base_model.model."   # PeftModel -> LoraModel -> the HF model
-LORA_LAYERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG_KEY = "lora_adapter_config"  # in LoopState.extra, written by loraresume.check_and_record
@@ -85,7 +86,7 @@ def read_adapter(checkpoint: Path, bias: str = "none") -> dict:
 
     The values are DeepSpeed's fp32 master weights, reassembled from every rank's optimizer
     partitions by its own zero_to_fp32 (trainable parameters only, so a few MB for LoRA)."""
-    from zerofit.train.ranks import deepspeed_quietly
+    from zerofit.machine.accelerator import deepspeed_quietly
 
     checkpoint = Path(checkpoint)
     with deepspeed_quietly():  # zero_to_fp32 prints progress on stdout and tqdm bars on stderr

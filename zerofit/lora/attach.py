@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from pathlib import Path
 
 from zerofit.lora.base import quiet_peft
-from zerofit.config.schema import ConfigError, LoraConfig
+from zerofit.core.errors import ConfigError
+from zerofit.config.schema import LoraConfig
 from zerofit.core.timeline import human_count
 
 # Projection names per architecture (model_type of the HF config), after the modules the
@@ -61,7 +61,7 @@ def module_table(hf_config, trust_remote_code: bool = False) -> ModuleTable:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.plan.spec import zero3_init_parked
+    from zerofit.models import zero3_init_parked
 
     with torch.device("meta"), zero3_init_parked():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
@@ -178,31 +178,6 @@ def resolve(config, hf_config) -> list[str]:
     check_modules_to_save(config.lora, table)
     return compact_names(targets, table)
 
-
-# ------------------------------------------------------------------- attach peft
-def check_base_files(config) -> None:
-    """Refuse, before training, a LoRA run whose adapters could not be exported: the export
-    reads the base's safetensors files by the model's parameter names, and transformers 5
-    renames or fuses some models' weights on load (Mixtral's files hold
-    block_sparse_moe.experts.N.w1, the loaded model mlp.experts.gate_up_proj), so those names
-    are not in the files. A base built from a config (no files) is recorded in the run."""
-    if not config.lora.enabled or not config.model.path:
-        return
-    from zerofit.lora import adapters
-    from zerofit.plan import spec
-    from zerofit.checkpoint import zerofiles
-
-    try:
-        stored = zerofiles.safetensors_tensors(Path(config.model.path))
-    except zerofiles.ZeroCheckpointError as e:
-        raise ConfigError(f"LoRA: {e}; the adapters' export reads the base from them") from None
-    frozen = [adapters.base_name(p.name) for p in spec.from_config(config).params if not p.trainable]
-    missing = [name for name in frozen if name not in stored]
-    if missing:
-        raise ConfigError(f"LoRA on {config.model.path}: its files do not hold {len(missing)} of the weights the "
-                          f"model has once loaded (e.g. {missing[0]}: transformers converts this model's weights on "
-                          f"load), and the adapters' export reads the base by those names, so it could not be "
-                          f"exported or merged. Fine-tune it fully instead (lora.enabled: false)")
 
 
 def peft_config(lora: LoraConfig, target_modules: list[str], modules_to_save: list[str],

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from zerofit.lora import adapters
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 
 BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by loraresume.check_and_record
 ADAPTER_BASE_FILE = "zerofit_base.json"  # in an `export --adapter-only` directory: recipe + HF config

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from zerofit.lora.adapters import ADAPTER_CONFIG_KEY
 from zerofit.lora.base import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 from zerofit.lora.attach import adapter_config
 
 

@@ -7,7 +7,6 @@ later runs read.
 from __future__ import annotations
 
 import errno
-import hashlib
 import itertools
 import json
 import mmap
@@ -15,10 +14,9 @@ import os
 import time
 from pathlib import Path
 
-from zerofit.train import opbuild
+from zerofit.machine import opbuild
+from zerofit.machine.hardware import CACHE_VARIABLE, CACHE_VERSION, cache_path, read_tuning  # noqa: F401 (the probe reads the cache too)
 
-CACHE_VERSION = 1
-CACHE_VARIABLE = "ZEROFIT_CACHE_DIR"
 DIO_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # The sweep: block size x queue depth x I/O threads, single_submit off and overlap_events on
 # (DeepSpeed's defaults; its own ds_nvme_tune sweeps the same axes). Ordered so that the
@@ -27,25 +25,6 @@ SWEEP_BLOCKS = (1 << 20, 256 << 10, 4 << 20)
 SWEEP_DEPTHS = (8, 32, 128)
 SWEEP_THREADS = (1, 4)
 
-
-def cache_path(nvme_path: str | Path) -> Path:
-    # ZEROFIT_CACHE_DIR moves only zerofit's cache (XDG_CACHE_HOME also moves torch's
-    # extension builds, so DeepSpeed would rebuild its ops there)
-    root = Path(os.environ.get(CACHE_VARIABLE) or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerofit")
-    key = hashlib.sha256(str(Path(nvme_path).resolve()).encode()).hexdigest()[:16]
-    return root / f"aio-{key}.json"
-
-
-def read_tuning(nvme_path: str | Path) -> dict | None:
-    """The cached sweep of this path, or None (never measured, or unreadable)."""
-    try:
-        cached = json.loads(cache_path(nvme_path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if cached.get("version") != CACHE_VERSION or cached.get("path") != str(Path(nvme_path).resolve()):
-        return None
-    return cached
 
 
 def probe_dio_alignment(directory: Path) -> int:

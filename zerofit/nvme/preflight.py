@@ -28,13 +28,16 @@ from dataclasses import fields
 from pathlib import Path
 
 from zerofit.nvme import aiotune
-from zerofit.checkpoint import files as checkpoint, zerofiles
+from zerofit.checkpoint import zerofiles
 from zerofit.core import faults
-from zerofit.plan import hardware, states
-from zerofit.config.schema import Config, ConfigError
+from zerofit.machine import hardware
+from zerofit.nvme import swaplayout
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_bytes
 from zerofit.core.console import warn
-from zerofit.plan.swaplayout import Aio, aligned_aio, transfer_problems
+from zerofit.nvme.swaplayout import Aio, aligned_aio, transfer_problems
+from zerofit.core.files import write_atomic
 
 LIBAIO_FIX = ("install libaio's headers: `apt-get install libaio-dev` (Debian/Ubuntu) or `yum install "
               "libaio-devel` (RHEL/Fedora); in a conda env `conda install -c conda-forge libaio` and "
@@ -105,7 +108,7 @@ def resolve_aio(config: Config, spec, world_size: int) -> tuple[Config, list[str
     problems: list[str] = []
     dio = tuned.get("dio_alignment") or _dio_alignment(Path(zero.nvme_path))
     if dio and optimizer_may_swap(config):
-        groups = states.sub_group_members(spec, world_size, zero.sub_group_size)
+        groups = swaplayout.sub_group_members(spec, world_size, zero.sub_group_size)
         fixed, changes = aligned_aio(groups, aio, dio)
         user_changed = [k for k in chosen if getattr(fixed, k) != chosen[k]]
         remaining = transfer_problems(groups, fixed, dio)
@@ -406,7 +409,7 @@ def record_sub_groups(optimizer, rank_dir: Path) -> None:
     groups = [{"numel": int(optimizer.fp16_partitioned_groups_flat_numel[i]),
                "file": f"{flat.ds_id}.tensor.swp" if optimizer._swappable_optimizer_subgroup(i) else None}
               for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat)]
-    checkpoint.write_atomic(rank_dir / zerofiles.SUB_GROUPS_FILE, json.dumps({"sub_groups": groups}, indent=1))
+    write_atomic(rank_dir / zerofiles.SUB_GROUPS_FILE, json.dumps({"sub_groups": groups}, indent=1))
 
 
 def pipelined(swapper) -> bool:

@@ -17,9 +17,10 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from zerofit.plan.activations import NORM_BUFFER_NUMEL
-from zerofit.config.schema import Config, ConfigError
+from zerofit.config.schema import DECIDED, Config
+from zerofit.core.errors import ConfigError
 from zerofit.plan.fitadvice import what_would_fit
-from zerofit.plan.hardware import Hardware
+from zerofit.machine.hardware import Hardware
 from zerofit.plan.loadpeak import LOADING
 from zerofit.core.timeline import human_bytes
 from zerofit.plan.spec import ModelSpec
@@ -287,12 +288,6 @@ def overflow(plan: Plan, exclude: tuple[str, ...] = ()) -> float:
     peaks = (plan.devices, plan.save_peak, plan.start_peak, plan.first_step_after_save_peak, plan.data_load_peak)
     devices = [device for peak in peaks for name, device in peak.items() if name not in exclude]
     return sum(max(0.0, d.total_bytes / max(d.usable_bytes, 1) - 1) for d in devices)
-
-
-DECIDED = {"zero": ("offload_optimizer", "offload_optimizer_ratio", "offload_param", "param_buffer_size", "reduce_bucket_size",
-                    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-                    "nvme_pipeline"),
-           "train": ("micro_batch_size", "grad_accum_steps"), "model": ("gradient_checkpointing",)}
 
 
 def free_keys(config: Config) -> dict[str, set[str]]:

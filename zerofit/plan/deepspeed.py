@@ -10,7 +10,7 @@ import copy
 
 from zerofit.nvme import preflight as nvme
 from zerofit.config.schema import Config
-from zerofit.plan.swaplayout import PIPELINED_BUFFER_COUNT
+from zerofit.nvme.swaplayout import PIPELINED_BUFFER_COUNT
 
 # DeepSpeed's dynamic loss scaler, as its docs recommend for fp16 (runtime/fp16/loss_scaler.py).
 FP16_LOSS_SCALE = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
@@ -115,3 +115,6 @@ def for_hf_trainer(ds: dict) -> dict:
         if section in out:
             out[section]["enabled"] = "auto"
     return out
+
+
+DS_DEFAULT_REDUCE_BUCKET = 500_000_000

@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, field
 
 from zerofit.config.schema import DEFAULT_HEADROOM, ZeroConfig
 from zerofit.plan.activations import BACKWARD_MOMENTS, device_phases
-from zerofit.plan.hardware import Hardware, ranks_on_this_node
+from zerofit.machine.hardware import Hardware, ranks_on_this_node
 from zerofit.plan.spec import ModelSpec
+from zerofit.checkpoint.size import CHECKPOINT_OVERHEAD_BYTES, checkpoint_bytes, save_margin_bytes  # noqa: F401
 from zerofit.plan.steptime import step_seconds, step_time_notes, step_time_terms
-from zerofit.plan.swaplayout import Aio
-from zerofit.plan.states import engine_start_host, model_states, optimizer_groups, optimizer_step_host, partition_numel
+from zerofit.nvme.swaplayout import Aio
+from zerofit.plan.states import engine_start_host, model_states, optimizer_groups, optimizer_step_host
 
 GIB = 2**30
 # Process RSS before any model state: python, torch, transformers, deepspeed and its
@@ -42,9 +43,6 @@ DATASETS_LIBRARY_BYTES = int(0.1 * GIB)
 CUDA_HOST_CONTEXT_BYTES = int(1.9 * GIB)
 # Device memory outside torch's allocator counters: CUDA context and cuBLAS workspaces.
 CUDA_DEVICE_CONTEXT_BYTES = int(0.5 * GIB)
-# Per-rank checkpoint bytes besides the tensors: pickled metadata, model_states.pt,
-# rng state (measured: 27 KB for the tiny model).
-CHECKPOINT_OVERHEAD_BYTES = 64 * 1024
 # `zerofit export` streams fp32 master rows in blocks under --max-ram, 2 GiB by default
 # (this constant): its peak RSS is the process plus two read/cast block pairs.
 EXPORT_MAX_RAM_BYTES = 2 * GIB
@@ -210,18 +208,6 @@ def async_snapshot_cap(async_snapshot_max: int | None, host_budget_bytes: int) -
     return int(host_budget_bytes * ASYNC_HOST_SHARE) if async_snapshot_max is None else async_snapshot_max
 
 
-def checkpoint_bytes(total_params: int, world_size: int = 1, stage: int = 3, element_bytes: int = 2) -> int:
-    """Bytes a DeepSpeed checkpoint takes on disk, all ranks together.
-
-    Each rank writes its optimizer file: the fp32 master partition and Adam's exp_avg and
-    exp_avg_sq (stage3.py `_rigid_state_dict`: 12 bytes per element); ZeRO-3 model files
-    hold only shapes, stages 0-2 hold the 16-bit module too. Measured on the tiny model:
-    1,090,117 bytes of optimizer file for 90,432 parameters (12.05 per parameter)."""
-    per_rank = 12 * partition_numel(total_params, world_size) + CHECKPOINT_OVERHEAD_BYTES
-    model_file = element_bytes * total_params if stage < 3 else 0
-    return per_rank * world_size + model_file
-
-
 def async_snapshot_bytes(ckpt_bytes: int, shape: Shape, hw: Hardware) -> int:
     """Host RAM one rank's async-save snapshot buffer holds for the whole run (checkpoint_io.
     HostArena: reserved at start, reused by every save), 0 when saves are synchronous or the
@@ -239,17 +225,6 @@ def export_bytes(total_params: int, element_bytes: int = 2) -> int:
 
 
 # ------------------------------------------------------------------------ predict
-# Before each save checkpoint.free_space_problem asks for the checkpoint plus 10% and 64 MiB
-# (filesystem metadata, files a little over the planned bytes): the disk plan holds that margin
-# too, or a plan that passes stops at its first save.
-SAVE_FREE_FACTOR, SAVE_FREE_SLACK = 1.10, 64 << 20
-
-
-def save_margin_bytes(checkpoint_bytes: int) -> int:
-    """What a save asks to be free beyond the checkpoint's own bytes."""
-    return int(checkpoint_bytes * (SAVE_FREE_FACTOR - 1)) + SAVE_FREE_SLACK
-
-
 def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headroom: float = DEFAULT_HEADROOM,
             data_load: dict[str, int] | None = None) -> Plan:
     """The whole prediction for one candidate configuration; `data_load`: one rank's host peak
@@ -260,7 +235,7 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
     backward_at = phases.pop("backward_peak_at")
     host_step = optimizer_step_host(spec, shape, cand)
     host_base = {"process": HOST_PROCESS_BYTES}
-    if shape.heap_step_temporaries and on_gpu:  # kept on the heap after the first step (zerofit/plan/hostalloc.py)
+    if shape.heap_step_temporaries and on_gpu:  # kept on the heap after the first step (zerofit/machine/hostalloc.py)
         host_base.update({f"{name}_kept": HEAP_TEMPORARIES_HELD * size for name, size in host_step.items()})
         host_step = {}
     if on_gpu:

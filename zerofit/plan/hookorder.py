@@ -81,7 +81,7 @@ def _run(config, adapter_json: str | None) -> list[Event]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.plan.spec import zero3_init_parked
+    from zerofit.models import zero3_init_parked
 
     # a real model on the CPU whatever the caller's default device, without a live ZeRO-3
     # engine's partitioned init (an OOM retry re-plans in the training process), and the run's
@@ -109,7 +109,7 @@ def _hooked_step(model, adapter_json: str | None, vocab_size: int) -> list[Event
     import torch
 
     from zerofit import loss
-    from zerofit.train.engine import enable_checkpointing
+    from zerofit.models import enable_checkpointing
 
     if adapter_json is not None:
         import peft

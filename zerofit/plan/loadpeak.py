@@ -116,7 +116,7 @@ def load_facts(cfg, tokenizer, run_dir: Path | None = None, process_bytes: int =
     tokenized cache would be (datacache), whose files are then read instead."""
     from zerofit.data import workers as tokenworkers
     from zerofit.data.files import data_entries
-    from zerofit.plan.hardware import cpu_cores
+    from zerofit.machine.hardware import cpu_cores
 
     if cfg.path in BUILT_IN:
         return None

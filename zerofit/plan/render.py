@@ -13,13 +13,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from zerofit.plan import choose, deepspeed, hardware, loadpeak, spec as modelspec
+from zerofit.plan import choose, deepspeed, loadpeak, spec as modelspec
+from zerofit.machine import hardware
 from zerofit.nvme import preflight as nvme
 from zerofit.plan.choose import Decision
-from zerofit.checkpoint.files import rotated_out_credit, write_atomic
-from zerofit.config.schema import Config, ConfigError
+from zerofit.checkpoint.files import rotated_out_credit
+from zerofit.core.files import write_atomic
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
 from zerofit.plan.loadpeak import LOADING
-from zerofit.plan.hardware import Hardware, ranks_on_this_node
+from zerofit.machine.hardware import Hardware, ranks_on_this_node
 from zerofit.core.timeline import human_bytes, human_count, parse_bytes
 from zerofit.core.console import warn
 from zerofit.plan.spec import ModelSpec
@@ -113,7 +116,7 @@ def nvme_summary(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict | No
     if plan.candidate.offload_optimizer != "nvme":
         return None
     from zerofit.plan.steptime import nvme_rates
-    from zerofit.plan.swaplayout import bandwidth_to_hide
+    from zerofit.nvme.swaplayout import bandwidth_to_hide
     from zerofit.plan.states import swap_layout
 
     swap = swap_layout(spec, plan.shape, plan.candidate)

@@ -11,10 +11,10 @@ read), so a 70B config takes a second. What the planner needs comes out of it:
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from zerofit.config.schema import Config, ModelConfig
+from zerofit.models import zero3_init_parked
 
 
 @dataclass(frozen=True)
@@ -141,20 +141,6 @@ def from_hf_config(hf_config, trust_remote_code: bool = False) -> ModelSpec:
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     return from_module(model, hf_config)
 
-
-@contextmanager
-def zero3_init_parked():
-    """A meta build while a ZeRO-3 engine lives in this process (an OOM retry re-plans):
-    transformers would run its ZeRO-3 weight init on meta tensors, so its weak reference
-    to the live HfDeepSpeedConfig is parked for the build."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    parked = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = parked
 
 
 def from_module(model, hf_config, adapter=None) -> ModelSpec:

@@ -16,7 +16,8 @@ import math
 from typing import TYPE_CHECKING
 
 from zerofit.plan.spec import ModelSpec
-from zerofit.plan.swaplayout import Aio, SwapLayout, layout
+from zerofit.nvme.swaplayout import Aio, SwapLayout, layout
+from zerofit.nvme.swaplayout import sub_group_members
 
 if TYPE_CHECKING:
     from zerofit.plan.estimate import Candidate, Shape
@@ -54,31 +55,6 @@ def partition_numel(numel: int, world: int) -> int:
     """ZeRO-3 pads each parameter to a multiple of the world size (partition_parameters.py)."""
     return -(-numel // world)
 
-
-@functools.lru_cache(maxsize=64)
-def sub_group_members(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[tuple[int, ...], ...]:
-    """The optimizer sub groups of one rank, each as its members' partition sizes.
-
-    zerofit passes two param groups of the trainable parameters (engine.param_groups: >=2-D
-    weights decay, the rest do not); stage3.py `_create_fp16_sub_groups` cuts each group, in
-    parameter order, into runs that close once they reach sub_group_size elements."""
-    groups: list[tuple[int, ...]] = []
-    for decay in (True, False):
-        members = [partition_numel(p.numel, world) for p in spec.params if p.trainable and (p.ndim >= 2) == decay]
-        if not members:
-            continue
-        if sub_group_size >= sum(members):
-            groups.append(tuple(members))
-            continue
-        run: list[int] = []
-        run_numel = 0
-        for i, numel in enumerate(members):
-            run.append(numel)
-            run_numel += numel
-            if run_numel >= sub_group_size or i == len(members) - 1:
-                groups.append(tuple(run))
-                run, run_numel = [], 0
-    return tuple(groups)
 
 
 @functools.lru_cache(maxsize=64)

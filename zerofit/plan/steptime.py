@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zerofit.plan import hardware as hw_rates
-from zerofit.plan.hardware import Hardware, ranks_on_this_node
+from zerofit.machine import hardware as hw_rates
+from zerofit.machine.hardware import Hardware, ranks_on_this_node
 from zerofit.plan.spec import ModelSpec
-from zerofit.plan.swaplayout import nvme_seconds
+from zerofit.nvme.swaplayout import nvme_seconds
 from zerofit.plan.states import PARAM_MAX_IN_CPU, optimizer_groups, swap_layout
 from zerofit.plan.trace import zero3_trace
 
@@ -50,7 +50,7 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
       boundary (_offload_grad_partition_at_boundary), once per step;
     - copy_back_bytes: the updated 16-bit parameters of the host-stepped sub-groups, copied
       to the GPU when the parameters live there (_reassign_or_swap_out_partitioned_parameters:
-      converted on the host, then an unpinned copy; zerofit/plan/hostalloc.py); with parameters
+      converted on the host, then an unpinned copy; zerofit/machine/hostalloc.py); with parameters
       offloaded the copy stays on the host;
     - copy_out_bytes: with parameters offloaded, the fp32 masters of the sub-groups stepped on
       the GPU (a partial offload), copied into the host's 16-bit parameters (the same
@@ -95,7 +95,7 @@ def step_work(spec: ModelSpec, shape: Shape, cand: Candidate) -> dict[str, float
 def step_time_terms(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate,
                     rates: hw_rates.StepRates = hw_rates.STEP_RATES, work: dict | None = None) -> dict[str, float]:
     """Seconds one optimizer step spends per term (step_seconds says which overlap), from
-    step_work's quantities at the rates in zerofit/plan/hardware.py (`rates`: the fitted ones;
+    step_work's quantities at the rates in zerofit/machine/hardware.py (`rates`: the fitted ones;
     `work`: step_work's result when the caller has it, as bench/cost_fit.py does for the
     thousands of rates it tries).
 

@@ -36,8 +36,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from zerofit.core import faults
-from zerofit.checkpoint.files import write_atomic
-from zerofit.config.schema import Config, ConfigError
+from zerofit.core.files import write_atomic
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import validate
 from zerofit.core.console import say
 

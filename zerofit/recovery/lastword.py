@@ -37,7 +37,7 @@ def main() -> None:
     import json
     from pathlib import Path
 
-    from zerofit.checkpoint.files import write_atomic
+    from zerofit.core.files import write_atomic
     from zerofit.recovery.peerwatch import announce_failure
 
     # the record first: it takes milliseconds, while the announcement waits up to elastic.FAILING_TIMEOUT

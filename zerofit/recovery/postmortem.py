@@ -36,16 +36,17 @@ from pathlib import Path
 from zerofit.checkpoint import files as checkpoint
 from zerofit.recovery import elastic
 from zerofit.core import faults
-from zerofit.config.schema import Config, ConfigError
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import dump_yaml, set_dotted, validate
-from zerofit.doctor.run import newest_checkpoint_bytes, read_json
-from zerofit.train.procenv import allocator_setting
-from zerofit.train.engine import release as release_engine
+from zerofit.checkpoint.files import newest_checkpoint_bytes
+from zerofit.core.files import read_json, write_atomic
+from zerofit.machine.procenv import allocator_setting
 from zerofit.findings.detectors import detect, fragmented_request
 from zerofit.findings.facts import RunFacts, facts_from
 from zerofit.findings.measured import plan_vs_measured
 from zerofit.core.timeline import effective_records, gpu_bytes, host_rss_bytes, read_timeline
-from zerofit.findings.oomreport import MAX_RETRIES, directory_of, explanation, render_markdown, retry_message, why_not_retried
+from zerofit.recovery.oomreport import MAX_RETRIES, directory_of, explanation, render_markdown, retry_message, why_not_retried
 from zerofit.core.console import say, warn
 
 # the settings would_fit changes: recorded with each OOM and each start, so the doctor advises
@@ -106,7 +107,7 @@ class Session:
         gone = None
         if self.engine is not None:
             gone = weakref.ref(self.engine)
-            release_engine(self.engine)
+            release(self.engine)
         self.engine = self.saver = self.state = self.timeline = self.progress = None
         return gone
 
@@ -313,7 +314,7 @@ def conclude(event: OomEvent, session: Session) -> dict:
     safer, changes = would_fit(config, event, facts)
     directory = directory_for(run_dir, event.rank)
     if safer is not None:
-        checkpoint.write_atomic(directory / "retry-config.yaml", dump_yaml(safer))
+        write_atomic(directory / "retry-config.yaml", dump_yaml(safer))
     report = {
         "event": asdict(event), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": str(run_dir),
         "emergency_checkpoint": emergency, "emergency_note": emergency_note,
@@ -326,8 +327,8 @@ def conclude(event: OomEvent, session: Session) -> dict:
     newest = checkpoint.published(run_dir / "checkpoints")  # what a retry resumes from
     report["resume_from"] = str(newest[0]) if newest else None
     keep_earlier_report(directory)
-    checkpoint.write_atomic(directory / "report.json", json.dumps(report, indent=1, default=str))
-    checkpoint.write_atomic(directory / "report.md", render_markdown(report))
+    write_atomic(directory / "report.json", json.dumps(report, indent=1, default=str))
+    write_atomic(directory / "report.md", render_markdown(report))
     return report
 
 
@@ -433,3 +434,34 @@ def inject_oom_if_armed(step: int) -> None:
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (injected by "
             f"{faults.VARIABLE}=oom@step:{step})")
 
+
+def release(ds_engine) -> None:
+    """Let go of an engine so that another one in this process (an OOM retry) finds its
+    memory free. DeepSpeed's destroy() removes the engine's hooks; but ZeRO-3 also puts the
+    model on a module-level stack (parameter_offload.FWD_MODULE_STACK: appended once per
+    engine, never popped, and left with the half-run forward's modules after an OOM), which
+    keeps the model, the engine and every buffer they hold alive: on the H200, the retry after
+    an OOM of llama-3.6b found 65.6 GiB of the machine's 125.9 GiB available, the first attempt holding
+    59 GiB, and refused to start (bench/results/README.md, 2026-11-30 sixth session); released,
+    122.8 GiB (bench/results/oom_retry-3.6b-headline.json). Once a step has run, a class-level
+    lru_cache holds the engine's parameter coordinator and modules too. Both are DeepSpeed's
+    internals (0.19.8): where a version lacks one, there is nothing of it to clear."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    try:
+        ds_engine.destroy()
+    except Exception as error:  # after an OOM mid-step its state may be half-built; the rest still goes
+        from zerofit.core.console import warn
+
+        warn(f"DeepSpeed's engine.destroy() failed ({type(error).__name__}: {error}); releasing what zerofit can")
+    ours = {id(module) for module in ds_engine.module.modules()}
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if stack is not None:
+        stack[:] = [m for m in stack if id(m) not in ours]
+    # __params_to_release: @instrument_w_nvtx over @functools.lru_cache, keyed by (coordinator,
+    # module, step); only a cache, so clearing it for every engine of the process is safe
+    method = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(method, "__closure__", None) or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()

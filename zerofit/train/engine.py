@@ -5,19 +5,13 @@ The process group it runs in is ranks.py's; the process's threads and allocator,
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from zerofit.train import opbuild
-from zerofit.config.schema import Config, ConfigError
+from zerofit.machine import opbuild
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
+from zerofit.models import enable_checkpointing
 
-
-def enable_checkpointing(model) -> None:
-    """HF's activation checkpointing per decoder layer, non-reentrant: transformers 5.x renamed
-    gradient_checkpointing_enable (whose every call now warns that it goes in v6)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_precision(precision: str, on_gpu: bool) -> None:
@@ -71,7 +65,7 @@ def zenflow_refusal(config: Config, ds_config: dict) -> str | None:
                 "checkpointing's recompute too, where the matmul then fails; set model.gradient_checkpointing: "
                 "false (a smaller micro batch fits the activations)")
     from zerofit.plan import spec
-    from zerofit.lint.check import DS_DEFAULT_REDUCE_BUCKET
+    from zerofit.plan.deepspeed import DS_DEFAULT_REDUCE_BUCKET
 
     largest = spec.from_config(config).largest_trained_matrix  # read on the meta device
     bucket = int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET))
@@ -122,37 +116,6 @@ def build_model(config: Config, ds_config: dict):
     # eval turned training on (a 0.5B on the H200 peaked 10 GiB above its plan)
     return model.train()
 
-
-def release(ds_engine) -> None:
-    """Let go of an engine so that another one in this process (an OOM retry) finds its
-    memory free. DeepSpeed's destroy() removes the engine's hooks; but ZeRO-3 also puts the
-    model on a module-level stack (parameter_offload.FWD_MODULE_STACK: appended once per
-    engine, never popped, and left with the half-run forward's modules after an OOM), which
-    keeps the model, the engine and every buffer they hold alive: on the H200, the retry after
-    an OOM of llama-3.6b found 65.6 GiB of the machine's 125.9 GiB available, the first attempt holding
-    59 GiB, and refused to start (bench/results/README.md, 2026-11-30 sixth session); released,
-    122.8 GiB (bench/results/oom_retry-3.6b-headline.json). Once a step has run, a class-level
-    lru_cache holds the engine's parameter coordinator and modules too. Both are DeepSpeed's
-    internals (0.19.8): where a version lacks one, there is nothing of it to clear."""
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    try:
-        ds_engine.destroy()
-    except Exception as error:  # after an OOM mid-step its state may be half-built; the rest still goes
-        from zerofit.core.console import warn
-
-        warn(f"DeepSpeed's engine.destroy() failed ({type(error).__name__}: {error}); releasing what zerofit can")
-    ours = {id(module) for module in ds_engine.module.modules()}
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    if stack is not None:
-        stack[:] = [m for m in stack if id(m) not in ours]
-    # __params_to_release: @instrument_w_nvtx over @functools.lru_cache, keyed by (coordinator,
-    # module, step); only a cache, so clearing it for every engine of the process is safe
-    method = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
-    for cell in getattr(method, "__closure__", None) or ():
-        if hasattr(cell.cell_contents, "cache_clear"):
-            cell.cell_contents.cache_clear()
 
 
 def release_gathered(ds_engine) -> None:
@@ -246,3 +209,29 @@ def build_engine(model, config: Config, ds_config: dict, total_steps: int):
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler,
                                           model_parameters=param_groups(model, config.train.weight_decay))
     return engine
+
+
+# ------------------------------------------------------------------- attach peft
+def check_base_files(config) -> None:
+    """Refuse, before training, a LoRA run whose adapters could not be exported: the export
+    reads the base's safetensors files by the model's parameter names, and transformers 5
+    renames or fuses some models' weights on load (Mixtral's files hold
+    block_sparse_moe.experts.N.w1, the loaded model mlp.experts.gate_up_proj), so those names
+    are not in the files. A base built from a config (no files) is recorded in the run."""
+    if not config.lora.enabled or not config.model.path:
+        return
+    from zerofit.lora import adapters
+    from zerofit.plan import spec
+    from zerofit.checkpoint import zerofiles
+
+    try:
+        stored = zerofiles.safetensors_tensors(Path(config.model.path))
+    except zerofiles.ZeroCheckpointError as e:
+        raise ConfigError(f"LoRA: {e}; the adapters' export reads the base from them") from None
+    frozen = [adapters.base_name(p.name) for p in spec.from_config(config).params if not p.trainable]
+    missing = [name for name in frozen if name not in stored]
+    if missing:
+        raise ConfigError(f"LoRA on {config.model.path}: its files do not hold {len(missing)} of the weights the "
+                          f"model has once loaded (e.g. {missing[0]}: transformers converts this model's weights on "
+                          f"load), and the adapters' export reads the base by those names, so it could not be "
+                          f"exported or merged. Fine-tune it fully instead (lora.enabled: false)")

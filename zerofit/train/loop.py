@@ -19,16 +19,21 @@ from zerofit.lora import base, attach as lora, resume as loraresume
 from zerofit.core import cgroup, faults, timeline as memory
 from zerofit.data import chatlayout, pipeline as data, rows
 from zerofit.checkpoint import files as checkpoint
-from zerofit.train import checkpointer, datareport, engine, procenv, ranks, runfiles, runlock, watchdog
-from zerofit.plan import deepspeed, hostalloc, render
+from zerofit.train import checkpointer, datareport, engine, ranks, runfiles, watchdog
+from zerofit.machine import procenv
+from zerofit.core import runlock
+from zerofit.plan import deepspeed, render
+from zerofit.machine import hostalloc
 from zerofit.recovery import elastic, lastword, peerwatch, postmortem
 from zerofit import loss, models
 from zerofit.nvme import preflight as nvme
-from zerofit.findings import oomreport
-from zerofit.config.schema import Config, ConfigError
+from zerofit.recovery import oomreport
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
 from zerofit.core.console import CountProgress, Shown, StepProgress, say, warn
 from zerofit.train.resume import (changed_on_resume, choose_resume, refuse_resume_without_checkpoint, resume_command,
                             where_to_go_on)
+from zerofit.core.files import open_unlinked, read_jsonl, write_atomic
 
 
 @dataclass
@@ -80,7 +85,7 @@ def run(config: Config, resume: bool | None, session: postmortem.Session) -> Run
     check_seq_len(config, hf_config)  # an absurd one was OOM-killed while tokenizing
     if (beyond := models.positions_beyond_trained(config.model, config.train.seq_len, hf_config)) and dist.is_main:
         warn(beyond)
-    lora.check_base_files(config)
+    engine.check_base_files(config)
     # refused before loading where its peak would not fit the host: the process's RSS now, and what
     # the files' sizes and a sample of their rows say the rows will hold (loadpeak); rank 0's for all
     data_load = render.data_load_of(config, tokenizer, run_dir, memory.host_rss_bytes()) if dist.is_main else None
@@ -416,10 +421,10 @@ class MetricsLog:
         if not enabled:
             return
         # a line torn by a crash (or a full disk) is dropped with the steps after the checkpoint
-        kept = [record for record in memory.read_jsonl(self.path) if record.get("step", 0) <= keep_upto] \
+        kept = [record for record in read_jsonl(self.path) if record.get("step", 0) <= keep_upto] \
             if keep_upto else []
-        checkpoint.write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
-        self._file = checkpoint.open_unlinked(self.path, append=True)  # a link planted there is refused
+        write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
+        self._file = open_unlinked(self.path, append=True)  # a link planted there is refused
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

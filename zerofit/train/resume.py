@@ -18,8 +18,10 @@ from zerofit.recovery import elastic
 from zerofit.lora import resume as loraresume
 from zerofit.train import runfiles
 from zerofit.checkpoint.files import CheckpointError, LoopState
-from zerofit.config.schema import Config, ConfigError, changed_settings, short
+from zerofit.config.schema import Config, changed_settings, short
+from zerofit.core.errors import ConfigError
 from zerofit.core.console import say, warn
+from zerofit.core.files import write_atomic
 
 
 @dataclass
@@ -107,7 +109,7 @@ def name_latest_newest(root: Path, found: Path) -> None:
     latest = root / checkpoint.LATEST
     named = latest.read_text().strip() if latest.is_file() else None
     if named != found.name:
-        checkpoint.write_atomic(latest, found.name)
+        write_atomic(latest, found.name)
 
 
 def latest_problem(root: Path) -> str | None:

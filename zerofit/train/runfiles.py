@@ -12,12 +12,13 @@ from pathlib import Path
 import yaml
 
 from zerofit.data import chatlayout
-from zerofit.checkpoint import files as checkpoint
 from zerofit import models
 from zerofit.plan import render
-from zerofit.config.schema import UNRECORDED, Config, ConfigError, changed_settings
+from zerofit.config.schema import UNRECORDED, Config, changed_settings
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import dump_yaml
 from zerofit.core.console import say
+from zerofit.core.files import write_atomic
 
 
 def usable_run_dir(run_dir: Path) -> Path:
@@ -81,8 +82,8 @@ def write_run_files(run_dir: Path, config: Config, ds_config: dict, tokenizer, h
     the tokenizer with `chat_template`, the layout the data trained, when given)."""
     # whole or not at all: a start killed mid-write left an empty config.yaml, the file the resume hints name
     render.write_plan(run_dir, plan)  # the run dir was made first thing (usable_run_dir)
-    checkpoint.write_atomic(run_dir / "config.yaml", dump_yaml(config))
-    checkpoint.write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+    write_atomic(run_dir / "config.yaml", dump_yaml(config))
+    write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
     hf_config.save_pretrained(run_dir / "model")
     own_template = tokenizer.chat_template
     written = run_dir / "model" / "chat_template.jinja"  # as transformers saves it: said once, not at each resume
@@ -123,7 +124,7 @@ def write_generation_config(run_dir: Path, config: Config, tokenizer, hf_config,
     text = json.dumps({**model_generation_fields(config, hf_config), "eos_token_id": sorted(ends) + [end]},
                       indent=2) + "\n"
     if not (path.is_file() and path.read_text() == text):  # said once, not at each resume
-        checkpoint.write_atomic(path, text)
+        write_atomic(path, text)
         say(f"model/generation_config.json: generation also stops at {tokenizer.convert_ids_to_tokens(end)} "
             f"(id {end}), which ends the template's assistant turn (not EOS), as the rows learn it")
 

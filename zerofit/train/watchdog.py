@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from zerofit.config.schema import ConfigError
-from zerofit.train.procenv import allocator_variables, node_cores_and_ranks
+from zerofit.core.errors import ConfigError
+from zerofit.machine.procenv import allocator_variables, node_cores_and_ranks
 from zerofit.findings.facts import RunFacts, host_in_use
 from zerofit.core.timeline import budgets, gib
 

@@ -32,7 +32,8 @@ import yaml
 
 from zerofit.integrations.llamafactory import data, keys
 from zerofit.config.aliases import NO_EFFECT
-from zerofit.config.schema import Config, ConfigError
+from zerofit.config.schema import Config
+from zerofit.core.errors import ConfigError
 from zerofit.config.load import read_yaml
 from zerofit.models import bundled_chat_templates
 from zerofit.config.section import expand_path

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 
 from zerofit.config.schema import Config
-from zerofit.plan.hardware import cpu_cores
+from zerofit.machine.hardware import cpu_cores
 
 
 def node_cores_and_ranks() -> tuple[int, int]:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerofit.config.schema import ConfigError
+from zerofit.core.errors import ConfigError
 
 LOCK_FILE = ".zerofit.lock"
 

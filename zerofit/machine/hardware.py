@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import hashlib
+import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from zerofit.core import cgroup
-from zerofit.plan import hostalloc
-from zerofit.config.schema import ConfigError
+from zerofit.machine import hostalloc
+from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_bytes, parse_bytes
 
 GIB = 2**30
@@ -211,9 +213,7 @@ def _nvme_rates(nvme_path: str | None) -> dict:
     """What `zerofit doctor --system --nvme-path` measured there with DeepSpeed's aio (cached)."""
     if not nvme_path:
         return {}
-    from zerofit.nvme import aiotune
-
-    return aiotune.read_tuning(nvme_path) or {}
+    return read_tuning(nvme_path) or {}
 
 
 def memlock_limit() -> int | None:
@@ -251,3 +251,29 @@ def _existing_parent(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+CACHE_VERSION = 1
+
+
+CACHE_VARIABLE = "ZEROFIT_CACHE_DIR"
+
+
+def cache_path(nvme_path: str | Path) -> Path:
+    # ZEROFIT_CACHE_DIR moves only zerofit's cache (XDG_CACHE_HOME also moves torch's
+    # extension builds, so DeepSpeed would rebuild its ops there)
+    root = Path(os.environ.get(CACHE_VARIABLE) or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerofit")
+    key = hashlib.sha256(str(Path(nvme_path).resolve()).encode()).hexdigest()[:16]
+    return root / f"aio-{key}.json"
+
+
+def read_tuning(nvme_path: str | Path) -> dict | None:
+    """The cached sweep of this path, or None (never measured, or unreadable)."""
+    try:
+        cached = json.loads(cache_path(nvme_path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if cached.get("version") != CACHE_VERSION or cached.get("path") != str(Path(nvme_path).resolve()):
+        return None
+    return cached

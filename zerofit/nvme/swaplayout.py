@@ -32,7 +32,12 @@ free space for the second and the file sizes after every step for anything else.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zerofit.plan.spec import ModelSpec
 
 # deepspeed/runtime/swap_tensor/utils.py and offload_config.py / constants.py defaults
 MIN_AIO_BYTES = 1024**2
@@ -211,3 +216,29 @@ def bandwidth_to_hide(swap: SwapLayout, other_seconds: float) -> float:
     the step (what `zerofit plan` asks of a disk it proposes)."""
     moved = swap.read_bytes_per_step + swap.write_bytes_per_step
     return moved / max(other_seconds, 1e-9)
+
+
+@functools.lru_cache(maxsize=64)
+def sub_group_members(spec: ModelSpec, world: int, sub_group_size: int) -> tuple[tuple[int, ...], ...]:
+    """The optimizer sub groups of one rank, each as its members' partition sizes.
+
+    zerofit passes two param groups of the trainable parameters (engine.param_groups: >=2-D
+    weights decay, the rest do not); stage3.py `_create_fp16_sub_groups` cuts each group, in
+    parameter order, into runs that close once they reach sub_group_size elements."""
+    groups: list[tuple[int, ...]] = []
+    for decay in (True, False):
+        members = [-(-p.numel // world) for p in spec.params if p.trainable and (p.ndim >= 2) == decay]  # padded (partition_parameters.py)
+        if not members:
+            continue
+        if sub_group_size >= sum(members):
+            groups.append(tuple(members))
+            continue
+        run: list[int] = []
+        run_numel = 0
+        for i, numel in enumerate(members):
+            run.append(numel)
+            run_numel += numel
+            if run_numel >= sub_group_size or i == len(members) - 1:
+                groups.append(tuple(run))
+                run, run_numel = [], 0
+    return tuple(groups)
