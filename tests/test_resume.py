@@ -210,7 +210,7 @@ def test_a_new_run_keeps_the_records_of_an_earlier_one_that_saved_no_checkpoint(
     kill stayed in postmortem/ as this run's history: the evidence of what ended the earlier run
     was gone. Now they are set aside in checkpoints/earlier-TIME/ as --no-resume sets a run aside,
     the start's line says where, and the doctor reads each run on its own."""
-    from zerofit.recovery.lastword import RECORD
+    from zerofit.recovery.peerwatch import RECORD
 
     config = config_for(tmp_path, "run", max_steps=4)
     killed = run_zerofit(["train", "--config", str(config)], env={faults.VARIABLE: "kill@step:2"}, check=False)

@@ -24,6 +24,12 @@ from zerofit.lora.adapters import ADAPTER_CONFIG_FILE
 from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_bytes, parse_bytes
 from zerofit.core.console import counted, say, warn
+from zerofit.data.chatlayout import PLAIN_CHAT_TEMPLATE
+from zerofit.data.tokenize import text_ids
+from zerofit.lora import base as basemodel
+from zerofit.lora import reinit
+from zerofit.lora.base import is_remote_code_refusal
+from zerofit.lora.base import remote_code_asked
 
 RUNTIME_RESERVE = 512 << 20  # CUDA kernels' workspace, logits, sampling temporaries
 DEFAULT_CONTEXT = 4096       # tokens the KV-cache reserve is sized for
@@ -88,7 +94,6 @@ def load(model_dir: str | Path, gpu_mem: str | int | None = None, dtype: str = "
     """A model directory, or a peft adapter directory (load_adapter). A model's own Python code
     (auto_map) runs only with `trust_remote_code`, the person's --trust-remote-code: never
     because a file of the model, adapter or run says so."""
-    from zerofit.lora.base import remote_code_asked
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -119,7 +124,6 @@ def check_model_dir(model_dir: Path) -> None:
 def load_model(model_dir: Path, gpu_mem, dtype: str, context_tokens: int, trust_remote_code: bool) -> Loaded:
     from transformers import AutoConfig
 
-    from zerofit.lora.base import is_remote_code_refusal
 
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -141,7 +145,6 @@ def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str
     PeftModel.from_pretrained on top. A random-init base is rebuilt (reinit.py)."""
     from peft import PeftModel
 
-    from zerofit.lora import base as basemodel
 
     base = basemodel.adapter_base(adapter_dir, trust_remote_code)
     has_tokenizer = any((adapter_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
@@ -153,7 +156,6 @@ def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str
         model, device, torch_dtype, placement = place(base.hf_config, gpu_mem, dtype, context_tokens,
                                                       model_dir=base.path, trust_remote_code=trust_remote_code)
     else:
-        from zerofit.lora import reinit
 
         recipe = base.recipe
         built, values = reinit.build_model(base.hf_config, recipe.torch_dtype, recipe.seed, recipe.init_device,
@@ -176,7 +178,6 @@ def load_adapter(adapter_dir: Path, gpu_mem: str | int | None = None, dtype: str
 def load_tokenizer(directory: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    from zerofit.lora.base import is_remote_code_refusal
 
     try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -321,7 +322,6 @@ def generate(model: str | Path | Loaded, prompt: str, sampling: Sampling = Sampl
     """Complete `prompt` (as raw text: no chat template; BOS first, as training began every example)."""
     import torch
 
-    from zerofit.data.tokenize import text_ids
 
     loaded = model if isinstance(model, Loaded) else load(model, gpu_mem, dtype, trust_remote_code=trust_remote_code)
     ids = text_ids(loaded.tokenizer, prompt)
@@ -349,7 +349,6 @@ def chat_input_ids(tokenizer, history: list[dict], limit: int):
     (chatlayout.PLAIN_CHAT_TEMPLATE); the oldest turns go first when it outgrows `limit` tokens. A
     last message that alone outgrows it is refused: cut to fit, it lost the template's opening
     (the model saw the middle of a message, not a prompt)."""
-    from zerofit.data.chatlayout import PLAIN_CHAT_TEMPLATE
 
     while True:
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",

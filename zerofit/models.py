@@ -10,6 +10,7 @@ from zerofit.core.errors import ConfigError
 from zerofit.config.schema import ModelConfig
 from zerofit.config.data import DataConfig
 from zerofit.config.section import read_from
+from zerofit.demo import build_tokenizer
 
 
 # Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
@@ -95,7 +96,7 @@ def check_weights(model: ModelConfig) -> None:
     files' headers are read."""
     if not model.path:
         return
-    from zerofit.checkpoint import zerofiles
+    from zerofit.checkpoint import zerofiles  # it imports torch: `zerofit plan --presets` starts without it
 
     directory = Path(model.path)
     if not any(directory.glob("*.safetensors")) and not (directory / zerofiles.SAFETENSORS_INDEX).is_file():
@@ -304,7 +305,6 @@ def load_tokenizer(model: ModelConfig, synthetic_data: bool = False):
             raise ConfigError(f"cannot load a tokenizer from {source}: {e}; point model.tokenizer "
                               f"at a directory with tokenizer.json or tokenizer_config.json") from None
     elif model.config in PRESETS or synthetic_data:
-        from zerofit.demo import build_tokenizer
 
         tokenizer = build_tokenizer()
     else:

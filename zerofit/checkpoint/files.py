@@ -25,6 +25,8 @@ import numpy as np
 from zerofit.checkpoint import size
 from zerofit.core.errors import ConfigError
 from zerofit.core.files import TMP_PREFIX, step_name, step_of, fsync_dir, fsync_file, write_atomic
+from zerofit import __version__
+from zerofit.core import faults
 
 MANIFEST = "MANIFEST.json"
 LOOP_STATE = "loop_state.json"
@@ -72,7 +74,6 @@ def versions() -> dict:
     import deepspeed
     import torch
 
-    from zerofit import __version__
 
     return {"zerofit": __version__, "deepspeed": deepspeed.__version__, "torch": torch.__version__}
 
@@ -276,7 +277,6 @@ def publish(tmp: Path, state: LoopState, written: dict[str, dict], zero_stage: i
     and at most a `.tmp-*` that the next start removes, or puts in place when only the
     rename was left (settle_leftovers). A `milestone` (a checkpoint.keep_every step) says so in
     its manifest: retention keeps it whatever keep_every a later resume sets."""
-    from zerofit.core import faults
 
     root, name = tmp.parent, step_name(state.step)
     write_atomic(tmp / LOOP_STATE, json.dumps(state.__dict__, indent=1))
@@ -315,7 +315,6 @@ def apply_retention(root: Path, keep_last: int, keep_every: int = 0) -> list[str
     says so; a resume that lowered or dropped keep_every deleted them). The newest checkpoint
     whose sizes verify is always kept, even when newer (broken) directories push it out of the
     last K: there is always one to resume."""
-    from zerofit.core import faults
 
     checkpoints = published(root)
     newest_valid = next((p for p in checkpoints if verify(p, hashes=False) is None), None)

@@ -36,6 +36,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from zerofit.core import faults
 from zerofit.checkpoint.files import HASH
 from zerofit.checkpoint.directio import DirectWriter, open_direct
+from zerofit.checkpoint.files import load_torch_file
 
 SMALL_TENSOR_BYTES = 64 << 10  # copied at once in save(); larger ones go through the arena
 FAULT_AFTER_BYTES = 64 << 10   # injected ENOSPC / kill strike once a save wrote this much
@@ -272,7 +273,6 @@ class ZerofitCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location=None):
         """DeepSpeed's reads of a checkpoint: tensors, plain containers and its few classes only
         (checkpoint.load_torch_file): a file carrying other pickled objects is refused, not run."""
-        from zerofit.checkpoint.files import load_torch_file
 
         return load_torch_file(path, map_location)
 

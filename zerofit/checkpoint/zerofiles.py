@@ -91,9 +91,9 @@ class ZeroCheckpoint:
 # ------------------------------------------------------------------------- reading
 def open_checkpoint(directory: Path) -> ZeroCheckpoint:
     """A per-rank ZeRO-3 checkpoint, or a universal one (universalfiles.py)."""
-    directory = Path(directory)
-    from zerofit.checkpoint import universalfiles  # it builds on this module
+    from zerofit.checkpoint import universalfiles  # a cycle by design: it reads with this module's readers
 
+    directory = Path(directory)
     if universalfiles.is_universal(directory):
         return universalfiles.open_universal(directory)
     model_paths, optim_paths, bf16 = rank_files(directory)

@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from zerofit.config.data import DataConfig
 from zerofit.config.section import Section
 from zerofit.core.errors import ConfigError
+from zerofit.core.timeline import parse_bytes
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -401,7 +402,6 @@ class PlanConfig(Section):
 
     @model_validator(mode="after")
     def _sizes(self) -> "PlanConfig":
-        from zerofit.core.timeline import parse_bytes  # it reads this module's ConfigError: imported here
 
         for key in ("gpu_mem", "host_mem"):  # at load, not once DeepSpeed has started
             size = parse_bytes(getattr(self, key), f"plan.{key}")

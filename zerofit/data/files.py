@@ -12,6 +12,7 @@ from pathlib import Path
 from zerofit.core.errors import ConfigError
 from zerofit.config.data import FORMAT_FIELDS, column_fields
 from zerofit.config.section import read_from
+from zerofit.core.runlock import LOCK_FILE
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside the arrow files
@@ -79,7 +80,6 @@ def walk_data(directory: Path) -> tuple[list[Path], list[Path]]:
 
 def is_run_dir(path: Path) -> bool:
     """Whether `path` is a zerofit run directory: every run holds its lock file there."""
-    from zerofit.core.runlock import LOCK_FILE
 
     return (path / LOCK_FILE).is_file()
 

@@ -22,6 +22,7 @@ from zerofit.core.console import HIDDEN, Shown
 from zerofit.data.tokenize import IGNORE, Read, read_examples
 from zerofit.data.rows import (isolate_examples, pack, packing_layout, pad, relabelled, rows_of_whole_examples,
                                tail_padding, truncated)
+from zerofit.demo import DEMO_DATA
 
 
 @dataclass
@@ -152,7 +153,6 @@ def load_splits(cfg: DataConfig, tokenizer, seq_len: int, seed: int, vocab_size:
         return Sequences(full.input_ids[n_eval:], full.labels[n_eval:], layout=full.layout,
                          examples=len(full) - n_eval), \
             Sequences(full.input_ids[:n_eval], full.labels[:n_eval], layout=full.layout, examples=n_eval)
-    from zerofit.demo import DEMO_DATA
 
     entries = [[DEMO_DATA]] if cfg.path == "demo" else data_entries(cfg.path)
     examples, skipped, reasons, formats, capped, unread = cache.read(entries, cfg, tokenizer, run_dir, "train",

@@ -13,6 +13,8 @@ from zerofit.findings.facts import gib
 from zerofit.plan.loadpeak import LOADING
 from zerofit.recovery.oomreport import directory_of, explanation
 from zerofit.core.console import counted
+from zerofit.findings.ranks import killed_after
+from zerofit.findings.measured import NOT_WRITTEN
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
                 "eval": 0.95, "save": 1.0, "watchdog": 1.0, "checkpoint_failed": 1.0, "end": 1.0}
@@ -154,7 +156,6 @@ def reading(record: dict, key: str, facts) -> int | None:
 
 def kill_marks(diagnosis) -> list[dict]:
     """A kill leaves no `end` record: marked as one where its finding places it."""
-    from zerofit.doctor.run import killed_after
 
     step = killed_after(diagnosis.findings)
     return [] if step is None else [{"phase": "end", "reason": "killed outright", "step": step}]
@@ -181,7 +182,6 @@ def draw_markers(ax, records: list[dict]) -> None:
 def stacked(row: dict) -> list[dict]:
     """The components the plan chart stacks: the planned figure the table gives, without the
     free space a save asks of the disk (measured.NOT_WRITTEN), which is never written."""
-    from zerofit.findings.measured import NOT_WRITTEN
 
     return [c for c in row["components"] if c["name"] not in NOT_WRITTEN]
 

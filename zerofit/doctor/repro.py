@@ -17,6 +17,8 @@ from zerofit.doctor.run import HF_RUN_FILE, diagnose, read_yaml, write_out
 from zerofit.core.files import read_json, write_atomic
 from zerofit.core.timeline import read_timeline
 from zerofit.recovery.oomreport import headline
+from zerofit.config.load import validate
+from zerofit.lora.attach import resolve, resolve_modules_to_save
 
 TEMPLATE = '''#!/usr/bin/env python
 """Memory reproduction written by `zerofit doctor --repro` on {date}
@@ -183,8 +185,6 @@ def lora_settings(raw_config: dict, model_config: dict) -> dict:
     as the run resolved them."""
     from transformers import AutoConfig
 
-    from zerofit.config.load import validate
-    from zerofit.lora.attach import resolve, resolve_modules_to_save
 
     config = validate(raw_config)
     fields = {k: v for k, v in model_config.items() if k not in ("model_type", "transformers_version")}

@@ -19,12 +19,14 @@ from zerofit.core.errors import ConfigError
 from zerofit.findings.detectors import detect, step_time_gap
 from zerofit.findings.facts import Finding, RunFacts, facts_from
 from zerofit.findings.measured import checkpoints_at_once, phase_peaks, plan_vs_measured, rank_peaks, step_time, summarize
-from zerofit.findings.ranks import across_ranks, killed_outright, rank_imbalance
+from zerofit.findings.ranks import across_ranks, killed_after, killed_outright, rank_imbalance
 from zerofit.core.timeline import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
 from zerofit.core.files import read_jsonl, write_atomic
 from zerofit.recovery.oomreport import rank_files
 from zerofit.core.files import read_json
 from zerofit.checkpoint.files import checkpoints_of, newest_checkpoint_bytes
+from zerofit.doctor import report
+from zerofit.recovery.peerwatch import RECORD
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl
 
@@ -110,10 +112,6 @@ def diagnose(run_dir: str | Path, hashes: bool = True) -> Diagnosis:
                      how_it_ended(records, newest, killed_after(findings)), steps)
 
 
-
-def killed_after(findings: list[Finding]) -> int | None:
-    """The step a kill the run did not start again after came at (the earliest rank's)."""
-    return min((f.step for f in findings if f.kind == "killed" and f.severity == "error"), default=None)
 
 
 ENDINGS = {"completed": "completed", "sigterm": "stopped by SIGTERM", "ctrl-c": "stopped by Ctrl-C",
@@ -209,7 +207,6 @@ def killed_ranks(run_dir: Path, per_rank: dict[int, list[dict]]) -> list[Finding
     memory record: read in the rank's whole timeline, as written (a resume's effective timeline
     has dropped the steps it rolled back, so the last record before the kill moved to the save
     it resumed from: "killed 12.5 s after step 10, save" for a kill at step 12)."""
-    from zerofit.recovery.lastword import RECORD
 
     found = []
     for path in rank_files(run_dir, RECORD):
@@ -289,7 +286,6 @@ def read_yaml(path: Path) -> dict:
 def doctor(run_dir: str | Path, html: str | Path | None = None, console=None, hashes: bool = True) -> Diagnosis:
     """Diagnose RUN_DIR, print the terminal summary, write report.html (default:
     RUN_DIR/report.html)."""
-    from zerofit.doctor import report
 
     diagnosis = diagnose(run_dir, hashes)
     page = report.render_html(diagnosis)

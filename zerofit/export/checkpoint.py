@@ -36,6 +36,7 @@ from zerofit.plan.estimate import EXPORT_MAX_RAM_BYTES
 from zerofit.core.timeline import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
 from zerofit.core.console import say, warn
 from zerofit.core.files import fsync_dir, fsync_file
+from zerofit.export import verify as exportcheck
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to
@@ -154,7 +155,6 @@ def _export(source, out, dtype: str, max_ram, shard_size, verify: bool, overwrit
 def check_before_publishing(staging: Path, checkpoint_dir: Path, config_dir: Path, base, merging,
                             trust_remote_code: bool = False):
     """--verify on the staged model: one that does not reproduce the checkpoint is never published."""
-    from zerofit.export import verify as exportcheck
 
     return exportcheck.verify_lora_export(staging, checkpoint_dir, config_dir, base, trust_remote_code) if merging \
         else exportcheck.verify_export(staging, checkpoint_dir, trust_remote_code)
@@ -177,7 +177,6 @@ def export_adapter(zero: zerofiles.ZeroCheckpoint, config_dir: Path, out: Path, 
             fsync_file(path)
         verified = None
         if verify:  # on the staged directory: an adapter that fails it is never published
-            from zerofit.export import verify as exportcheck
 
             verified = exportcheck.verify_adapter_export(staging, checkpoint_dir, config_dir, trust_remote_code)
         publish(staging, out)

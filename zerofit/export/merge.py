@@ -29,6 +29,7 @@ from zerofit.checkpoint import zerofiles
 from zerofit.core.errors import ConfigError
 from zerofit.core.console import warn
 from zerofit.export.shards import OutputTensor
+from zerofit.lora.reinit import InitReplay
 
 # A product of fewer rows can take BLAS's small-matrix path and round differently from the
 # whole-matrix B @ A peft computes (measured with MKL: fewer than 12 rows or columns);
@@ -283,7 +284,6 @@ def replayed_base(hf_config, recipe: basemodel.BaseRecipe, frozen: list[basemode
     if not recipe.zero_init:
         raise ConfigError("this run's random-init base was built without ZeRO-3 (zero.stage < 3); zerofit "
                           "export rebuilds only ZeRO-3 builds; use --adapter-only")
-    from zerofit.lora.reinit import InitReplay
 
     params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
     buffers = [n for n in skeleton.state_dict() if n not in params and n not in replacements]

@@ -24,6 +24,11 @@ from zerofit.checkpoint import universalfiles, zerofiles
 from zerofit.checkpoint.files import load_torch_file, refuse_unsafe
 from zerofit.core.errors import ConfigError
 from zerofit.core.console import say, warn
+from zerofit.infer import load_adapter
+from zerofit.lora import adapters, base as basemodel, reinit
+from zerofit.lora.base import adapter_base
+from zerofit.lora.base import tied_aliases
+from zerofit.machine.accelerator import deepspeed_quietly
 
 PROMPT = "zerofit export check: the quick brown fox jumps over the lazy dog. 0123456789"
 # max |logits diff| / max(1, max |logits|) against the unrounded fp32 reference before a warning
@@ -39,7 +44,6 @@ def reference_state_dict(checkpoint_dir: Path) -> tuple[dict, str]:
     """The independent reference's weights, and what they were built from as the verdict
     names it: DeepSpeed's reconstruction (its progress output silenced), or for a checkpoint
     DeepSpeed's zero_to_fp32 cannot read (NVMe swap files) the files through torch.load."""
-    from zerofit.machine.accelerator import deepspeed_quietly
 
     if universalfiles.is_universal(checkpoint_dir):
         return universal_state_dict(checkpoint_dir), "DeepSpeed's reconstruction"
@@ -157,8 +161,6 @@ def verify_adapter_export(out_dir: Path, checkpoint_dir: Path, config_dir: Path,
     """An adapter directory as chat runs it (base checked, PeftModel on top, unmerged) against
     peft's merge of the directory's own adapters (same weights) and of the checkpoint's fp32
     ones (tied embeddings untied first: `untie`)."""
-    from zerofit.lora.base import adapter_base
-    from zerofit.infer import load_adapter
 
     loaded = load_adapter(out_dir, dtype="fp32", trust_remote_code=trust_remote_code)
     stored_dtype = next(iter(load_export_tensors(out_dir).values())).dtype
@@ -227,7 +229,6 @@ def untie(peft_model) -> None:
     (peft tuners/lora/layer.py: base_layer.weight.data += delta), which moves both sides."""
     import torch
 
-    from zerofit.lora.base import tied_aliases
 
     for alias, owner in tied_aliases(peft_model).items():
         module_name, _, attr = alias.rpartition(".")
@@ -254,7 +255,6 @@ def peft_unmerged(checkpoint_dir: Path, config_dir: Path, base_dir=None, adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zerofit.lora import adapters, base as basemodel, reinit
 
     recipe = basemodel.read_recipe(checkpoint_dir)
     path = base_dir or recipe.path

@@ -91,3 +91,8 @@ def killed_outright(rank: int, died_at: float, timeline: list[dict], short: floa
     return Finding("killed", "info" if resumed else "error", "host", title, cause, fix, last["step"],
                    {"rank": rank, "died_at": died_at, "last_record_time": last["time"], "host_avail": avail,
                     "host_total": total})
+
+
+def killed_after(findings: list[Finding]) -> int | None:
+    """The step a kill the run did not start again after came at (the earliest rank's)."""
+    return min((f.step for f in findings if f.kind == "killed" and f.severity == "error"), default=None)

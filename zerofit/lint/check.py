@@ -18,40 +18,13 @@ import difflib
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from zerofit.core.errors import ConfigError
-from zerofit.config.schema import TrainConfig
 from zerofit.machine.hardware import Hardware
 from zerofit.core.timeline import human_bytes
-
-# DeepSpeed's own defaults where a key is absent (runtime/zero/config.py).
-DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-
-
-@dataclass
-class Finding:
-    level: str          # "error" or "warning"
-    key: str
-    message: str
-    fix: str = ""
-
-
-@dataclass
-class LintResult:
-    path: str
-    findings: list[Finding] = field(default_factory=list)
-    plan: dict | None = None            # plan JSON when a model was given
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.level == "error"]
-
-    def to_json(self) -> dict:
-        return {"path": self.path, "ok": not self.errors, "findings": [asdict(f) for f in self.findings],
-                "plan": self.plan}
+from zerofit.lint import optim, risk
+from zerofit.lint.result import DS_DEFAULT_SUB_GROUP_SIZE, Finding, LintResult, TrainerArgs, is_number, parses_as_number  # noqa: F401
 
 
 def read(path: str | Path) -> dict:
@@ -68,20 +41,9 @@ def read(path: str | Path) -> dict:
     return raw
 
 
-class TrainerArgs(NamedTuple):
-    """What HF Trainer / LLaMA-Factory set beside the DeepSpeed JSON, which the plan needs:
-    the sequence length, --per_device_train_batch_size (else the JSON's, else 1),
-    --gradient_checkpointing, and a peft LoRA's rank and target modules (None: full fine-tuning)."""
-    seq_len: int = TrainConfig.model_fields["seq_len"].default
-    micro_batch: int | None = None
-    gradient_checkpointing: bool = True
-    lora_rank: int | None = None
-    lora_targets: list[str] | None = None
-
 
 def lint(ds: dict, path: str = "ds_config.json", spec=None, hw: Hardware | None = None, world_size: int = 1,
          trainer: TrainerArgs = TrainerArgs(), model_ref: str = "") -> LintResult:
-    from zerofit.lint import optim, risk  # they read this module's Finding and LintResult: imported here
 
     result = LintResult(path)
     autos = auto_paths(ds)
@@ -244,17 +206,6 @@ def check_numbers(ds: dict, result: LintResult) -> None:
             result.findings.append(Finding("error", key, f"is the string {value!r}: DeepSpeed keeps it as text and "
                                            f"fails when it first compares it", fix))
 
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def parses_as_number(value) -> bool:
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return isinstance(value, str)
 
 
 def schema_findings(section: str, error, unknown: str, fix_unknown=lambda loc: "remove it") -> list[Finding]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import json
 
-from zerofit.lint.check import Finding, LintResult, is_number, parses_as_number
+from zerofit.lint.result import Finding, LintResult, is_number, parses_as_number
 
 # The optimizer and scheduler sections: config.py get_optimizer_name/params and
 # get_scheduler_name/params read "type" and "params" (and the optimizer's legacy_fusion);

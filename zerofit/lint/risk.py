@@ -6,8 +6,11 @@ lint.py checks what DeepSpeed reads and ignores, and calls these."""
 from __future__ import annotations
 
 from zerofit.machine.hardware import GIB, Hardware
-from zerofit.lint.check import DS_DEFAULT_SUB_GROUP_SIZE, Finding, LintResult, TrainerArgs, is_number, parses_as_number
+from zerofit.lint.result import DS_DEFAULT_SUB_GROUP_SIZE, Finding, LintResult, TrainerArgs, is_number, parses_as_number
 from zerofit.core.timeline import human_bytes
+from zerofit.config.load import validate
+from zerofit.plan import choose, estimate, render
+from zerofit.plan import spec as modelspec
 
 LARGE_BUCKET_BYTES = 512 * 2**20        # without a budget: a bucket this big is worth a look
 BUCKET_SHARE_OF_BUDGET = 0.05
@@ -288,8 +291,6 @@ def _device(offload) -> str:
 
 def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, trainer: TrainerArgs, model_ref: str,
                    autos: list[str] = ()) -> dict:
-    from zerofit.plan import choose, estimate, render
-    from zerofit.config.load import validate
 
     names = {"reduce_bucket_size": "reduce_bucket_size", "stage3_prefetch_bucket_size": "prefetch_bucket_size",
              "stage3_param_persistence_threshold": "param_persistence_threshold"}
@@ -297,7 +298,6 @@ def plan_ds_config(ds: dict, zero, spec, hw: Hardware, world_size: int, trainer:
     auto_values = {ours: hf_auto[ours] for theirs, ours in names.items() if f"zero_optimization.{theirs}" in autos}
     config = validate(to_zerofit(ds, zero, trainer, model_ref or "tiny", auto_values))
     if config.lora.enabled:  # the peft model: adapters trained, the base frozen
-        from zerofit.plan import spec as modelspec
         spec = modelspec.from_config(config)
     decision = choose.decide(config, spec, hw, world_size)
     return render.plan_json(decision, spec, hw) | {"fits": decision.plan.fits, "trainer": trainer._asdict()}

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from zerofit.checkpoint.zerofiles import LORA_LAYERS
+from zerofit.machine.accelerator import deepspeed_quietly
 
 ADAPTER = "default"                 # peft's adapter name; zerofit trains one adapter
 PEFT_PREFIX = "base_model.model."   # PeftModel -> LoraModel -> the HF model
@@ -86,7 +87,6 @@ def read_adapter(checkpoint: Path, bias: str = "none") -> dict:
 
     The values are DeepSpeed's fp32 master weights, reassembled from every rank's optimizer
     partitions by its own zero_to_fp32 (trainable parameters only, so a few MB for LoRA)."""
-    from zerofit.machine.accelerator import deepspeed_quietly
 
     checkpoint = Path(checkpoint)
     with deepspeed_quietly():  # zero_to_fp32 prints progress on stdout and tqdm bars on stderr

@@ -34,6 +34,7 @@ from zerofit.lora.base import quiet_peft
 from zerofit.core.errors import ConfigError
 from zerofit.config.schema import LoraConfig
 from zerofit.core.timeline import human_count
+from zerofit.models import zero3_init_parked
 
 # Projection names per architecture (model_type of the HF config), after the modules the
 # LoRA paper and peft's own defaults adapt: all attention and MLP projections.
@@ -61,7 +62,6 @@ def module_table(hf_config, trust_remote_code: bool = False) -> ModuleTable:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.models import zero3_init_parked
 
     with torch.device("meta"), zero3_init_parked():
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)

@@ -25,6 +25,8 @@ import torch
 
 from zerofit.lora import adapters
 from zerofit.core.errors import ConfigError
+from zerofit.config.load import load
+from zerofit.core.console import warn
 
 BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by loraresume.check_and_record
 ADAPTER_BASE_FILE = "zerofit_base.json"  # in an `export --adapter-only` directory: recipe + HF config
@@ -105,7 +107,6 @@ def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
         if not config_file.is_file():
             raise ConfigError(f"{checkpoint_dir} does not say how its base model was built (no {BASE_RECIPE} in "
                               f"loop_state.json, no run config at {config_file}); export it from its run directory")
-        from zerofit.config.load import load
 
         run_config = load(config_file)
         record = {**recipe_record(run_config, on_gpu=False, zero_init=run_config.zero.stage == 3),
@@ -186,7 +187,6 @@ def fingerprints(frozen: list["BaseParam"], digests: dict[str, list[bytes]], wor
 def check(recipe: BaseRecipe, computed: list[str], base: str) -> bool:
     """Refuse a base whose fingerprint differs from the checkpoint's; False (and a warning)
     when the checkpoint's fingerprint cannot be compared."""
-    from zerofit.core.console import warn
 
     if recipe.fingerprint is None or recipe.scheme != FINGERPRINT_SCHEME:
         warn(f"the checkpoint records no comparable base fingerprint (scheme {recipe.scheme}); "
@@ -291,7 +291,7 @@ def tied_aliases(model) -> dict[str, str]:
 def files_fingerprint(params: list[BaseParam], stored: dict, world_size: int, block_elements: int) -> list[str]:
     """The fingerprint of a base read from its files: each frozen parameter in row blocks,
     rounded to its training dtype as from_pretrained(dtype=...) rounds it, then digested."""
-    from zerofit.checkpoint import zerofiles
+    from zerofit.checkpoint import zerofiles  # it imports torch: the planner reads this module without it
 
     missing = [p.name for p in params if p.name not in stored]
     if missing:
@@ -374,7 +374,7 @@ def adapter_base(adapter_dir: Path, trust_remote_code: bool = False) -> AdapterB
 def verify_files(recipe: BaseRecipe, hf_config, adapter_config: dict, base_dir: Path,
                  block_elements: int = 1 << 22, trust_remote_code: bool = False) -> bool:
     """Check a base directory's weights against the recipe's fingerprint (streamed)."""
-    from zerofit.checkpoint import zerofiles
+    from zerofit.checkpoint import zerofiles  # it imports torch: the planner reads this module without it
 
     frozen = frozen_params(peft_skeleton(hf_config, adapter_config, recipe.torch_dtype, trust_remote_code))
     computed = files_fingerprint(frozen, zerofiles.safetensors_tensors(base_dir), recipe.world_size, block_elements)

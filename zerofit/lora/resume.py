@@ -17,6 +17,15 @@ from zerofit.lora.adapters import ADAPTER_CONFIG_KEY
 from zerofit.lora.base import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME
 from zerofit.core.errors import ConfigError
 from zerofit.lora.attach import adapter_config
+from zerofit.checkpoint import zerofiles
+from zerofit.checkpoint.files import load_torch_file
+from zerofit.core.console import say
+from zerofit.core.console import warn
+from zerofit.lora import adapters, base
+from zerofit.lora import reinit
+from zerofit.lora.base import combine, digest
+from zerofit.lora.base import param_digests
+from zerofit.models import hf_config
 
 
 def load_trainable_only(src: dict, dst) -> None:
@@ -35,7 +44,6 @@ def check_adapter_shapes(model, checkpoint: Path) -> None:
     """Before DeepSpeed loads a checkpoint: its trainable parameters (param_shapes of the
     model_states file, written by engine._save_checkpoint) must be this model's, else the
     load dies deep inside ZeRO with a bare size mismatch."""
-    from zerofit.checkpoint.files import load_torch_file
 
     states_file = sorted(Path(checkpoint).glob("*model_states.pt"))[0]
     states = load_torch_file(states_file)
@@ -56,7 +64,6 @@ def base_fingerprint(model, rank: int) -> str | None:
     parameter's local share, combined in order): cheap (local data, no collective) and
     identical when the base was rebuilt bit for bit. None when the partitions sit on NVMe,
     where reading them back would cost a full swap-in."""
-    from zerofit.lora.base import combine, digest
 
     named = []
     for name, p in model.named_parameters():
@@ -93,7 +100,6 @@ def fingerprints_as_split_by(model, world_size: int, rank: int) -> list[str] | N
     import torch.distributed as dist
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from zerofit.lora.base import combine, digest, param_digests
 
     named = []
     for name, p in model.named_parameters():
@@ -125,9 +131,6 @@ def base_refusal(config, checkpoint_dir: Path, step: int, on_gpu: bool) -> tuple
     is compared (another train.seed draws another base) and, where this machine draws it
     otherwise (random_init_refusal), replayed. Whatever else differs in a rebuilt random init
     `check_and_record` finds after the build."""
-    from zerofit.lora import adapters, base
-    from zerofit.checkpoint import zerofiles
-    from zerofit.models import hf_config
 
     if not config.lora.enabled or not (Path(checkpoint_dir) / "loop_state.json").is_file():
         return None, False
@@ -152,9 +155,6 @@ def random_init_refusal(config, checkpoint_dir: Path, recorded, step: int, on_gp
     compared: a refusal then comes before anything is rewritten, not after the build. Where
     nothing differs, or the replay does not mirror this build (built without zero.Init, or a
     transformers without its ZeRO-3 init walk), the check after the build decides alone."""
-    from zerofit.lora import adapters, base, reinit
-    from zerofit.models import hf_config
-    from zerofit.core.console import say
 
     if recorded.path is not None:
         return None, False
@@ -189,7 +189,6 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, bas
     and nothing to warn of where its partitions are on NVMe now)."""
     import torch.distributed as dist
 
-    from zerofit.core.console import warn
 
     prints = [None] * world_size
     dist.all_gather_object(prints, base_fingerprint(model, rank))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from zerofit.core.console import say, warn
 
 # A lock younger than this may belong to a build on another node sharing this home
 # directory (its open file is invisible here); DeepSpeed's CPU ops build in 1-3 minutes.
@@ -151,7 +152,6 @@ def ops_unblocked(ops: tuple[str, ...] = ()) -> Iterator[None]:
     """DeepSpeed's op loads (engine build, NVMe preflight, aio sweep), with build locks left
     by killed builds cleared and reported, and the first build of each op in `ops` announced
     (a first cpu_adam build is minutes of silence on a few cores)."""
-    from zerofit.core.console import say, warn
 
     def on_clear(lock: BuildLock) -> None:
         warn(f"removed DeepSpeed's op build lock {lock.describe()} (a load would wait on it forever)")

@@ -21,6 +21,10 @@ import contextlib
 import copy
 import functools
 import json
+from zerofit import loss
+from zerofit.lora.base import quiet_peft
+from zerofit.models import enable_checkpointing
+from zerofit.models import zero3_init_parked
 
 # The narrowed copy: widths small enough for a forward and backward of any depth in milliseconds,
 # shaped so attention's head arithmetic stays whole.
@@ -81,7 +85,6 @@ def _run(config, adapter_json: str | None) -> list[Event]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.models import zero3_init_parked
 
     # a real model on the CPU whatever the caller's default device, without a live ZeRO-3
     # engine's partitioned init (an OOM retry re-plans in the training process), and the run's
@@ -108,13 +111,10 @@ def one_thread():
 def _hooked_step(model, adapter_json: str | None, vocab_size: int) -> list[Event]:
     import torch
 
-    from zerofit import loss
-    from zerofit.models import enable_checkpointing
 
     if adapter_json is not None:
         import peft
 
-        from zerofit.lora.base import quiet_peft
 
         with quiet_peft():
             model = peft.get_peft_model(model, peft.LoraConfig(**json.loads(adapter_json)),

@@ -15,6 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from zerofit.core.timeline import human_bytes
+from zerofit.data import cache
+from zerofit.data import workers as tokenworkers
+from zerofit.data.files import JsonRows, with_columns
+from zerofit.data.files import data_entries
+from zerofit.data.files import holds_json_lines
+from zerofit.data.files import saved_dataset
+from zerofit.data.tokenize import no_model_length_warning, row_format, tokenize_row
+from zerofit.machine.hardware import cpu_cores
 
 MIB = 2**20
 LOADING = "loading the data"  # the moment's name in the plan, its table and its refusal
@@ -114,9 +123,6 @@ def load_facts(cfg, tokenizer, run_dir: Path | None = None, process_bytes: int =
     synthetic), nothing worth predicting. Each file is sized from its metadata and the first
     SAMPLE_ROWS rows tokenized as a run tokenizes them; `run_dir` (train's) names where a
     tokenized cache would be (datacache), whose files are then read instead."""
-    from zerofit.data import workers as tokenworkers
-    from zerofit.data.files import data_entries
-    from zerofit.machine.hardware import cpu_cores
 
     if cfg.path in BUILT_IN:
         return None
@@ -131,7 +137,6 @@ def load_facts(cfg, tokenizer, run_dir: Path | None = None, process_bytes: int =
 
 def cache_found(entries: list[list[Path]], cfg, tokenizer, run_dir: Path, kind: str) -> bool:
     """Whether datacache.read will find the `kind` rows tokenized already."""
-    from zerofit.data import cache
 
     key = cache.cache_key(entries, cfg, tokenizer)
     where = Path(cfg.cache_dir) if cfg.cache_dir is not None else Path(run_dir) / cache.CACHE_DIR
@@ -159,7 +164,6 @@ def entry_facts(entry: list[Path], cfg, tokenizer) -> list[DataFile]:
 def file_facts(file: Path, cfg, tokenizer) -> DataFile:
     """One file's (or saved dataset's) bytes and rows from its metadata, its tokens from a sample."""
     if file.is_dir():
-        from zerofit.data.files import saved_dataset
 
         table = saved_dataset(file)
         rows, sample = len(table), table.select(range(min(SAMPLE_ROWS, len(table)))).to_list()
@@ -191,7 +195,6 @@ def json_sample(file: Path) -> tuple[list[dict], int]:
     for a file that is not JSON lines."""
     import json
 
-    from zerofit.data.files import holds_json_lines
 
     if not holds_json_lines(file):
         return [], 0
@@ -213,8 +216,6 @@ def json_sample(file: Path) -> tuple[list[dict], int]:
 def tokens_of(sample: list[dict], cfg, tokenizer) -> int:
     """The tokens the sampled rows make, tokenized as read_examples tokenizes them (a bad row
     counts none)."""
-    from zerofit.data.files import JsonRows, with_columns
-    from zerofit.data.tokenize import no_model_length_warning, row_format, tokenize_row
 
     if not sample:
         return 0
@@ -247,7 +248,6 @@ def load_fix(components: dict[str, int]) -> str:
 def over_budget(host, headroom: float, ranks: int = 1) -> str | None:
     """Why loading the data cannot start: its peak on the host (a planner.Device, for `ranks`
     loading at once) over the usable budget, with the fix; None when it fits."""
-    from zerofit.core.timeline import human_bytes
 
     if host.fits:
         return None

@@ -27,6 +27,12 @@ from zerofit.core.timeline import human_bytes, human_count, parse_bytes
 from zerofit.core.console import warn
 from zerofit.plan.spec import ModelSpec
 from zerofit.plan.estimate import DATASETS_LIBRARY_BYTES, Device, data_load_devices
+from zerofit import models
+from zerofit.config.load import load, parse_override, set_dotted, validate
+from zerofit.nvme.swaplayout import bandwidth_to_hide
+from zerofit.plan.states import swap_layout
+from zerofit.plan.steptime import nvme_rates
+from zerofit.plan.steptime import step_seconds, step_time_terms
 
 
 def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
@@ -115,9 +121,6 @@ def nvme_summary(decision: Decision, spec: ModelSpec, hw: Hardware) -> dict | No
     plan, config = decision.plan, decision.config
     if plan.candidate.offload_optimizer != "nvme":
         return None
-    from zerofit.plan.steptime import nvme_rates
-    from zerofit.nvme.swaplayout import bandwidth_to_hide
-    from zerofit.plan.states import swap_layout
 
     swap = swap_layout(spec, plan.shape, plan.candidate)
     other = plan.step_seconds - plan.step_terms.get("nvme", 0)
@@ -215,7 +218,6 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
 
 
 def render_explain(decision: Decision, console: Console) -> None:
-    from zerofit.plan.steptime import step_seconds, step_time_terms
 
     for function in (step_time_terms, step_seconds):
         console.print(f"[bold]{function.__name__}[/] (steptime.{function.__name__}):")
@@ -287,7 +289,6 @@ def data_load_of(config: Config, tokenizer=None, run_dir: Path | None = None,
                  process_bytes: int = loadpeak.LOAD_BASE_BYTES) -> dict[str, int] | None:
     """The host peak of loading `config`'s data files by component (loadpeak), None for the
     built-in sources; the model's own tokenizer when none is given."""
-    from zerofit import models
 
     if config.data.path in loadpeak.BUILT_IN:
         return None
@@ -346,7 +347,6 @@ def plan(model: str | None = None, config_path: str | None = None, overrides: li
          disk_free: str | None = None, nvme_free: str | None = None) -> tuple[Decision, ModelSpec, Hardware]:
     """`zerofit plan`: a model (preset, config.json, directory) with a default run around
     it, or a run config; `overrides` are `section.key=value` as for train's --set."""
-    from zerofit.config.load import load, parse_override, set_dotted, validate
 
     if config_path:
         config = load(config_path, list(overrides))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from zerofit.config.schema import Config, ModelConfig
+from zerofit.models import config_from_name, hf_config
 from zerofit.models import zero3_init_parked
 
 
@@ -95,7 +96,6 @@ class ModelSpec:
 
 
 def from_model_config(model: ModelConfig) -> ModelSpec:
-    from zerofit.models import hf_config
 
     return from_hf_config(hf_config(model), model.trust_remote_code)
 
@@ -108,9 +108,8 @@ def from_config(config: Config) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.lora import attach as lora
+    from zerofit.lora import attach as lora  # peft and the checkpoint readers (torch): only with LoRA
     from zerofit.lora.base import quiet_peft
-    from zerofit.models import hf_config
 
     hf = hf_config(config.model)
     targets = lora.resolve(config, hf)
@@ -128,7 +127,6 @@ def from_config(config: Config) -> ModelSpec:
 
 def from_name(name: str, trust_remote_code: bool = False) -> ModelSpec:
     """A preset, a config.json, or a model directory (only its config.json is read)."""
-    from zerofit.models import config_from_name
 
     return from_hf_config(config_from_name(name, trust_remote_code), trust_remote_code)
 
@@ -146,7 +144,8 @@ def from_hf_config(hf_config, trust_remote_code: bool = False) -> ModelSpec:
 def from_module(model, hf_config, adapter=None) -> ModelSpec:
     """The spec of an instantiated (meta or real) model; `adapter`: the peft LoraConfig it
     carries (for the order of its hooks)."""
-    from zerofit.plan import hookorder
+    from zerofit.plan import hookorder  # it imports torch: `zerofit plan --presets` starts without it
+
 
     names: dict[int, str] = {}
     params: list[Param] = []

@@ -22,8 +22,8 @@ import signal
 import sys
 import time
 
-DONE = b"done"
-RECORD = "ended-without-a-word.json"  # in the rank's post-mortem directory
+from zerofit.core.files import write_atomic
+from zerofit.recovery.peerwatch import DONE, announce_failure
 
 
 def main() -> None:
@@ -37,8 +37,6 @@ def main() -> None:
     import json
     from pathlib import Path
 
-    from zerofit.core.files import write_atomic
-    from zerofit.recovery.peerwatch import announce_failure
 
     # the record first: it takes milliseconds, while the announcement waits up to elastic.FAILING_TIMEOUT
     # for a store that is gone when torchrun has already ended (the doctor found no record for 10 s)

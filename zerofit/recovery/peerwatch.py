@@ -93,7 +93,6 @@ def say_done() -> None:
     """This worker ends by way of Python, its failure (if any) already counted: the last word
     has nothing to add."""
     global _last_word
-    from zerofit.recovery.lastword import DONE
 
     last_word, _last_word = _last_word, None  # the watcher thread may leave through here too
     if last_word is not None:
@@ -411,3 +410,9 @@ def workers_alive(agent_pid: int) -> int | None:
         except psutil.Error:
             pass  # gone meanwhile
     return alive
+
+
+DONE = b"done"
+
+
+RECORD = "ended-without-a-word.json"  # in the rank's post-mortem directory

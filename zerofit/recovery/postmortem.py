@@ -452,7 +452,6 @@ def release(ds_engine) -> None:
     try:
         ds_engine.destroy()
     except Exception as error:  # after an OOM mid-step its state may be half-built; the rest still goes
-        from zerofit.core.console import warn
 
         warn(f"DeepSpeed's engine.destroy() failed ({type(error).__name__}: {error}); releasing what zerofit can")
     ours = {id(module) for module in ds_engine.module.modules()}

@@ -11,6 +11,12 @@ from zerofit.machine import opbuild
 from zerofit.config.schema import Config
 from zerofit.core.errors import ConfigError
 from zerofit.models import enable_checkpointing
+from zerofit.checkpoint import zerofiles
+from zerofit.lora import adapters
+from zerofit.lora import attach as lora
+from zerofit.models import hf_config
+from zerofit.plan import spec
+from zerofit.plan.deepspeed import DS_DEFAULT_REDUCE_BUCKET
 
 
 
@@ -64,8 +70,6 @@ def zenflow_refusal(config: Config, ds_config: dict) -> str | None:
         return ("DeepSpeed's ZenFlow transposes the gathered weights around every forward, activation "
                 "checkpointing's recompute too, where the matmul then fails; set model.gradient_checkpointing: "
                 "false (a smaller micro batch fits the activations)")
-    from zerofit.plan import spec
-    from zerofit.plan.deepspeed import DS_DEFAULT_REDUCE_BUCKET
 
     largest = spec.from_config(config).largest_trained_matrix  # read on the meta device
     bucket = int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET))
@@ -88,8 +92,6 @@ def build_model(config: Config, ds_config: dict):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from zerofit.lora import attach as lora
-    from zerofit.models import hf_config
 
     # Resolved on the meta device first: a bad target pattern fails in a second, not after the build.
     lora_targets = lora.resolve(config, hf_config(config.model)) if config.lora.enabled else None
@@ -220,9 +222,6 @@ def check_base_files(config) -> None:
     are not in the files. A base built from a config (no files) is recorded in the run."""
     if not config.lora.enabled or not config.model.path:
         return
-    from zerofit.lora import adapters
-    from zerofit.plan import spec
-    from zerofit.checkpoint import zerofiles
 
     try:
         stored = zerofiles.safetensors_tensors(Path(config.model.path))

@@ -86,7 +86,7 @@ def machine_node(dist: Dist):
         return None
     import torch.distributed as td
 
-    from zerofit.data.cache import Node
+    from zerofit.data.cache import Node  # tokenizers and datasets: the CLI starts without them
     from zerofit.data.files import DataError
 
     group, _ = td.new_subgroups(group_size=local_ranks, backend="gloo", timeout=MACHINE_WAIT)
