@@ -4,8 +4,7 @@ HF's ForCausalLMLoss (transformers/loss/loss_utils.py) upcasts the whole 16-bit 
 fp32 and cross_entropy keeps an fp32 log_softmax for backward, whose gradient is fp32 too:
 about 5x the 16-bit logits at once. At a 128k vocabulary that is 12 bytes x 128k = 1.5 MB
 per token, 12 GiB for 8 sequences of 1024 tokens, which is what keeps micro batches small
-under a GPU cap, and every micro batch costs ZeRO-3 a round of gradient partition copies
-(issue 7's measurements: ~0.4 s per micro batch for a 1.5B model with the optimizer on CPU).
+under a GPU cap, and every micro batch costs ZeRO-3 a round of gradient partition copies.
 
 `causal_lm_loss` gives the same value and gradient (the same arithmetic: fp32 softmax,
 mean over the tokens whose label is not -100, labels shifted by one) holding only the

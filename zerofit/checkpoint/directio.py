@@ -19,17 +19,12 @@ class DirectWriter:
     I/O thread writes the other and a hash thread hashes it (when given a digest), so copying,
     hashing and the disk overlap. The hash covers the file's bytes once each, in order: a
     partial last block that flush() writes and keeps staged is not hashed again.
-    On the H200 host, hashing in the copying thread, an async save wrote 18 GB at 1.55-1.62
-    GB/s with 3.8 s of hashing and 4.3 s of copying in that one thread (checkpoint.json).
 
     The bytes go from the buffer to the disk by DMA: no copy into the page cache and no
     kernel writeback threads competing with the training loop's CPU optimizer for cores (an
-    OpenMP loop is held back by its slowest thread: bench/results/omp_straggler-h200.json).
-    On the GPU host an async save of 18 GB stalled training 0.64 s per save this way (one
-    8 MiB buffer then) against 4.4 s through the page cache (bench/results/checkpoint.json
-    and its README). bench/direct_writer.py, 2 GiB beside a thread taking the GIL like a
-    training loop, development machine: 0.38 GB/s through the page cache, 1.28 with 8 MiB
-    stages, 1.55 with 64 MiB ones (fewer times this thread must win the GIL back)."""
+    OpenMP loop is held back by its slowest thread), so an async save stalls training far
+    less than through the page cache. Large stages (64 MiB) mean fewer times this thread must
+    win the GIL back from the training loop (bench/direct_writer.py; bench/results/README.md)."""
 
     def __init__(self, fd: int, digest=None):
         from concurrent.futures import ThreadPoolExecutor

@@ -369,8 +369,7 @@ def on_disk_bytes(directory: Path) -> int:
 def checkpoint_bytes(n_params: int, zero_stage: int) -> int:
     """Predicted bytes of one ZeRO checkpoint (all ranks) of a model with n_params trainable
     parameters: the planner's formula (planner.checkpoint_bytes: 12 bytes per parameter of
-    fp32 master weights and Adam moments, plus the 16-bit model below stage 3). Measured on
-    the GPU machine: 1.5B parameters, stage 3 -> 16.7 GiB, i.e. 12.0 bytes per parameter."""
+    fp32 master weights and Adam moments, plus the 16-bit model below stage 3)."""
     return size.checkpoint_bytes(n_params, world_size=1, stage=zero_stage)
 
 

@@ -5,8 +5,7 @@ DeepSpeed's engine.save_checkpoint hands each file's state dict to
 ZerofitCheckpointEngine writes it through CheckedFile: bytes counted and xxh3-hashed on the
 way out (so the manifest needs no second read), fsynced on close, faults injected for
 drills. (Starting the kernel's writeback early, posix_fadvise DONTNEED every 64 MiB, was
-measured and removed: 0.65 vs 0.67 GB/s to durable on the GPU host, 0.71 vs 0.69 on the
-development machine; bench/results/writeback*.json.) An error is recorded, not raised:
+measured and removed: it made no difference to durable throughput.) An error is recorded, not raised:
 DeepSpeed's save has barriers after the writes, and a rank that raised out of it would
 leave the others waiting; the Checkpointer agrees on the outcome across ranks afterwards.
 

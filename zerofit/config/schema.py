@@ -127,8 +127,8 @@ class TrainConfig(Section):
     heap_step_temporaries: bool = False
     """Keep the optimizer step's host temporaries on glibc's heap, reused every step, instead
     of fresh mmaps page-faulted each time (zerofit/machine/hostalloc.py; with the optimizer offloaded
-    and parameters on the GPU: the 16-bit copy of each sub-group). 1.28x the tokens/s of
-    llama-3.6b on the H200 (bench/results/speed-3.6b.json). Off by default: the heap keeps
+    and parameters on the GPU: the 16-bit copy of each sub-group). Faster where that copy is a
+    large part of the step (bench/results/README.md). Off by default: the heap keeps
     freed temporaries resident and fragments (about 8 temporaries' worth; the planner counts
     planner.HEAP_TEMPORARIES_HELD = 9 of the largest as host RAM)."""
     cpu_threads: int | None = Field(None, ge=1)
@@ -306,8 +306,8 @@ class CheckpointConfig(Section):
     """Compute the zip CRC-32 of every record torch.save writes. Off (the default), records
     carry a zero CRC: torch.load reads them as before and resume verifies every file by its
     xxh3 hash in the manifest, but zip tools (python -m zipfile -t) report them as corrupt.
-    The CRC is a serial pass over every byte in the writer: on the H200 host an async save
-    of 18 GB wrote at 0.94 GB/s with it and 1.62 GB/s without (bench/results/checkpoint.json)."""
+    The CRC is a serial pass over every byte in the writer, which slows an async save
+    (bench/results/README.md)."""
     verify: Literal["sizes", "full"] = "full"
     """How resume checks a checkpoint against its manifest: `sizes` of every file, or
     `full`: sizes and xxh3 hashes of every byte (bound by the disk read, which the load

@@ -26,7 +26,7 @@ from zerofit.core.errors import ConfigError
 # per file: below it, under a second at stake (1k short alpaca rows: 0.6 s on one core), one process
 # kept; a directory of shards gets its workers shard by shard (a pool forks in milliseconds)
 AUTO_MIN_ROWS = 1_000
-AUTO_MOST_WORKERS = 16  # 100k rows on the H200 host: 1 -> 82 s, 8 -> 17 s, 16 -> 10 s (bench/results/tokenize-h200)
+AUTO_MOST_WORKERS = 16  # still faster than 8 on a 16-core host (bench/results/README.md)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CHUNKS_PER_WORKER = 4  # small enough that the progress moves and the workers finish together
 MOST_ROWS_PER_CHUNK = 64  # a stop (a bad row, Ctrl-C) waits for one chunk: 64 rows (a task costs ~0.2 ms)

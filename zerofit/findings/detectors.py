@@ -36,8 +36,8 @@ def detect(records: list[dict], facts: RunFacts) -> list[Finding]:
 def starved_cpu_optimizer(records: list[dict], facts: RunFacts, enough_cores: int = 4) -> list[Finding]:
     """The optimizer steps on the CPU (DeepSpeedCPUAdam, an OpenMP loop; also with NVMe
     offload) but the rank ran with one thread while it had several cores: what torchrun's
-    default OMP_NUM_THREADS=1 for more than one rank per node does (2 x H200, 3.6B: 2 GPUs
-    slower than 1, bench/results/multigpu.json). A cost, not a memory finding, but the
+    default OMP_NUM_THREADS=1 for more than one rank per node does (enough to make two GPUs
+    slower than one). A cost, not a memory finding, but the
     timeline is where it shows."""
     start = next((r for r in reversed(records) if r.get("phase") == "start"), {})
     ranks_here = start.get("local_world_size") or 1
@@ -215,7 +215,7 @@ def after_eval_spike(records: list[dict], facts: RunFacts, device: str) -> list[
     """The first step after an eval peaks above the same phase in the steps around it. Under
     ZeRO-3 an eval's forward (no backward) leaves gathered what the training trace would reuse
     within stage3_max_reuse_distance, and the next training forward gathers a whole live window
-    on top of it (engine.release_gathered; on the H200, llama-3.6b LoRA: 2.78 -> 4.48 GiB). A
+    on top of it (engine.release_gathered). A
     step that also follows a save is the save's (after_save_spike) unless the eval left them."""
     evals = evals_by_step(records)
 
@@ -223,7 +223,7 @@ def after_eval_spike(records: list[dict], facts: RunFacts, device: str) -> list[
         before = evals.get(record["step"] - 1)
         return before is not None and (left_gathered(before, facts) or not record.get("after_save"))
 
-    # with a known cause any rise above the floor counts (llama-1.5b on the H200: +0.46 GiB, 5.6%)
+    # with a known cause any rise above the floor counts, however small
     known_cause = any(left_gathered(record, facts) for record in evals.values())
     spikes = first_step_spikes(records, facts, device, follows_eval, 0.0 if known_cause else 0.1)
     if not spikes:
@@ -327,8 +327,7 @@ def fragmentation(records: list[dict], facts: RunFacts) -> list[Finding]:
 def fragmented_request(requested: int | None, allocated: int, reserved: int, budget: int) -> bool:
     """A GPU request that failed although it fit the budget beside what was allocated, while
     the allocator held reserved memory it could not hand out: the space was there, in cached
-    pieces too small for it (llama-3.6b under 5.3 GiB without expandable segments: 1.86 GiB
-    asked with 2.36 allocated and 3.68 reserved; bench/results/oom_retry-3.6b-headline.json)."""
+    pieces too small for it (fixed segments: memory.expandable_segments false)."""
     return bool(requested and budget and allocated + requested <= budget and reserved > allocated)
 
 

@@ -61,8 +61,8 @@ def check_risky(ds: dict, zero, spec, hw: Hardware | None, result: LintResult, a
 
 
 def check_step_overlap(ds: dict, zero, spec, result: LintResult, autos: list[str] = ()) -> None:
-    """DeepSpeed 0.19.8's two ways to overlap the CPU optimizer step with the GPU, as measured
-    on an H200 with PCIe (bench/results/README.md, 2026-11-30 fourth session)."""
+    """DeepSpeed 0.19.8's two ways to overlap the CPU optimizer step with the GPU, and what
+    each cost where it was measured (bench/results/README.md)."""
     clip = ds.get("gradient_clipping")  # text that is no number was named by check_numbers
     clipping = "gradient_clipping" in autos or (parses_as_number(clip) or is_number(clip)) and float(clip) > 0
     offload = zero.offload_optimizer
@@ -83,7 +83,7 @@ def check_step_overlap(ds: dict, zero, spec, result: LintResult, autos: list[str
 
 def zenflow_finding(zero, spec) -> Finding:
     """What DeepSpeed 0.19.8's ZenFlow needs under ZeRO-3 and what it bought
-    (engine.zenflow_refusal; bench/results/README.md, 2026-12-01)."""
+    (engine.zenflow_refusal; bench/results/README.md)."""
     largest = spec.largest_trained_matrix if spec is not None else None
     bucket = ("" if largest is None else
               f"; here {largest.name} has {largest.numel:,} elements against a reduce_bucket_size of "
@@ -110,7 +110,7 @@ def check_deepcompile(ds: dict, zero, spec, hw: Hardware | None, world_size: int
     init_z3.py, engine.get_deepcompile_backend), and what `offload_opt_states` holds on the GPU:
     offload_opt_states_inc (compile/passes/offload_adam_states.py) reloads every state it moved
     out before the backward ends, and the optimizer then steps on the GPU over all of them.
-    Read, not measured: bench/deepcompile_probe.py, bench/results/README.md (thirty-third session)."""
+    Read from DeepSpeed's source, then run with bench/deepcompile_probe.py (bench/results/README.md)."""
     from deepspeed.compile.config import CompileConfig
 
     section = ds.get("compile")
@@ -156,8 +156,8 @@ def check_deepcompile(ds: dict, zero, spec, hw: Hardware | None, world_size: int
     _deepcompile_step_finding(ds, spec, hw, world_size, result)
 
 
-# Measured (bench/results/README.md, thirty-fourth session): DeepCompile's schedule starts the offload at
-# step 1, so step 0 holds every state on the GPU as well (an OOM under a cap below them).
+# DeepCompile's schedule starts the offload at step 1 (compile/init_z3.py), so step 0 holds every
+# state on the GPU as well (an OOM under a cap below them; bench/deepcompile_probe.py).
 DEEPCOMPILE_STEP = ("DeepCompile offloads the optimizer states during the forward and backward only, from its second "
                     "step on, and steps on the GPU with all of them back")
 

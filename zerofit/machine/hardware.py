@@ -25,33 +25,28 @@ from zerofit.core.timeline import human_bytes, parse_bytes
 GIB = 2**30
 
 # ------------------------------------------------------------------------- rates
-# Measured on the GPU machine (one H200, 16 cores; /work/shared/device/README.md, bench of
-# 2026-11-29). They calibrate the cost model; the choice only needs them to rank candidates.
+# Calibrated on the benchmark GPU host (bench/results/README.md). They calibrate the cost
+# model; the choice only needs them to rank candidates.
 BF16_MATMUL_FLOPS = 810e12          # bf16 8192^3 matmul peak
 PCIE_BYTES_PER_S = 55e9             # pinned host<->device, each way
 # The offloaded step's copy of the updated parameters to 16-bit ones on the GPU: converted on
-# the host into a temporary, then a pageable (unpinned) copy. What was left of the llama-3.6b
-# step's time beyond the other terms, bench/results/speed-3.6b.json (2026-11-29, late night):
-# 7.2 GB in 0.71 s with zerofit's heap temporaries, 1.68 s with a fresh mmap per sub-group.
+# the host into a temporary, then a pageable (unpinned) copy: the step's time left beyond the
+# other terms, with zerofit's heap temporaries and with a fresh mmap per sub-group.
 COPY_BACK_BYTES_PER_S = {True: 10.1e9, False: 4.3e9}  # by train.heap_step_temporaries
 # The other way, with a partial optimizer offload and the parameters offloaded: the sub-groups
 # stepped on the GPU copy their fp32 masters into the host's 16-bit parameters, and torch moves
 # the fp32 to a pageable host temporary first (the conversion runs on the CPU), a blocking
-# cudaMemcpy (2.47 s of the step's CPU time in bench/results/step_profile-3.6b-40.json). Fp32
-# bytes/s beyond the rest of the cost model, 2026-11-30 (fifth session): 1.13e9 (3.6B, ratio
-# 0.75), 1.08e9 (3.6B, 0.95), 1.16e9 (1.5B, 0.75); bench/results/speed-3.6b-40-run1.json,
-# speed-3.6b-levers-run4.json, speed-1.5b-24-run1.json.
+# cudaMemcpy. Fp32 bytes/s beyond the rest of the cost model, over three partial-offload steps.
 COPY_OUT_BYTES_PER_S = 1.1e9
 CPU_ADAM_SECONDS_PER_PARAM = 0.23 / 1e9   # DeepSpeedCPUAdam, per parameter per step ...
 CPU_ADAM_CORES = 16                        # ... on this many cores; with more or fewer, x (16 / cores)^0.5:
-# Adam streams ~16 bytes per parameter, so memory bandwidth, not cores, runs out: 32 threads on
-# the 2 x H200 host ran 0.159 and 0.177 ns per parameter (3.6B, 1.5B), not 0.115
-# (bench/results/speed-3.6b-x2.json, speed-1.5b.json; rates.cpu_adam_seconds_per_param).
+# Adam streams ~16 bytes per parameter, so memory bandwidth, not cores, runs out: twice the
+# cores is far from twice the speed (rates.cpu_adam_seconds_per_param).
 CPU_ADAM_CORE_EXPONENT = 0.5
 DISK_WRITE_BYTES_PER_S = 1.5e9      # sequential write with fsync (/tmp)
 DISK_READ_BYTES_PER_S = 2.2e9       # sequential read
-# Not measured there; from vendor data sheets (H200: 4.8 TB/s HBM3e, NVLink 900 GB/s
-# bidirectional), discounted to what streaming kernels and NCCL reach in practice.
+# From vendor data sheets (HBM3e 4.8 TB/s, NVLink 900 GB/s bidirectional), discounted to what
+# streaming kernels and NCCL reach in practice.
 GPU_MEMORY_BYTES_PER_S = 0.7 * 4.8e12
 NVLINK_BYTES_PER_S = 0.5 * 450e9
 
@@ -61,26 +56,19 @@ class StepRates:
     """The cost model's fitted constants (steptime.step_time_terms, steptime.step_seconds).
 
     Fitted together by `python bench/cost_fit.py --fit` to every step measured on the GPU
-    machine (36 steps: 0.5B, 1.5B, 3.6B and 8B, micro batch 1 to 16, 1 to 88 micro batches per
-    step, the stock config and zerofit's choices, CPU, partial and NVMe offload, the 16-core and
-    the 32-core H200 hosts; bench/results/cost_fit.txt): within -18.8% .. +18.5%. Each step
-    left out of the fit and predicted from the other 35: 29 within 16%, 35 within 23%, and the
-    first llama-0.5b step -68.3% (the one step whose hook lane outlasts its compute: without it
-    nothing prices a persistent module's visit): a new kind of step can miss by that much. Each is
-    what its mechanism costs on those hosts, not a measurement of it alone. (The two
-    partial-offload steps are within 3.8% because COPY_OUT_BYTES_PER_S was measured on them.)"""
+    hosts (models of 0.5B to 8B, CPU, partial and NVMe offload, the stock config and zerofit's
+    choices); the fit's error and its leave-one-out error are in bench/results/README.md. Each
+    is what its mechanism costs on those hosts, not a measurement of it alone: a new kind of
+    step can miss by more."""
     # Model FLOPs utilisation of the forward/backward (6N + recompute per token over the
-    # matmul peak). The 3.6B steps of 64 and 88 micro batches of 16 x 1024 ran 1.10 s per
-    # micro batch, 0.55 of the peak were it compute alone; the fit across all steps: 0.5.
+    # matmul peak), as fitted across all steps.
     model_flops_utilisation: float = 0.5
     # ZeRO-3 hook work per visit of a module that fetches and releases parameters (the Python
     # thread: fetch, wait, release), and per visit of one whose parameters are all persistent
     # (the hooks, ZeRO-3's autograd wrappers and the launches around the module, with nothing
-    # to fetch). llama-0.5b at 4 x 4 with every parameter persistent ran 1.47 s of CPU against
-    # 0.48 s of GPU a step, 1,752 such visits (bench/results/step_profile-0.5b-8.*): 0.8 ms.
+    # to fetch): the CPU time of a step whose every parameter is persistent over its visits.
     # The fit keeps a fetching visit no cheaper than an idle one (it does all the idle one does);
-    # the two are close, as llama-1.5b's every-parameter-persistent lever found: 1.02x
-    # (bench/results/speed-2026-11-29.json).
+    # the two are close.
     seconds_per_fetching_visit: float = 1.0e-3
     seconds_per_idle_visit: float = 0.8e-3
     # Each flush of the gradient reduce bucket (stage3.py __reduce_and_partition_ipg_grads: a
@@ -90,7 +78,7 @@ class StepRates:
     # stage3.py partition_grads at the boundary, its copy into the optimizer's fp32 gradient
     # buffer with the norm and overflow check over it), bytes/s. A third of pinned PCIe: the
     # copy is the host's, not the link's. Without this term, a one-micro-batch step and a step
-    # of 64 cost the same per micro batch, which the 3.6B runs contradict (2.44 s vs 1.16 s).
+    # of 64 cost the same per micro batch, which the 3.6B runs contradict.
     boundary_grad_bytes_per_s: float = 20e9
 
 

@@ -6,9 +6,8 @@ updated fp32 sub-group back with a blocking `fp16_flat.copy_(fp32_flat)`
 first (ATen/native/cuda/Copy.cu, copy_requires_temporaries: blocking copies convert on the
 CPU), into a fresh tensor of the sub-group's size. glibc serves every allocation above 32 MiB
 (its mmap threshold can go no higher) with a new mmap, so each step page-faults and zeroes
-2 bytes per parameter again. On the H200 host that copy-back was 2.4 s of a 4.6 s step for
-llama-3.6b (bench/results/step_profile-3.6b.json); on the CI machine converting 4e8 fp32
-elements costs 0.72 ns each through fresh mmaps and 0.16 ns through reused memory.
+2 bytes per parameter again: fresh mmaps make the conversion several times slower than
+reused memory, and the copy-back can be half of an offloaded step (bench/results/README.md).
 
 During the optimizer step zerofit turns glibc's mmap off (mallopt M_MMAP_MAX=0), so the
 temporaries come from the heap, and raises the heap's trim threshold, so a freed temporary

@@ -22,9 +22,8 @@ def cpu_threads_per_rank(configured: int | None, cores: int, local_ranks: int, o
     when zerofit overrides the environment, a line saying so. Default: the cores this
     process may run on, shared by the ranks of the node (what steptime.step_time_terms
     assumes). torchrun sets OMP_NUM_THREADS=1 whenever it starts more than one rank
-    (torch/distributed/run.py), which leaves the CPU optimizer one core per rank: measured on
-    2 x H200, 3.6B with the optimizer on the CPU ran slower on 2 GPUs than on 1
-    (bench/results/multigpu.json). An OMP_NUM_THREADS set to anything else is the user's.
+    (torch/distributed/run.py), which leaves the CPU optimizer one core per rank, enough to make
+    two GPUs slower than one. An OMP_NUM_THREADS set to anything else is the user's.
     `writer_core` (async saves) leaves one core of the default to the checkpoint writer when
     at least two remain: an OpenMP loop such as CPU-Adam's runs at the pace of its slowest
     thread, so one thread sharing its core with the writer slows the whole optimizer step."""
@@ -79,9 +78,8 @@ def use_expandable_segments(config: Config, on_gpu: bool) -> None:
     """Expandable segments for the run (memory.expandable_segments). Why: a large request late
     in the backward (DeepSpeed's fp64 copy of an offloaded gradient partition for its norm,
     stage3.py _constant_buffered_norm2: 1.86 GiB per 250M elements) fails when the cached
-    segments are split among activations; llama-3.6b at micro 4 under a 5.3 GiB cap stopped
-    with 2.36 GiB allocated, 3.68 reserved, 1.32 in free split pieces (bench/results/README.md,
-    2026-11-30 sixth session). Segments that grow in place leave no such pieces."""
+    segments are split among activations, although enough of them is free in split pieces.
+    Segments that grow in place leave no such pieces."""
     setting = allocator_setting(config.memory.expandable_segments, os.environ)
     if not on_gpu or setting is None:
         return

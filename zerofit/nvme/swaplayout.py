@@ -48,18 +48,15 @@ SWAPPED_TENSORS = 3             # files per sub group: fp32 master, exp_avg, exp
 PIPELINED_SUB_GROUPS = 3        # reading the next, stepping the current, writing the previous
 PIPELINED_BUFFER_COUNT = PIPELINED_SUB_GROUPS * OPTIMIZER_BUFFER_COUNT
 # The one-at-a-time swap's time as a share of its bytes at the doctor's sequential rates
-# (read bytes / read rate + written bytes / write rate). llama-3.6b on the 2 x H200 host's
-# disk, 57.7 GB each way per step, the swap = the NVMe step less the CPU-offload step of the
-# same config: 60.9 s of a 78.5 s sum (1.30 GB/s read, 1.69 write; 64 micro batches per step,
-# bench/results/nvme-3.6b-a64.json) and 56.4 of 74.9 s (1.39 / 1.73 GB/s; 88 micro batches,
-# bench/results/nvme.json): 0.78 and 0.75. Not isolated which overlap buys it: the gradients
-# are written during the boundary micro batch's backward, and a sub group's tensors are read
-# as concurrent aio requests the one-stream sweep does not issue. One disk, two measurements.
+# (read bytes / read rate + written bytes / write rate): swap seconds (the NVMe step less the
+# CPU-offload step of the same config) over that sum, in two llama-3.6b runs on one disk
+# (bench/results/README.md). Not isolated which overlap buys it: the gradients are written
+# during the boundary micro batch's backward, and a sub group's tensors are read as concurrent
+# aio requests the one-stream sweep does not issue.
 SERIAL_SWAP_FRACTION = (60.9 / 78.5 + 56.4 / 74.9) / 2
 # The pipelined swapper's share of the one-at-a-time swap time. Its reads and writes overlap
-# each other, but on one disk they share its bandwidth: llama-3.6b, 57.7 GB each way per step
-# on the 2 x H200 host's disk, swap 60.9 s one at a time and 53.7 s pipelined (the step time
-# less the CPU-offload run's, 74.3 s; bench/results/nvme-3.6b-a64.json). One disk, one measurement.
+# each other, but on one disk they share its bandwidth: the pipelined swap's seconds over the
+# one-at-a-time swap's, one llama-3.6b run on one disk (bench/results/README.md).
 PIPELINED_SWAP_FRACTION = 53.7 / 60.9
 # The largest block zerofit raises aio.block_size to, to keep a misaligned small sub group in RAM.
 MAX_BLOCK_SIZE = 64 * 2**20
@@ -200,7 +197,7 @@ def aligned_aio(groups: tuple[tuple[int, ...], ...], aio: Aio, dio_align: int) -
 def nvme_seconds(swap: SwapLayout, read_bytes_per_s: float, write_bytes_per_s: float) -> float:
     """Time one step spends waiting on the swap files. DeepSpeed's default swapper does one
     thing at a time, sub group by sub group: swap in, step, swap out, at the rates the doctor
-    measured less the overlap measured on the GPU machine (SERIAL_SWAP_FRACTION). The
+    measured less the overlap measured on the GPU host (SERIAL_SWAP_FRACTION). The
     pipelined one reads the next sub group on one aio handle while the other writes the
     previous one, but both streams share the disk: what it saved once is its measured
     fraction, not the max(read, write) two independent disks would give."""

@@ -92,10 +92,9 @@ def reduce_transient_bytes(numel: int, cand: Candidate, shape: Shape, several: b
     elements (_constant_buffered_norm2, get_norm_dtype: fp64 where the device has it), then
     converts it to fp32 before the copy to the host: the larger of the two is the peak.
     fp64_norm counts the norm's copies, held at the moment of the peak only where the reduced
-    tensor is large on its own: lm_head's gradient (bench/results/planner_accuracy-trace-
-    llama-3.6b-s2048.json: 1.86 GiB of them live at the traced peak) and the embedding's at
-    the end of backward. A block's bucket takes its parameters' norms one at a time, each
-    copy a block parameter's size: left out there."""
+    tensor is large on its own: lm_head's gradient (the allocator's trace found them live at
+    the peak) and the embedding's at the end of backward. A block's bucket takes its
+    parameters' norms one at a time, each copy a block parameter's size: left out there."""
     a, W = shape.element_bytes, shape.world_size
     part = partition_numel(numel, W)
     total = a * numel if several else 0
@@ -132,9 +131,8 @@ def trainable_block_numel(spec: ModelSpec) -> int | None:
 
 def nvme_parameters(spec: ModelSpec, shape: Shape, cand: Candidate) -> frozenset[str]:
     """The parameters the coordinator reads from NVMe for each use (zerostates.nvme_resident);
-    none unless offload_param is nvme. llama-0.5b's all fit max_in_cpu and it behaves as on
-    the CPU, its peaks the CPU run's to the MiB (bench/results/planner_accuracy-trace-llama-
-    0.5b-s512-param_nvme.json); tinyllama-1.1b's last sub groups stay there."""
+    none unless offload_param is nvme. A model whose parameters all fit max_in_cpu behaves as
+    on the CPU."""
     if cand.offload_param != "nvme":
         return frozenset()
     return nvme_resident(spec, shape.world_size, cand.sub_group_size,
@@ -148,13 +146,11 @@ def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_n
     The gradient waits in the reduce bucket until the next one overflows it
     (stage3.__add_grad_to_ipg_bucket). One that fills the bucket alone goes at the final
     norm's gradient, before any block's backward: the logits' gradient and the gathered weight
-    are gone by then (bench/results/planner_accuracy-trace-llama-3.6b-s2048.json: what the
-    allocator's trace found live at that peak). A smaller one shares the bucket with block
-    gradients and goes at a parameter's gradient inside a block's backward, that block's
-    recompute and the MLP's gradients alive, the bucket's whole fill in reduce_scatter_coalesced's
-    buffer (planner_accuracy-trace-llama-0.5b-s2048-{sdpa,eager}.json: lm_head's 131M elements
-    in a 200M bucket; under eager attention the recompute's softmax output was 0.25 of its
-    0.42 GiB)."""
+    are gone by then (what the allocator's trace found live at that peak). A smaller one
+    shares the bucket with block gradients and goes at a parameter's gradient inside a block's
+    backward, that block's recompute and the MLP's gradients alive, the bucket's whole fill in
+    reduce_scatter_coalesced's buffer (as the allocator's trace found it under SDPA and eager
+    attention)."""
     a, T = shape.element_bytes, shape.tokens_per_micro
     head_reduce = reduce_transient_bytes(head_numel, cand, shape, several=False, fp64_norm=True)
     if head_numel >= cand.reduce_bucket_size:
@@ -165,7 +161,7 @@ def lm_head_reduce_moment(spec: ModelSpec, shape: Shape, cand: Candidate, head_n
     # With the optimizer on NVMe each gradient partition's fp32 copy waits for its sub group's
     # swap-out (stage3._offload_grad_partition_at_boundary: offload_fp32_gradients), and lm_head,
     # the model's last parameter, is taken last: the bucket's other gradients are alive in fp32 at
-    # its norm (planner_accuracy-trace-llama-0.5b-s512-optimizer_param_nvme.json: 0.25 GiB).
+    # its norm.
     waiting_fp32 = (4 * partition_numel(cand.reduce_bucket_size - head_numel, shape.world_size)
                     if cand.offload_optimizer == "nvme" else 0)
     return {"activations_saved": saved_at_head, "attention_mask": mask,
@@ -216,8 +212,7 @@ def device_phases(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) 
     # The forward peaks at the loss, with what lm_head's fetch left gathered, or inside a block,
     # with the most gathered there (under eager attention its scores too; they are gone before
     # the logits exist). The two need not be one moment: a LoRA base, frozen, is gathered up to
-    # the live window well before lm_head (planner_accuracy-...-lora.json: summing them was 21%
-    # over on llama-3.6b at s2048).
+    # the live window well before lm_head (summing them over-predicts).
     forward = max(({"activations_saved": blocks_saved + final_norm, "attention_mask": mask,
                     "logits_and_loss": loss_bytes(spec, a, T, shape.chunked_loss, backward=False),
                     "gathered_params": gathered.at_loss},

@@ -189,14 +189,13 @@ def live_windows(base: Candidate, spec: ModelSpec, zero_set: set[str], device: s
 
     DeepSpeed's (DEEPSPEED_LIVE_WINDOW) is a window of 1e9 gathered elements that keeps what
     forward fetched until backward reuses it. With the GPU short, the planner may narrow it
-    to the largest module (nothing kept for reuse): on llama-3.6b at micro 1 the gathered set
-    drops from 1.9 to 0.75 GiB. Parameters are then fetched again for recompute and backward,
-    which the cost model counts in any case (steptime.step_work: 3 passes with recompute).
+    to the largest module (nothing kept for reuse). Parameters are then fetched again for
+    recompute and backward, which the cost model counts in any case (steptime.step_work: 3
+    passes with recompute).
 
     Parameters on NVMe are released at once (reuse distance 0): each one swapped in holds one
     of offload_param's 5 swap buffers until released, and with DeepSpeed's reuse distance
-    (1e9) llama-1.5b's forward kept them all and stopped with "Not enough buffers 0 for
-    swapping 1" (bench/results/planner_accuracy-nvme-params.json)."""
+    (1e9) a forward keeps them all and stops with "Not enough buffers 0 for swapping 1"."""
     if {"max_live_parameters", "max_reuse_distance"} & zero_set:
         return [(base.max_live_parameters, base.max_reuse_distance)]
     largest_module = max(m.numel for m in spec.modules)  # what ZeRO-3 fetches for one module
@@ -266,9 +265,7 @@ def fixed_segments_note(plan: Plan, spec: ModelSpec) -> str | None:
     """With fixed segments (memory.expandable_segments false) one large request needs one free
     block: DeepSpeed's fp64 copy of an offloaded gradient partition for its norm (up to 250M
     elements, activations.NORM_BUFFER_NUMEL). When the plan leaves less than that under the
-    budget, it must come from cached memory, which activations may have split: llama-3.6b
-    under 5.3 GiB failed so at micro 4, 2 and 1 on the H200, 1.86 GiB asked with 1.3-1.9 GiB
-    reserved and free (bench/results/oom_retry-3.6b-headline-first.json)."""
+    budget, it must come from cached memory, which activations may have split."""
     if plan.candidate.offload_optimizer == "none":
         return None
     request = 8 * min(max(p.numel for p in spec.params), NORM_BUFFER_NUMEL)

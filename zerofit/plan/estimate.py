@@ -35,11 +35,9 @@ HOST_PROCESS_BYTES = int(0.5 * GIB)
 # HF datasets and pyarrow, loaded when data comes from files (0.59-0.61 GiB for the same
 # tiny run on the demo data).
 DATASETS_LIBRARY_BYTES = int(0.1 * GIB)
-# Host RSS a CUDA process adds: driver, CUDA runtime, cuBLAS/cuDNN kernels mapped in. On the
-# H200 machine (bench/results/planner_recheck-s31.json) the rest above HOST_PROCESS_BYTES and the
-# planned states was 1.63-1.64 GiB through the steps of full fine-tuning with nothing offloaded,
-# up to 1.82 with LoRA at seq 2048 (it grows with LoRA and the sequence: not traced) and 1.86 at
-# a whole run's engine start (r05, bench/results/gpu-smoke-26); 1.5 GiB planned the host short.
+# Host RSS a CUDA process adds: driver, CUDA runtime, cuBLAS/cuDNN kernels mapped in; the
+# largest rest above HOST_PROCESS_BYTES and the planned states seen on the GPU host (it grows
+# with LoRA and the sequence, not traced; bench/results/README.md).
 CUDA_HOST_CONTEXT_BYTES = int(1.9 * GIB)
 # Device memory outside torch's allocator counters: CUDA context and cuBLAS workspaces.
 CUDA_DEVICE_CONTEXT_BYTES = int(0.5 * GIB)
@@ -196,8 +194,7 @@ ASYNC_HOST_SHARE = 0.5  # checkpoint.async_host_max_gib's default: this share of
 def snapshot_buffer_bytes(rank_checkpoint_bytes: int) -> int:
     """The async-save snapshot buffer for one rank's share of a checkpoint: 2% and 64 MiB over
     it, for partition padding and headers the byte count misses (a buffer found short is
-    reallocated at the save, a spike). On the GPU machine the 1.5B model's 17.98 GB checkpoint
-    reserved 18.41 GB and never grew (bench/results/checkpoint.json, async_host_buffer_bytes)."""
+    reallocated at the save, a spike)."""
     return int(rank_checkpoint_bytes * 1.02) + (64 << 20)
 
 
@@ -268,9 +265,8 @@ def predict(spec: ModelSpec, hw: Hardware, shape: Shape, cand: Candidate, headro
                                                               if peak_name == "backward" else "")]
     transients = sorted((sum(phases[p].values()) for p in ("backward", "optimizer_step")), reverse=True)
     # Fragmentation: blocks cached for one phase's tensors are not reused by another's of
-    # other sizes, so reserved memory holds the two largest phase transients (measured with
-    # HF Trainer + ZeRO-3, 1.5B: reserved 35.7 GiB vs allocated peak 28.0 = steady 22.4 +
-    # step 5.6; /work/shared/device/README.md), plus 5% of the largest for rounding.
+    # other sizes, so reserved memory holds the two largest phase transients (as an HF Trainer
+    # + ZeRO-3 run showed), plus 5% of the largest for rounding.
     fragmentation = transients[1] + int(0.05 * transients[0])
 
     def gpu_device(extra: dict[str, int], frag: int) -> Device:

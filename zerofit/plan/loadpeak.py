@@ -9,7 +9,7 @@ peak's components in bytes; `load_facts` gathers those facts (file sizes, parque
 the first rows of each file tokenized) and whether a tokenized cache will be read instead.
 
 The constants were fitted on the CPU test machine (2 cores, glibc 2.35, CPython 3.12,
-pyarrow/datasets as installed): bench/tokenize_peak.py, bench/results/tokenize_peak-cpu2.json.
+pyarrow/datasets as installed) with bench/tokenize_peak.py (bench/results/README.md).
 """
 from __future__ import annotations
 
@@ -29,25 +29,20 @@ MIB = 2**20
 LOADING = "loading the data"  # the moment's name in the plan, its table and its refusal
 BUILT_IN = ("demo", "synthetic")  # data.path's sources without files: nothing worth predicting
 # VmRSS of `train` when it starts loading (python, torch, transformers, deepspeed, the process
-# group, the model's config and tokenizer, the facts below gathered): 0.35-0.36 GiB before a
-# jsonl file, 0.40-0.46 before a parquet one (pyarrow imported to size it) in
-# tokenize_peak-cpu2.json's base_rss; 0.41 GiB in a tiny run's start. train passes its own RSS
-# instead; `zerofit plan`, another process, plans with this.
+# group, the model's config and tokenizer, the facts below gathered; a parquet file's sizing
+# imports pyarrow too). train passes its own RSS instead; `zerofit plan`, another process,
+# plans with this.
 LOAD_BASE_BYTES = 400 * MIB
 # HF datasets (and pyarrow, where sizing a parquet file had not imported it) imported and their
-# first table read, beyond the table itself: the 2k-row files' loads (0.3-0.6M tokens) added
-# 0.10-0.15 GiB in all to a jsonl file's base, 0.09-0.12 to a parquet one's (tokenize_peak-cpu2.json).
+# first table read, beyond the table itself (jsonl and parquet alike).
 DATASETS_IMPORT_BYTES = 100 * MIB
 # Per token, held until the rows are packed: a pointer in input_ids and one in labels, the copies
 # rowlayout makes (cut, relabelled, laid out in rows) and the packed int64 arrays (np.fromiter
-# grows them by doubling). The demo's 100-id tokenizer, whose ids are all cached small ints: 52
-# bytes a token read (64 a token packed: long rows are cut to seq_len) beyond HF datasets and
-# its table, 20k alpaca rows (tokenize_peak-cpu2.json).
+# grows them by doubling), with ids that are all cached small ints (the demo's 100-id tokenizer),
+# beyond HF datasets and its table.
 TOKEN_LIST_BYTES = 64
 # An id above 256 is an int object of its own (CPython caches -5..256): every real vocabulary's
-# are; labels share input_ids' objects. sys.getsizeof(1000) = 28, 32 under pymalloc. With the
-# 32k-id BPE: 75-100 bytes a token beyond HF datasets and its table for 2.8-14.3M tokens of alpaca
-# and sharegpt rows, one process (tokenize_peak-cpu2.json): 96 planned, +18% at 100k alpaca rows.
+# are; labels share input_ids' objects. sys.getsizeof(1000) = 28, 32 under pymalloc.
 INT_OBJECT_BYTES = 32
 SMALL_INT_IDS = 257
 # Per example: the (ids, labels) tuple and the two lists' headers, pymalloc-rounded
@@ -57,12 +52,7 @@ SAMPLE_ROWS = 200
 UNSAMPLED_ROW_BYTES = 1024  # a file without rows to sample (one JSON array): rows counted by its bytes
 # Forked tokenizing workers (tokenworkers): per worker its private pages (heap, the tokenizer's
 # buffers, the parent's pages it touched), and per token the results the parent has not read yet
-# (pool.map sends every chunk's back as soon as it is done): with 2 workers the parent's VmHWM
-# rose 0.14 GiB over one process's for 6.3M sharegpt tokens, 0.45 GiB for 14.3M alpaca tokens
-# (tokenize_peak-cpu2.json). 8 workers on the 16-core H200 host held 17 MiB each in private
-# pages (the tree's peak over the parent's VmHWM, 2k sharegpt rows) and the tree rose 0.19 GiB
-# over one process's for 2.8M alpaca tokens (tokenize_peak-h200-w8.json; 60 MiB a worker had
-# planned 28-34% over there, and 2.0 GiB for a 1.0 GiB load of 16 workers in the smoke run).
+# (pool.map sends every chunk's back as soon as it is done); fitted with 2 and 8 workers.
 WORKER_BYTES = 20 * MIB
 WORKER_RESULT_BYTES = 24  # per token
 

@@ -150,9 +150,7 @@ def model_states(spec: ModelSpec, shape: Shape, cand: Candidate, on_gpu: bool) -
             host["param_swap_buffers_pinned"] = PARAM_SWAP_BUFFERS * pinned(a * cand.param_buffer_size, cand, on_gpu)
         # zero.Init pins each parameter's partition on its own; moving the trainable ones into
         # the flat buffer frees those blocks into the CachingHostAllocator's cache, which keeps them.
-        # On NVMe it puts them in the swap buffers instead (`_partition_param`): no cache;
-        # counting one over-predicted llama-0.5b/1.5b's host RSS by 6-10%
-        # (bench/results/planner_accuracy-nvme-params.json).
+        # On NVMe it puts them in the swap buffers instead (`_partition_param`): no cache.
         if on_gpu and cand.pin_memory and cand.offload_param == "cpu":
             host["zero_init_pinned_cache"] = sum(pow2_ceil(a * partition_numel(p.numel, W)) for p in trainable)
         # Persistent (small) parameters stay on the GPU, gathered (parameter_offload.py).
@@ -211,11 +209,9 @@ def engine_start_host(host_states: dict[str, int], spec: ModelSpec, shape: Shape
     """Host RAM while deepspeed.initialize builds the engine: the resident states less what
     the first step creates, plus a second copy of the rank's trainable 16-bit parameters when
     they are offloaded (the optimizer's flat 16-bit buffers, filled from the partitions:
-    stage3._create_fp16_partitions_with_defragmentation; a frozen base is not in them).
-    Measured: llama-3.6b with parameters on CPU, VmHWM 7.2 GB (= 2 bytes x 3.6B) above the RSS
-    after start in all three runs of bench/results/nvme-3.6b-a64.json (CPU, NVMe, pipelined
-    NVMe); a LoRA run of the same model, none (planner_accuracy-...-lora.json). With the
-    optimizer on the CPU the moments of the first step hide it; on NVMe it is the run's host peak."""
+    stage3._create_fp16_partitions_with_defragmentation; a frozen base is not in them). With
+    the optimizer on the CPU the moments of the first step hide it; on NVMe it is the run's
+    host peak."""
     start = {k: v for k, v in host_states.items() if k not in FIRST_STEP_HOST}
     if on_gpu and cand.offload_param != "none":
         start["engine_init_16bit_params_copy"] = shape.element_bytes * partition_numel(spec.trainable_params,
@@ -239,8 +235,7 @@ def _nvme_optimizer_states(swap: SwapLayout, host: dict[str, int]) -> dict[str, 
     if swap.pipelined:
         # Adam's first step creates every swapped sub group's moments in pageable RAM; the
         # pipelined swapper copies them into its buffers but keeps the tensors until zerofit
-        # releases them after the step (nvme.release_swapped_views). Measured, llama-3.6b:
-        # host RSS 77.3 GB at the end of step 1, 48.5 GB from step 2 on (bench/results/nvme-3.6b-a64.json).
+        # releases them after the step (nvme.release_swapped_views): step 1's host peak only.
         host["first_step_moments_pipelined"] = 8 * swap.swapped_numel
     return {"optimizer_swap": swap.state_bytes, "gradient_swap": swap.gradient_bytes}
 

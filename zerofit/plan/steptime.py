@@ -25,12 +25,10 @@ if TYPE_CHECKING:
 # CPU accelerator (tests, the demo, CPU-only machines): the forward and backward run on the
 # host's cores in the Python thread that also runs ZeRO-3's hooks, so nothing overlaps: a step
 # is step_work's FLOPs at this rate plus the hooks at their per-visit cost (the GPU host's
-# fitted rates fit here too) plus the optimizer. The rate is the one that fits steps measured
-# on a 2-core AMD EPYC (CPU seconds per steady step, so other processes' load drops out):
-# tiny (2 x 64) at 4 x 64, demo (4 x 128) at 16 x 128 and 8 x 512, mini (vocab 4096) at 8 x 256
-# ran 0.047, 0.133, 0.350 and 0.139 s; the model gives 0.74x, 1.18x, 0.93x, 1.23x of those. The
-# demo on both cores ran 0.16 s, as on one: threads add nothing measurable at these sizes, so
-# the rate is one process's, whatever its cores (a larger model's matmuls would scale; unmeasured).
+# fitted rates fit here too) plus the optimizer. The rate is the one that fits steps of the
+# tiny, demo and mini models on a 2-core CPU machine (CPU seconds per steady step, so other
+# processes' load drops out; bench/results/README.md). Threads add nothing measurable at these
+# sizes, so the rate is one process's, whatever its cores.
 CPU_FLOPS_PER_S = 1.3e11
 
 
@@ -176,10 +174,9 @@ def step_seconds(terms: dict[str, float]) -> float:
     leaving for the host on the reduction stream. So they take max(compute, pcie_params +
     zero3_hooks, pcie_grads); the rest (the boundary's fp32 gradients, the CPU optimizer step,
     the copy back, NVMe, collectives) adds up, as does the CPU accelerator's cpu_compute (its
-    hooks run in the computing thread). Why the gradients are a lane of their own: the
-    3.6B steps of 64 and 88 micro batches ran 1.10 s per micro batch where compute and the
-    gradient round trip in a row would take 1.6 (bench/results/nvme.json, nvme-3.6b-a64.json;
-    bench/cost_fit.py compares the alternatives)."""
+    hooks run in the computing thread). The gradients are a lane of their own because steps
+    of many micro batches run faster than compute and the gradient round trip in a row
+    (bench/cost_fit.py compares the alternatives)."""
     overlapped = max(terms.get("compute", 0.0), terms.get("pcie_params", 0.0) + terms.get("zero3_hooks", 0.0),
                      terms.get("pcie_grads", 0.0))
     return round(overlapped + sum(v for k, v in terms.items() if k not in OVERLAPPED_TERMS), 4)
@@ -196,7 +193,7 @@ def step_time_notes(terms: dict[str, float], seconds: float, on_gpu: bool) -> li
     notes = []
     optimizer_step = sum(terms.get(k, 0.0) for k in OPTIMIZER_STEP_TERMS)
     if on_gpu and optimizer_step > seconds / 3:
-        # DeepSpeed 0.19.8 overlaps none of it here (README: Speed; bench/results/README.md)
+        # DeepSpeed 0.19.8 overlaps none of it here (bench/results/README.md)
         notes.append(f"{optimizer_step:.1f} s of the {seconds:.1f} s step is the optimizer's ("
                      + ", ".join(k for k in OPTIMIZER_STEP_TERMS if k in terms) + "), paid once per optimizer step "
                      "after the backward while the GPU waits: more sequences per step (train.global_batch_size) "

@@ -8,7 +8,7 @@ _fetch_sub_module_impl, __params_to_release, _is_currently_on_nvme,
 __prefetch_nvme_param_partitions), parameter_offload.py's module hooks (persistent parameters
 never fetched), stage3.py __add_grad_to_ipg_bucket (the reduce bucket's first flush) and
 offload_param.buffer_count's swap buffers (zerostates.PARAM_SWAP_BUFFERS); the orders were
-read from bench/results/gathered_probe-*.json and zerofit/plan/hookorder.py's hook events.
+read from bench/gathered_probe.py's runs and zerofit/plan/hookorder.py's hook events.
 """
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def _backward_order(spec: ModelSpec, checkpointing: bool, fetched: list[bool]) -
     """(module index, a recompute) in backward: the modules after the blocks in reverse, each
     block in reverse, the modules before the blocks. A checkpointed block is recomputed in
     forward order once the backward of its last module that fetches (`fetched`: not all
-    persistent) has fetched its parameters and unpacks the block's input
-    (bench/results/gathered_probe-*.json: DeepSpeed's fetches in that order)."""
+    persistent) has fetched its parameters and unpacks the block's input."""
     layers: dict[int, list[int]] = {}
     for i, m in enumerate(spec.modules):
         if m.layer is not None:
@@ -120,8 +119,7 @@ def recompute_spans(spec: ModelSpec, checkpointing: bool, persistence_threshold:
     """For each checkpointed block, zero3_trace's entry of its first backward fetch (its last
     module) -> the entry of its recompute's last module. That module's backward runs only once
     the block is recomputed: its parameters stay gathered through the recompute, and its
-    gradient comes after it (bench/results/gathered_probe-tinyllama-1.1b-param_nvme-s512.json:
-    the bucket's first reduce, at lm_head's norm, had the recompute's parameters gathered)."""
+    gradient comes after it."""
     recomputes = [recompute for _, recompute in trace_entries(spec, checkpointing, persistence_threshold)]
     spans = {}
     for k in range(len(recomputes) - 1):
@@ -176,7 +174,7 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int
     (fetch_calls), then prefetches from the parameter queue, which only moves forward: the next
     entries not gathered, up to min(prefetch_bucket_size, max_live_parameters - gathered)
     elements, at least one (so the prefetched window grows until max_live_parameters bounds
-    it: bench/results/gathered_probe-llama-1.5b-optimizer_param_cpu-s512.json). Passing a
+    it). Passing a
     gathered parameter's later use, the scan marks it: that parameter is not released before
     that use ("reuse skipped by prefetch", __params_to_release). On release a parameter whose
     next use is within max_reuse_distance elements is kept too.
@@ -185,8 +183,7 @@ def gathered_timeline(spec: ModelSpec, checkpointing: bool, prefetch_bucket: int
     read into a swap buffer (_is_currently_on_nvme); after each scan the NVMe prefetch reads the
     queue's next ones into free buffers (offload_param.buffer_count), looking no further than
     twice the elements of the gathers in flight (__prefetch_nvme_param_partitions); a buffer is
-    freed when its parameter is released (bench/results/gathered_probe-tinyllama-1.1b-
-    param_nvme-s512.json)."""
+    freed when its parameter is released."""
     trace, _, numel = zero3_trace(spec, checkpointing, persistence_threshold)
     sizes = [sum(numel[n] for n in params) for params in trace]
     prefix = [0]

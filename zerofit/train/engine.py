@@ -41,10 +41,9 @@ def builds_under_zero_init(ds_config: dict) -> bool:
     _initialize_zenflow_stage3_prologue) and back around every gathered use
     (parameter_offload.py). A model built under zero.Init is partitioned by then (its data
     empty and 1-D), so nothing is transposed and its first forward fails ("mat1 and mat2
-    shapes cannot be multiplied", bench/results/overlap_loss-clip_zenflow_clip.json). Built
-    whole, the engine partitions it after the transpose; each rank holds the whole 16-bit
-    model on the host until then, and draws a random init there (llama-3.6b: 135-180 s on the
-    H200 host's CPU, bench/results/zenflow_probe-3.6b-micro4.log)."""
+    shapes cannot be multiplied"). Built whole, the engine partitions it after the transpose;
+    each rank holds the whole 16-bit model on the host until then, and draws a random init
+    there (minutes on the CPU for a model of billions of parameters)."""
     zero = ds_config.get("zero_optimization") or {}
     return zero.get("stage") == 3 and not zero.get("zenflow")
 
@@ -56,13 +55,11 @@ def zenflow_refusal(config: Config, ds_config: dict) -> str | None:
 
     - Activation checkpointing: ZenFlow's fetch hooks transpose every gathered 2-D weight
       around each forward, the recompute's too, and the recompute's matmul fails ("mat1 and
-      mat2 shapes cannot be multiplied", bench/results/README.md, 2026-12-01).
+      mat2 shapes cannot be multiplied").
     - A 2-D weight larger than reduce_bucket_size: ZenFlow transposes a gradient back only
       as it is copied into the contiguous reduce bucket (stage3.py __add_grad_to_ipg_bucket);
       a larger one is reduced where it lies, transposed, and reduce_scatter_coalesced's
-      `view(-1)` fails ("view size is not compatible with input tensor's size and stride":
-      llama-3.6b's 394M-element embedding against a 200M bucket,
-      bench/results/zenflow_probe-3.6b-micro4.log)."""
+      `view(-1)` fails ("view size is not compatible with input tensor's size and stride")."""
     zero = ds_config.get("zero_optimization") or {}
     if zero.get("stage") != 3 or not zero.get("zenflow"):
         return None
@@ -115,7 +112,7 @@ def build_model(config: Config, ds_config: dict):
         model = lora.attach(model, config, lora_targets)
     # from_pretrained returns the model in eval mode, where transformers skips gradient checkpointing
     # (it checks self.training) and dropout: a model.path run trained without either until its first
-    # eval turned training on (a 0.5B on the H200 peaked 10 GiB above its plan)
+    # eval turned training on, and peaked far above its plan
     return model.train()
 
 
@@ -128,10 +125,8 @@ def release_gathered(ds_engine) -> None:
 
     A forward with no backward (an eval batch) keeps what the recorded training trace reuses
     within max_reuse_distance (its recompute and backward, which never come), and the next
-    forward's reset_step counts none of it: that forward gathers a whole live window on top. On the H200, llama-3.6b LoRA with
-    its base on the CPU, s512: an eval of 4 batches peaked at 3.93 GiB and the training step
-    after it at 4.48 GiB, against 2.78 without an eval
-    (bench/results/planner_accuracy-...-lora-eval.json)."""
+    forward's reset_step counts none of it: that forward gathers a whole live window on top,
+    and the step after an eval peaks well above the others (bench/results/README.md)."""
     partition = getattr(getattr(ds_engine, "optimizer", None), "empty_partition_cache", None)  # ZeRO-3 only
     if partition is not None:
         partition()
