@@ -114,7 +114,8 @@ def main() -> int:
     from zerofit.plan import deepspeed
     from zerofit.core import timeline as memory
     from zerofit import models
-    from zerofit.train.loop import fresh_state, train_step
+    from zerofit.train.loop import train_step
+    from zerofit.train.setup import fresh_state
 
     config = bench_config(args, work / "run")
     procenv.apply_cpu_threads(config)  # what train() does: the writer's core is kept free of CPU-Adam

@@ -178,7 +178,7 @@ def test_a_process_in_a_3_gib_group_plans_against_its_limit(tmp_path):
     groups = make_group()
     if groups is None:
         pytest.skip("this machine does not let a test make a cgroup (needs root and cgroup v1)")
-    probe = ("from zerofit import hardware; hw = hardware.probe(); "
+    probe = ("from zerofit.machine import hardware; hw = hardware.probe(); "
              "print(hw.host_total_bytes, hw.host_budget_bytes, hw.cpu_cores, hw.host_limit)")
     try:
         probed = in_groups(groups, [sys.executable, "-c", probe])

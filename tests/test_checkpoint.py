@@ -313,7 +313,7 @@ def test_a_second_process_on_the_same_run_dir_is_refused(tmp_path):
     from zerofit.core import runlock
     from zerofit.core.errors import ConfigError
 
-    holder = subprocess.Popen([sys.executable, "-c", f"from zerofit import runlock; runlock.hold({str(tmp_path)!r}); "
+    holder = subprocess.Popen([sys.executable, "-c", f"from zerofit.core import runlock; runlock.hold({str(tmp_path)!r}); "
                                f"print('held', flush=True); import time; time.sleep(60)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

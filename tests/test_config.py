@@ -286,19 +286,6 @@ def test_eval_examples_is_one_way_to_the_eval_set(tmp_path):
         validate(raw)
 
 
-def test_a_resume_from_before_this_sessions_data_keys_sees_no_change_unless_set(tmp_path):
-    """The keys' defaults are what a zerofit without them did: a checkpoint written before them
-    resumes without a warning, and setting one is named."""
-    older = validate(tiny_config(tmp_path)).fingerprinted()
-    for key in ("max_samples", "eval_examples", "train_on_prompt", "mask_history"):
-        del older["data"][key]
-    assert changed_settings(older, validate(tiny_config(tmp_path)).fingerprinted()) == []
-    now = validate(tiny_config(tmp_path, data={"max_samples": 1000, "eval_examples": 20,
-                                               "mask_history": True})).fingerprinted()
-    assert changed_settings(older, now) == ["data.eval_examples (unset) -> 20", "data.mask_history false -> true",
-                                            "data.max_samples (unset) -> 1000"]
-
-
 @pytest.mark.parametrize("data, message", [
     ({"mask_history": True, "train_on_prompt": True}, "LLaMA-Factory refuses the two together"),
     ({"mask_history": True, "truncation": "head"}, "which a head cut drops first: set data.truncation: balanced"),
@@ -348,16 +335,16 @@ def test_changed_settings_names_each_difference():
         f"train.micro_batch_size {before['train']['micro_batch_size']} -> 2"]
     assert changed_settings(before, before) == []
     assert changed_settings({"data": {"path": "x" * 50}}, {"data": {}}) == [f"data.path {'x' * 37}... -> (unset)"]
-    # a key added since an older zerofit wrote the checkpoint, left unset: no change (a resume warned of
+    # a key one dump lacks and the other leaves unset: no change (a resume warned of
     # "train.warmup_ratio (unset) -> null"); one it holds set, or one with a default, is
     assert changed_settings({"train": {"lr": 1}}, {"train": {"lr": 1, "warmup_ratio": None}}) == []
     assert changed_settings({"train": {"lr": 1}}, {"train": {"lr": 1, "warmup_ratio": 0.1}}) == [
         "train.warmup_ratio (unset) -> 0.1"]
     assert changed_settings({"data": {}}, {"data": {"alpaca_template": "chat"}}) == [
         "data.alpaca_template (unset) -> chat"]
-    # an empty mapping added since is no change; a key whose older behaviour differs says what it was
+    # an empty mapping one dump lacks is no change
     assert changed_settings({"data": {}}, {"data": {"columns": {}, "truncation": "balanced"}}) == [
-        "data.truncation head -> balanced"]
+        "data.truncation (unset) -> balanced"]
 
 
 def test_a_relative_path_not_found_says_where_it_was_read_from(tmp_path, monkeypatch):
@@ -428,7 +415,7 @@ def test_a_start_refused_for_a_run_in_use_leaves_that_runs_lock(tmp_path):
 
     run = tmp_path / "runs" / "x"
     run.mkdir(parents=True)
-    holder = subprocess.Popen([system.executable, "-c", f"from zerofit import runlock; runlock.hold({str(run)!r}); "
+    holder = subprocess.Popen([system.executable, "-c", f"from zerofit.core import runlock; runlock.hold({str(run)!r}); "
                                f"print('held', flush=True); import time; time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, cwd=str(tmp_path),
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(system.path)})
@@ -555,7 +542,7 @@ def test_a_seq_len_the_host_cannot_build_rows_of_is_refused_before_any_row_is_re
 
     from transformers import LlamaConfig
 
-    from zerofit.train import loop as train
+    from zerofit.train import setup as train
 
     config_file = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
     done = run_zerofit(["train", "--config", str(config_file), "--set", "train.seq_len=50000000",

@@ -140,6 +140,7 @@ sys.path.insert(0, "tests")
 from conftest import tiny_config
 from zerofit.plan import deepspeed
 from zerofit.train import engine, ranks
+from zerofit.recovery import postmortem
 from zerofit.config.load import validate
 
 config = validate(tiny_config("{run}"))
@@ -150,7 +151,7 @@ def collected(release):
     built = engine.build_engine(engine.build_model(config, ds_config), config, ds_config, total_steps=4)
     ref = weakref.ref(built)
     if release:
-        engine.release(built)
+        postmortem.release(built)
     del built
     gc.collect()
     return ref() is None

@@ -267,7 +267,7 @@ def test_tokenizing_workers_die_with_a_parent_killed_outright(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import os, sys, time\n"
-        "from zerofit import tokenworkers\n"
+        "from zerofit.data import workers as tokenworkers\n"
         "def slow(i):\n"
         "    os.write(1, f'{os.getpid()}\\n'.encode())  # one write: two workers' lines never interleave\n"
         "    time.sleep(0.05)\n"
@@ -275,7 +275,7 @@ def test_tokenizing_workers_die_with_a_parent_killed_outright(tmp_path):
         "for _ in tokenworkers.tokenized(100000, slow, workers=2):\n"
         "    pass\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(tokenworkers.__file__).parent.parent)})
+                              env={**os.environ, "PYTHONPATH": str(Path(tokenworkers.__file__).parents[2])})
     workers = {int(parent.stdout.readline()) for _ in range(40)} - {parent.pid}
     assert len(workers) == 2
     parent.kill()
@@ -300,7 +300,7 @@ def test_rows_longer_than_the_tokenizers_maximum_warn_no_one_in_no_worker(tmp_pa
     many it cut): each forked worker said it again. In a process of its own, as the run's."""
     path = write_jsonl(tmp_path / "long.jsonl", [{"text": f"a row of more than eight tokens, number {i}"}
                                                   for i in range(200)])
-    script = ("from pathlib import Path\nfrom zerofit import tokenizing\n"
+    script = ("from pathlib import Path\nfrom zerofit.data import tokenize\n"
               "from zerofit.config.data import DataConfig\n"
               "from zerofit.demo import build_tokenizer\n"
               "for workers in (2, 1):\n"

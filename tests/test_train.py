@@ -360,7 +360,7 @@ def test_a_launched_rank_exits_at_once_with_its_code():
 
     from conftest import ROOT
 
-    program = ("import atexit; from zerofit import ranks; atexit.register(print, 'teardown ran'); "
+    program = ("import atexit; from zerofit.train import ranks; atexit.register(print, 'teardown ran'); "
                "print('trained', end=''); ranks.finish_distributed(7); print(' went on')")
     for world_size, code, printed in (("2", 7, "trained"), ("1", 0, "trained went on\nteardown ran\n")):
         done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True,
@@ -380,7 +380,7 @@ def test_an_explained_error_ends_a_joined_process_at_once(tmp_path):
 
     join = ("import torch.distributed as d; d.init_process_group('gloo', init_method='file://{store}', rank=0, "
             "world_size=1); ")
-    program = ("import atexit; from zerofit import ranks; atexit.register(print, 'teardown ran'); {join}"
+    program = ("import atexit; from zerofit.train import ranks; atexit.register(print, 'teardown ran'); {join}"
                "print('refused', end=''); code = ranks.end_after_error(3); print(' returned', code)")
     for joined, code, printed in ((True, 3, "refused"), (False, 0, "refused returned 3\nteardown ran\n")):
         source = program.format(join=join.format(store=tmp_path / f"store-{joined}") if joined else "")
@@ -549,7 +549,7 @@ def test_epochs_are_passes_over_the_data_as_the_loader_counts_them(tmp_path):
     """57 sequences, 4 x 3 accumulated: the loader's epoch is 14 micro batches (4.67 steps);
     counted in whole steps, `epochs: 2` ran 8 steps, 1.71 epochs."""
     from zerofit.config.load import validate
-    from zerofit.train.loop import total_optimizer_steps
+    from zerofit.train.setup import total_optimizer_steps
 
     config = validate(tiny_config(tmp_path, train={"max_steps": None, "epochs": 2, "micro_batch_size": 4,
                                                    "grad_accum_steps": 3}))

@@ -56,7 +56,7 @@ def test_state_files_replace_a_planted_link_and_never_write_through(tmp_path, vi
 
 def test_appended_logs_refuse_a_planted_link(tmp_path, victim):
     """memory.jsonl and metrics.jsonl are appended to for the whole run: a link there is refused."""
-    from zerofit.train.loop import MetricsLog
+    from zerofit.train.metrics import MetricsLog
 
     run = tmp_path / "run"
     run.mkdir()

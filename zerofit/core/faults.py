@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 VARIABLE = "ZEROFIT_FAULT"
 RANKS_VARIABLE = "ZEROFIT_FAULT_RANKS"  # e.g. "1": only those ranks (torchrun's RANK) are struck
@@ -118,11 +119,46 @@ RESIDUE_BYTES, LEAK_BYTES_PER_STEP, SPIKE_BYTES = 192 * 2**20, 48 * 2**20, 256 *
 _held: list = []
 
 
-def hold_memory_if_armed(step: int, device) -> None:
+MOMENTS = ("forward", "after_step", "after_save")
+
+
+def strike(moment: str, step: int, device=None, swapper=None) -> None:
+    """The training loop's one fault hook, called at the three moments the drills strike:
+    "forward" (each micro batch of step `step`: oom, stall, kill), "after_step" (before the
+    NVMe swap files are checked: shortswap) and "after_save" (residue, leak, spike). Nothing
+    happens unless ZEROFIT_FAULT is set."""
+    assert moment in MOMENTS, moment
+    if not os.environ.get(VARIABLE):
+        return
+    if moment == "forward":
+        _oom_if_armed(step)
+        _stall_or_kill_if_armed(step)
+    elif moment == "after_step":
+        _shorten_swap_if_armed(step, swapper)
+    else:
+        _hold_memory_if_armed(step, device)
+
+
+def _oom_if_armed(step: int) -> None:
+    """oom@step:K: the forward pass of step K fails as a real CUDA OOM would, with PyTorch's own
+    message format."""
+    if armed("oom", "step", step):
+        import torch  # a drill's cost: only when one is armed
+
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB of which "
+            "1.21 GiB is free. Including non-PyTorch memory, this process has 22.77 GiB memory in use. Of the "
+            "allocated memory 20.13 GiB is allocated by PyTorch, and 1.94 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (injected by "
+            f"{VARIABLE}=oom@step:{step})")
+
+
+def _hold_memory_if_armed(step: int, device) -> None:
     drills = here()
     if not drills:
         return
-    import torch
+    import torch  # a drill's cost: only when one is armed
 
     if Fault("residue", "step", step) in drills:
         _held.append(torch.ones(RESIDUE_BYTES, dtype=torch.uint8, device=device))
@@ -133,17 +169,15 @@ def hold_memory_if_armed(step: int, device) -> None:
         _held.pop()  # and freed: only the high-water mark remembers it
 
 
-def stall_or_kill_if_armed(step: int) -> None:
+def _stall_or_kill_if_armed(step: int) -> None:
     if armed("stall", "step", step):
         threading.Event().wait()  # never set: signal handlers run, the wait goes on
     if armed("kill", "step", step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def shorten_swap_if_armed(step: int, swapper) -> None:
+def _shorten_swap_if_armed(step: int, swapper) -> None:
     if swapper is None or not armed("shortswap", "step", step):
         return
-    from pathlib import Path
-
     files = sorted(Path(swapper.swap_folder).glob("*.tensor.swp"), key=lambda p: p.stat().st_size)
     os.truncate(files[-1], files[-1].stat().st_size - 4096)

@@ -420,21 +420,6 @@ def fragmented(event: OomEvent, facts: RunFacts) -> bool:
                               facts.gpu_budget)
 
 
-def inject_oom_if_armed(step: int) -> None:
-    """ZEROFIT_FAULT=oom@step:K: the forward pass of step K fails as a real CUDA OOM
-    would, with PyTorch's own message format."""
-    if faults.armed("oom", "step", step):
-        import torch
-
-        raise torch.OutOfMemoryError(
-            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB of which "
-            "1.21 GiB is free. Including non-PyTorch memory, this process has 22.77 GiB memory in use. Of the "
-            "allocated memory 20.13 GiB is allocated by PyTorch, and 1.94 GiB is reserved by PyTorch but "
-            "unallocated. If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (injected by "
-            f"{faults.VARIABLE}=oom@step:{step})")
-
-
 def release(ds_engine) -> None:
     """Let go of an engine so that another one in this process (an OOM retry) finds its
     memory free. DeepSpeed's destroy() removes the engine's hooks; but ZeRO-3 also puts the
