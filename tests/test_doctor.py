@@ -493,7 +493,7 @@ def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_thei
     copy, victim = copy_with_a_flipped_byte(run, tmp_path / "run")
     run_zerofit(["train", "--config", str(config), "--run-dir", str(copy), "--resume", "--set", "train.max_steps=13"])
     aside = copy / "checkpoints" / "unusable-step-000012"
-    older = copy / "checkpoints" / "unusable-step-000011"  # as an older zerofit set one aside: no record of why
+    older = copy / "checkpoints" / "unusable-step-000011"  # as a full disk left one: no record of why
     shutil.copytree(aside, older)
     (older / "UNUSABLE.json").unlink(missing_ok=True)
     size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file())
@@ -506,7 +506,7 @@ def test_checkpoints_a_resume_set_aside_as_unusable_are_listed_with_why_and_thei
     assert found[1].evidence == {"bytes": size}
     assert found[1].fix == [f"inspect it if you need to know what damaged it, then delete it to free "
                             f"{human_bytes(size)}: rm -r {aside}"]
-    assert found[0].title.endswith("cannot be loaded: why was not recorded (set aside by an older zerofit)")
+    assert found[0].title.endswith("cannot be loaded: why was not recorded (the disk was full when it was set aside)")
     doctored = run_zerofit(["doctor", str(copy), "--out", str(tmp_path / "r.html")], env={"COLUMNS": "400"})
     said = " ".join(doctored.stdout.split())
     assert f"checkpoints/unusable-step-000012 ({human_bytes(size)} on disk) cannot be loaded" in said

@@ -318,13 +318,15 @@ def test_overwrite_replaces_an_earlier_export_only(one_rank, tmp_path, capsys):
 
 @pytest.mark.e2e
 def test_checkpoints_set_aside_by_no_resume_export_with_the_runs_model(one_rank, tmp_path, capsys):
-    """checkpoints/earlier-TIME/ (--no-resume moves an earlier run's checkpoints there): the run's
-    model/ is two levels up, not checkpoints/model (the error named a path that never exists)."""
+    """checkpoints/earlier-TIME/ (--no-resume moves an earlier run's checkpoints there, with a copy
+    of its model/): exported with that model/, not checkpoints/model (the error named a path that
+    never exists)."""
     run = tmp_path / "run"
     shutil.copytree(one_rank, run)
     aside = run / "checkpoints" / "earlier-20261201-000000"
     aside.mkdir()
     shutil.move(run / "checkpoints" / "step-000002", aside / "step-000002")
+    shutil.copytree(run / "model", aside / "model")  # as resume.set_aside_earlier_run keeps it
     for source, out in ((aside / "step-000002", "a"), (aside, "b")):
         assert main(["export", str(source), "--out", str(tmp_path / out)]) == 0, capsys.readouterr().err
         assert (tmp_path / out / "model.safetensors").is_file()

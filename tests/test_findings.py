@@ -341,5 +341,5 @@ def test_a_step_time_far_from_the_plan_names_the_busy_machine():
     [model] = step_time_gap(step_time({"estimated_step_seconds": 0.21, "accelerator": "cpu"}, metrics, idle))
     assert model.severity == "info" and "steptime.py" in model.cause and "not busy" in model.cause
     close = step_time({"estimated_step_seconds": 2.5}, metrics, records[:1])
-    assert step_time_gap(close) == [] and "load_avg" not in close  # an older timeline: no CPU readings
+    assert step_time_gap(close) == [] and "load_avg" not in close  # one record: no steady steps
     assert step_time(None, metrics, records) is None and step_time({"estimated_step_seconds": 1}, [], records) is None

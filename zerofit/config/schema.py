@@ -454,17 +454,12 @@ class Config(Section):
         return hashlib.sha256(json.dumps(self.fingerprinted(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-# What an older zerofit did for a key it did not have yet, where the key's default now differs
-BEFORE_THE_KEY = {"data.truncation": "head", "data.train_on_prompt": False, "data.mask_history": False,
-                  "checkpoint.every_minutes": 0.0}
-
-
 def changed_settings(before: dict, after: dict, prefix: str = "") -> list[str]:
     """`section.key old -> new` for every setting that differs between two config dumps. A key one
-    dump lacks (an older zerofit's) and the other holds as None (unset) is no change."""
+    dump lacks and the other holds as None (unset) is no change."""
     changes = []
     for key in sorted(set(before) | set(after)):
-        old = before.get(key, BEFORE_THE_KEY.get(prefix + key, "(unset)"))
+        old = before.get(key, "(unset)")
         new = after.get(key, "(unset)")
         if (old, new) in (("(unset)", None), (None, "(unset)")) or (old == "(unset)" and new in ({}, [])):
             continue  # a key added since, left unset (None, or an empty mapping or list)

@@ -21,7 +21,7 @@ What one record holds (bytes unless named otherwise):
   nvme_swap             bytes of DeepSpeed swap files under zero.nvme_path, once per step
   cpu_s, load_avg       this process's CPU seconds so far (user + system, all its threads) and
                         the machine's 1-minute load average, once per step: with `time`, the
-                        cores the run got and how busy the machine was (older runs lack them)
+                        cores the run got and how busy the machine was
 
 All GPU figures come from one torch.cuda.memory_stats() call (memory_allocated and its
 siblings each call it too), so recording needs no device synchronisation; the bench

@@ -36,7 +36,6 @@ from zerofit.data.tokenize import Read, read_examples
 
 CACHE_DIR = "data-cache"
 SUFFIX = ".npz"
-OLD_SUFFIXES = (".pkl",)  # pickles an earlier zerofit kept: never read, removed from the run's own cache
 # the data keys tokenize_row and read_examples read: the others shape sequences from the examples
 READ_KEYS = ("format", "alpaca_template", "columns", "max_samples", "skip_bad_rows")
 # zerofit's code that reads and tokenizes rows: the data keys' meaning (dataconfig.py) and how a
@@ -175,10 +174,9 @@ def keep(path: Path, found: Read, kind: str, replace_older: bool = True) -> str 
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **to_arrays(found))
         os.replace(partial, path)
-        for suffix in (SUFFIX, *OLD_SUFFIXES) if replace_older else ():
-            for older in path.parent.glob(f"{kind}-*{suffix}"):
-                if older != path:
-                    older.unlink(missing_ok=True)
+        for older in path.parent.glob(f"{kind}-*{SUFFIX}") if replace_older else ():
+            if older != path:
+                older.unlink(missing_ok=True)
     except OSError as e:
         if partial is not None:
             partial.unlink(missing_ok=True)

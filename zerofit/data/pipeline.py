@@ -186,7 +186,7 @@ def held_out_count(cfg: DataConfig, rows: int, what: str) -> int:
     return cfg.eval_examples
 
 
-FINGERPRINT_SCHEME = "train:"  # before it, the eval split's tokens were hashed in too
+FINGERPRINT_SCHEME = "train:"  # the hash covers the training split's tokens only
 
 
 def fingerprint(train_set: Sequences) -> str:

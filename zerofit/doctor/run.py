@@ -176,7 +176,7 @@ def unusable_checkpoints(run_dir: Path) -> list[Finding]:
     found = []
     for path in checkpoint.unusable(checkpoints_of(run_dir)):
         reason = (read_json(path / checkpoint.UNUSABLE_RECORD) or {}).get("reason") or \
-            "why was not recorded (set aside by an older zerofit)"
+            "why was not recorded (the disk was full when it was set aside)"
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         step = checkpoint.step_of(Path(path.name.removeprefix(checkpoint.UNUSABLE_PREFIX)))
         found.append(Finding("checkpoint_unusable", "warning", "disk",

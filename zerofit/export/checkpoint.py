@@ -242,12 +242,10 @@ def locate(source: Path, model_dir: Path | None, hashes: bool) -> tuple[Path, Pa
 
 def run_model_dir(checkpoints: Path) -> Path:
     """RUN_DIR/model for checkpoints in RUN_DIR/checkpoints; for those in checkpoints/earlier-TIME/
-    (where --no-resume set an earlier run's aside: checkpoint.set_aside) the copy of that run's
-    model/ kept there, else (set aside by an older zerofit) RUN_DIR/model."""
+    (where --no-resume set an earlier run's aside: resume.set_aside_earlier_run) the copy of that
+    run's model/ kept there."""
     if checkpoint.is_earlier_run(checkpoints):
-        if (checkpoints / "model").is_dir():
-            return checkpoints / "model"
-        checkpoints = checkpoints.parent
+        return checkpoints / "model"
     return checkpoints.parent / "model"
 
 

@@ -205,7 +205,7 @@ def step_time(plan: dict | None, metrics: list[dict], records: list[dict]) -> di
 
 def steady_cpu(records: list[dict]) -> dict:
     """The cores the run's process got (CPU seconds over wall seconds, step to step) and the
-    machine's load average, medians over the steady steps; {} for a timeline without them."""
+    machine's load average, medians over the steady steps; {} without two steady steps."""
     ends = {r["step"]: r for r in records if r.get("phase") not in EVENT_PHASES and "cpu_s" in r and "time" in r}
     steps = [s for s in sorted(ends) if s > WARMUP_STEPS and s - 1 in ends]
     used = [(ends[s]["cpu_s"] - ends[s - 1]["cpu_s"]) / (ends[s]["time"] - ends[s - 1]["time"])

@@ -25,13 +25,12 @@ import torch
 
 from zerofit.lora import adapters
 from zerofit.core.errors import ConfigError
-from zerofit.config.load import load
 from zerofit.core.console import warn
 
 BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by loraresume.check_and_record
 ADAPTER_BASE_FILE = "zerofit_base.json"  # in an `export --adapter-only` directory: recipe + HF config
 BASE_FINGERPRINT = "lora_base_fingerprint"
-FINGERPRINT_SCHEME = 2                # 1 (before): one running hash over the shares, model order only
+FINGERPRINT_SCHEME = 2                # how the fingerprint hashes; a checkpoint of another is not compared
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -51,7 +50,7 @@ class BaseRecipe:
     world_size: int
     fingerprint: list[str] | None
     scheme: int | None
-    versions: dict | None = None      # drawing_versions() of the build, None where not recorded (older)
+    versions: dict | None = None      # drawing_versions() of the build, None where not recorded
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,20 +96,13 @@ def redrawn_here(recorded, on_gpu: bool) -> str | None:
 
 
 def read_recipe(checkpoint_dir: Path) -> BaseRecipe:
-    """The recipe a LoRA checkpoint recorded; for checkpoints written before it was recorded,
-    the run's config.yaml (its fingerprint then uses another scheme and cannot be checked)."""
+    """The recipe a LoRA checkpoint recorded (loraresume.check_and_record)."""
     checkpoint_dir = Path(checkpoint_dir)
     extra = json.loads((checkpoint_dir / "loop_state.json").read_text()).get("extra", {})
     record = extra.get(BASE_RECIPE)
     if record is None:
-        config_file = checkpoint_dir.parent.parent / "config.yaml"
-        if not config_file.is_file():
-            raise ConfigError(f"{checkpoint_dir} does not say how its base model was built (no {BASE_RECIPE} in "
-                              f"loop_state.json, no run config at {config_file}); export it from its run directory")
-
-        run_config = load(config_file)
-        record = {**recipe_record(run_config, on_gpu=False, zero_init=run_config.zero.stage == 3),
-                  "init_device": None, "fingerprint_scheme": None, "versions": None}
+        raise ConfigError(f"{checkpoint_dir} does not say how its base model was built (no {BASE_RECIPE} in "
+                          f"loop_state.json)")
     prints = extra.get(BASE_FINGERPRINT)
     return BaseRecipe(record["path"], int(record["seed"]), record["dtype"], record["init_device"] or "cpu",
                       bool(record.get("zero_init", True)), bool(record.get("trust_remote_code", False)),

@@ -182,7 +182,7 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, bas
 
     A checkpoint of another number of ranks split the base otherwise: its fingerprint is
     recomputed for that split (fingerprints_as_split_by). Where the base cannot be compared
-    (its partitions on NVMe now or then, or a checkpoint of an older fingerprint scheme) a
+    (its partitions on NVMe now or then, or a checkpoint of another fingerprint scheme) a
     warning says so, and a recorded fingerprint is kept rather than overwritten with none.
     `base_checked`: base_refusal compared the model.path files or the replayed random init with
     the recorded fingerprint before the build (no second pass over the base for another split,
@@ -200,7 +200,7 @@ def check_and_record(model, state, rank: int, world_size: int, recipe: dict, bas
         pass  # a fresh start: nothing to compare with
     elif not readable:
         unchecked = ("the checkpoint records no fingerprint of it " + ("(its partitions were on NVMe)" if saved and
-                     None in saved else "in this zerofit's scheme (an older checkpoint)"))
+                     None in saved else "in this zerofit's fingerprint scheme"))
     elif None in prints:  # unless compared before the build, from the files or the replay it was built as
         unchecked = None if base_checked else \
             "its partitions are on NVMe now, where reading them back would cost a full swap-in"

@@ -104,7 +104,7 @@ class Checkpointer:
         if change and self.dist.is_main:
             warn(f"{directory.name} trained {change}; the learning-rate schedule counts optimizer steps, not "
                  f"sequences. {keep_batch_advice(state, fresh)}")
-        comparable = state.data_fingerprint.startswith(data.FINGERPRINT_SCHEME)  # older ones hashed eval in too
+        comparable = state.data_fingerprint.startswith(data.FINGERPRINT_SCHEME)  # another scheme's hash is not compared
         if self.dist.is_main and comparable and state.data_fingerprint != fresh.data_fingerprint \
                 and state.epoch_sequences == fresh.epoch_sequences:  # another count is named with the position
             warn(f"the training data's tokens differ from those {directory.name} trained on (the files under "
@@ -123,7 +123,7 @@ class Checkpointer:
     def _data_position_carried(self, state: LoopState, fresh: LoopState, name: str) -> LoopState:
         """The same data position counted in this run's micro batches: after a change of rank
         count, of micro batch (an OOM retry's) or of the training set's sequences."""
-        old, new = batch_shape(state, fresh), batch_shape(fresh, fresh)
+        old, new = batch_shape(state), batch_shape(fresh)
         if old == new:
             return state
         position = data.carried_position(state.micro_batches, old, new)

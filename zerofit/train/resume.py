@@ -184,11 +184,9 @@ SHAPING_SETTINGS = (("train", "precision"), ("zero", "stage"), ("lora", "enabled
                     ("lora", "target_modules"), ("lora", "modules_to_save"), ("lora", "bias"))
 
 
-def batch_shape(state: LoopState, fallback: LoopState) -> data.BatchShape:
-    """What `state`'s data position counts in; what an older checkpoint did not record is
-    taken from `fallback` (this run's)."""
-    return data.BatchShape(state.world_size, state.micro_batch_size or fallback.micro_batch_size,
-                           state.epoch_sequences or fallback.epoch_sequences)
+def batch_shape(state: LoopState) -> data.BatchShape:
+    """What `state`'s data position counts in."""
+    return data.BatchShape(state.world_size, state.micro_batch_size, state.epoch_sequences)
 
 
 def damaged_file_error(error: Exception) -> bool:
@@ -207,18 +205,17 @@ def damaged_file_error(error: Exception) -> bool:
 def global_batch_change(saved: LoopState, fresh: LoopState) -> str | None:
     """`16 sequences per optimizer step, this run 8 (...)` when a resume changes the global
     batch (another rank count with the micro batch and accumulation fixed); None when it
-    keeps it (an OOM retry's halved micro batch doubles the accumulation) or the checkpoint
-    did not record what it was."""
+    keeps it (an OOM retry's halved micro batch doubles the accumulation)."""
     (w0, m0, a0), (w1, m1, a1) = batch_split(saved), batch_split(fresh)
-    if not (m0 and a0) or w0 * m0 * a0 == w1 * m1 * a1:
+    if w0 * m0 * a0 == w1 * m1 * a1:
         return None
     return (f"{w0 * m0 * a0} sequences per optimizer step, this run {w1 * m1 * a1} (ranks {w0} -> {w1}, micro batch "
             f"{m0} -> {m1}, accumulation {a0} -> {a1})")
 
 
 def batch_split(state: LoopState) -> tuple[int, int, int]:
-    """(ranks, micro batch, accumulation) a loop state trained with; 0 where it did not record it."""
-    return state.world_size, state.micro_batch_size, state.config_values.get("train", {}).get("grad_accum_steps", 0)
+    """(ranks, micro batch, accumulation) a loop state trained with."""
+    return state.world_size, state.micro_batch_size, state.config_values["train"]["grad_accum_steps"]
 
 
 def keep_batch_advice(saved: LoopState, fresh: LoopState) -> str:
@@ -237,13 +234,12 @@ def keep_batch_advice(saved: LoopState, fresh: LoopState) -> str:
 
 def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
     """`what old -> new` for each difference a load cannot bridge: the model's architecture
-    (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS. A
-    checkpoint that recorded neither (older zerofit) is not judged."""
+    (models.SHAPE_FIELDS; a moved model directory is no change) and SHAPING_SETTINGS."""
     changes = [f"{'lora targets' if name == 'lora_targets' else 'model ' + name} {short(saved.model_shape[name])} -> "
                f"{short(new)}" for name, new in fresh.model_shape.items()
                if name in saved.model_shape and saved.model_shape[name] != new]  # what it did not record: not judged
     resolved = "lora_targets" in saved.model_shape and "lora_targets" in fresh.model_shape
-    for section, key in SHAPING_SETTINGS if saved.config_values else ():
+    for section, key in SHAPING_SETTINGS:
         if (section, key) == ("lora", "target_modules") and resolved:  # [q_proj, v_proj] is [v_proj, q_proj]
             continue
         old = saved.config_values.get(section, {}).get(key)
@@ -251,7 +247,7 @@ def unloadable_changes(saved: LoopState, fresh: LoopState) -> list[str]:
         if old != new:
             changes.append(f"{section}.{key} {short(old)} -> {short(new)}")
     old, new = (values.get("zero", {}).get("offload_optimizer") for values in (saved.config_values, fresh.config_values))
-    if saved.config_values and old != new and "nvme" in (old, new):  # DeepSpeed's load neither reads nor writes them
+    if old != new and "nvme" in (old, new):  # DeepSpeed's load neither reads nor writes them
         changes.append(f"zero.offload_optimizer {old} -> {new} (the NVMe optimizer state is swap files beside the "
                        f"optimizer file, which a load under the other device cannot convert)")
     return changes
@@ -274,12 +270,9 @@ def changed_on_resume(config: Config, point: ResumePoint, fresh: LoopState) -> s
 
 
 def recorded_changes(saved: LoopState, fresh: LoopState) -> list[str]:
-    """`section.key old -> new` for what a checkpoint's loop state recorded and this run changes;
-    one that recorded no values (older zerofit) is named by what its fingerprint covers."""
+    """`section.key old -> new` for what a checkpoint's loop state recorded and this run changes."""
     if saved.config_fingerprint == fresh.config_fingerprint:
         return []
-    if not saved.config_values:
-        return ["model, data or training shape"]
     return changed_settings(saved.config_values, fresh.config_values)  # none: a key added since, left unset
 
 
