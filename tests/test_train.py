@@ -603,10 +603,11 @@ def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
 
 
 def test_an_evaluation_covers_the_same_sequences_however_the_run_is_split(tmp_path):
-    """eval.max_batches counted micro batches x ranks: micro 16 evaluated 100 sequences and micro 2
+    """A cap in micro batches x ranks (the old eval.max_batches): micro 16 evaluated 100 sequences and micro 2
     16 of the same set, so two runs' eval losses (and one before and after an OOM retry's smaller
     micro batch) did not compare. The cap is in sequences now, the whole set unset."""
     from zerofit.config.load import validate
+    from zerofit.core.errors import ConfigError
     from zerofit.train.loop import eval_sequences
 
     def config(micro, **eval_keys):
@@ -618,8 +619,8 @@ def test_an_evaluation_covers_the_same_sequences_however_the_run_is_split(tmp_pa
         assert eval_sequences(config(micro), ranks, held=100) == 100  # unset: the whole set, as HF Trainer
         assert eval_sequences(config(micro, max_sequences=40), ranks, held=100) == 40
     assert eval_sequences(config(16, max_sequences=400), 1, held=100) == 100
-    # an older config's max_batches keeps its meaning (and train warns that it moves with the micro batch)
-    assert [eval_sequences(config(micro, max_batches=8), 1, held=100) for micro in (16, 2)] == [100, 16]
+    with pytest.raises(ConfigError, match="max_batches"):  # the cap in micro batches is gone: one way to say it
+        config(16, max_batches=8)
 
 
 def test_warmup_as_a_share_of_the_run_counts_as_transformers_does():

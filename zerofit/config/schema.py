@@ -324,9 +324,6 @@ class EvalConfig(Section):
     """Caps an evaluation at the eval set's first N sequences; unset, the whole set is evaluated
     (as HF Trainer does). The same sequences however the run is split into micro batches and
     ranks (the planner's split, an OOM retry's smaller micro batch), so eval losses compare."""
-    max_batches: int | None = Field(None, ge=1)
-    """Older configs' cap, in micro batches x ranks: the sequences it covers change with the micro
-    batch the planner or an OOM retry picks (train warns). Use max_sequences."""
     at_end: bool = True
     """Evaluate once more when training ends."""
 

@@ -35,11 +35,6 @@ def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Con
         warn(f"not read (zerofit reads .jsonl, .json, .parquet and saved datasets): "
              f"{', '.join(map(files.shown_left_out, left_out[:5]))}"
              f"{f' and {len(left_out) - 5} more' if len(left_out) > 5 else ''}")
-    if config.eval.max_batches is not None:
-        warn(f"eval.max_batches {config.eval.max_batches} counts micro batches (of {config.train.micro_batch_size} "
-             f"sequences x ranks): the sequences it evaluates change with the micro batch the planner or an OOM "
-             f"retry picks, so eval losses do not compare; set eval.max_sequences instead (or leave both unset: "
-             f"the whole eval set)")
     if train_set.prompt_only_rows:
         warn(train_set.dropped_note(config.train.seq_len))
     for name, sequences in (("", train_set), ("eval set: ", eval_set)):

@@ -217,12 +217,10 @@ def watch_memory(dog: watchdog.Watchdog, step_records: list[dict], saver: checkp
 
 
 def eval_sequences(config: Config, world_size: int, held: int) -> int:
-    """How many of the eval set's sequences an evaluation covers: eval.max_sequences, else an
-    older config's eval.max_batches x micro batch x ranks, else all of them."""
+    """How many of the eval set's sequences an evaluation covers: eval.max_sequences, else all of
+    them; the same sequences however the run is split into micro batches and ranks."""
     if config.eval.max_sequences is not None:
         return min(config.eval.max_sequences, held)
-    if config.eval.max_batches is not None:
-        return min(config.eval.max_batches * config.train.micro_batch_size * world_size, held)
     return held
 
 
