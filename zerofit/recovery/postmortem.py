@@ -168,9 +168,7 @@ def free_memory() -> None:
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # cuBLAS keeps a workspace per handle and stream in the caching allocator, which
-            # empty_cache does not free; 64 MiB still allocated after a failed attempt kept
-            # 1.47 GiB of segments reserved for the retry on the H200
-            # (bench/results/oom_retry-3.6b-headline-first.json)
+            # empty_cache does not free: a few of them pin whole segments the retry then lacks
             clear_workspaces = getattr(torch.cuda, "clear_cublas_workspaces", None) or \
                 getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear_workspaces:
@@ -425,12 +423,11 @@ def release(ds_engine) -> None:
     memory free. DeepSpeed's destroy() removes the engine's hooks; but ZeRO-3 also puts the
     model on a module-level stack (parameter_offload.FWD_MODULE_STACK: appended once per
     engine, never popped, and left with the half-run forward's modules after an OOM), which
-    keeps the model, the engine and every buffer they hold alive: on the H200, the retry after
-    an OOM of llama-3.6b found 65.6 GiB of the machine's 125.9 GiB available, the first attempt holding
-    59 GiB, and refused to start (bench/results/README.md, 2026-11-30 sixth session); released,
-    122.8 GiB (bench/results/oom_retry-3.6b-headline.json). Once a step has run, a class-level
-    lru_cache holds the engine's parameter coordinator and modules too. Both are DeepSpeed's
-    internals (0.19.8): where a version lacks one, there is nothing of it to clear."""
+    keeps the model, the engine and every buffer they hold alive, and a retry finds the first
+    attempt's host memory still taken (bench/results/README.md: the in-process OOM retry).
+    Once a step has run, a class-level lru_cache holds the engine's parameter coordinator and
+    modules too. Both are DeepSpeed's internals (0.19.8): where a version lacks one, there is
+    nothing of it to clear."""
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
