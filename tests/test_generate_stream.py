@@ -167,3 +167,19 @@ def test_a_prompts_file_becomes_jsonl_in_its_order(model_dir, reference, tmp_pat
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(ConfigError, match="line 2 has no \"prompt\" string"):
         infer.read_prompts(bad)
+
+
+def test_chat_streams_through_the_compiled_loop_as_through_generate(model_dir):
+    """chat's streamer gets fastdecode's tokens in chunks; the answers are generate's."""
+    import io
+
+    answers = []
+    for whole in (True, False):
+        loaded = infer.load(model_dir)
+        loaded.static_cache = whole
+        out = io.StringIO()
+        history = infer.chat(loaded, infer.Sampling(max_new_tokens=20, min_new_tokens=20),
+                             stdin=io.StringIO("hello\nand again?\n"), stdout=out)
+        assert bool(loaded.decoders) == whole
+        answers.append((history, out.getvalue()))
+    assert answers[0] == answers[1]

@@ -223,8 +223,6 @@ def place(config, gpu_mem, dtype: str, context_tokens: int, model_dir: Path | No
         raise ConfigError(f"--gpu-mem {human_bytes(budget)} is more than the GPU's {human_bytes(total)}")
     torch.cuda.set_per_process_memory_fraction(budget / total)  # the budget is the allocator's cap
     _, placement = plan_placement(config, torch_dtype, budget, context_tokens, trust_remote_code=trust_remote_code)
-    from zerofit import streaming  # imports torch
-
     streamed = placement.get("streamed_layer_names") or []
     if model is not None:
         model = model.to(torch_dtype)
@@ -253,7 +251,7 @@ def spread(model, placement: dict, device: str) -> None:
 
 def start_offload(model, placement: dict, device: str):
     """Stream the layers the plan left in host RAM (LayerStream), or run them on the CPU
-    where one layer's decode step measured faster there than its copy (CpuLayers)."""
+    (CpuLayers) where a decode step measured faster that way (streaming.cpu_or_stream)."""
     from zerofit import streaming  # imports torch
 
     names = placement.get("streamed_layer_names") or []
