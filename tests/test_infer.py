@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from zerofit.infer import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load
+from zerofit.infer.generate import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load, sampling_from
 from zerofit.core.errors import ConfigError
 from zerofit.core.console import counted
 
@@ -138,7 +138,7 @@ def test_kv_cache_reserve_of_llama_8b():
 def test_placement_of_an_8b_model_in_12_and_24_gib():
     """accelerate's device map on a weightless skeleton: what `--gpu-mem` puts where."""
     from zerofit.core.errors import ConfigError
-    from zerofit.infer import plan_placement
+    from zerofit.infer.generate import plan_placement
     from zerofit.models import config_from_name
 
     config = config_from_name("llama-8b")
@@ -158,14 +158,14 @@ def test_inference_and_planning_numbers_are_checked_as_usage(capsys):
     """--temperature 0 asks for greedy decoding (as most tools read it); numbers no run can take
     (a negative temperature, no new tokens, zero ranks) are usage errors naming the flag, exit 2,
     not a traceback from transformers or the planner."""
-    from zerofit import cli, commands
+    from zerofit import cli
 
     parser = cli.build_parser()
-    assert commands.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0"])).greedy
-    sampled = commands.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0.7"]))
+    assert sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0"])).greedy
+    sampled = sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0.7"]))
     assert not sampled.greedy and sampled.temperature == 0.7
     # 0 stays greedy beside --top-k / --top-p (it was read as unset there: top-k sampled at temperature 1)
-    zero_with_top_k = commands.sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0",
+    zero_with_top_k = sampling_from(parser.parse_args(["generate", "m", "--prompt", "p", "--temperature", "0",
                                                              "--top-k", "50", "--top-p", "0.9"]))
     assert zero_with_top_k.greedy and zero_with_top_k.generate_kwargs()["do_sample"] is False
     for argv, said in ((["generate", "m", "--prompt", "p", "--temperature", "-1"], "--temperature: -1 is below 0.0"),

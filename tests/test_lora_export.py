@@ -14,7 +14,7 @@ from zerofit.lora import adapters, base as basemodel, reinit
 from zerofit.cli import main
 from zerofit.core.errors import ConfigError
 from zerofit.export.checkpoint import export
-from zerofit.infer import load_adapter
+from zerofit.infer.generate import load_adapter
 from zerofit.models import PRESETS, config_from_name
 
 IDS = torch.tensor([[1, 40, 73, 80, 80, 83, 4, 91, 83, 86, 80, 72, 2]])
@@ -197,7 +197,7 @@ def test_adapter_only_loads_in_peft_and_generates(path_run, tmp_path):
     assert "5 new tokens" in done.stderr and "+ the LoRA adapter" in done.stderr
     # the run's generation config (a template's turn end among the end tokens: runfiles.write_generation_config)
     # stops generation on the base too, not only in a merged export
-    from zerofit.infer import eos_ids
+    from zerofit.infer.generate import eos_ids
 
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert eos_ids(load_adapter(out)) == {2, 7}

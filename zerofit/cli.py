@@ -255,13 +255,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = verbs.add_parser("generate", help="complete a prompt with a model directory, within a GPU budget")
     add_inference_args(generate)
-    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (no chat template)")
-    generate.set_defaults(run=cmd_generate)
+    prompts = generate.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="the text to continue (no chat template)")
+    prompts.add_argument("--prompts-file", metavar="FILE",
+                         help="many prompts, generated in batches: one per line, or JSONL with a \"prompt\" key")
+    generate.add_argument("--batch-size", type=at_least(1), default=8, metavar="N",
+                          help="prompts generated together with --prompts-file (8)")
+    generate.add_argument("--out", metavar="FILE", help="with --prompts-file: write the JSONL here (default: stdout)")
+    generate.set_defaults(run=run_generate)
 
     chat = verbs.add_parser("chat", help="interactive chat (the tokenizer's chat template, streamed tokens)")
     add_inference_args(chat)
     chat.set_defaults(run=cmd_chat)
     return parser
+
+
+def run_generate(args) -> int:
+    """One --prompt (verbs.cmd_generate), or a --prompts-file in batches (infer.cmd_generate_prompts)."""
+    if args.prompts_file:
+        from zerofit.infer.generate import cmd_generate_prompts
+
+        return cmd_generate_prompts(args)
+    return cmd_generate(args)
 
 
 def check_doctor_arguments(parser, args) -> None:
@@ -277,7 +292,7 @@ def check_doctor_arguments(parser, args) -> None:
 # the arguments that name files or directories: `~` and $VARIABLES expanded, as in a config (a
 # quoted "~/models/my out" was a directory named `~` in the working directory)
 PATH_ARGUMENTS = ("config", "run_dir", "model_dir", "out", "nvme_path", "model", "ds_config", "file",
-                  "from_llamafactory", "source", "base")
+                  "from_llamafactory", "source", "base", "prompts_file")
 
 
 def main(argv: list[str] | None = None) -> int:

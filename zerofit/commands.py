@@ -276,15 +276,9 @@ def cmd_export(args) -> int:
     return 0
 
 
-def sampling_from(args):
-    from zerofit.infer import Sampling
-
-    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, min_new_tokens=args.min_new_tokens, seed=args.seed)
-
 
 def cmd_generate(args) -> int:
-    from zerofit.infer import describe, generate, load
+    from zerofit.infer.generate import describe, generate, load, sampling_from
     from zerofit.core.console import counted, say
 
     loaded = load(args.model_dir, args.gpu_mem, args.dtype, trust_remote_code=args.trust_remote_code)
@@ -300,7 +294,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from zerofit.infer import chat
+    from zerofit.infer.generate import chat, sampling_from
 
     chat(args.model_dir, sampling_from(args), args.gpu_mem, args.dtype, trust_remote_code=args.trust_remote_code)
     return 0

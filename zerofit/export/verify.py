@@ -24,7 +24,7 @@ from zerofit.checkpoint import universalfiles, zerofiles
 from zerofit.checkpoint.files import load_torch_file, refuse_unsafe
 from zerofit.core.errors import ConfigError
 from zerofit.core.console import say, warn
-from zerofit.infer import load_adapter
+from zerofit.infer.generate import load_adapter
 from zerofit.lora import adapters, base as basemodel, reinit
 from zerofit.lora.base import adapter_base
 from zerofit.lora.base import tied_aliases
