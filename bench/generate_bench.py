@@ -1,6 +1,6 @@
 """tokens/s of `zerofit generate` against the stock way (`from_pretrained(device_map="auto",
-max_memory=...)`) for llama-8b under GPU budgets of 24, 12 and 6 GiB, batch 1 and 8, each
-case beside its bandwidth bound, in one run on one GPU.
+max_memory=...)`) and DeepSpeed ZeRO-Inference for llama-8b under GPU budgets of 24, 12 and
+6 GiB, batch 1 and 8, each case beside its bandwidth bound, in one run on one GPU.
 
 The model is preset llama-8b with random weights, saved once as bf16 safetensors under /tmp
 (~16 GB): speed does not depend on what the weights say. Each (budget, method) runs in its
@@ -9,7 +9,8 @@ zerofit: load, one short warm-up generate per batch size (said: it compiles the 
 of a whole model), then greedy decoding of --tokens tokens after the 54-token prompt with EOS
 barred, timed end to end (prefill included). Stock with layers offloaded is too slow to
 decode 128 tokens in the time a run has: its decode rate is (b - a) tokens over t(b) - t(a),
-two generates of a and b tokens, which leaves its prefill out (in its favour).
+two generates of a and b tokens, which leaves its prefill out (in its favour); ZeRO-Inference,
+every layer offloaded, is timed the same way.
 
 The bound of a case (bench/results/README.md): one decode step reads every weight from HBM
 and every streamed weight across PCIe; seconds per step >= max(streamed bytes / pinned H2D
@@ -133,28 +134,11 @@ def measure_zerofit(model_dir: Path, gpu_mem: str | None, tokens: int, batches: 
     return result
 
 
-def measure_stock(model_dir: Path, gpu_mem: str | None, tokens: int, batches: list[int], short: tuple[int, int]) -> dict:
-    """`from_pretrained(device_map="auto", max_memory={0: budget, "cpu": ...})` and its
-    `generate`, as a user gets it, under the same allocator cap as zerofit."""
+def decode_rates(model, pad: int, ids: list[int], tokens: int, batches: list[int], short: tuple[int, int],
+                 offloaded: bool, label: str) -> dict:
+    """tokens/s of `model.generate` (greedy, EOS barred) per batch: end to end over `tokens`, or
+    where layers are offloaded (too slow for that) the decode rate (b - a) / (t(b) - t(a))."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from zerofit.core.timeline import parse_bytes
-    from zerofit.data.tokenize import text_ids
-
-    started = time.perf_counter()
-    options = {"dtype": torch.bfloat16}
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        budget = parse_bytes(gpu_mem) if gpu_mem else total
-        torch.cuda.set_per_process_memory_fraction(budget / total)
-        options.update(device_map="auto", max_memory={0: budget, "cpu": 100 << 30})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **options).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    devices = sorted({str(d) for d in getattr(model, "hf_device_map", {"": "cpu"}).values()})
-    offloaded = "cpu" in devices and len(devices) > 1
-    result = {"load_seconds": round(time.perf_counter() - started, 1), "devices": devices, "batches": {}}
-    ids = text_ids(tokenizer, PROMPT)
 
     def timed(batch: int, new: int) -> float:
         input_ids = torch.tensor([ids] * batch, device=model.device)
@@ -163,11 +147,12 @@ def measure_stock(model_dir: Path, gpu_mem: str | None, tokens: int, batches: li
         begun = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - begun
 
+    rows = {}
     for batch in batches:
         timed(batch, 2)  # warm-up
         reset_peaks()
@@ -180,8 +165,78 @@ def measure_stock(model_dir: Path, gpu_mem: str | None, tokens: int, batches: li
             seconds = timed(batch, tokens)
             rate, how = batch * tokens / seconds, f"{tokens} tokens end to end"
             row = {"seconds": round(seconds, 3)}
-        result["batches"][str(batch)] = {"tokens_per_s": round(rate, 2), "measured": how, **row, **gpu_peaks()}
-        print(f"  stock {gpu_mem} batch {batch}: {rate:.2f} tokens/s ({how})", file=sys.stderr, flush=True)
+        rows[str(batch)] = {"tokens_per_s": round(rate, 2), "measured": how, **row, **gpu_peaks()}
+        print(f"  {label} batch {batch}: {rate:.2f} tokens/s ({how})", file=sys.stderr, flush=True)
+    return rows
+
+
+def cap_gpu(gpu_mem: str | None) -> int | None:
+    """The allocator cap zerofit sets for --gpu-mem, for the other methods too; the budget in bytes."""
+    import torch
+
+    from zerofit.core.timeline import parse_bytes
+
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = parse_bytes(gpu_mem) if gpu_mem else total
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    return budget
+
+
+def measure_stock(model_dir: Path, gpu_mem: str | None, tokens: int, batches: list[int], short: tuple[int, int]) -> dict:
+    """`from_pretrained(device_map="auto", max_memory={0: budget, "cpu": ...})` and its
+    `generate`, as a user gets it, under the same allocator cap as zerofit."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zerofit.data.tokenize import text_ids
+
+    started = time.perf_counter()
+    options = {"dtype": torch.bfloat16}
+    budget = cap_gpu(gpu_mem)
+    if budget is not None:
+        options.update(device_map="auto", max_memory={0: budget, "cpu": 100 << 30})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **options).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    devices = sorted({str(d) for d in getattr(model, "hf_device_map", {"": "cpu"}).values()})
+    offloaded = "cpu" in devices and len(devices) > 1
+    result = {"load_seconds": round(time.perf_counter() - started, 1), "devices": devices}
+    result["batches"] = decode_rates(model, tokenizer.eos_token_id, text_ids(tokenizer, PROMPT), tokens, batches,
+                                     short, offloaded, f"stock {gpu_mem}")
+    return result
+
+
+def measure_zero_inference(model_dir: Path, gpu_mem: str | None, tokens: int, batches: list[int],
+                           short: tuple[int, int]) -> dict:
+    """DeepSpeed ZeRO-Inference: ZeRO-3 with every parameter offloaded to (pinned) CPU memory
+    and fetched, two layers' worth prefetched, as each module runs; built under zero.Init
+    (HfDeepSpeedConfig) so the model never sits whole anywhere, then the engine's module's
+    `generate`. The budget caps the allocator as for the others."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from zerofit.train.ranks import init_distributed
+    from zerofit.data.tokenize import text_ids
+
+    started = time.perf_counter()
+    on_gpu = init_distributed().on_gpu
+    cap_gpu(gpu_mem)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": on_gpu},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": on_gpu},
+                                    "stage3_prefetch_bucket_size": 500_000_000,
+                                    "stage3_param_persistence_threshold": 100_000}}
+    holder = HfDeepSpeedConfig(config)  # noqa: F841 - alive while from_pretrained builds under zero.Init
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.module.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    result = {"load_seconds": round(time.perf_counter() - started, 1), "deepspeed": deepspeed.__version__}
+    result["batches"] = decode_rates(engine.module, tokenizer.eos_token_id, text_ids(tokenizer, PROMPT), tokens,
+                                     batches, short, True, f"zero_inference {gpu_mem}")
     return result
 
 
@@ -239,7 +294,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (same code path)")
     parser.add_argument("--preset", default=None, help="model preset (default llama-8b; tiny with --smoke)")
     parser.add_argument("--budgets", default="24GiB,12GiB,6GiB", help="GPU budgets, comma separated")
-    parser.add_argument("--methods", default="zerofit,stock", help="zerofit, stock; comma separated")
+    parser.add_argument("--methods", default="zerofit,stock,zero_inference",
+                        help="zerofit, stock, zero_inference (DeepSpeed ZeRO-3 parameter offload); comma separated")
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma separated")
     parser.add_argument("--tokens", type=int, default=None, help="tokens decoded per case (128; 8 with --smoke)")
     parser.add_argument("--stock-short", default="4,12", help="a,b: token counts of stock's two offloaded runs")
@@ -264,8 +320,11 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(probe_links()))
         return
     if args.one is not None:
-        measure = measure_zerofit(model_dir, args.one or None, tokens, batches) if args.method == "zerofit" else \
-            measure_stock(model_dir, args.one or None, tokens, batches, short)
+        if args.method == "zerofit":
+            measure = measure_zerofit(model_dir, args.one or None, tokens, batches)
+        else:
+            method = {"stock": measure_stock, "zero_inference": measure_zero_inference}[args.method]
+            measure = method(model_dir, args.one or None, tokens, batches, short)
         Path(args.json).write_text(json.dumps(measure))
         return
 

@@ -183,3 +183,24 @@ def test_chat_streams_through_the_compiled_loop_as_through_generate(model_dir):
         assert bool(loaded.decoders) == whole
         answers.append((history, out.getvalue()))
     assert answers[0] == answers[1]
+
+
+def test_a_lora_adapter_decodes_through_the_compiled_loop_as_through_generate(model_dir, tmp_path):
+    """An adapter directory runs on its base wrapped by peft; fastdecode's tokens are still generate's."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config).eval()
+    reference.save_pretrained(tmp_path / "adapter")
+    adapter_config = tmp_path / "adapter" / "adapter_config.json"
+    adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()),
+                                          "base_model_name_or_path": str(model_dir)}))
+    loaded = infer.load(tmp_path / "adapter")
+    loaded.static_cache = True
+    ids = [infer.prompt_ids(loaded, p) for p in PROMPTS]
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    results, _ = infer.generate_many(loaded, PROMPTS, infer.Sampling(max_new_tokens=16, min_new_tokens=16), 4)
+    expected = hf_greedy(reference, loaded.tokenizer, [ids[i] for i in order], 16, 16)
+    assert [results[i].token_ids for i in order] == expected and loaded.decoders

@@ -39,8 +39,10 @@ def unsupported(model) -> str | None:
 
 
 def cache_argument(model) -> str:
-    """The name forward takes the KV cache by (transformers renamed past_key_values to cache)."""
-    parameters = inspect.signature(type(model).forward).parameters
+    """The name forward takes the KV cache by (transformers renamed past_key_values to cache);
+    a PeftModel passes it on to its base."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parameters = inspect.signature(type(base).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 
