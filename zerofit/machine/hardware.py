@@ -247,13 +247,16 @@ CACHE_VERSION = 1
 CACHE_VARIABLE = "ZEROFIT_CACHE_DIR"
 
 
-def cache_path(nvme_path: str | Path) -> Path:
-    # ZEROFIT_CACHE_DIR moves only zerofit's cache (XDG_CACHE_HOME also moves torch's
-    # extension builds, so DeepSpeed would rebuild its ops there)
-    root = Path(os.environ.get(CACHE_VARIABLE) or
+def cache_root() -> Path:
+    """zerofit's cache of machine measurements. ZEROFIT_CACHE_DIR moves only zerofit's cache
+    (XDG_CACHE_HOME also moves torch's extension builds, so DeepSpeed would rebuild its ops there)."""
+    return Path(os.environ.get(CACHE_VARIABLE) or
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerofit")
+
+
+def cache_path(nvme_path: str | Path) -> Path:
     key = hashlib.sha256(str(Path(nvme_path).resolve()).encode()).hexdigest()[:16]
-    return root / f"aio-{key}.json"
+    return cache_root() / f"aio-{key}.json"
 
 
 def read_tuning(nvme_path: str | Path) -> dict | None:
