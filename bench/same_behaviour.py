@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 DISK_KEYS = ("disk_path", "disk_free_bytes")
-DISK_WORDS = re.compile(r"(disk[^;]*? of )[\d.]+GiB")
+DISK_WORDS = re.compile(r"(disk[^;]*? of |disk: [^;]*?\(have )[\d.]+GiB")
 
 
 def without_disk_readings(value, key: str = ""):

@@ -11,11 +11,11 @@ read), so a 70B config takes a second. What the planner needs comes out of it:
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, replace
 
 from zerofit.config.schema import Config, ModelConfig
-from zerofit.models import config_from_name, hf_config
-from zerofit.models import zero3_init_parked
+from zerofit.models import config_from_name, hf_config, zero3_init_parked
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ class ModelSpec:
 
 
 def from_model_config(model: ModelConfig) -> ModelSpec:
-
     return from_hf_config(hf_config(model), model.trust_remote_code)
 
 
@@ -105,8 +104,8 @@ def from_config(config: Config) -> ModelSpec:
     (built on the meta device here too), whose base is frozen."""
     if not config.lora.enabled:
         return from_model_config(config.model)
+    import peft  # an optional dependency: only with LoRA
     import torch
-    from transformers import AutoModelForCausalLM
 
     from zerofit.lora import attach as lora  # peft and the checkpoint readers (torch): only with LoRA
     from zerofit.lora.base import quiet_peft
@@ -114,11 +113,10 @@ def from_config(config: Config) -> ModelSpec:
     hf = hf_config(config.model)
     targets = lora.resolve(config, hf)
     peft_config = lora.peft_config(config.lora, targets, lora.resolve_modules_to_save(config, hf))
-    import peft
 
     with torch.device("meta"), zero3_init_parked(), quiet_peft():
-        model = AutoModelForCausalLM.from_config(hf, trust_remote_code=config.model.trust_remote_code)
-        model = peft.get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+        model = peft.get_peft_model(meta_model(hf, config.model.trust_remote_code), peft_config,
+                                    autocast_adapter_dtype=False)
     spec = from_module(model, hf, peft_config)
     adapters = [m for m in spec.modules if m.name.endswith("lora_A.default") and m.layer == 0]
     return replace(spec, adapter_inputs_per_layer=sum(m.numel for m in adapters) // config.lora.r,
@@ -127,25 +125,36 @@ def from_config(config: Config) -> ModelSpec:
 
 def from_name(name: str, trust_remote_code: bool = False) -> ModelSpec:
     """A preset, a config.json, or a model directory (only its config.json is read)."""
-
     return from_hf_config(config_from_name(name, trust_remote_code), trust_remote_code)
 
 
 def from_hf_config(hf_config, trust_remote_code: bool = False) -> ModelSpec:
+    return from_module(meta_model(hf_config, trust_remote_code), hf_config)
+
+
+def meta_model(hf_config, trust_remote_code: bool = False):
+    """The model built on the meta device: a copy of one build per config (a plan reads the model
+    and its LoRA alternative; a copy takes milliseconds where a build of an 8B takes most of a second)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), zero3_init_parked():
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-    return from_module(model, hf_config)
+    key = (type(hf_config), hf_config.to_json_string(), trust_remote_code)
+    if key not in _META_BUILDS:
+        with torch.device("meta"), zero3_init_parked():
+            _META_BUILDS[key] = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        while len(_META_BUILDS) > META_BUILDS_KEPT:
+            _META_BUILDS.pop(next(iter(_META_BUILDS)))
+    return copy.deepcopy(_META_BUILDS[key])
 
+
+META_BUILDS_KEPT = 8
+_META_BUILDS: dict = {}
 
 
 def from_module(model, hf_config, adapter=None) -> ModelSpec:
     """The spec of an instantiated (meta or real) model; `adapter`: the peft LoraConfig it
     carries (for the order of its hooks)."""
     from zerofit.plan import hookorder  # it imports torch: `zerofit plan --presets` starts without it
-
 
     names: dict[int, str] = {}
     params: list[Param] = []
