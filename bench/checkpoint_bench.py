@@ -107,13 +107,13 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
 
-    from zerofit.checkpoint import files as checkpoint
-    from zerofit.train import checkpointer, engine, ranks
-    from zerofit.machine import procenv
-    from zerofit.data import pipeline as data
-    from zerofit.plan import deepspeed
-    from zerofit.core import timeline as memory
     from zerofit import models
+    from zerofit.checkpoint import files as checkpoint
+    from zerofit.core import timeline as memory
+    from zerofit.data import pipeline as data
+    from zerofit.machine import procenv
+    from zerofit.plan import deepspeed
+    from zerofit.train import checkpointer, engine, ranks
     from zerofit.train.loop import train_step
     from zerofit.train.setup import fresh_state
 

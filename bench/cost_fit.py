@@ -24,11 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from zerofit.machine import hardware
-from zerofit.plan import spec as modelspec, steptime  # noqa: E402 (after the path above)
-from zerofit.plan.estimate import Candidate, Shape  # noqa: E402
 from speed_bench import under_warmup_rule  # noqa: E402 (the bench's steady step)
 from speed_cases import stock_candidate  # noqa: E402 (LLaMA-Factory's config in the planner's terms)
+
+from zerofit.machine import hardware
+from zerofit.plan import spec as modelspec  # noqa: E402 (after the path above)
+from zerofit.plan import steptime
+from zerofit.plan.estimate import Candidate, Shape  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # file -> CPU cores of the host it ran on: the 1 x H200 machine (16), the 2 x H200 one (32)

@@ -28,7 +28,8 @@ CASES = {"buffered": (False, None), "direct_8MiB_stages": (True, 8 << 20), "dire
 def one(path: Path, tensor, direct: bool, stage_bytes: int | None) -> dict:
     import torch
 
-    from zerofit.checkpoint import writer as checkpoint_io, directio
+    from zerofit.checkpoint import directio
+    from zerofit.checkpoint import writer as checkpoint_io
 
     if stage_bytes:
         directio.STAGE_BYTES = stage_bytes

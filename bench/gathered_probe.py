@@ -28,12 +28,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero: dict, lora: bool,
           evaluate: bool = False) -> dict:
     """Train one cell with the coordinator wrapped; the events of every step."""
+    import planner_accuracy
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    import planner_accuracy
-    from zerofit.train import engine
     from zerofit.config.load import validate
+    from zerofit.train import engine
     from zerofit.train.loop import train
 
     built: dict = {}
@@ -84,9 +84,10 @@ def probe(model_name: str, mode: str, seq_len: int, steps: int, work: Path, zero
 def replay(seq_len: int, work: Path) -> dict:
     """The planner's replay for the candidate the run chose (read back from plan.json), on the
     model the run trained (its config.yaml: the peft model with lora.enabled)."""
-    from zerofit.plan import spec as modelspec, trace as zerotrace
-    from zerofit.plan.activations import nvme_parameters
     from zerofit.config.load import load
+    from zerofit.plan import spec as modelspec
+    from zerofit.plan import trace as zerotrace
+    from zerofit.plan.activations import nvme_parameters
     from zerofit.plan.estimate import Candidate, Shape
 
     plan = json.loads((work / "run" / "plan.json").read_text())

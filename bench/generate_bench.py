@@ -108,8 +108,8 @@ def reset_peaks() -> None:
 
 def measure_zerofit(model_dir: Path, gpu_mem: str | None, tokens: int, batches: list[int]) -> dict:
     """What `zerofit generate --prompts-file` does with `batch` copies of the prompt."""
-    from zerofit.infer.generate import Sampling, describe, generate_many, load
     from zerofit.core.timeline import peak_rss_bytes
+    from zerofit.infer.generate import Sampling, describe, generate_many, load
 
     started = time.perf_counter()
     loaded = load(model_dir, gpu_mem=gpu_mem)
@@ -218,8 +218,8 @@ def measure_zero_inference(model_dir: Path, gpu_mem: str | None, tokens: int, ba
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
 
-    from zerofit.train.ranks import init_distributed
     from zerofit.data.tokenize import text_ids
+    from zerofit.train.ranks import init_distributed
 
     started = time.perf_counter()
     on_gpu = init_distributed().on_gpu

@@ -66,8 +66,8 @@ def worker(args, out: Path, release: bool) -> None:
 
 
 def summary(out: Path) -> dict:
-    from zerofit.doctor.run import diagnose
     from zerofit.core.files import read_jsonl
+    from zerofit.doctor.run import diagnose
 
     records = read_jsonl(out / "memory.jsonl")
     found = diagnose(out).findings

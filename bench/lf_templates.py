@@ -17,14 +17,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tokenizers import Regex, Tokenizer, decoders, models as tkm, pre_tokenizers, trainers
+from llamafactory.data.template import TEMPLATES
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as tkm
 from transformers import PreTrainedTokenizerFast
 
-from llamafactory.data.template import TEMPLATES
 from zerofit import models as zmodels
 from zerofit.data.conversations import RowError
-from zerofit.demo import build_tokenizer
 from zerofit.data.tokenize import IGNORE, tokenize_row
+from zerofit.demo import build_tokenizer
 
 NAMES = ["alpaca", "chatml", "default", "empty", "gemma", "llama2", "llama3", "mistral", "phi", "qwen",
          "qwen3_nothink", "vicuna"]

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
 from zerofit.core.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +66,8 @@ def worker(spec_file: Path) -> None:
     spec = json.loads(spec_file.read_text())
     import torch
 
-    from zerofit.core import timeline
     from zerofit.config.load import validate
+    from zerofit.core import timeline
     from zerofit.train.loop import train
 
     if torch.cuda.is_available():

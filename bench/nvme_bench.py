@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zerofit.core.files import read_jsonl  # noqa: E402 (after the path above)
+
 TERM_GRACE_S = 20
 FALLBACK_PRESETS = ("llama-1.5b", "llama-0.5b")
 # A run's time beyond its steps and save: process start, imports, zero.Init and the engine's
@@ -123,9 +124,9 @@ def run_config(args, mode: str, run_dir: Path, nvme_path: Path) -> dict:
 def refusal(args, preset: str, nvme_path: Path, seconds: float) -> str | None:
     """None when the NVMe run of `preset` fits the free disk and `seconds`, by zerofit's own
     prediction (plan.json's figures, the measured disk rates when the doctor cached them)."""
+    from zerofit.config.load import validate
     from zerofit.nvme import preflight as nvme
     from zerofit.plan import render
-    from zerofit.config.load import validate
 
     config = validate(run_config(argparse.Namespace(**{**vars(args), "preset": preset}), "nvme",
                                  Path(args.nvme_dir) / "probe", nvme_path))

@@ -35,8 +35,8 @@ def case(threads: int, load: str, params: int, steps: int) -> float:
 
     if load == "set_by_zerofit":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from zerofit.machine import procenv
         from zerofit.config.load import validate
+        from zerofit.machine import procenv
 
         procenv.apply_cpu_threads(validate({"model": {"config": "tiny"},
                                             "train": {"max_steps": 1, "cpu_threads": threads}}))

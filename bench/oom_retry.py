@@ -35,8 +35,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_cases  # noqa: E402 (after the path above)
 import speed_workers  # noqa: E402
-from zerofit.core.files import read_json  # noqa: E402
-from zerofit.core.files import read_jsonl  # noqa: E402
+
+from zerofit.core.files import (
+    read_json,  # noqa: E402
+    read_jsonl,  # noqa: E402
+)
 
 GIB = 2**30
 
@@ -57,9 +60,9 @@ def memory_now() -> dict:
 
 
 def worker(spec: dict, out: Path) -> None:
+    from zerofit.config.load import validate
     from zerofit.plan import render
     from zerofit.plan.choose import describe
-    from zerofit.config.load import validate
     from zerofit.train.loop import train
 
     speed_workers.cap_gpu(spec["cap_gib"])

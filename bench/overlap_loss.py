@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from speed_levers import LEVERS, SUPER_OFFLOAD  # noqa: E402 (after the path above)
 from speed_workers import Runner, gpu_name  # noqa: E402
+
 from zerofit.core.files import read_jsonl  # noqa: E402
 
 ZENFLOW = LEVERS["zenflow"]["deepspeed_changes"]

@@ -99,8 +99,8 @@ def worker(cell_file: Path) -> None:
     import psutil
     import torch
 
-    from zerofit.core import timeline
     from zerofit.config.load import validate
+    from zerofit.core import timeline
     from zerofit.train.loop import train
 
     on_gpu = spec["accelerator"] == "cuda"
@@ -157,9 +157,10 @@ CONTEXT_PER_PROCESS = GIB   # CUDA context and workspaces, outside the allocator
 
 def predict(cell: Cell, setup: dict, cores: int, host_budget: str) -> dict:
     """The plan for a cell, made here without touching the GPU (decides fit and scheduling)."""
-    from zerofit.machine import hardware
-    from zerofit.plan import spec as modelspec, render
     from zerofit.config.load import validate
+    from zerofit.machine import hardware
+    from zerofit.plan import render
+    from zerofit.plan import spec as modelspec
 
     config = validate(run_config(cell, Path("/tmp/unused"), setup["steps"], host_budget))
     if (cell.model, cell.lora) not in SPECS:

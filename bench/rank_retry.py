@@ -41,9 +41,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import speed_cases  # noqa: E402 (after the path above)
 import speed_workers  # noqa: E402
-from zerofit.core.files import read_json  # noqa: E402
+
+from zerofit.core.files import (
+    read_json,  # noqa: E402
+    read_jsonl,  # noqa: E402
+)
 from zerofit.train.ranks import free_port  # noqa: E402
-from zerofit.core.files import read_jsonl  # noqa: E402
 
 VARIANTS = ("zerofit", "default_store")  # the default --variants; also: no_peer_watch
 LOG_MARKS = ("memory.on_oom=retry", "retry:", "resumed from", "done:", "connectFullMesh", "NCCL error", "Timeout",
@@ -55,8 +58,8 @@ def entry_without(variant: str, argv: list[str]) -> int:
     process group on torch's default keys; `no_peer_watch`, no watcher for torchrun's SIGTERM."""
     import contextlib
 
-    from zerofit.recovery import elastic, peerwatch
     from zerofit.cli import main
+    from zerofit.recovery import elastic, peerwatch
 
     if variant == "default_store":
         elastic.process_group_store = lambda: None

@@ -49,12 +49,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_cases import CASES, CONFIGS, DEFAULT_CASES, GIB, SMOKE_CASE, planning, stock_ds_config, \
-    stock_micro_batches, zerofit_config  # noqa: E402 (after the path above)
+from speed_cases import (
+    CASES,
+    CONFIGS,
+    DEFAULT_CASES,
+    GIB,
+    SMOKE_CASE,
+    planning,
+    stock_ds_config,
+    stock_micro_batches,  # noqa: E402 (after the path above)
+    zerofit_config,
+)
 from speed_levers import LEVERS, lever_summary, run_levers  # noqa: E402
-from speed_record import WARMUP_RULE, against_steady, complete, hf_entry, steady, summarise_case, warmup_steps, \
-    write_markdown, zerofit_entry  # noqa: E402
+from speed_record import (
+    WARMUP_RULE,
+    against_steady,
+    complete,
+    hf_entry,
+    steady,
+    summarise_case,
+    warmup_steps,
+    write_markdown,  # noqa: E402
+    zerofit_entry,
+)
 from speed_workers import Runner, gpu_name  # noqa: E402
+
 
 def run_case(label: str, case: dict, runner: Runner, rates: dict, record: dict, save,
              configs: tuple = CONFIGS, levers: tuple | None = None) -> None:
@@ -184,8 +203,8 @@ def main() -> None:
         tmp.replace(out / f"{stem}.json")
         write_markdown(out / f"{stem}.md", result)
 
-    from zerofit.plan import spec as modelspec
     from zerofit.config.load import validate
+    from zerofit.plan import spec as modelspec
 
     first = cases[0][1]
     params = modelspec.from_config(validate(zerofit_config(first, Path("/tmp/unused"), 2, accelerator))).total_params

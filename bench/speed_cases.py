@@ -71,9 +71,9 @@ def zerofit_config(case: dict, run_dir: Path, steps: int, accelerator: str) -> d
 
 def planning(case: dict, accelerator: str):
     """(spec, hw) the planner sees for this case here: the cap and the real available RAM."""
+    from zerofit.config.load import validate
     from zerofit.machine import hardware
     from zerofit.plan import spec as modelspec
-    from zerofit.config.load import validate
 
     config = validate(zerofit_config(case, Path("/tmp/unused"), 2, accelerator))
     hw = hardware.probe(disk_path=ROOT, gpu_mem=config.plan.gpu_mem, accelerator=accelerator)
@@ -82,8 +82,7 @@ def planning(case: dict, accelerator: str):
 
 def stock_candidate(spec):
     """The LLaMA-Factory config in the planner's terms ("auto" = HF Trainer's formulas)."""
-    from zerofit.plan.estimate import auto_buckets
-    from zerofit.plan.estimate import Candidate
+    from zerofit.plan.estimate import Candidate, auto_buckets
 
     return replace(Candidate(offload_optimizer="cpu", offload_param="cpu", sub_group_size=10**9,
                              gather_16bit_weights_on_save=True), **auto_buckets(spec))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from speed_cases import GIB, stock_candidate
+
 from zerofit.core.files import read_jsonl
 
 # ZeRO-3 records the order its modules fetch parameters in during the first forward; the second

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from speed_cases import BETAS, EPS, GIB, GRAD_CLIP, LR, WEIGHT_DECAY  # noqa: E402 (after the path above)
 
+
 # ----------------------------------------------------------------------- workers
 def cap_gpu(cap_gib: float) -> bool:
     """Cap this process's allocator (a smaller card); False on the CPU accelerator."""

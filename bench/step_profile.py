@@ -148,8 +148,8 @@ class StepCounters:
 
 
 def worker(spec: dict, out: Path) -> None:
-    from zerofit.train import loop as train_module
     from zerofit.config.load import validate
+    from zerofit.train import loop as train_module
 
     speed_workers.cap_gpu(spec["cap_gib"])
     original = train_module.train_step

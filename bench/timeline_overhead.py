@@ -87,10 +87,10 @@ class RandomBatches:
 
 
 def build(args, run_dir: Path):
-    from zerofit.plan import deepspeed as dsconfig
-    from zerofit.train import engine, ranks
     from zerofit.config.load import validate
     from zerofit.models import hf_config
+    from zerofit.plan import deepspeed as dsconfig
+    from zerofit.train import engine, ranks
 
     config = validate({
         "run_dir": str(run_dir), "model": {"config": args.preset, "gradient_checkpointing": True},
@@ -191,9 +191,9 @@ def gpu_paths(run_dir: Path, on_gpu: bool, step_records: list[dict]) -> dict:
 
     import torch
 
-    from zerofit.recovery import postmortem
-    from zerofit.findings.facts import RunFacts
     from zerofit.core.timeline import budgets
+    from zerofit.findings.facts import RunFacts
+    from zerofit.recovery import postmortem
     from zerofit.train.watchdog import Watchdog
 
     found = {"budgets": budgets(True)}

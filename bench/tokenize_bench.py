@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zerofit.train import ranks
-from zerofit.data import workers as tokenworkers  # noqa: E402
 from zerofit.config.data import DataConfig  # noqa: E402
+from zerofit.data import workers as tokenworkers  # noqa: E402
+from zerofit.data.tokenize import read_examples  # noqa: E402
 from zerofit.demo import build_tokenizer  # noqa: E402
 from zerofit.machine.hardware import cpu_cores  # noqa: E402
-from zerofit.data.tokenize import read_examples  # noqa: E402
+from zerofit.train import ranks
 
 
 def write_rows(path: Path, rows: int) -> None:

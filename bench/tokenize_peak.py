@@ -105,13 +105,14 @@ def tree_rss() -> int:
 
 
 def measure(case: dict) -> dict:
-    from zerofit.data import pipeline as data
-    from zerofit.train import engine, ranks, loop as train  # noqa: F401
-    from zerofit.plan import loadpeak
-    from zerofit.core import timeline
     from zerofit import models  # noqa: F401 - train's imports, its base
-    from zerofit.config.schema import ModelConfig
     from zerofit.config.data import DataConfig
+    from zerofit.config.schema import ModelConfig
+    from zerofit.core import timeline
+    from zerofit.data import pipeline as data
+    from zerofit.plan import loadpeak
+    from zerofit.train import engine, ranks  # noqa: F401
+    from zerofit.train import loop as train  # noqa: F401
 
     ranks.init_distributed()
     if case["tokenizer"] == "demo":

@@ -39,8 +39,8 @@ STACK_EVERY_S = 45
 
 
 def probe_config(case: dict, run_dir: Path, steps: int, fields: dict) -> dict:
-    from zerofit.plan import spec
     from zerofit.config.load import validate
+    from zerofit.plan import spec
 
     config = zerofit_config(case, run_dir, steps, "cuda")
     fields = {**zenflow_shape(spec.from_config(validate(config))), **fields}

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from zerofit.checkpoint import files as checkpoint
+from zerofit.config.load import validate
+from zerofit.data.tokenize import IGNORE
 from zerofit.machine import hardware
 from zerofit.train import ranks
-from zerofit.config.load import validate
 from zerofit.train.ranks import free_port
-from zerofit.data.tokenize import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ import json
 import sys
 
 import torch
+from test_hf import Tokens  # this script's directory leads sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from test_hf import Tokens  # this script's directory leads sys.path
 from zerofit.integrations.hf_trainer import MemoryGuardCallback
 
 # LLaMA-Factory's ds_z3_offload_config.json shape, with nothing persistent so every parameter is gathered

@@ -2,11 +2,12 @@
 from dataclasses import replace
 
 import pytest
-
 from conftest import cuda_box
-from zerofit.plan import activations, choose, spec as modelspec, estimate
-from zerofit.machine import hardware
+
 from zerofit.config.load import validate
+from zerofit.machine import hardware
+from zerofit.plan import activations, choose, estimate
+from zerofit.plan import spec as modelspec
 from zerofit.plan.estimate import Candidate, Shape
 
 

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_zerofit, tiny_config, write_config
+
 from zerofit.core import cgroup
-from zerofit.machine import hardware
 from zerofit.core.cgroup import GroupDirs, find_dirs
+from zerofit.machine import hardware
 
 GIB = 2**30
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"

@@ -2,15 +2,15 @@
 import json
 
 import pytest
-
-from zerofit.data import chatlayout, pipeline as data, tokenize
-from zerofit.core.errors import ConfigError
-from zerofit.data.conversations import RowError
-from zerofit.config.load import validate
-from zerofit.models import BUNDLED_TEMPLATES as BUNDLED
-from zerofit.data.tokenize import IGNORE
-
 from conftest import CHATML, decode_learned, write_jsonl
+
+from zerofit.config.load import validate
+from zerofit.core.errors import ConfigError
+from zerofit.data import chatlayout, tokenize
+from zerofit.data import pipeline as data
+from zerofit.data.conversations import RowError
+from zerofit.data.tokenize import IGNORE
+from zerofit.models import BUNDLED_TEMPLATES as BUNDLED
 
 
 def test_the_chat_templates_written_for_exports_render_what_training_read(tokenizer):
@@ -118,7 +118,8 @@ def test_a_row_whose_turns_the_tokenizer_joins_is_tokenized_turn_by_turn():
     leaves no token where the answer starts, and every such row was refused. Tokenized turn by
     turn instead, as LLaMA-Factory tokenizes every row; a row that needs no such cut keeps the
     whole text's tokens, which chat prompts get."""
-    from tokenizers import Tokenizer, models as token_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as token_models
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(token_models.WordLevel(vocab={"<unk>": 0, "</s>": 1, "hi": 2, "ho": 3, "hiho": 4, "hohi": 5},
@@ -403,8 +404,8 @@ def test_a_chat_template_counts_by_its_text_on_resume(tmp_path):
 
 
 def test_an_earlier_runs_template_does_not_stay_in_the_run_directory(tmp_path, tokenizer, capsys):
-    from zerofit.train import runfiles
     from zerofit.models import hf_config
+    from zerofit.train import runfiles
 
     config = validate({"run_dir": str(tmp_path), "model": {"config": "tiny"}, "train": {"max_steps": 1}})
     (tmp_path / "model").mkdir()

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, child_env, config_for, read_jsonl, run_zerofit, valid_steps, wait_for, zerofit_command
+
 from zerofit.checkpoint import files as checkpoint
 from zerofit.core import faults
 from zerofit.doctor.run import diagnose

@@ -43,7 +43,7 @@ def test_checked_file_writes_every_byte(tmp_path, monkeypatch, direct):
     import torch
     import xxhash
 
-    from zerofit.checkpoint import writer, directio
+    from zerofit.checkpoint import directio, writer
 
     monkeypatch.setattr(directio, "STAGE_BYTES", 64 << 10)
     pieces = [np.random.default_rng(i).integers(0, 255, size=n, dtype=np.uint8).tobytes()
@@ -141,7 +141,7 @@ def test_direct_writer_hashes_every_byte_once_across_random_writes_and_flushes(t
 
     import xxhash
 
-    from zerofit.checkpoint import writer, directio
+    from zerofit.checkpoint import directio, writer
 
     monkeypatch.setattr(directio, "STAGE_BYTES", 64 << 10)
     rng = rng_module.Random(7)

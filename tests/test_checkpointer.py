@@ -8,13 +8,24 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import (
+    ROOT,
+    SHAPE,
+    child_env,
+    config_for,
+    read_jsonl,
+    run_zerofit,
+    tiny_config,
+    trained_run,
+    valid_steps,
+    wait_for,
+    zerofit_command,
+)
 
-from conftest import (ROOT, SHAPE, child_env, config_for, read_jsonl, run_zerofit, tiny_config, trained_run, valid_steps,
-                      wait_for, zerofit_command)
 from zerofit.checkpoint import files as checkpoint
-from zerofit.train import checkpointer
 from zerofit.core import faults
 from zerofit.doctor.run import diagnose
+from zerofit.train import checkpointer
 
 
 def _cpu_adam_after(steps_before: int, steps_after: int, replay: bool):

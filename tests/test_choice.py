@@ -2,12 +2,13 @@
 from dataclasses import replace
 
 import pytest
-
 from conftest import config, cpu_box, cuda_box
-from zerofit.plan import choose, spec as modelspec
-from zerofit.machine import hardware
+
 from zerofit.config.load import validate
 from zerofit.core.timeline import human_bytes
+from zerofit.machine import hardware
+from zerofit.plan import choose
+from zerofit.plan import spec as modelspec
 
 
 # ------------------------------------------------------------------------ choice

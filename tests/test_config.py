@@ -2,14 +2,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_zerofit, tiny_config, write_config
 
 from zerofit import cli
-from zerofit.train import runfiles
+from zerofit.config.load import dump_yaml, example_yaml, load, parse_override, validate
 from zerofit.config.schema import Config, changed_settings
 from zerofit.core.errors import ConfigError
-from zerofit.config.load import dump_yaml, example_yaml, load, parse_override, validate
-
-from conftest import run_zerofit, tiny_config, write_config
+from zerofit.train import runfiles
 
 
 def test_demo_config_is_the_default():

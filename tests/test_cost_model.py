@@ -5,7 +5,7 @@ import pytest
 from conftest import bench_module, cuda_box
 
 from zerofit.machine import hardware
-from zerofit.plan import spec, estimate, steptime
+from zerofit.plan import estimate, spec, steptime
 from zerofit.plan.estimate import Candidate, Shape
 
 cost_fit = bench_module("cost_fit")

@@ -1,16 +1,17 @@
 """Rows -> training sequences and batches (data.py, rowlayout.py): packing, truncation, masking, the eval split."""
 import numpy as np
 import pytest
+from conftest import write_jsonl
 
-from zerofit.data import pipeline as data, rows as rowlayout, tokenize
-from zerofit.core.errors import ConfigError
 from zerofit.config.data import DataConfig
 from zerofit.config.load import validate
-from zerofit.data.pipeline import Batches
+from zerofit.core.errors import ConfigError
+from zerofit.data import pipeline as data
+from zerofit.data import rows as rowlayout
+from zerofit.data import tokenize
 from zerofit.data.files import DataError
+from zerofit.data.pipeline import Batches
 from zerofit.data.tokenize import IGNORE
-
-from conftest import write_jsonl
 
 
 def test_packing_fills_rows_and_padding_pads_them():
@@ -376,8 +377,8 @@ def test_train_on_prompt_and_mask_history_choose_the_tokens_learned(tmp_path, to
     assert "gamma delta" not in learned(seq_len=first_turn)  # in order, the first turn takes the room
     assert "gamma delta" in learned(seq_len=first_turn, mask_history=True)  # the last turn's first
 
-    from zerofit.train.datareport import learned_note
     from zerofit.config.schema import Config
+    from zerofit.train.datareport import learned_note
 
     config = Config.model_validate({"model": {"config": "tiny"}, "train": {"max_steps": 1},
                                     "data": {"mask_history": True}})

@@ -2,14 +2,15 @@
 import json
 
 import pytest
+from conftest import decode_learned, write_jsonl
 
-from zerofit.data import pipeline as data, files as datafiles, tokenize
-from zerofit.core.errors import ConfigError
 from zerofit.config.data import DataConfig
 from zerofit.config.load import validate
+from zerofit.core.errors import ConfigError
+from zerofit.data import files as datafiles
+from zerofit.data import pipeline as data
+from zerofit.data import tokenize
 from zerofit.data.files import DataError
-
-from conftest import decode_learned, write_jsonl
 
 
 def test_bad_row_names_file_line_and_field(tmp_path, tokenizer):

@@ -14,9 +14,9 @@ from conftest import read_jsonl, run_zerofit, tiny_config, train, write_config, 
 from timelines import GiB, MiB, ds_config, synthetic_run
 
 from zerofit.core.errors import ConfigError
+from zerofit.core.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
 from zerofit.doctor.run import diagnose, doctor
 from zerofit.findings.facts import end_of_step, gib
-from zerofit.core.faults import LEAK_BYTES_PER_STEP, RESIDUE_BYTES, SPIKE_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -397,8 +397,8 @@ def test_a_run_killed_outright_is_explained(tmp_path):
 
 
 def test_how_a_run_ended_reads_its_end_record():
-    from zerofit.doctor.run import how_it_ended
     from zerofit.core.timeline import effective_records
+    from zerofit.doctor.run import how_it_ended
 
     def records(*phases):
         return [{"step": step, "phase": phase, **({"reason": reason} if reason else {})}
@@ -419,8 +419,8 @@ def test_an_async_save_resumed_from_counts_as_published():
     """An async save of step 4 is published (checkpoint_written) at step 5; a kill at step 6 and
     a resume from step-000004 dropped that record with step 5's, and the summary called the
     checkpoint it resumed from unfinished."""
-    from zerofit.findings.measured import save_outcomes
     from zerofit.core.timeline import effective_records
+    from zerofit.findings.measured import save_outcomes
 
     def saved(step, phase, name):
         return {"step": step, "phase": phase, "checkpoint": name, **({"mode": "async"} if phase == "save" else {})}

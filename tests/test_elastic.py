@@ -3,11 +3,10 @@ import dataclasses
 import json
 
 import pytest
-
 from conftest import OOM_AT_5, WIDE, agent_store_env, oom_config, read_jsonl, run_two_nodes, run_zerofit, tiny_config
 
-from zerofit.recovery import elastic
 from zerofit.config.load import validate
+from zerofit.recovery import elastic
 from zerofit.recovery.oomreport import retry_line
 from zerofit.recovery.postmortem import OomEvent
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit, tiny_config, write_config
+
 from zerofit.cli import main
 from zerofit.export.checkpoint import export
 from zerofit.models import PRESETS
@@ -465,9 +465,9 @@ def test_per_tensor_transform_seam_sees_every_row_once(one_rank, tmp_path):
     """What a LoRA merge will plug into: a transform on row blocks before the cast."""
     from safetensors.torch import load_file
 
+    from zerofit.checkpoint.zerofiles import open_checkpoint
     from zerofit.export.checkpoint import output_tensors
     from zerofit.export.shards import plan_shards, write_model
-    from zerofit.checkpoint.zerofiles import open_checkpoint
 
     checkpoint_dir = one_rank / "checkpoints" / "step-000002"
     tensors = output_tensors(open_checkpoint(checkpoint_dir), torch.float32, tied=False)
@@ -496,6 +496,7 @@ def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
     EOS is another token: the export's generation config stops at both (LLaMA-Factory made
     <|eot_id|> the EOS), else chat talked past the answer."""
     from conftest import write_jsonl
+
     from zerofit.demo import build_tokenizer
     from zerofit.infer.generate import eos_ids, load
     from zerofit.models import BUNDLED_TEMPLATES

@@ -2,11 +2,11 @@
 and nothing found on a healthy run."""
 from timelines import GiB, MiB, ds_config, synthetic_run
 
+from zerofit.core.timeline import effective_records
 from zerofit.findings.detectors import detect, fragmentation
 from zerofit.findings.facts import RunFacts, facts_from
 from zerofit.findings.fixes import phase_advice
 from zerofit.findings.ranks import across_ranks
-from zerofit.core.timeline import effective_records
 
 
 def findings_of(records, **ds):

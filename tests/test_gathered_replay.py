@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zerofit.plan import hookorder, spec as modelspec, states, trace
+from zerofit.plan import hookorder, states, trace
+from zerofit.plan import spec as modelspec
 from zerofit.plan.activations import nvme_parameters
 from zerofit.plan.estimate import Candidate, Shape
 

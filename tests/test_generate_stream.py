@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from zerofit.infer import generate as infer, streaming
 from zerofit.core.errors import ConfigError
+from zerofit.infer import generate as infer
+from zerofit.infer import streaming
 
 PROMPTS = ["Add the two numbers.", "hi", "Reverse the word: banana", "Sort the letters of zebra quickly"]
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from zerofit.machine import hostalloc
 from zerofit.plan import estimate
 

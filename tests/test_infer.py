@@ -4,11 +4,11 @@ import io
 
 import pytest
 import torch
-
 from conftest import ROOT
-from zerofit.infer.generate import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load, sampling_from
-from zerofit.core.errors import ConfigError
+
 from zerofit.core.console import counted
+from zerofit.core.errors import ConfigError
+from zerofit.infer.generate import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load, sampling_from
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@ import json
 
 import pytest
 import yaml
+from conftest import read_jsonl, run_zerofit, write_jsonl
 
 from zerofit import cli
-from zerofit.core.errors import ConfigError
 from zerofit.config.load import load, validate
-
-from conftest import read_jsonl, run_zerofit, write_jsonl
+from zerofit.core.errors import ConfigError
 
 # LLaMA-Factory's examples/train_full/llama3_full_sft.yaml, as shipped (its eval block uncommented)
 LLAMA3_FULL_SFT = """\
@@ -413,8 +412,8 @@ def test_a_translated_alpaca_entry_reads_its_file_as_llamafactory_does(tmp_path,
     """openorca's entry ({prompt: question, response: response, system: system_prompt}) through
     the translation and zerofit's reader: the named columns are the example, the `input` and
     `system` columns the entry does not name left out, as LLaMA-Factory leaves them."""
-    from zerofit.data import tokenize
     from zerofit.config.schema import Config
+    from zerofit.data import tokenize
 
     row = {"question": "add 2 and 2", "response": "4", "system_prompt": "be terse", "input": "unnamed",
            "system": "unnamed"}

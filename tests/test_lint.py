@@ -3,13 +3,13 @@ import json
 from pathlib import Path
 
 import pytest
-
-from zerofit.plan import deepspeed, spec as modelspec
-from zerofit.machine import hardware
-from zerofit.lint import check as lint
-from zerofit.config.load import load
-
 from conftest import run_zerofit
+
+from zerofit.config.load import load
+from zerofit.lint import check as lint
+from zerofit.machine import hardware
+from zerofit.plan import deepspeed
+from zerofit.plan import spec as modelspec
 
 # LLaMA-Factory's examples/deepspeed/ds_z3_offload_config.json: "auto" everywhere HF Trainer
 # fills in (bench/configs/: the values, shared with bench/speed_bench.py).

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import bench_module, run_zerofit, tiny_config, write_config
-from zerofit.plan import loadpeak, render
+
 from zerofit.config.load import load
+from zerofit.plan import loadpeak, render
 
 
 @pytest.fixture
@@ -90,8 +90,8 @@ def test_start_refuses_before_loading_when_the_host_is_too_small(tmp_path):
 def test_a_tokenized_cache_is_priced_without_the_tables(tmp_path):
     """Once a start has kept the rows in data.cache_dir (datacache), the next start's prediction
     holds the process and the lists alone: no HF datasets, Arrow table or workers."""
-    from zerofit.data import cache
     from zerofit.config.data import DataConfig
+    from zerofit.data import cache
     from zerofit.data.files import data_entries
     from zerofit.demo import build_tokenizer
 

@@ -6,17 +6,18 @@ import shutil
 
 import pytest
 import torch
+from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
 
-from zerofit.lora import adapters, base as basemodel, attach as lora
+from zerofit.config.load import validate
+from zerofit.config.schema import LoraConfig
 from zerofit.core import runlock
 from zerofit.core.errors import ConfigError
-from zerofit.train.engine import check_base_files
-from zerofit.config.schema import LoraConfig
-from zerofit.config.load import validate
 from zerofit.export.checkpoint import export
+from zerofit.lora import adapters
+from zerofit.lora import attach as lora
+from zerofit.lora import base as basemodel
 from zerofit.models import config_from_name
-
-from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
+from zerofit.train.engine import check_base_files
 
 LLAMA_DEFAULT = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -346,8 +347,8 @@ def test_adapter_read_from_checkpoint_is_the_trained_one(tmp_path, tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zerofit.data import pipeline as data
     from zerofit.config.load import load
+    from zerofit.data import pipeline as data
 
     torch.manual_seed(0)
     base_dir = tmp_path / "base"
@@ -455,7 +456,8 @@ def test_lora_config_section(tmp_path):
 def test_adapter_names_are_peft_names(bias):
     """is_adapter/peft_key agree with peft's own get_peft_model_state_dict, on a model with
     biases (GPT-NeoX), adapters and a fully trained copy (modules_to_save)."""
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, get_peft_model_state_dict
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     model = GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,

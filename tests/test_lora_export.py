@@ -8,13 +8,14 @@ import sys
 
 import pytest
 import torch
-
 from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit, tiny_config, trained_run
-from zerofit.lora import adapters, base as basemodel, reinit
+
 from zerofit.cli import main
 from zerofit.core.errors import ConfigError
 from zerofit.export.checkpoint import export
 from zerofit.infer.generate import load_adapter
+from zerofit.lora import adapters, reinit
+from zerofit.lora import base as basemodel
 from zerofit.models import PRESETS, config_from_name
 
 IDS = torch.tensor([[1, 40, 73, 80, 80, 83, 4, 91, 83, 86, 80, 72, 2]])

@@ -11,18 +11,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import (assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run,
-                      write_config)
+from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config
 
-from zerofit.nvme import aiotune, preflight as nvme
-from zerofit.checkpoint import files as checkpoint, zerofiles
-from zerofit.plan import deepspeed, estimate, render
-from zerofit.machine import hardware
-from zerofit.nvme import swaplayout
-from zerofit.core.errors import ConfigError
+from zerofit.checkpoint import files as checkpoint
+from zerofit.checkpoint import zerofiles
 from zerofit.config.load import validate
+from zerofit.core.errors import ConfigError
 from zerofit.export.checkpoint import export
+from zerofit.machine import hardware
+from zerofit.nvme import aiotune, swaplayout
+from zerofit.nvme import preflight as nvme
 from zerofit.nvme.swaplayout import Aio
+from zerofit.plan import deepspeed, estimate, render
 
 LIBAIO_MISSING = nvme.libaio_problem()
 needs_async_io = pytest.mark.skipif(LIBAIO_MISSING is not None, reason=f"libaio-dev is not installed, so "

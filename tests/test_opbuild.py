@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_zerofit, tiny_config, write_config
+
 from zerofit.machine import opbuild
 
 HOUR = 3600

@@ -8,7 +8,18 @@ import time
 from datetime import timedelta
 
 import pytest
-from conftest import ROOT, WIDE, agent_store_env, child_env, kill_tree, node_command, oom_config, read_jsonl, run_two_nodes, run_zerofit
+from conftest import (
+    ROOT,
+    WIDE,
+    agent_store_env,
+    child_env,
+    kill_tree,
+    node_command,
+    oom_config,
+    read_jsonl,
+    run_two_nodes,
+    run_zerofit,
+)
 
 from zerofit.recovery import elastic, peerwatch
 from zerofit.train import ranks

@@ -2,13 +2,13 @@
 from dataclasses import replace
 
 import pytest
-
 from conftest import TINY, cuda_box
-from zerofit.plan import choose, spec as modelspec, estimate
-from zerofit.machine import hardware
-from zerofit.config.load import validate
-from zerofit.plan.estimate import Candidate, Shape
 
+from zerofit.config.load import validate
+from zerofit.machine import hardware
+from zerofit.plan import choose, estimate
+from zerofit.plan import spec as modelspec
+from zerofit.plan.estimate import Candidate, Shape
 
 GIB = 2**30
 

@@ -3,10 +3,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, config, cuda_box
-from zerofit.plan import choose, spec as modelspec, steptime
+
 from zerofit.core.timeline import human_bytes
+from zerofit.plan import choose, steptime
+from zerofit.plan import spec as modelspec
 
 
 def test_a_full_fine_tune_that_fits_nowhere_is_told_whether_lora_would():
@@ -51,8 +52,8 @@ def test_plan_json_has_the_documented_keys():
 
 
 def test_the_plan_line_train_says_names_what_runs_and_who_chose_it():
-    from zerofit.plan import render
     from zerofit.core.timeline import human_bytes
+    from zerofit.plan import render
 
     cfg = config(train={"micro_batch_size": 1}, zero={"offload_optimizer": "cpu"})
     decision, spec, hw = render.plan_config(cfg, 1, hw=cuda_box("8GiB"))
@@ -97,8 +98,8 @@ def test_explain_tells_candidates_apart_by_their_buckets():
     buckets column is what tells them apart (llama-1.5b at 24 GiB: three ratio-0.75 rows)."""
     from rich.console import Console
 
-    from zerofit.plan import render
     from zerofit.core.timeline import human_count
+    from zerofit.plan import render
 
     assert [human_count(n) for n in (500_000_000, 3_774_873, 640, 262_668_288, 8_030_261_248, 82_496)] == \
         ["500M", "3.77M", "640", "263M", "8.03B", "82.5K"]

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from transformers import LlamaConfig
 from conftest import deepspeed_lines, run_zerofit
+from transformers import LlamaConfig
 
 
 @pytest.mark.e2e

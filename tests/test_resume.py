@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import config_for, read_jsonl, run_zerofit, tiny_config, valid_steps, write_config, write_jsonl
+
 from zerofit.checkpoint import files as checkpoint
-from zerofit.data import pipeline as data
 from zerofit.core import faults
-from zerofit.train.resume import resume_command
+from zerofit.data import pipeline as data
 from zerofit.doctor.run import diagnose
+from zerofit.train.resume import resume_command
 
 
 def test_the_resume_command_says_where_relative_paths_hold(monkeypatch, tmp_path):

@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 from conftest import config, cpu_box, cuda_box
 
-from zerofit.plan import choose, deepspeed, spec as modelspec, estimate, steptime, states
 from zerofit.machine import hardware
+from zerofit.plan import choose, deepspeed, estimate, states, steptime
+from zerofit.plan import spec as modelspec
 from zerofit.plan.estimate import Candidate, Shape
 
 LLAMA_1_5B_EMBEDDING = 128256 * 2048  # the largest parameter of llama-1.5b (embedding = lm_head)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import run_zerofit
 
+from zerofit.doctor import system
 from zerofit.machine import hardware
 from zerofit.nvme import preflight as nvme
-from zerofit.doctor import system
 
 
 def test_system_checks(tmp_path, monkeypatch):

@@ -2,14 +2,14 @@
 import json
 
 import pytest
+from conftest import CHATML, decode_learned, write_jsonl
 
-from zerofit.data import chatlayout, pipeline as data, tokenize
-from zerofit.data.conversations import RowError
 from zerofit.config.data import DataConfig
+from zerofit.data import chatlayout, tokenize
+from zerofit.data import pipeline as data
+from zerofit.data.conversations import RowError
 from zerofit.data.files import DataError
 from zerofit.data.tokenize import IGNORE
-
-from conftest import CHATML, decode_learned, write_jsonl
 
 
 def test_text_rows_learn_every_token(tokenizer):

@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_jsonl
 
-from zerofit.data import tokenize, workers as tokenworkers
-from zerofit.core.errors import ConfigError
 from zerofit.config.data import DataConfig
 from zerofit.config.load import validate
+from zerofit.core.errors import ConfigError
+from zerofit.data import tokenize
+from zerofit.data import workers as tokenworkers
 from zerofit.data.files import DataError
-
-from conftest import write_jsonl
 
 
 def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, capsys):
@@ -23,9 +23,10 @@ def test_the_next_start_reads_the_rows_it_tokenized_before(tmp_path, tokenizer, 
     rank): the run directory keeps them, named by the files' size and time, the data keys
     tokenizing reads, the tokenizer and the code; anything of those changed tokenizes again."""
     import os
+
+    from zerofit.core.console import Shown
     from zerofit.data import cache
     from zerofit.demo import build_tokenizer
-    from zerofit.core.console import Shown
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     cfg = DataConfig(path=str(path))
@@ -72,8 +73,8 @@ def test_a_poisoned_or_damaged_cache_never_runs_and_is_tokenized_again(tmp_path,
     name is never read, one under the new name (or a file cut short) is stale: said, tokenized again."""
     import pickle
 
-    from zerofit.data import cache
     from zerofit.core.console import Shown
+    from zerofit.data import cache
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     shared, marker = tmp_path / "shared", tmp_path / "pwned"
@@ -179,8 +180,8 @@ def test_a_shared_cache_dir_serves_another_run_and_keeps_every_tokenization(tmp_
     """data.cache_dir (LLaMA-Factory's tokenized_path): a second run directory reads the rows the
     first tokenized; another tokenization of the data is kept beside it, nothing removed (the
     run's own data-cache replaces its older one); an unwritable directory is said, the run goes on."""
-    from zerofit.data import cache
     from zerofit.core.console import Shown
+    from zerofit.data import cache
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": f"say {i}", "output": f"ok {i}"} for i in range(30)])
     shared = tmp_path / "shared"

@@ -5,8 +5,15 @@ import re
 import shutil
 
 import pytest
-
-from conftest import assert_resumes_exactly, read_jsonl, run_zerofit, tiny_config, trained_run, write_config, write_jsonl
+from conftest import (
+    assert_resumes_exactly,
+    read_jsonl,
+    run_zerofit,
+    tiny_config,
+    trained_run,
+    write_config,
+    write_jsonl,
+)
 
 from zerofit.core import runlock
 from zerofit.core.timeline import human_count
@@ -182,9 +189,9 @@ def test_the_data_line_counts_examples_and_says_where_eval_comes_from(tmp_path, 
     the eval set comes from (a default 5% hold-out surprises a LLaMA-Factory user: val_size is 0
     there); an eval_fraction beside eval_path is said to be unused; examples cut in the eval set
     are said too."""
+    from zerofit.config.load import validate
     from zerofit.data import pipeline as data
     from zerofit.train import datareport
-    from zerofit.config.load import validate
 
     rows = [{"instruction": f"say {i} " * (1 + i % 9), "output": "ab" * (1 + i % 5)} for i in range(40)]
     path, held = write_jsonl(tmp_path / "d.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows[:6])
@@ -226,8 +233,8 @@ def test_neat_packing_trains_each_example_alone(tmp_path, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zerofit.data import pipeline as data
     from zerofit.config.load import load
+    from zerofit.data import pipeline as data
     from zerofit.models import config_from_name
 
     base = tmp_path / "base"
@@ -429,6 +436,7 @@ def test_deepspeed_launcher_runs_two_ranks(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 2},
                                                              checkpoint={"every_steps": 0}, eval={"every_steps": 0}))
     from conftest import ROOT
+
     from zerofit.train.ranks import free_port
 
     # `-m zerofit` through the launcher's --module, run from this checkout
@@ -588,8 +596,8 @@ def test_tensorboard_curves_follow_resumes_and_starts_over(tmp_path):
 def test_what_an_early_stop_can_go_on_from(tmp_path, monkeypatch):
     """The line a Ctrl-C or SIGTERM ends with: a command that works. Stopped before the run's
     files were written, there is no config.yaml to name (it pointed at one that did not exist)."""
-    from zerofit.train.resume import where_to_go_on
     from zerofit.config.load import validate
+    from zerofit.train.resume import where_to_go_on
 
     monkeypatch.chdir(tmp_path)
     config = validate(tiny_config(tmp_path / "run"))

@@ -4,13 +4,13 @@ elsewhere or run code; each is refused with a clear error (or replaced) and the 
 import os
 
 import pytest
-
 from conftest import run_zerofit, tiny_config, write_config
+
 from zerofit.checkpoint import files as checkpoint
 from zerofit.core import runlock
 from zerofit.core.errors import ConfigError
-from zerofit.core.timeline import Timeline
 from zerofit.core.files import LinkedFileError, write_atomic
+from zerofit.core.timeline import Timeline
 
 VICTIM_TEXT = "a file the trainer can write, and must not\n"
 
@@ -99,9 +99,9 @@ def poison(path, marker) -> None:
 
 
 def test_a_pickled_payload_is_refused_by_every_loader(tmp_path):
-    from zerofit.checkpoint.writer import ZerofitCheckpointEngine
-
     import torch
+
+    from zerofit.checkpoint.writer import ZerofitCheckpointEngine
 
     marker, path = tmp_path / "pwned", tmp_path / "rng_state_rank0.pt"
     torch.save({"torch": torch.get_rng_state(), "extra": Payload(marker)}, path)

@@ -3,7 +3,6 @@ pure decisions. Its save action on a real run: test_doctor's near-budget run."""
 import json
 
 import pytest
-
 from conftest import read_jsonl, run_zerofit, tiny_config, write_config
 from timelines import GiB, synthetic_run
 

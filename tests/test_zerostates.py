@@ -2,10 +2,11 @@
 import os
 
 import pytest
-
 from conftest import TINY, cpu_box
-from zerofit.plan import spec as modelspec, estimate, states
+
 from zerofit.config.load import validate
+from zerofit.plan import estimate, states
+from zerofit.plan import spec as modelspec
 from zerofit.plan.estimate import Candidate, Shape
 
 

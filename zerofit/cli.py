@@ -10,14 +10,14 @@ import argparse
 import shutil
 import sys
 
+from zerofit.commands import cmd_chat, cmd_config, cmd_doctor, cmd_export, cmd_generate, cmd_lint, cmd_plan, cmd_train
 from zerofit.config.schema import DEFAULT_HEADROOM
+from zerofit.config.section import expand_path
 from zerofit.core.errors import ConfigError, ZerofitError
-from zerofit.recovery.peerwatch import TerminatedOutsideTheLoop
-from zerofit.train.ranks import end_after_error
 from zerofit.core.timeline import human_bytes
 from zerofit.plan.estimate import EXPORT_MAX_RAM_BYTES
-from zerofit.config.section import expand_path
-from zerofit.commands import cmd_chat, cmd_config, cmd_doctor, cmd_export, cmd_generate, cmd_lint, cmd_plan, cmd_train
+from zerofit.recovery.peerwatch import TerminatedOutsideTheLoop
+from zerofit.train.ranks import end_after_error
 
 
 def at_least(minimum, kind=int):

@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from zerofit.recovery import elastic
 from zerofit.config.schema import Config, TrainConfig
 from zerofit.core.errors import ConfigError
+from zerofit.recovery import elastic
 from zerofit.train.ranks import end_after_error
 
 
@@ -70,8 +70,8 @@ def check_named_files(config: Config, resume: bool | None = None, data: bool = T
     checkpoints. Only the file system is read, before any heavy import: a misspelt data.path was
     said 226 s after the start, after the process group, the op build and the model. `data`:
     False where the data may be on another machine (`zerofit plan`)."""
-    from zerofit.checkpoint import files as checkpoint
     from zerofit import models
+    from zerofit.checkpoint import files as checkpoint
     from zerofit.data.files import data_entries
 
     problems = models.model_file_problems(config.model)
@@ -160,9 +160,9 @@ def cmd_plan(args) -> int:
 def write_trainer_ds_config(decision, path: Path, on_gpu: bool) -> None:
     """The plan's DeepSpeed config as HF Trainer takes it, and the Trainer arguments that
     carry the plan's batch split and precision (the config leaves them "auto")."""
+    from zerofit.core.console import say, warn
     from zerofit.plan import deepspeed
     from zerofit.plan.choose import overflow
-    from zerofit.core.console import say, warn
 
     if overflow(decision.plan, exclude=("disk",)):
         warn(f"{path} not written: nothing fits (above); a DeepSpeed config of this plan would run out of memory")
@@ -200,8 +200,9 @@ def cmd_lint(args) -> int:
 
     spec = hw = None
     if args.model:
-        from zerofit.plan import spec as modelspec, render as planview
         from zerofit.config.load import validate
+        from zerofit.plan import render as planview
+        from zerofit.plan import spec as modelspec
 
         spec = modelspec.from_name(args.model)
         raw = {"model": {"config": args.model}, "train": {"max_steps": 1}, "plan": {"gpu_mem": args.gpu_mem,
@@ -245,9 +246,9 @@ def print_translation(args) -> int:
     """`zerofit config --from-llamafactory FILE [--set k=v]`: their YAML as zerofit's, checked
     as `zerofit train` will read it; what trains otherwise than theirs, and what is left to do,
     on stderr."""
-    from zerofit.integrations.llamafactory import config as lfconfig
     from zerofit.config.load import parse_override, validate
     from zerofit.core.console import warn
+    from zerofit.integrations.llamafactory import config as lfconfig
 
     if args.config:
         raise ConfigError("--from-llamafactory FILE is the config to translate; drop --config")
@@ -278,8 +279,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from zerofit.infer.generate import describe, generate, load, sampling_from
     from zerofit.core.console import counted, say
+    from zerofit.infer.generate import describe, generate, load, sampling_from
 
     loaded = load(args.model_dir, args.gpu_mem, args.dtype, trust_remote_code=args.trust_remote_code)
     result = generate(loaded, args.prompt, sampling_from(args))

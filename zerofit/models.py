@@ -6,12 +6,11 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from zerofit.core.errors import ConfigError
-from zerofit.config.schema import ModelConfig
 from zerofit.config.data import DataConfig
+from zerofit.config.schema import ModelConfig
 from zerofit.config.section import read_from
+from zerofit.core.errors import ConfigError
 from zerofit.demo import build_tokenizer
-
 
 # Llama-architecture shapes. The 1.5B and 3.6B presets are Llama-3.2-1B/3B with untied
 # embeddings (1.50e9 and 3.61e9 parameters): the sizes the GPU benchmarks use.

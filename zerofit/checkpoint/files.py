@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from zerofit.checkpoint import size
-from zerofit.core.errors import ConfigError
-from zerofit.core.files import TMP_PREFIX, step_name, step_of, fsync_dir, fsync_file, write_atomic
 from zerofit import __version__
+from zerofit.checkpoint import size
 from zerofit.core import faults
+from zerofit.core.errors import ConfigError
+from zerofit.core.files import TMP_PREFIX, fsync_dir, fsync_file, step_name, step_of, write_atomic
 
 MANIFEST = "MANIFEST.json"
 LOOP_STATE = "loop_state.json"

@@ -22,8 +22,16 @@ from pathlib import Path
 
 from zerofit.checkpoint import files as checkpoint
 from zerofit.checkpoint.torchfile import TensorRef, TorchFile, TorchFileError
-from zerofit.checkpoint.zerofiles import (LORA_LAYERS, OPTIM_FILE, Piece, StoredTensor, ZeroCheckpoint, ZeroCheckpointError, assemble,
-                               model_files)
+from zerofit.checkpoint.zerofiles import (
+    LORA_LAYERS,
+    OPTIM_FILE,
+    Piece,
+    StoredTensor,
+    ZeroCheckpoint,
+    ZeroCheckpointError,
+    assemble,
+    model_files,
+)
 
 ZERO_DIR = "zero"
 FP32_FILE = "fp32.pt"

@@ -32,10 +32,9 @@ from pathlib import Path
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from zerofit.core import faults
-from zerofit.checkpoint.files import HASH
 from zerofit.checkpoint.directio import DirectWriter, open_direct
-from zerofit.checkpoint.files import load_torch_file
+from zerofit.checkpoint.files import HASH, load_torch_file
+from zerofit.core import faults
 
 SMALL_TENSOR_BYTES = 64 << 10  # copied at once in save(); larger ones go through the arena
 FAULT_AFTER_BYTES = 64 << 10   # injected ENOSPC / kill strike once a save wrote this much

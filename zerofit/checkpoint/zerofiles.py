@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from zerofit.core.errors import ConfigError
 from zerofit.checkpoint.torchfile import TensorRef, TorchFile, read_into
+from zerofit.core.errors import ConfigError
 
 MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

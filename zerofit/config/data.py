@@ -11,7 +11,6 @@ from pydantic import Field, field_validator, model_validator
 
 from zerofit.config.section import Section
 
-
 # data.columns' keys: LLaMA-Factory's dataset_info.json names, and zerofit's own, to the field read
 COLUMN_FIELDS = {"prompt": "instruction", "query": "input", "response": "output", "messages": "messages",
                  **{name: name for name in ("instruction", "input", "output", "conversations", "text", "system",

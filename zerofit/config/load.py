@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 
 from zerofit.config import aliases
 from zerofit.config.schema import DECIDED, Config
-from zerofit.core.errors import ConfigError
 from zerofit.config.section import Section
+from zerofit.core.errors import ConfigError
 
 DEMO_CONFIG = Path(__file__).parents[1] / "demo" / "config.yaml"
 

@@ -23,7 +23,6 @@ from zerofit.config.section import Section
 from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import parse_bytes
 
-
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
 
@@ -399,7 +398,6 @@ class PlanConfig(Section):
 
     @model_validator(mode="after")
     def _sizes(self) -> "PlanConfig":
-
         for key in ("gpu_mem", "host_mem"):  # at load, not once DeepSpeed has started
             size = parse_bytes(getattr(self, key), f"plan.{key}")
             if size is not None and size < 2**20:  # `24`: a unit left out, not a 24-byte budget

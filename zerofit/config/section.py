@@ -10,7 +10,6 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-
 # PyYAML reads YAML 1.1, where 1e9 and 3e-4 (no dot) are strings, not numbers
 EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 # fields that name files or directories: `~` and $VARIABLES expanded, as a shell would

@@ -8,8 +8,8 @@ import time
 from typing import NamedTuple
 
 from rich.console import Console
-from rich.table import Column
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column
 
 console = Console(stderr=True, highlight=False)
 

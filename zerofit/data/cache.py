@@ -15,12 +15,12 @@ code (a data.cache_dir may be shared with others); one that cannot be read is st
 the rows are tokenized again."""
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import json
 import contextlib
 import gc
+import hashlib
+import importlib.metadata
 import itertools
+import json
 import os
 import tempfile
 import zipfile

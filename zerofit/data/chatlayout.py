@@ -11,7 +11,7 @@ from __future__ import annotations
 from jinja2.exceptions import TemplateError
 
 from zerofit.data.conversations import RowError
-from zerofit.data.tokenize import IGNORE, chat_template_spans, chat_formats
+from zerofit.data.tokenize import IGNORE, chat_formats, chat_template_spans
 
 # The layouts tokenize_row trains on, as chat templates: written into the run's tokenizer (and so
 # into every export) so that `zerofit chat`, transformers and vLLM prompt the model as it was

@@ -9,9 +9,9 @@ import logging
 import re
 from pathlib import Path
 
-from zerofit.core.errors import ConfigError
 from zerofit.config.data import FORMAT_FIELDS, column_fields
 from zerofit.config.section import read_from
+from zerofit.core.errors import ConfigError
 from zerofit.core.runlock import LOCK_FILE
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

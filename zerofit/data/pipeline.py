@@ -15,13 +15,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zerofit.data import cache
 from zerofit.config.data import DataConfig
-from zerofit.data.files import DataError, data_entries
 from zerofit.core.console import HIDDEN, Shown
+from zerofit.data import cache
+from zerofit.data.files import DataError, data_entries
+from zerofit.data.rows import (
+    isolate_examples,
+    pack,
+    packing_layout,
+    pad,
+    relabelled,
+    rows_of_whole_examples,
+    tail_padding,
+    truncated,
+)
 from zerofit.data.tokenize import IGNORE, Read, read_examples
-from zerofit.data.rows import (isolate_examples, pack, packing_layout, pad, relabelled, rows_of_whole_examples,
-                               tail_padding, truncated)
 from zerofit.demo import DEMO_DATA
 
 

@@ -15,13 +15,21 @@ from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
-from zerofit.data import workers as tokenworkers, toolcalls
-from zerofit.data.conversations import (RowError, alpaca_messages, conversation_named, history_pairs, openai_messages,
-                                   sharegpt_messages, text_field)
 from zerofit.config.data import FORMAT_FIELDS, DataConfig
+from zerofit.core.console import HIDDEN, CountProgress, Shown
+from zerofit.data import toolcalls
+from zerofit.data import workers as tokenworkers
+from zerofit.data.conversations import (
+    RowError,
+    alpaca_messages,
+    conversation_named,
+    history_pairs,
+    openai_messages,
+    sharegpt_messages,
+    text_field,
+)
 from zerofit.data.files import DataError, line_of_row, read_rows, with_columns
 from zerofit.machine.hardware import cpu_cores
-from zerofit.core.console import HIDDEN, CountProgress, Shown
 
 IGNORE = -100  # the label value HF causal-LM losses skip
 TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' once-flag of that warning

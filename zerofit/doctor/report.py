@@ -9,12 +9,12 @@ import io
 import sys
 from pathlib import Path
 
+from zerofit.core.console import counted
 from zerofit.findings.facts import gib
+from zerofit.findings.measured import NOT_WRITTEN
+from zerofit.findings.ranks import killed_after
 from zerofit.plan.loadpeak import LOADING
 from zerofit.recovery.oomreport import directory_of, explanation
-from zerofit.core.console import counted
-from zerofit.findings.ranks import killed_after
-from zerofit.findings.measured import NOT_WRITTEN
 
 PHASE_OFFSET = {"start": 0.0, "forward": 0.3, "forward_backward": 0.5, "backward": 0.6, "optimizer_step": 0.9,
                 "eval": 0.95, "save": 1.0, "watchdog": 1.0, "checkpoint_failed": 1.0, "end": 1.0}

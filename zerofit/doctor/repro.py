@@ -12,13 +12,13 @@ import shlex
 import time
 from pathlib import Path
 
+from zerofit.config.load import validate
 from zerofit.core.errors import ConfigError
-from zerofit.doctor.run import HF_RUN_FILE, diagnose, read_yaml, write_out
 from zerofit.core.files import read_json, write_atomic
 from zerofit.core.timeline import read_timeline
-from zerofit.recovery.oomreport import headline
-from zerofit.config.load import validate
+from zerofit.doctor.run import HF_RUN_FILE, diagnose, read_yaml, write_out
 from zerofit.lora.attach import resolve, resolve_modules_to_save
+from zerofit.recovery.oomreport import headline
 
 TEMPLATE = '''#!/usr/bin/env python
 """Memory reproduction written by `zerofit doctor --repro` on {date}

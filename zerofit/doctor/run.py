@@ -14,18 +14,31 @@ from pathlib import Path
 import yaml
 
 from zerofit.checkpoint import files as checkpoint
+from zerofit.checkpoint.files import checkpoints_of, newest_checkpoint_bytes
 from zerofit.core import runlock
 from zerofit.core.errors import ConfigError
+from zerofit.core.files import read_json, read_jsonl, write_atomic
+from zerofit.core.timeline import (
+    EVENT_PHASES,
+    effective_records,
+    human_bytes,
+    read_timeline,
+    timeline_path,
+    timeline_ranks,
+)
+from zerofit.doctor import report
 from zerofit.findings.detectors import detect, step_time_gap
 from zerofit.findings.facts import Finding, RunFacts, facts_from
-from zerofit.findings.measured import checkpoints_at_once, phase_peaks, plan_vs_measured, rank_peaks, step_time, summarize
+from zerofit.findings.measured import (
+    checkpoints_at_once,
+    phase_peaks,
+    plan_vs_measured,
+    rank_peaks,
+    step_time,
+    summarize,
+)
 from zerofit.findings.ranks import across_ranks, killed_after, killed_outright, rank_imbalance
-from zerofit.core.timeline import EVENT_PHASES, effective_records, human_bytes, read_timeline, timeline_path, timeline_ranks
-from zerofit.core.files import read_jsonl, write_atomic
 from zerofit.recovery.oomreport import rank_files
-from zerofit.core.files import read_json
-from zerofit.checkpoint.files import checkpoints_of, newest_checkpoint_bytes
-from zerofit.doctor import report
 from zerofit.recovery.peerwatch import RECORD
 
 HF_RUN_FILE = "memory_run.json"  # what MemoryGuardCallback writes next to memory.jsonl

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerofit.nvme import aiotune, preflight as nvme
 from zerofit.core import cgroup
-from zerofit.machine import hardware
-from zerofit.machine import opbuild
 from zerofit.core.timeline import gib
+from zerofit.machine import hardware, opbuild
+from zerofit.nvme import aiotune
+from zerofit.nvme import preflight as nvme
 
 SWEEP_MIB, SWEEP_SECONDS = 64, 10.0  # the aio sweep: file size, time budget (a few seconds on a fast disk)
 GOOD_NVME_GBPS = 1.0  # below this, NVMe offload makes each step I/O-bound (ZeRO-Infinity, Rajbhandari et al. 2021)

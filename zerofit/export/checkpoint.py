@@ -28,15 +28,16 @@ from pathlib import Path
 
 import torch
 
-from zerofit.lora import base as basemodel
-from zerofit.checkpoint import files as checkpoint, universal, zerofiles
-from zerofit.export import merge
-from zerofit.export.shards import ExportError, OutputTensor, plan_shards, write_model
-from zerofit.plan.estimate import EXPORT_MAX_RAM_BYTES
-from zerofit.core.timeline import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
+from zerofit.checkpoint import files as checkpoint
+from zerofit.checkpoint import universal, zerofiles
 from zerofit.core.console import say, warn
 from zerofit.core.files import fsync_dir, fsync_file
+from zerofit.core.timeline import host_rss_bytes, human_bytes, parse_bytes, peak_rss_bytes
+from zerofit.export import merge
 from zerofit.export import verify as exportcheck
+from zerofit.export.shards import ExportError, OutputTensor, plan_shards, write_model
+from zerofit.lora import base as basemodel
+from zerofit.plan.estimate import EXPORT_MAX_RAM_BYTES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_SIZE = "5GB"      # what Hugging Face's hub tooling and zero_to_fp32 default to

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
-from zerofit.lora import adapters, base as basemodel
 from zerofit.checkpoint import zerofiles
-from zerofit.core.errors import ConfigError
 from zerofit.core.console import warn
+from zerofit.core.errors import ConfigError
 from zerofit.export.shards import OutputTensor
+from zerofit.lora import adapters
+from zerofit.lora import base as basemodel
 from zerofit.lora.reinit import InitReplay
 
 # A product of fewer rows can take BLAS's small-matrix path and round differently from the

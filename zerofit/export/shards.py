@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from zerofit.checkpoint import zerofiles
-from zerofit.core.errors import ConfigError
 from zerofit.core.console import ByteProgress
+from zerofit.core.errors import ConfigError
 
 BlockTransform = Callable[[int, int, torch.Tensor], torch.Tensor]
 

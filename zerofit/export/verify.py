@@ -22,12 +22,12 @@ from pathlib import Path
 
 from zerofit.checkpoint import universalfiles, zerofiles
 from zerofit.checkpoint.files import load_torch_file, refuse_unsafe
-from zerofit.core.errors import ConfigError
 from zerofit.core.console import say, warn
+from zerofit.core.errors import ConfigError
 from zerofit.infer.generate import load_adapter
-from zerofit.lora import adapters, base as basemodel, reinit
-from zerofit.lora.base import adapter_base
-from zerofit.lora.base import tied_aliases
+from zerofit.lora import adapters, reinit
+from zerofit.lora import base as basemodel
+from zerofit.lora.base import adapter_base, tied_aliases
 from zerofit.machine.accelerator import deepspeed_quietly
 
 PROMPT = "zerofit export check: the quick brown fox jumps over the lazy dog. 0123456789"

@@ -10,10 +10,29 @@ import copy
 import statistics
 from dataclasses import replace
 
-from zerofit.findings.facts import (SEVERITY_ORDER, WARMUP_STEPS, Finding, RunFacts, end_of_step, gib, host_in_use, label,
-                              mib, peaks, save_steps, significant_bytes, steady_deltas, training)
-from zerofit.findings.fixes import (expandable_segments_setting, host_budget_name, others_memory_advice, phase_advice,
-                           setting)
+from zerofit.findings.facts import (
+    SEVERITY_ORDER,
+    WARMUP_STEPS,
+    Finding,
+    RunFacts,
+    end_of_step,
+    gib,
+    host_in_use,
+    label,
+    mib,
+    peaks,
+    save_steps,
+    significant_bytes,
+    steady_deltas,
+    training,
+)
+from zerofit.findings.fixes import (
+    expandable_segments_setting,
+    host_budget_name,
+    others_memory_advice,
+    phase_advice,
+    setting,
+)
 
 
 def detect(records: list[dict], facts: RunFacts) -> list[Finding]:

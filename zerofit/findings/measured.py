@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import statistics
 
+from zerofit.core.timeline import EVENT_PHASES
 from zerofit.findings.facts import WARMUP_STEPS, RunFacts
 from zerofit.plan.loadpeak import LOADING
-from zerofit.core.timeline import EVENT_PHASES
 
 
 def measured_peaks(records: list[dict]) -> dict[str, int]:

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TextIO
 
 from zerofit.core import cgroup
-from zerofit.lora.adapters import ADAPTER_CONFIG_FILE
+from zerofit.core.console import counted, say, warn
 from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_bytes, parse_bytes
-from zerofit.core.console import counted, say, warn
+from zerofit.lora.adapters import ADAPTER_CONFIG_FILE
 
 RUNTIME_RESERVE = 512 << 20  # CUDA kernels' workspace, logits, sampling temporaries
 DEFAULT_CONTEXT = 4096       # tokens the KV-cache reserve is sized for

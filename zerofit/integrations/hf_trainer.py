@@ -26,13 +26,13 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from zerofit.train import watchdog
-from zerofit.doctor.run import HF_RUN_FILE
-from zerofit.train.engine import release_gathered
-from zerofit.findings.facts import RunFacts, significant_bytes
-from zerofit.core.timeline import Timeline, gib
 from zerofit.core.console import warn
 from zerofit.core.files import write_atomic
+from zerofit.core.timeline import Timeline, gib
+from zerofit.doctor.run import HF_RUN_FILE
+from zerofit.findings.facts import RunFacts, significant_bytes
+from zerofit.train import watchdog
+from zerofit.train.engine import release_gathered
 
 ARGS_KEPT = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16", "fp16",
              "save_steps", "eval_steps", "max_steps", "num_train_epochs", "learning_rate", "deepspeed",

@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 from zerofit.core.errors import ConfigError
-from zerofit.machine.hardware import Hardware
 from zerofit.core.timeline import human_bytes
 from zerofit.lint import optim, risk
 from zerofit.lint.result import DS_DEFAULT_SUB_GROUP_SIZE, Finding, LintResult, TrainerArgs, is_number, parses_as_number  # noqa: F401
+from zerofit.machine.hardware import Hardware
 
 
 def read(path: str | Path) -> dict:

@@ -6,8 +6,6 @@ from typing import NamedTuple
 
 from zerofit.config.schema import TrainConfig
 
-
-
 # DeepSpeed's own defaults where a key is absent (runtime/zero/config.py).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 

@@ -5,10 +5,10 @@ model (what it would hold on this hardware), by translating it to zerofit's own 
 lint.py checks what DeepSpeed reads and ignores, and calls these."""
 from __future__ import annotations
 
-from zerofit.machine.hardware import GIB, Hardware
-from zerofit.lint.result import DS_DEFAULT_SUB_GROUP_SIZE, Finding, LintResult, TrainerArgs, is_number, parses_as_number
-from zerofit.core.timeline import human_bytes
 from zerofit.config.load import validate
+from zerofit.core.timeline import human_bytes
+from zerofit.lint.result import DS_DEFAULT_SUB_GROUP_SIZE, Finding, LintResult, TrainerArgs, is_number, parses_as_number
+from zerofit.machine.hardware import GIB, Hardware
 from zerofit.plan import choose, estimate, render
 from zerofit.plan import spec as modelspec
 

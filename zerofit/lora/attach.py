@@ -30,10 +30,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from zerofit.lora.base import quiet_peft
-from zerofit.core.errors import ConfigError
 from zerofit.config.schema import LoraConfig
+from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_count
+from zerofit.lora.base import quiet_peft
 from zerofit.models import zero3_init_parked
 
 # Projection names per architecture (model_type of the HF config), after the modules the

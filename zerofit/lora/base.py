@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from zerofit.lora import adapters
-from zerofit.core.errors import ConfigError
 from zerofit.core.console import warn
+from zerofit.core.errors import ConfigError
+from zerofit.lora import adapters
 
 BASE_RECIPE = "lora_base"             # key in LoopState.extra, written by loraresume.check_and_record
 ADAPTER_BASE_FILE = "zerofit_base.json"  # in an `export --adapter-only` directory: recipe + HF config

@@ -153,8 +153,7 @@ def can_replay() -> bool:
 def build_model(hf_config, dtype: torch.dtype, seed: int, device: str = "cpu", trust_remote_code: bool = False):
     """The whole random-init base in memory (chat, --verify): the replay's values loaded into
     a model built without init, then tied as from_config ties it. Returns (model, values)."""
-    from transformers import AutoModelForCausalLM
-    from transformers import initialization
+    from transformers import AutoModelForCausalLM, initialization
 
     values = dict(InitReplay(hf_config, dtype, seed, device, trust_remote_code))
     with initialization.no_init_weights():

@@ -13,18 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerofit.lora.adapters import ADAPTER_CONFIG_KEY
-from zerofit.lora.base import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME
-from zerofit.core.errors import ConfigError
-from zerofit.lora.attach import adapter_config
 from zerofit.checkpoint import zerofiles
 from zerofit.checkpoint.files import load_torch_file
-from zerofit.core.console import say
-from zerofit.core.console import warn
-from zerofit.lora import adapters, base
-from zerofit.lora import reinit
-from zerofit.lora.base import combine, digest
-from zerofit.lora.base import param_digests
+from zerofit.core.console import say, warn
+from zerofit.core.errors import ConfigError
+from zerofit.lora import adapters, base, reinit
+from zerofit.lora.adapters import ADAPTER_CONFIG_KEY
+from zerofit.lora.attach import adapter_config
+from zerofit.lora.base import BASE_FINGERPRINT, BASE_RECIPE, FINGERPRINT_SCHEME, combine, digest, param_digests
 from zerofit.models import hf_config
 
 

@@ -9,18 +9,18 @@ The rates the step-time model uses are named constants here, each with its sourc
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import resource
 import shutil
-import hashlib
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from zerofit.core import cgroup
-from zerofit.machine import hostalloc
 from zerofit.core.errors import ConfigError
 from zerofit.core.timeline import human_bytes, parse_bytes
+from zerofit.machine import hostalloc
 
 GIB = 2**30
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
 from zerofit.core.console import say, warn
 
 # A lock younger than this may belong to a build on another node sharing this home

@@ -27,17 +27,16 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from zerofit.nvme import aiotune
 from zerofit.checkpoint import zerofiles
-from zerofit.core import faults
-from zerofit.machine import hardware
-from zerofit.nvme import swaplayout
 from zerofit.config.schema import Config
-from zerofit.core.errors import ConfigError
-from zerofit.core.timeline import human_bytes
+from zerofit.core import faults
 from zerofit.core.console import warn
-from zerofit.nvme.swaplayout import Aio, aligned_aio, transfer_problems
+from zerofit.core.errors import ConfigError
 from zerofit.core.files import write_atomic
+from zerofit.core.timeline import human_bytes
+from zerofit.machine import hardware
+from zerofit.nvme import aiotune, swaplayout
+from zerofit.nvme.swaplayout import Aio, aligned_aio, transfer_problems
 
 LIBAIO_FIX = ("install libaio's headers: `apt-get install libaio-dev` (Debian/Ubuntu) or `yum install "
               "libaio-devel` (RHEL/Fedora); in a conda env `conda install -c conda-forge libaio` and "

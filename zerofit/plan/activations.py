@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zerofit import loss
-from zerofit.plan.spec import ModelSpec
 from zerofit.nvme.swaplayout import Aio, min_swap_bytes
+from zerofit.plan.spec import ModelSpec
 from zerofit.plan.states import nvme_resident, optimizer_step_device, partition_numel
 from zerofit.plan.trace import Gathered, gathered_numel
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from zerofit.plan.activations import NORM_BUFFER_NUMEL
 from zerofit.config.schema import DECIDED, Config
 from zerofit.core.errors import ConfigError
-from zerofit.plan.fitadvice import what_would_fit
-from zerofit.machine.hardware import Hardware
-from zerofit.plan.loadpeak import LOADING
 from zerofit.core.timeline import human_bytes
-from zerofit.plan.spec import ModelSpec
+from zerofit.machine.hardware import Hardware
+from zerofit.plan.activations import NORM_BUFFER_NUMEL
 from zerofit.plan.estimate import Candidate, Plan, Shape, all_persistent, auto_buckets, predict, zero_default
+from zerofit.plan.fitadvice import what_would_fit
+from zerofit.plan.loadpeak import LOADING
+from zerofit.plan.spec import ModelSpec
 from zerofit.plan.states import largest_partition_numel, param_buffer_numel
 from zerofit.plan.trace import DEEPSPEED_LIVE_WINDOW
 

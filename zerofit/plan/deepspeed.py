@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import copy
 
-from zerofit.nvme import preflight as nvme
 from zerofit.config.schema import Config
+from zerofit.nvme import preflight as nvme
 from zerofit.nvme.swaplayout import PIPELINED_BUFFER_COUNT
 
 # DeepSpeed's dynamic loss scaler, as its docs recommend for fp16 (runtime/fp16/loss_scaler.py).

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from zerofit.config.schema import DEFAULT_HEADROOM, ZeroConfig
-from zerofit.plan.activations import BACKWARD_MOMENTS, device_phases
-from zerofit.machine.hardware import Hardware, ranks_on_this_node
-from zerofit.plan.spec import ModelSpec
 from zerofit.checkpoint.size import CHECKPOINT_OVERHEAD_BYTES, checkpoint_bytes, save_margin_bytes  # noqa: F401
-from zerofit.plan.steptime import step_seconds, step_time_notes, step_time_terms
+from zerofit.config.schema import DEFAULT_HEADROOM, ZeroConfig
+from zerofit.machine.hardware import Hardware, ranks_on_this_node
 from zerofit.nvme.swaplayout import Aio
+from zerofit.plan.activations import BACKWARD_MOMENTS, device_phases
+from zerofit.plan.spec import ModelSpec
 from zerofit.plan.states import engine_start_host, model_states, optimizer_groups, optimizer_step_host
+from zerofit.plan.steptime import step_seconds, step_time_notes, step_time_terms
 
 GIB = 2**30
 # Process RSS before any model state: python, torch, transformers, deepspeed and its

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zerofit.machine.hardware import Hardware
-from zerofit.plan.loadpeak import LOADING, load_fix
 from zerofit.core.timeline import human_bytes
-from zerofit.plan.spec import ModelSpec
-from zerofit.plan.estimate import Candidate, Plan, Shape, all_persistent, auto_buckets, predict
+from zerofit.machine.hardware import Hardware
 from zerofit.nvme.swaplayout import bandwidth_to_hide
+from zerofit.plan.estimate import Candidate, Plan, Shape, all_persistent, auto_buckets, predict
+from zerofit.plan.loadpeak import LOADING, load_fix
+from zerofit.plan.spec import ModelSpec
 from zerofit.plan.states import swap_layout
 
 WORLD_SIZES_TO_SUGGEST = (2, 4, 8, 16, 32, 64)

@@ -21,10 +21,10 @@ import contextlib
 import copy
 import functools
 import json
+
 from zerofit import loss
 from zerofit.lora.base import quiet_peft
-from zerofit.models import enable_checkpointing
-from zerofit.models import zero3_init_parked
+from zerofit.models import enable_checkpointing, zero3_init_parked
 
 # The narrowed copy: widths small enough for a forward and backward of any depth in milliseconds,
 # shaped so attention's head arithmetic stays whole.

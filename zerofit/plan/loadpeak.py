@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 from zerofit.core.timeline import human_bytes
 from zerofit.data import cache
 from zerofit.data import workers as tokenworkers
-from zerofit.data.files import JsonRows, with_columns
-from zerofit.data.files import data_entries
-from zerofit.data.files import holds_json_lines
-from zerofit.data.files import saved_dataset
+from zerofit.data.files import JsonRows, data_entries, holds_json_lines, saved_dataset, with_columns
 from zerofit.data.tokenize import no_model_length_warning, row_format, tokenize_row
 from zerofit.machine.hardware import cpu_cores
 

@@ -13,26 +13,26 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from zerofit.plan import choose, deepspeed, loadpeak, spec as modelspec
-from zerofit.machine import hardware
-from zerofit.nvme import preflight as nvme
-from zerofit.plan.choose import Decision
-from zerofit.checkpoint.files import rotated_out_credit
-from zerofit.core.files import write_atomic
-from zerofit.config.schema import Config
-from zerofit.core.errors import ConfigError
-from zerofit.plan.loadpeak import LOADING
-from zerofit.machine.hardware import Hardware, ranks_on_this_node
-from zerofit.core.timeline import human_bytes, human_count, parse_bytes
-from zerofit.core.console import warn
-from zerofit.plan.spec import ModelSpec
-from zerofit.plan.estimate import DATASETS_LIBRARY_BYTES, Device, data_load_devices
 from zerofit import models
+from zerofit.checkpoint.files import rotated_out_credit
 from zerofit.config.load import load, parse_override, set_dotted, validate
+from zerofit.config.schema import Config
+from zerofit.core.console import warn
+from zerofit.core.errors import ConfigError
+from zerofit.core.files import write_atomic
+from zerofit.core.timeline import human_bytes, human_count, parse_bytes
+from zerofit.machine import hardware
+from zerofit.machine.hardware import Hardware, ranks_on_this_node
+from zerofit.nvme import preflight as nvme
 from zerofit.nvme.swaplayout import bandwidth_to_hide
+from zerofit.plan import choose, deepspeed, loadpeak
+from zerofit.plan import spec as modelspec
+from zerofit.plan.choose import Decision
+from zerofit.plan.estimate import DATASETS_LIBRARY_BYTES, Device, data_load_devices
+from zerofit.plan.loadpeak import LOADING
+from zerofit.plan.spec import ModelSpec
 from zerofit.plan.states import swap_layout
-from zerofit.plan.steptime import nvme_rates
-from zerofit.plan.steptime import step_seconds, step_time_terms
+from zerofit.plan.steptime import nvme_rates, step_seconds, step_time_terms
 
 
 def probe_for(config: Config, accelerator: str | None = None, cpu_cores: int | None = None,
@@ -218,7 +218,6 @@ def render(decision: Decision, spec: ModelSpec, hw: Hardware, explain: bool = Fa
 
 
 def render_explain(decision: Decision, console: Console) -> None:
-
     for function in (step_time_terms, step_seconds):
         console.print(f"[bold]{function.__name__}[/] (steptime.{function.__name__}):")
         for line in (function.__doc__ or "").splitlines():

@@ -15,9 +15,8 @@ import functools
 import math
 from typing import TYPE_CHECKING
 
+from zerofit.nvme.swaplayout import Aio, SwapLayout, layout, sub_group_members
 from zerofit.plan.spec import ModelSpec
-from zerofit.nvme.swaplayout import Aio, SwapLayout, layout
-from zerofit.nvme.swaplayout import sub_group_members
 
 if TYPE_CHECKING:
     from zerofit.plan.estimate import Candidate, Shape

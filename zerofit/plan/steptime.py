@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from zerofit.machine import hardware as hw_rates
 from zerofit.machine.hardware import Hardware, ranks_on_this_node
-from zerofit.plan.spec import ModelSpec
 from zerofit.nvme.swaplayout import nvme_seconds
+from zerofit.plan.spec import ModelSpec
 from zerofit.plan.states import PARAM_MAX_IN_CPU, optimizer_groups, swap_layout
 from zerofit.plan.trace import zero3_trace
 

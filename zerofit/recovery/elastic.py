@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from zerofit.core import faults
-from zerofit.core.files import write_atomic
-from zerofit.config.schema import Config
-from zerofit.core.errors import ConfigError
 from zerofit.config.load import validate
+from zerofit.config.schema import Config
+from zerofit.core import faults
 from zerofit.core.console import say
+from zerofit.core.errors import ConfigError
+from zerofit.core.files import write_atomic
 
 HANDOVER = "retry-handover.json"  # the copy beside the failed rank's post-mortem
 HANDOVER_KEY = "zerofit/retry-handover"

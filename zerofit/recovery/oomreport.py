@@ -10,9 +10,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from zerofit.recovery import elastic
 from zerofit.config.schema import Config
 from zerofit.findings.facts import gib, label
+from zerofit.recovery import elastic
 
 MAX_RETRIES = 2  # memory.on_oom=retry's retries in one process (postmortem.run_with_oom_policy)
 

@@ -28,8 +28,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from zerofit.recovery import elastic
 from zerofit.core.console import say
+from zerofit.recovery import elastic
 
 FAILURES_KEY = "zerofit/failed-ranks"  # a count: it moves when a rank of this torchrun job fails
 WATCH_WAIT_S = 0.5  # how long the watcher waits for a store read's answer before looking again (`Asking`)

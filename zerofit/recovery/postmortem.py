@@ -34,20 +34,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zerofit.checkpoint import files as checkpoint
-from zerofit.recovery import elastic
-from zerofit.core import faults
-from zerofit.config.schema import Config
-from zerofit.core.errors import ConfigError
-from zerofit.config.load import dump_yaml, set_dotted, validate
 from zerofit.checkpoint.files import newest_checkpoint_bytes
+from zerofit.config.load import dump_yaml, set_dotted, validate
+from zerofit.config.schema import Config
+from zerofit.core import faults
+from zerofit.core.console import say, warn
+from zerofit.core.errors import ConfigError
 from zerofit.core.files import read_json, write_atomic
-from zerofit.machine.procenv import allocator_setting
+from zerofit.core.timeline import effective_records, gpu_bytes, host_rss_bytes, read_timeline
 from zerofit.findings.detectors import detect, fragmented_request
 from zerofit.findings.facts import RunFacts, facts_from
 from zerofit.findings.measured import plan_vs_measured
-from zerofit.core.timeline import effective_records, gpu_bytes, host_rss_bytes, read_timeline
-from zerofit.recovery.oomreport import MAX_RETRIES, directory_of, explanation, render_markdown, retry_message, why_not_retried
-from zerofit.core.console import say, warn
+from zerofit.machine.procenv import allocator_setting
+from zerofit.recovery import elastic
+from zerofit.recovery.oomreport import (
+    MAX_RETRIES,
+    directory_of,
+    explanation,
+    render_markdown,
+    retry_message,
+    why_not_retried,
+)
 
 # the settings would_fit changes: recorded with each OOM and each start, so the doctor advises
 # from the settings that ran out of memory and names what a retry changed

@@ -18,18 +18,27 @@ import threading
 import time
 from pathlib import Path
 
-from zerofit.core import cgroup, faults, timeline as memory
-from zerofit.checkpoint import files as checkpoint, writer, zerofiles
-from zerofit.plan import choose, estimate
-from zerofit.data import pipeline as data
-from zerofit.train import engine
-from zerofit.lora import resume
-from zerofit.nvme import preflight as nvme
+from zerofit.checkpoint import files as checkpoint
+from zerofit.checkpoint import writer, zerofiles
 from zerofit.checkpoint.files import CheckpointError, LoopState
 from zerofit.config.schema import Config
+from zerofit.core import cgroup, faults
+from zerofit.core import timeline as memory
 from zerofit.core.console import say, warn
-from zerofit.train.resume import (ResumePoint, batch_shape, checkpoints_root, damaged_file_error,
-                            global_batch_change, keep_batch_advice, resume_command)
+from zerofit.data import pipeline as data
+from zerofit.lora import resume
+from zerofit.nvme import preflight as nvme
+from zerofit.plan import choose, estimate
+from zerofit.train import engine
+from zerofit.train.resume import (
+    ResumePoint,
+    batch_shape,
+    checkpoints_root,
+    damaged_file_error,
+    global_batch_change,
+    keep_batch_advice,
+    resume_command,
+)
 
 RESIDUE_WARN_BYTES = 1 << 20  # GPU memory still allocated after a save beyond its pre-save level
 FORWARDED_WITHIN_S = 1.0  # a Ctrl-C torchrun passes on reaches a rank this soon after the terminal's

@@ -4,10 +4,11 @@ not read, rows skipped or cut, an empty eval set, a chat template the rows do no
 """
 from __future__ import annotations
 
-from zerofit.data import chatlayout, pipeline as data, files
-from zerofit.train import runfiles
 from zerofit.config.schema import Config
 from zerofit.core.console import counted, say, warn
+from zerofit.data import chatlayout, files
+from zerofit.data import pipeline as data
+from zerofit.train import runfiles
 
 
 def report_data(train_set: data.Sequences, eval_set: data.Sequences, config: Config, tokenizer) -> None:

@@ -7,17 +7,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from zerofit.machine import opbuild
+from zerofit.checkpoint import zerofiles
 from zerofit.config.schema import Config
 from zerofit.core.errors import ConfigError
-from zerofit.models import enable_checkpointing
-from zerofit.checkpoint import zerofiles
 from zerofit.lora import adapters
 from zerofit.lora import attach as lora
-from zerofit.models import hf_config
+from zerofit.machine import opbuild
+from zerofit.models import enable_checkpointing, hf_config
 from zerofit.plan import spec
 from zerofit.plan.deepspeed import DS_DEFAULT_REDUCE_BUCKET
-
 
 
 def check_precision(precision: str, on_gpu: bool) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from zerofit import loss
 from zerofit.checkpoint import files as checkpoint
 from zerofit.config.schema import Config
-from zerofit.core import faults, timeline as memory
+from zerofit.core import faults
+from zerofit.core import timeline as memory
 from zerofit.core.console import CountProgress, Shown, say, warn
 from zerofit.core.errors import ConfigError
 from zerofit.data import pipeline as data

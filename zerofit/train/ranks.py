@@ -17,9 +17,9 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
-from zerofit.recovery import elastic
 from zerofit.machine import opbuild
 from zerofit.machine.accelerator import select_accelerator
+from zerofit.recovery import elastic
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,17 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerofit.checkpoint import files as checkpoint, universal, zerofiles
-from zerofit.data import pipeline as data
-from zerofit.recovery import elastic
-from zerofit.lora import resume as loraresume
-from zerofit.train import runfiles
+from zerofit.checkpoint import files as checkpoint
+from zerofit.checkpoint import universal, zerofiles
 from zerofit.checkpoint.files import CheckpointError, LoopState
 from zerofit.config.schema import Config, changed_settings, short
-from zerofit.core.errors import ConfigError
 from zerofit.core.console import say, warn
+from zerofit.core.errors import ConfigError
 from zerofit.core.files import write_atomic
+from zerofit.data import pipeline as data
+from zerofit.lora import resume as loraresume
+from zerofit.recovery import elastic
+from zerofit.train import runfiles
 
 
 @dataclass

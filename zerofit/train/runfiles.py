@@ -11,14 +11,14 @@ from pathlib import Path
 
 import yaml
 
-from zerofit.data import chatlayout
 from zerofit import models
-from zerofit.plan import render
-from zerofit.config.schema import UNRECORDED, Config, changed_settings
-from zerofit.core.errors import ConfigError
 from zerofit.config.load import dump_yaml
+from zerofit.config.schema import UNRECORDED, Config, changed_settings
 from zerofit.core.console import say
+from zerofit.core.errors import ConfigError
 from zerofit.core.files import write_atomic
+from zerofit.data import chatlayout
+from zerofit.plan import render
 
 
 def usable_run_dir(run_dir: Path) -> Path:

@@ -13,11 +13,15 @@ import numpy as np
 from zerofit import models
 from zerofit.checkpoint import files as checkpoint
 from zerofit.config.schema import Config
-from zerofit.core import cgroup, runlock, timeline as memory
+from zerofit.core import cgroup, runlock
+from zerofit.core import timeline as memory
 from zerofit.core.console import Shown, StepProgress, say, warn
 from zerofit.core.errors import ConfigError
-from zerofit.data import chatlayout, pipeline as data, rows
-from zerofit.lora import attach as lora, base, resume as loraresume
+from zerofit.data import chatlayout, rows
+from zerofit.data import pipeline as data
+from zerofit.lora import attach as lora
+from zerofit.lora import base
+from zerofit.lora import resume as loraresume
 from zerofit.machine import hostalloc, procenv
 from zerofit.nvme import preflight as nvme
 from zerofit.plan import deepspeed, render

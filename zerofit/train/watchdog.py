@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass
 
 from zerofit.core.errors import ConfigError
-from zerofit.machine.procenv import allocator_variables, node_cores_and_ranks
-from zerofit.findings.facts import RunFacts, host_in_use
 from zerofit.core.timeline import budgets, gib
+from zerofit.findings.facts import RunFacts, host_in_use
+from zerofit.machine.procenv import allocator_variables, node_cores_and_ranks
 
 
 class MemoryStop(ConfigError):

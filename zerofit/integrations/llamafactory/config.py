@@ -30,13 +30,13 @@ from typing import Any
 
 import yaml
 
-from zerofit.integrations.llamafactory import data, keys
 from zerofit.config.aliases import NO_EFFECT
-from zerofit.config.schema import Config
-from zerofit.core.errors import ConfigError
 from zerofit.config.load import read_yaml
-from zerofit.models import bundled_chat_templates
+from zerofit.config.schema import Config
 from zerofit.config.section import expand_path
+from zerofit.core.errors import ConfigError
+from zerofit.integrations.llamafactory import data, keys
+from zerofit.models import bundled_chat_templates
 
 # what AdamW is called in HF's `optim`: zerofit runs AdamW (DeepSpeed's CPU Adam, or fused Adam on the GPU)
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"}

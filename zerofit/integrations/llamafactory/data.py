@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerofit.core.errors import ConfigError
 from zerofit.config.data import OPTIONAL_FIELDS, column_fields
+from zerofit.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from zerofit.integrations.llamafactory.config import Translation
