@@ -109,7 +109,8 @@ def reset_peaks() -> None:
 def measure_zerofit(model_dir: Path, gpu_mem: str | None, tokens: int, batches: list[int]) -> dict:
     """What `zerofit generate --prompts-file` does with `batch` copies of the prompt."""
     from zerofit.core.timeline import peak_rss_bytes
-    from zerofit.infer.generate import Sampling, describe, generate_many, load
+    from zerofit.infer.generate import Sampling, generate_many
+    from zerofit.infer.load import describe, load
 
     started = time.perf_counter()
     loaded = load(model_dir, gpu_mem=gpu_mem)

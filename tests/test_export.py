@@ -498,7 +498,8 @@ def test_a_run_with_its_own_chat_template_exports_it(tmp_path, bundled):
     from conftest import write_jsonl
 
     from zerofit.demo import build_tokenizer
-    from zerofit.infer.generate import eos_ids, load
+    from zerofit.infer.generate import eos_ids
+    from zerofit.infer.load import load
     from zerofit.models import BUNDLED_TEMPLATES
 
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

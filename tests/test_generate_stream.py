@@ -10,6 +10,7 @@ import torch
 
 from zerofit.core.errors import ConfigError
 from zerofit.infer import generate as infer
+from zerofit.infer import load as loading
 from zerofit.infer import streaming
 
 PROMPTS = ["Add the two numbers.", "hi", "Reverse the word: banana", "Sort the letters of zebra quickly"]
@@ -45,7 +46,7 @@ def hf_greedy(reference, tokenizer, ids: list[list[int]], new: int, min_new: int
     with torch.no_grad():
         out = reference.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=min_new,
                                  do_sample=False, pad_token_id=pad)
-    ends = infer.eos_ids(infer.Loaded(reference, tokenizer, "cpu", "fp32"))
+    ends = infer.eos_ids(loading.Loaded(reference, tokenizer, "cpu", "fp32"))
     rows = []
     for row in out[:, width:].tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
@@ -53,15 +54,15 @@ def hf_greedy(reference, tokenizer, ids: list[list[int]], new: int, min_new: int
     return rows
 
 
-def placed(model_dir, how: str) -> infer.Loaded:
+def placed(model_dir, how: str) -> loading.Loaded:
     """The demo model loaded by zerofit and placed `how`: whole (static cache), streamed (the
     last two of four layers through LayerStream, the embedding in host RAM) or cpu_layers."""
-    loaded = infer.load(model_dir)
+    loaded = loading.load(model_dir)
     if how == "whole":
         loaded.static_cache = True
         return loaded
     names = ["model.layers.2", "model.layers.3"]
-    infer.spread(loaded.model, {"streamed_layer_names": names, "host_embedding_bytes": 1}, "cpu")
+    loading.spread(loaded.model, {"streamed_layer_names": names, "host_embedding_bytes": 1}, "cpu")
     layers = [loaded.model.get_submodule(name) for name in names]
     loaded.offload = streaming.LayerStream(layers, "cpu") if how == "streamed" else streaming.CpuLayers(layers, "cpu")
     return loaded
@@ -134,19 +135,19 @@ def test_the_plan_fills_the_budget_and_says_it_in_one_line():
     from zerofit.models import config_from_name
 
     config = config_from_name("llama-8b")
-    _, p = infer.plan_placement(config, torch.bfloat16, 12 << 30, host_bytes=64 << 30)
+    _, p = loading.plan_placement(config, torch.bfloat16, 12 << 30, host_bytes=64 << 30)
     layer = p["streamed_bytes"] // len(p["streamed_layer_names"])
     assert p["streamed_layer_names"] == [f"model.layers.{i}" for i in range(22, 32)]
     assert p["stream_buffer_bytes"] == 2 * layer and p["host_embedding_bytes"] == 128256 * 4096 * 2
     used = p["gpu_weight_bytes"] + p["stream_buffer_bytes"] + p["reserve_bytes"]
     assert used <= 12 << 30 < used + layer  # one more resident layer would not fit
-    line = infer.describe(infer.Loaded(None, None, "cuda:0", "torch.bfloat16", {**p, "offload": {"mode": "stream"}}))
+    line = loading.describe(loading.Loaded(None, None, "cuda:0", "torch.bfloat16", {**p, "offload": {"mode": "stream"}}))
     assert "\n" not in line and "10 layers of 32 streamed from pinned RAM through 2 GPU buffers" in line
     assert "the input embedding (1002.0MiB) looked up in CPU RAM" in line
-    _, whole = infer.plan_placement(config, torch.bfloat16, 24 << 30, host_bytes=64 << 30)
+    _, whole = loading.plan_placement(config, torch.bfloat16, 24 << 30, host_bytes=64 << 30)
     assert whole["streamed_layer_names"] == [] and not whole["host_embedding_bytes"]
     with pytest.raises(ConfigError, match="too small for this model"):
-        infer.plan_placement(config, torch.bfloat16, 2 << 30, host_bytes=64 << 30)
+        loading.plan_placement(config, torch.bfloat16, 2 << 30, host_bytes=64 << 30)
 
 
 def test_a_prompts_file_becomes_jsonl_in_its_order(model_dir, reference, tmp_path, capsys):
@@ -176,7 +177,7 @@ def test_chat_streams_through_the_compiled_loop_as_through_generate(model_dir):
 
     answers = []
     for whole in (True, False):
-        loaded = infer.load(model_dir)
+        loaded = loading.load(model_dir)
         loaded.static_cache = whole
         out = io.StringIO()
         history = infer.chat(loaded, infer.Sampling(max_new_tokens=20, min_new_tokens=20),
@@ -198,7 +199,7 @@ def test_a_lora_adapter_decodes_through_the_compiled_loop_as_through_generate(mo
     adapter_config = tmp_path / "adapter" / "adapter_config.json"
     adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()),
                                           "base_model_name_or_path": str(model_dir)}))
-    loaded = infer.load(tmp_path / "adapter")
+    loaded = loading.load(tmp_path / "adapter")
     loaded.static_cache = True
     ids = [infer.prompt_ids(loaded, p) for p in PROMPTS]
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))

@@ -8,7 +8,8 @@ from conftest import ROOT
 
 from zerofit.core.console import counted
 from zerofit.core.errors import ConfigError
-from zerofit.infer.generate import Sampling, chat, chat_input_ids, generate, kv_cache_bytes, load, sampling_from
+from zerofit.infer.generate import Sampling, chat, chat_input_ids, generate, sampling_from
+from zerofit.infer.load import kv_cache_bytes, load
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_kv_cache_reserve_of_llama_8b():
 def test_placement_of_an_8b_model_in_12_and_24_gib():
     """accelerate's device map on a weightless skeleton: what `--gpu-mem` puts where."""
     from zerofit.core.errors import ConfigError
-    from zerofit.infer.generate import plan_placement
+    from zerofit.infer.load import plan_placement
     from zerofit.models import config_from_name
 
     config = config_from_name("llama-8b")

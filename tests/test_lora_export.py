@@ -13,7 +13,7 @@ from conftest import deepspeed_lines, exported_tensors, peak_rss_of, run_zerofit
 from zerofit.cli import main
 from zerofit.core.errors import ConfigError
 from zerofit.export.checkpoint import export
-from zerofit.infer.generate import load_adapter
+from zerofit.infer.load import load_adapter
 from zerofit.lora import adapters, reinit
 from zerofit.lora import base as basemodel
 from zerofit.models import PRESETS, config_from_name

@@ -280,7 +280,8 @@ def cmd_export(args) -> int:
 
 def cmd_generate(args) -> int:
     from zerofit.core.console import counted, say
-    from zerofit.infer.generate import describe, generate, load, sampling_from
+    from zerofit.infer.generate import generate, sampling_from
+    from zerofit.infer.load import describe, load
 
     loaded = load(args.model_dir, args.gpu_mem, args.dtype, trust_remote_code=args.trust_remote_code)
     result = generate(loaded, args.prompt, sampling_from(args))

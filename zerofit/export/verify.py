@@ -24,7 +24,7 @@ from zerofit.checkpoint import universalfiles, zerofiles
 from zerofit.checkpoint.files import load_torch_file, refuse_unsafe
 from zerofit.core.console import say, warn
 from zerofit.core.errors import ConfigError
-from zerofit.infer.generate import load_adapter
+from zerofit.infer.load import load_adapter
 from zerofit.lora import adapters, reinit
 from zerofit.lora import base as basemodel
 from zerofit.lora.base import adapter_base, tied_aliases
