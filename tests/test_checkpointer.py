@@ -82,7 +82,8 @@ def test_async_snapshot_cap_is_half_the_plans_host_budget(tmp_path):
     assert said, done.stderr[-2000:]
     rate = float(said[2]) * {"GB": 1e9, "MB": 1e6, "kB": 1e3}[said[3]]
     assert rate > 0 and abs(float(said[1]) - written["write_seconds"]) < 0.01
-    assert abs(rate - written["bytes"] / written["write_seconds"]) / rate < 0.05
+    seconds = written["write_seconds"]  # the record keeps milliseconds: a 7 ms write is 0.0065-0.0075 s
+    assert written["bytes"] / (seconds + 5e-4) * 0.95 <= rate <= written["bytes"] / max(seconds - 5e-4, 1e-6) * 1.05
     # run_dir is read from the working directory: a fresh start says where it trains, so that a resume
     # started from another directory is not mistaken for one
     assert f"new run in {run.resolve()}: no checkpoint there to resume from" in done.stderr.replace("\n", "")
