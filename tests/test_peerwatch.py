@@ -366,7 +366,8 @@ def test_ranks_leave_at_once_when_their_torchrun_agent_is_gone(tmp_path):
         out, _ = process.communicate(timeout=60)  # the pipe ends when the last worker does
         assert out.count("torchrun's agent of this node is gone: no collective can finish, leaving now") == 2, \
             out[-3000:]
-        assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+        _, alive = psutil.wait_procs(workers, timeout=10)  # the pipe closes a moment before the exit ends
+        assert not [w for w in alive if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     finally:
         for worker in workers:
             kill_tree(worker.pid)
